@@ -1,0 +1,121 @@
+"""Shared benchmark plumbing: graph-replay timing, byte accounting, result files.
+
+Every GPU benchmark times CUDA-graph replays (launch overhead out of the number, as a serving
+engine runs a decode step), reports p20/p50/p80 in microseconds, the achieved TB/s of the bytes
+the op must move and the fraction of the measured ceiling, and writes one result file per run
+to ``bench/results/`` (and to ``$OUT`` when set, for the device tool).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+# Ceilings measured on the H200 here (see DEVELOPERS.md): bytes per second.
+READ_CEILING = 4.65e12   # streaming read (a Triton sum)
+COPY_CEILING = 4.25e12   # device-to-device copy, read + write counted
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def time_graph(fn, *, warmup: int = 3, iters: int = 20, inner: int | None = None,
+               target_ms: float = 2.0) -> tuple[float, float, float]:
+    """p20, p50, p80 of one call of ``fn`` in microseconds, from CUDA-graph replays.
+
+    ``fn`` is captured ``inner`` times back to back in one graph (chosen so a replay lasts about
+    ``target_ms``), and each replay is timed with events; the per-call time is replay / inner.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    if inner is None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        per_call_ms = max(start.elapsed_time(end) / 5, 1e-3)
+        inner = int(min(max(target_ms / per_call_ms, 1), 200))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / inner)
+    times.sort()
+    pick = lambda f: times[min(int(f * len(times)), len(times) - 1)]
+    return pick(0.2), pick(0.5), pick(0.8)
+
+
+def tbps(nbytes: float, us: float) -> float:
+    return nbytes / (us * 1e-6) / 1e12
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    """A Markdown table with right-aligned columns."""
+    cells = [[str(h) for h in headers]] + [[_fmt(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    line = lambda r: "| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |"
+    sep = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
+    return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
+
+
+def _fmt(c) -> str:
+    if isinstance(c, float):
+        return f"{c:.3f}" if abs(c) < 10 else f"{c:.1f}"
+    return str(c)
+
+
+def _commit() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, cwd=RESULTS.parent, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, cwd=RESULTS.parent).stdout.strip()
+        return rev + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("KVOPS_COMMIT", "unknown")
+
+
+def write_result(name: str, body: str) -> Path:
+    """Write ``bench/results/<date>-<name>.md`` (and a copy under $OUT) with the run's header."""
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
+    import triton
+
+    header = "\n".join([
+        f"# {name}",
+        "",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f"- gpu: {gpu}",
+        f"- commit: {os.environ.get('KVOPS_COMMIT') or _commit()}",
+        f"- torch {torch.__version__}, triton {triton.__version__}, python {platform.python_version()}",
+        f"- command: `{' '.join(shlex.quote(a) for a in [Path(sys.executable).name] + sys.argv)}`",
+        "",
+    ])
+    text = header + body.rstrip() + "\n"
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    path = RESULTS / f"{stamp}-{name}.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    if os.environ.get("OUT"):
+        (Path(os.environ["OUT"]) / path.name).write_text(text)
+    return path

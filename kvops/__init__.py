@@ -1,0 +1,13 @@
+"""kvops: composable torch ops for serving LLM KV caches (KV-RM and ElasticKV).
+
+Importing kvops registers the ``torch.ops.kvops.*`` ops. Public names:
+
+- ops: :func:`static_sliding_attention` (also ``torch.ops.kvops.static_sliding_attention``);
+- settings: :func:`backend` ("auto" | "torch" | "triton") and :func:`validate`.
+"""
+
+from kvops._config import backend, validate
+from kvops.ops import static_sliding_attention
+
+__all__ = ["backend", "validate", "static_sliding_attention"]
+__version__ = "0.1.0"

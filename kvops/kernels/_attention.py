@@ -1,0 +1,44 @@
+"""Tile-level pieces shared by the decode attention kernels (sliding window and paged)."""
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def dot(a, b, PRECISION: tl.constexpr):
+    """``tl.dot`` under a launcher-chosen precision (see ``_common.dot_precision``)."""
+    if PRECISION == "upcast":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def online_softmax_tile(b_q, b_k, b_v, b_bias, b_m, b_l, b_acc, scale_log2,
+                        PRECISION: tl.constexpr):
+    """Fold one KV tile into a running base-2 softmax for a block of query heads.
+
+    b_q [BLOCK_G, BLOCK_D], b_k/b_v [BLOCK_N, BLOCK_D], b_bias [BLOCK_N] float32 in log2 units
+    (0 for a visible slot, -inf for a masked one); b_m, b_l [BLOCK_G] running max and sum,
+    b_acc [BLOCK_G, BLOCK_D] float32. A tile with nothing visible leaves the state unchanged.
+    """
+    b_s = dot(b_q, tl.trans(b_k), PRECISION) * scale_log2 + b_bias[None, :]
+    b_mn = tl.maximum(b_m, tl.max(b_s, 1))
+    b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)
+    b_alpha = tl.exp2(b_m - b_ms)
+    b_p = tl.exp2(b_s - b_ms[:, None])
+    b_l = b_l * b_alpha + tl.sum(b_p, 1)
+    b_acc = b_acc * b_alpha[:, None] + dot(b_p.to(b_v.dtype), b_v, PRECISION)
+    return b_mn, b_l, b_acc
+
+
+@triton.jit
+def finish_rows(b_m, b_l, b_acc, p_o, p_l, m_o, m_l):
+    """Normalize and store a block of rows: out = acc / l, lse = ln(sum exp); empty rows 0, -inf."""
+    b_has = b_l > 0
+    b_out = b_acc / tl.where(b_has, b_l, 1.0)[:, None]
+    b_lse = tl.where(b_has, (b_m + tl.log2(tl.where(b_has, b_l, 1.0))) * 0.6931471805599453,
+                     float("-inf"))
+    tl.store(p_o, b_out.to(p_o.dtype.element_ty), mask=m_o)
+    tl.store(p_l, b_lse, mask=m_l)

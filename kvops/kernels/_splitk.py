@@ -1,0 +1,59 @@
+"""Split-K (flash-decoding) reduction shared by the decode attention kernels.
+
+Stage 1 of a split-K kernel writes, per (sequence, query head, split), a normalized partial
+output and its natural-log ``lse`` (``-inf`` for a split that saw nothing). This kernel merges
+the ``NSP`` splits of every row into the final ``out``/``lse``. The number of splits is a launch
+constant chosen from shapes only, so the pair of launches is fixed-shape and graph-replayable.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvops.kernels._common import next_pow2
+
+
+@triton.jit
+def _merge_splits_kernel(
+    PartO, PartLse, Out, Lse,
+    stride_pr, stride_ps,          # PartO [R, NSP, D] (last stride 1)
+    stride_or,                     # Out [R, D]
+    NSP, D: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    i_r = tl.program_id(0)
+    o_s = tl.arange(0, BLOCK_S)
+    o_d = tl.arange(0, BLOCK_D)
+    m_s = o_s < NSP
+    m_d = o_d < D
+    b_lse = tl.load(PartLse + i_r * NSP + o_s, mask=m_s, other=float("-inf"))
+    b_max = tl.max(b_lse, 0)
+    b_safe = tl.where(b_max == float("-inf"), 0.0, b_max)
+    b_w = tl.exp(b_lse - b_safe)                                  # 0 for empty splits
+    p_o = PartO + i_r * stride_pr + o_s[:, None] * stride_ps + o_d[None, :]
+    b_o = tl.load(p_o, mask=m_s[:, None] & m_d[None, :], other=0.0)
+    b_sum = tl.sum(b_w, 0)
+    b_out = tl.sum(b_o * b_w[:, None], 0) / tl.where(b_sum > 0, b_sum, 1.0)
+    b_lse_out = tl.where(b_sum > 0, b_safe + tl.log(b_sum), float("-inf"))
+    tl.store(Out + i_r * stride_or + o_d, b_out.to(Out.dtype.element_ty), mask=m_d)
+    tl.store(Lse + i_r, b_lse_out)
+
+
+def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor) -> None:
+    """Merge split partials into ``out``/``lse`` in place.
+
+    part_o   [R, NSP, D] float32   normalized partial outputs
+    part_lse [R, NSP]    float32   natural-log sum-exp of each split (-inf: empty)
+    out      [R, D]      any float (rows contiguous in D)
+    lse      [R]         float32
+    """
+    R, NSP, D = part_o.shape
+    _merge_splits_kernel[(R,)](
+        part_o, part_lse, out, lse,
+        part_o.stride(0), part_o.stride(1), out.stride(0),
+        NSP, D=D, BLOCK_S=next_pow2(NSP), BLOCK_D=next_pow2(D),
+        num_warps=4 if D >= 128 else 2,
+    )

@@ -1,0 +1,158 @@
+"""Triton kernel for ``kvops.static_sliding_attention``: fixed-shape decode over a ring window.
+
+One program handles one (sequence, KV head, split): it loads the ``G`` query heads of that KV
+head's group once, streams its share of the visible window slots in logical (ring) order, so
+each K/V row is read once for the whole group and invisible slots are never read, and writes a
+normalized partial. With one split the partial is the output; with more, a second fixed-shape
+launch merges them (``_splitk.merge_splits``). The far view, when given, is one extra split
+of the same launch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvops.kernels._attention import LOG2E, finish_rows, online_softmax_tile
+from kvops.kernels._common import dot_precision, next_pow2, sm_count
+from kvops.kernels._splitk import merge_splits
+
+
+@triton.jit
+def _sliding_window_kernel(
+    Q, K, V, WinStart, WinLen, FarK, FarV, FarBias, O, L,
+    scale_log2,
+    stride_qb, stride_qh,
+    stride_kb, stride_kw, stride_kh,
+    stride_vb, stride_vw, stride_vh,
+    stride_fkb, stride_fkc, stride_fkh,
+    stride_fvb, stride_fvc, stride_fvh,
+    stride_fbb,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh,
+    W, C, Hkv,
+    G: tl.constexpr, D: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HAS_FAR: tl.constexpr, PRECISION: tl.constexpr,
+):
+    i_bh = tl.program_id(0)
+    i_s = tl.program_id(1)
+    i_b = (i_bh // Hkv).to(tl.int64)
+    i_h = i_bh % Hkv
+    o_g = tl.arange(0, BLOCK_G)
+    o_d = tl.arange(0, BLOCK_D)
+    o_n = tl.arange(0, BLOCK_N)
+    m_g = o_g < G
+    m_d = o_d < D
+    p_q = Q + i_b * stride_qb + (i_h * G + o_g)[:, None] * stride_qh + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_g[:, None] & m_d[None, :], other=0.0)
+
+    b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    b_l = tl.zeros([BLOCK_G], tl.float32)
+    b_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    if HAS_FAR and i_s == NUM_SPLITS:
+        # the far view: C summary slots, each biased (log-count, or -inf when empty)
+        for start in range(0, C, BLOCK_N):
+            m_n = start + o_n < C
+            m_kv = m_n[:, None] & m_d[None, :]
+            p_k = FarK + i_b * stride_fkb + (start + o_n)[:, None] * stride_fkc \
+                + i_h * stride_fkh + o_d[None, :]
+            p_v = FarV + i_b * stride_fvb + (start + o_n)[:, None] * stride_fvc \
+                + i_h * stride_fvh + o_d[None, :]
+            b_k = tl.load(p_k, mask=m_kv, other=0.0)
+            b_v = tl.load(p_v, mask=m_kv, other=0.0)
+            b_bias = tl.load(FarBias + i_b * stride_fbb + start + o_n, mask=m_n,
+                             other=float("-inf")) * LOG2E
+            b_m, b_l, b_acc = online_softmax_tile(b_q, b_k, b_v, b_bias, b_m, b_l, b_acc,
+                                                  scale_log2, PRECISION)
+    else:
+        # the near window: visible slots are ring positions ws, ws+1, ... (wl of them)
+        wl = tl.minimum(tl.maximum(tl.load(WinLen + i_b), 0), W)
+        ws = tl.load(WinStart + i_b) % W
+        ws = tl.where(ws < 0, ws + W, ws)
+        chunk = tl.cdiv(tl.cdiv(wl, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = i_s * chunk
+        hi = tl.minimum(lo + chunk, wl)
+        for start in range(lo, hi, BLOCK_N):
+            m_n = start + o_n < hi
+            slot = ws + start + o_n
+            slot = tl.where(slot >= W, slot - W, slot)
+            m_kv = m_n[:, None] & m_d[None, :]
+            p_k = K + i_b * stride_kb + slot[:, None] * stride_kw + i_h * stride_kh + o_d[None, :]
+            p_v = V + i_b * stride_vb + slot[:, None] * stride_vw + i_h * stride_vh + o_d[None, :]
+            b_k = tl.load(p_k, mask=m_kv, other=0.0)
+            b_v = tl.load(p_v, mask=m_kv, other=0.0)
+            b_bias = tl.where(m_n, 0.0, float("-inf"))
+            b_m, b_l, b_acc = online_softmax_tile(b_q, b_k, b_v, b_bias, b_m, b_l, b_acc,
+                                                  scale_log2, PRECISION)
+
+    o_row = i_h * G + o_g
+    p_o = O + i_b * stride_ob + o_row[:, None] * stride_oh + i_s * stride_os + o_d[None, :]
+    p_l = L + i_b * stride_lb + o_row * stride_lh + i_s
+    finish_rows(b_m, b_l, b_acc, p_o, p_l, m_g[:, None] & m_d[None, :], m_g)
+
+
+def default_num_splits(B: int, Hkv: int, W: int, block_n: int, device: torch.device) -> int:
+    """Splits of the window per (sequence, KV head): enough programs for ~2 waves of SMs, but
+    at least 2 tiles per split. Depends on shapes only, so a captured graph stays valid."""
+    programs = B * Hkv
+    want = triton.cdiv(2 * sm_count(device), programs)
+    return max(1, min(want, W // (2 * block_n), 64))
+
+
+def static_sliding_attention_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    win_start: torch.Tensor, win_len: torch.Tensor,
+    far_k: torch.Tensor | None = None, far_v: torch.Tensor | None = None,
+    far_bias: torch.Tensor | None = None, scale: float | None = None,
+    *, num_splits: int | None = None, block_n: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the sliding-window decode kernel. Inputs are already checked by the op.
+
+    q [B, Hq, D]; k, v [B, W, Hkv, D]; win_start, win_len int32 [B];
+    far_k, far_v [B, C, Hkv, D] and far_bias float32 [B, C], or all None.
+    Returns out [B, Hq, D] (q.dtype) and lse float32 [B, Hq].
+    The keyword-only knobs override the tuned defaults (benchmarks and tests use them).
+    """
+    B, Hq, D = q.shape
+    W, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    scale = D ** -0.5 if scale is None else scale
+    has_far = far_k is not None
+    C = far_k.shape[1] if has_far else 0
+    block_n = block_n or (64 if D <= 128 else 32)
+    if num_splits is None:
+        num_splits = default_num_splits(B, Hkv, W, block_n, q.device)
+    nsp = num_splits + int(has_far)
+    out = torch.empty((B, Hq, D), device=q.device, dtype=q.dtype)
+    lse = torch.empty((B, Hq), device=q.device, dtype=torch.float32)
+    if nsp == 1:
+        part_o, part_l, s_os = out, lse, 0
+    else:
+        part_o = torch.empty((B, Hq, nsp, D), device=q.device, dtype=torch.float32)
+        part_l = torch.empty((B, Hq, nsp), device=q.device, dtype=torch.float32)
+        s_os = part_o.stride(2)
+    if not has_far:  # the kernel never reads these; pass valid pointers of the right type
+        far_k, far_v, far_bias = k, v, lse
+    _sliding_window_kernel[(B * Hkv, nsp)](
+        q, k, v, win_start, win_len, far_k, far_v, far_bias, part_o, part_l,
+        scale * 1.4426950408889634,
+        q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        far_k.stride(0), far_k.stride(1), far_k.stride(2),
+        far_v.stride(0), far_v.stride(1), far_v.stride(2),
+        far_bias.stride(0),
+        part_o.stride(0), part_o.stride(1), s_os,
+        part_l.stride(0), part_l.stride(1),
+        W, C, Hkv,
+        G=G, D=D, BLOCK_G=max(16, next_pow2(G)), BLOCK_D=next_pow2(D), BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, HAS_FAR=has_far, PRECISION=dot_precision(q.dtype),
+        num_warps=num_warps or 4, num_stages=num_stages or 3,
+    )
+    if nsp > 1:
+        merge_splits(part_o.view(B * Hq, nsp, D), part_l.view(B * Hq, nsp),
+                     out.view(B * Hq, D), lse.view(B * Hq))
+    return out, lse
