@@ -1,0 +1,39 @@
+"""Shared test setup: where Triton kernels can run, hypothesis profiles.
+
+Kernel tests take the ``kernel_device`` fixture: "cuda" where a GPU is present, otherwise "cpu"
+when ``TRITON_INTERPRET=1`` is in the environment (the README's test command sets it), so CI runs
+the kernels' logic through the interpreter. Tests that need CUDA itself use ``requires_cuda``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+from kvops._config import interpreting
+
+HAS_CUDA = torch.cuda.is_available()
+KERNEL_DEVICES = ["cuda"] if HAS_CUDA else (["cpu"] if interpreting() else [])
+
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+
+settings.register_profile(
+    "ci", deadline=None, max_examples=25, derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "thorough", deadline=None, max_examples=300,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("KVOPS_HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(params=KERNEL_DEVICES or [None], ids=lambda d: f"kernel-{d}")
+def kernel_device(request):
+    """The device Triton kernels run on here; skips when neither CUDA nor the interpreter is on."""
+    if request.param is None:
+        pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
+    return torch.device(request.param)
