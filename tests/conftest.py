@@ -22,11 +22,13 @@ requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 
 settings.register_profile(
     "ci", deadline=None, max_examples=25, derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                          HealthCheck.function_scoped_fixture],
 )
 settings.register_profile(
     "thorough", deadline=None, max_examples=300,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                          HealthCheck.function_scoped_fixture],
 )
 settings.load_profile(os.environ.get("KVOPS_HYPOTHESIS_PROFILE", "ci"))
 
@@ -37,3 +39,16 @@ def kernel_device(request):
     if request.param is None:
         pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
     return torch.device(request.param)
+
+
+@pytest.fixture
+def poison():
+    """Make every ``torch.empty`` inside the test return NaN (ints: INT_MAX), so an output element
+    a kernel forgets to write shows up as NaN instead of passing by luck."""
+    was = torch.are_deterministic_algorithms_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    yield
+    torch.use_deterministic_algorithms(was)
+    torch.utils.deterministic.fill_uninitialized_memory = fill

@@ -36,7 +36,7 @@ def _merge_splits_kernel(
     b_o = tl.load(p_o, mask=m_s[:, None] & m_d[None, :], other=0.0)
     b_sum = tl.sum(b_w, 0)
     b_out = tl.sum(b_o * b_w[:, None], 0) / tl.where(b_sum > 0, b_sum, 1.0)
-    b_lse_out = tl.where(b_sum > 0, b_safe + tl.log(b_sum), float("-inf"))
+    b_lse_out = tl.where(b_sum > 0, b_safe + tl.log(tl.where(b_sum > 0, b_sum, 1.0)), float("-inf"))
     tl.store(Out + i_r * stride_or + o_d, b_out.to(Out.dtype.element_ty), mask=m_d)
     tl.store(Lse + i_r, b_lse_out)
 

@@ -65,8 +65,6 @@ def _check(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale) -> None:
     for name, t in (("q", q), ("k", k), ("v", v), ("far_k", far_k), ("far_v", far_v)):
         if t is not None and t.numel() and t.stride(-1) != 1:
             raise ValueError(f"{name}: expected the last dim (D) contiguous, got strides {t.stride()}")
-    if scale is not None and not isinstance(scale, float):
-        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
 
 
 def static_sliding_attention_ref(

@@ -1,0 +1,259 @@
+"""static_sliding_attention: kernel and reference against a float64 oracle, plus the op contract
+(opcheck, compile without recompiles, CUDA graphs, input errors, validation mode)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kvops
+from kvops.kernels.static_sliding_attention import static_sliding_attention_fwd
+from kvops.ops.static_sliding_attention import static_sliding_attention_ref
+from tests.conftest import requires_cuda
+from tests.oracles_attention import sliding_window_oracle
+from tests.tolerances import ATTN_TOL, LSE_TOL, assert_close
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+def make_case(B, W, Hkv, G, D, C, dtype, device, seed, empty_rows=()):
+    """Random window, ring starts and lengths (some rows empty), optional far slots with some
+    -inf biases. Values are unit-scale so tolerances mean the same at every D."""
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(dtype).to(device)
+    q, k, v = rnd(B, Hkv * G, D), rnd(B, W, Hkv, D), rnd(B, W, Hkv, D)
+    win_start = torch.randint(0, W, (B,), generator=gen, dtype=torch.int32)
+    win_len = torch.randint(0, W + 1, (B,), generator=gen, dtype=torch.int32)
+    win_len[-1] = W                                   # always one full window
+    for r in empty_rows:
+        win_len[r] = 0
+    case = dict(q=q, k=k, v=v, win_start=win_start.to(device), win_len=win_len.to(device))
+    if C:
+        bias = torch.randn(B, C, generator=gen) * 2
+        bias[torch.rand(B, C, generator=gen) < 0.3] = float("-inf")
+        case.update(far_k=rnd(B, C, Hkv, D), far_v=rnd(B, C, Hkv, D), far_bias=bias.to(device))
+    return case
+
+
+def case_id(B, W, Hkv, G, D, C, dtype):
+    return f"B{B}-W{W}-Hkv{Hkv}-G{G}-D{D}-C{C}-{str(dtype).replace('torch.', '')}"
+
+
+def check_against_oracle(out, lse, case, dtype, name):
+    want_out, want_lse = sliding_window_oracle(**case)
+    atol, rtol = ATTN_TOL[dtype]
+    assert out.dtype == case["q"].dtype and lse.dtype == torch.float32
+    assert_close("out", out, want_out, atol, rtol, name)
+    assert_close("lse", lse, want_lse, LSE_TOL[dtype], LSE_TOL[dtype], name)
+
+
+shapes = st.tuples(
+    st.integers(1, 5),                                 # B (odd sizes included)
+    st.sampled_from([1, 7, 24, 48, 100, 130]),         # W, mostly not powers of two
+    st.sampled_from([1, 2]),                           # Hkv
+    st.sampled_from([1, 2, 3, 4, 8]),                  # G (3: SmolLM2's group)
+    st.sampled_from([64, 128, 256]),                   # D
+    st.sampled_from([0, 0, 3, 9]),                     # C far slots (0: none)
+    st.sampled_from(DTYPES),
+    st.integers(0, 2**31 - 1),                         # seed
+)
+
+
+@given(shape=shapes, num_splits=st.sampled_from([None, 1, 3]))
+def test_kernel_matches_oracle(kernel_device, poison, shape, num_splits):
+    *dims, seed = shape
+    case = make_case(*dims, device=kernel_device, seed=seed, empty_rows=(0,) if seed % 3 == 0 else ())
+    out, lse = static_sliding_attention_fwd(**case, num_splits=num_splits)
+    check_against_oracle(out, lse, case, dims[-1], case_id(*dims) + f"-splits{num_splits}")
+
+
+@given(shape=shapes)
+def test_reference_matches_oracle(shape):
+    *dims, seed = shape
+    case = make_case(*dims, device="cpu", seed=seed)
+    out, lse = static_sliding_attention_ref(**case)
+    check_against_oracle(out, lse, case, dims[-1], case_id(*dims))
+
+
+@pytest.mark.parametrize("far", [False, True], ids=["near", "far"])
+def test_nothing_visible_gives_zero_and_neg_inf(kernel_device, poison, far):
+    case = make_case(3, 40, 2, 4, 64, 4 if far else 0, torch.float16, kernel_device, seed=1)
+    case["win_len"].zero_()
+    if far:
+        case["far_bias"].fill_(float("-inf"))
+    for num_splits in (1, 4):
+        out, lse = static_sliding_attention_fwd(**case, num_splits=num_splits)
+        assert torch.equal(out.cpu(), torch.zeros_like(out.cpu()))
+        assert torch.isneginf(lse).all()
+
+
+def test_far_only_rows(kernel_device, poison):
+    """An empty near window with live far slots attends to the far view alone."""
+    case = make_case(2, 33, 1, 3, 64, 5, torch.float32, kernel_device, seed=2)
+    case["win_len"].zero_()
+    case["far_bias"][:, 0] = 0.0
+    out, lse = static_sliding_attention_fwd(**case)
+    check_against_oracle(out, lse, case, torch.float32, "far-only")
+
+
+def test_ring_wrap_equals_rotated_prefix(kernel_device):
+    """A window that wraps the ring equals the same slots rotated to a plain prefix."""
+    case = make_case(1, 96, 2, 4, 128, 0, torch.float32, kernel_device, seed=3)
+    case["win_start"].fill_(80)
+    case["win_len"].fill_(50)                         # slots 80..95 then 0..33
+    out, lse = static_sliding_attention_fwd(**case)
+    rolled = dict(case, k=case["k"].roll(-80, dims=1).contiguous(),
+                  v=case["v"].roll(-80, dims=1).contiguous(),
+                  win_start=torch.zeros_like(case["win_start"]))
+    out2, lse2 = static_sliding_attention_fwd(**rolled)
+    torch.testing.assert_close(out, out2, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, lse2, atol=1e-5, rtol=1e-5)
+
+
+def test_op_dispatches_to_kernel_under_triton_backend(kernel_device):
+    case = make_case(2, 24, 2, 2, 64, 3, torch.float32, kernel_device, seed=4)
+    with kvops.backend("triton"):
+        out, lse = torch.ops.kvops.static_sliding_attention(**case)
+    check_against_oracle(out, lse, case, torch.float32, "op-triton")
+
+
+def test_backend_env_read_at_import():
+    env = dict(os.environ, KVOPS_BACKEND="triton", TRITON_INTERPRET="1")
+    code = "import kvops; print(kvops.backend())"
+    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert got == "triton"
+    env["KVOPS_BACKEND"] = "cuda-please"
+    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "backend: expected one of" in bad.stderr
+
+
+def test_opcheck():
+    for C in (0, 3):
+        case = make_case(3, 20, 2, 3, 64, C, torch.float32, "cpu", seed=5)
+        torch.library.opcheck(torch.ops.kvops.static_sliding_attention.default, (),
+                              dict(case, scale=0.1))
+
+
+def _counting_backend():
+    from torch._dynamo.backends.registry import lookup_backend
+
+    inductor, calls = lookup_backend("inductor"), []
+
+    def backend(gm, example_inputs):
+        calls.append(1)
+        return inductor(gm, example_inputs)
+
+    return backend, calls
+
+
+def test_compiled_decode_step_never_recompiles():
+    """20 decode steps with moving ring start and length: one compile, zero recompiles."""
+    torch._dynamo.reset()
+    backend, calls = _counting_backend()
+    B, W, Hkv, G, D = 2, 48, 2, 3, 64
+    k = torch.randn(B, W, Hkv, D)
+    v = torch.randn(B, W, Hkv, D)
+    proj = torch.randn(D, D) * D ** -0.5
+
+    @torch.compile(backend=backend, fullgraph=True)
+    def step(x, k, v, win_start, win_len):
+        q = x @ proj
+        out, lse = torch.ops.kvops.static_sliding_attention(q, k, v, win_start, win_len)
+        return out @ proj.T, lse
+
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for t in range(20):
+            x = torch.randn(B, Hkv * G, D)
+            win_start = torch.tensor([t % W, (3 * t) % W], dtype=torch.int32)
+            win_len = torch.tensor([min(t + 1, W), W - t], dtype=torch.int32)
+            out, lse = step(x, k, v, win_start, win_len)
+            want, want_lse = static_sliding_attention_ref(x @ proj, k, v, win_start, win_len)
+            torch.testing.assert_close(out, want @ proj.T, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(lse, want_lse)
+    assert len(calls) == 1
+
+
+@requires_cuda
+@pytest.mark.parametrize("far", [False, True], ids=["near", "far"])
+def test_cuda_graph_replay_with_new_values(far):
+    B, W, Hkv, G, D, C = 4, 1000, 8, 4, 128, (16 if far else 0)
+    case = make_case(B, W, Hkv, G, D, C, torch.float16, "cuda", seed=6)
+    static = {n: t.clone() for n, t in case.items()}
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        torch.ops.kvops.static_sliding_attention(**static)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = torch.ops.kvops.static_sliding_attention(**static)
+    for seed in range(7, 10):
+        fresh = make_case(B, W, Hkv, G, D, C, torch.float16, "cuda", seed=seed)
+        for n, t in fresh.items():
+            static[n].copy_(t)
+        graph.replay()
+        want, want_lse = static_sliding_attention_ref(**fresh)
+        torch.testing.assert_close(out, want, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
+
+
+@requires_cuda
+def test_large_batch_offsets_do_not_overflow():
+    """k with more than 2**31 elements: batch offsets must be 64-bit."""
+    B, W, Hkv, D = 9, 2**16, 32, 128        # 2.4e9 elements per tensor, 4.8 GB in fp16
+    k = torch.randn(B, W, Hkv, D, device="cuda", dtype=torch.float16)
+    v = torch.randn_like(k)
+    q = torch.randn(B, Hkv, D, device="cuda", dtype=torch.float16)
+    ws = torch.zeros(B, dtype=torch.int32, device="cuda")
+    wl = torch.full((B,), 64, dtype=torch.int32, device="cuda")
+    out, lse = torch.ops.kvops.static_sliding_attention(q, k, v, ws, wl)
+    want, want_lse = static_sliding_attention_ref(q[-1:], k[-1:, :64], v[-1:, :64], ws[-1:], wl[-1:])
+    torch.testing.assert_close(out[-1:], want, atol=2e-3, rtol=2e-3)
+
+
+def _bad_inputs():
+    ok = make_case(2, 16, 2, 2, 64, 3, torch.float16, "cpu", seed=0)
+    yield "q-rank", dict(ok, q=ok["q"][0]), ValueError, "q: expected rank 3"
+    yield "q-dtype", dict(ok, q=ok["q"].to(torch.float64)), TypeError, "q: expected dtype"
+    yield "k-dtype", dict(ok, k=ok["k"].float()), TypeError, "k: expected dtype"
+    yield "v-shape", dict(ok, v=ok["v"][:, :8]), ValueError, "v: expected shape"
+    yield "heads", dict(ok, q=torch.randn(2, 3, 64).half()), ValueError, "Hq=3 must be a multiple"
+    yield "head-dim", dict(ok, q=ok["q"][..., :40].contiguous(), k=ok["k"][..., :40].contiguous(),
+                           v=ok["v"][..., :40].contiguous(), far_k=ok["far_k"][..., :40].contiguous(),
+                           far_v=ok["far_v"][..., :40].contiguous()), ValueError, "D=40"
+    yield "win-dtype", dict(ok, win_len=ok["win_len"].long()), TypeError, "win_len: expected dtype"
+    yield "win-shape", dict(ok, win_start=ok["win_start"][:1]), ValueError, "win_start: expected shape"
+    yield "far-partial", dict(ok, far_v=None), ValueError, "give all three or none"
+    yield "far-bias-dtype", dict(ok, far_bias=ok["far_bias"].half()), TypeError, "far_bias"
+    yield "k-strided", dict(ok, k=ok["k"].transpose(1, 3).contiguous().transpose(1, 3)), ValueError, \
+        "k: expected the last dim"
+    yield "not-tensor", dict(ok, q=[1.0]), RuntimeError, "type 'Tensor' for argument 'q'"
+
+
+@pytest.mark.parametrize("name,kwargs,exc,msg", list(_bad_inputs()),
+                         ids=[c[0] for c in _bad_inputs()])
+def test_bad_inputs_raise(name, kwargs, exc, msg):
+    with pytest.raises(exc, match=msg):
+        torch.ops.kvops.static_sliding_attention(**kwargs)
+
+
+def test_validation_mode_raises_on_out_of_range():
+    case = make_case(2, 16, 2, 2, 64, 0, torch.float32, "cpu", seed=0)
+    case["win_len"][0] = 17
+    out, _ = torch.ops.kvops.static_sliding_attention(**case)   # clamped, no error by default
+    assert torch.isfinite(out).all()
+    with kvops.validate(True), pytest.raises(IndexError, match=r"win_len: values must lie in \[0, 17\)"):
+        torch.ops.kvops.static_sliding_attention(**case)
+    case["win_len"][0] = 3
+    case["win_start"][1] = -1
+    with kvops.validate(True), pytest.raises(IndexError, match="win_start"):
+        torch.ops.kvops.static_sliding_attention(**case)
+    assert kvops.validate() is False
