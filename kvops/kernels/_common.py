@@ -14,7 +14,7 @@ def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
