@@ -1,0 +1,162 @@
+"""Triton kernels for ``kvops.pack_base_pairs`` and ``kvops.refine_base_pairs``.
+
+One program handles one pair row and streams its two 16-bit pages chunk by chunk. Packing
+compacts two pages into the bytes of one, and refinement expands one into two, so when the
+destination is also a source (``dst == src_a`` in a pack, ``dst_a == base_page`` in a refine)
+a chunk's stores land on bytes that other chunks still have to read. The chunk order is chosen
+per row so every store lands on bytes already read, and a CTA barrier between a chunk's loads
+and its stores keeps warps from overtaking each other:
+
+- pack, ``dst == src_a``: page a first, ascending (BASE byte ``i`` overwrites value ``i / 2``,
+  already read), then page b. ``dst == src_b``: page b first, descending (byte ``E + i``
+  overwrites value ``(E + i) / 2 >= i``, already read), then page a.
+- refine, ``dst_a == base_page``: half 1 first (into ``dst_b``), then half 0 descending (value
+  ``i`` overwrites bytes ``2i, 2i + 1 >= i``, already read). ``dst_b == base_page``: half 0
+  first, then half 1 ascending (value ``i`` overwrites bytes ``2i + 1 < E + i``, already read).
+
+``CODEC``: 0 hi8, 1 hi8r (float16), 2 e4m3 (bfloat16); see ``kvops.layouts.codecs``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvops.kernels._common import next_pow2
+
+CODEC_IDS = {"hi8": 0, "hi8r": 1, "e4m3": 2}
+
+
+@triton.jit
+def _encode_e4m3(b_u):
+    """bfloat16 bit patterns (int32 in [0, 65536)) -> e4m3fn bytes (int32): round to nearest
+    even, saturating at +-448; NaN -> NaN. Integer math, so the interpreter and every GPU agree."""
+    b_s = (b_u >> 8) & 0x80
+    b_a = b_u & 0x7FFF
+    b_e = b_a >> 7
+    b_v = b_a - (120 << 7)                                      # rebias 127 -> 7
+    b_norm = (b_v + 7 + ((b_v >> 4) & 1)) >> 4                  # drop 4 mantissa bits, RNE
+    b_m = (b_a & 0x7F) | 0x80
+    b_sh = tl.maximum(tl.minimum(125 - b_e, 9), 1)               # subnormal: units of 2^-9
+    b_sub = (b_m + ((1 << (b_sh - 1)) - 1) + ((b_m >> b_sh) & 1)) >> b_sh
+    b_r = tl.where(b_e >= 121, b_norm, b_sub)
+    b_r = tl.where(b_a >= 0x43E0, 0x7E, b_r)                     # >= 448 (and inf): saturate
+    b_r = tl.where(b_a > 0x7F80, 0x7F, b_r)                      # NaN
+    return b_s | b_r
+
+
+@triton.jit
+def _pack_pairs_kernel(
+    Cache, Pairs, Backing,
+    stride_cp, stride_pn, stride_pc,
+    E,
+    CODEC: tl.constexpr, BLOCK: tl.constexpr,
+):
+    i_n = tl.program_id(0).to(tl.int64)
+    p_row = Pairs + i_n * stride_pn
+    src_a = tl.load(p_row).to(tl.int64)
+    src_b = tl.load(p_row + stride_pc).to(tl.int64)
+    dst = tl.load(p_row + 2 * stride_pc).to(tl.int64)
+    p_c8 = Cache.to(tl.pointer_type(tl.uint8))
+    b_first = (dst == src_b) & (dst != src_a)
+    n_ch = tl.cdiv(E, BLOCK)
+    o_e = tl.arange(0, BLOCK)
+    for t in range(0, 2 * n_ch):
+        second = t >= n_ch
+        k = tl.where(second, t - n_ch, t)
+        use_b = second != b_first
+        chunk = tl.where(use_b & b_first, n_ch - 1 - k, k)
+        src = tl.where(use_b, src_b, src_a)
+        half = use_b.to(tl.int64)
+        o_x = chunk * BLOCK + o_e
+        m_x = o_x < E
+        b_u = tl.load(Cache + src * stride_cp + o_x, mask=m_x, other=0).to(tl.int32) & 0xFFFF
+        if CODEC == 2:
+            b_base = _encode_e4m3(b_u)
+        else:
+            b_hi = b_u >> 8
+            b_lo = b_u & 0xFF
+            if CODEC == 1:
+                b_hi = (b_hi & 0x80) | ((b_hi + (b_lo >> 7)) & 0x7F)
+            b_base = b_hi
+        tl.debug_barrier()
+        tl.store(p_c8 + dst * 2 * stride_cp + half * E + o_x, b_base.to(tl.uint8), mask=m_x)
+        p_back = Backing + (i_n * 2 + half) * E + o_x
+        if CODEC == 2:
+            tl.store(p_back, b_u.to(tl.int16), mask=m_x)
+        else:
+            tl.store(p_back, b_lo.to(tl.uint8), mask=m_x)
+
+
+@triton.jit
+def _refine_pairs_kernel(
+    Cache, Pairs, Backing,
+    stride_cp, stride_pn, stride_pc,
+    E,
+    CODEC: tl.constexpr, BLOCK: tl.constexpr,
+):
+    i_n = tl.program_id(0).to(tl.int64)
+    p_row = Pairs + i_n * stride_pn
+    dst_a = tl.load(p_row).to(tl.int64)
+    dst_b = tl.load(p_row + stride_pc).to(tl.int64)
+    base = tl.load(p_row + 2 * stride_pc).to(tl.int64)
+    p_c8 = Cache.to(tl.pointer_type(tl.uint8))
+    b_first = (dst_a == base) & (dst_b != base)
+    n_ch = tl.cdiv(E, BLOCK)
+    o_e = tl.arange(0, BLOCK)
+    for t in range(0, 2 * n_ch):
+        second = t >= n_ch
+        k = tl.where(second, t - n_ch, t)
+        use_b = second != b_first
+        chunk = tl.where(~use_b & b_first, n_ch - 1 - k, k)
+        dst = tl.where(use_b, dst_b, dst_a)
+        half = use_b.to(tl.int64)
+        o_x = chunk * BLOCK + o_e
+        m_x = o_x < E
+        p_back = Backing + (i_n * 2 + half) * E + o_x
+        if CODEC == 2:
+            b_u = tl.load(p_back, mask=m_x, other=0).to(tl.int32)
+        else:
+            b_hi = tl.load(p_c8 + base * 2 * stride_cp + half * E + o_x, mask=m_x,
+                           other=0).to(tl.int32)
+            b_lo = tl.load(p_back, mask=m_x, other=0).to(tl.int32)
+            if CODEC == 1:
+                b_hi = (b_hi & 0x80) | ((b_hi - (b_lo >> 7)) & 0x7F)
+            b_u = (b_hi << 8) | b_lo
+        tl.debug_barrier()
+        tl.store(Cache + dst * stride_cp + o_x, b_u.to(tl.int16), mask=m_x)
+
+
+def _launch(kernel, cache, pairs, backing, codec, block, num_warps):
+    N = pairs.shape[0]
+    if N == 0:
+        return
+    _, S, Hkv, D = cache.shape
+    E = S * Hkv * D
+    back = backing.view(torch.int16) if backing.element_size() == 2 else backing
+    kernel[(N,)](
+        cache.view(torch.int16), pairs, back,
+        cache.stride(0), pairs.stride(0), pairs.stride(1),
+        E,
+        CODEC=CODEC_IDS[codec], BLOCK=block or min(next_pow2(E), 4096),
+        num_warps=num_warps or 8,
+    )
+
+
+def pack_base_pairs_fwd(cache: torch.Tensor, pairs: torch.Tensor, backing: torch.Tensor,
+                        codec: str, *, block: int | None = None,
+                        num_warps: int | None = None) -> None:
+    """Pack pairs in place. cache [P, S, Hkv, D] (16-bit, pages contiguous); pairs int32 [N, 3]
+    rows (src_a, src_b, dst); backing [N, 2, S, Hkv, D] contiguous (uint8 for hi8/hi8r, the
+    cache dtype for e4m3). Inputs are already checked by the op; ``block``/``num_warps`` override
+    the defaults (benchmarks use them)."""
+    _launch(_pack_pairs_kernel, cache, pairs, backing, codec, block, num_warps)
+
+
+def refine_base_pairs_fwd(cache: torch.Tensor, pairs: torch.Tensor, backing: torch.Tensor,
+                          codec: str, *, block: int | None = None,
+                          num_warps: int | None = None) -> None:
+    """Refine pairs in place: pairs int32 [N, 3] rows (dst_a, dst_b, base_page); other arguments
+    as in :func:`pack_base_pairs_fwd`."""
+    _launch(_refine_pairs_kernel, cache, pairs, backing, codec, block, num_warps)
