@@ -7,7 +7,13 @@ Importing kvops registers the ``torch.ops.kvops.*`` ops. Public names:
 """
 
 from kvops._config import backend, validate
-from kvops.ops import static_sliding_attention
+from kvops.ops import (
+    pack_base_pairs,
+    paged_gather_merged,
+    refine_base_pairs,
+    static_sliding_attention,
+)
 
-__all__ = ["backend", "validate", "static_sliding_attention"]
+__all__ = ["backend", "validate", "static_sliding_attention", "paged_gather_merged",
+           "pack_base_pairs", "refine_base_pairs"]
 __version__ = "0.1.0"
