@@ -26,31 +26,35 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def time_graph(fn, *, warmup: int = 3, iters: int = 20, inner: int | None = None,
                target_ms: float = 2.0) -> tuple[float, float, float]:
-    """p20, p50, p80 of one call of ``fn`` in microseconds, from CUDA-graph replays.
+    """p20, p50, p80 of one call in microseconds, from CUDA-graph replays.
 
-    ``fn`` is captured ``inner`` times back to back in one graph (chosen so a replay lasts about
-    ``target_ms``), and each replay is timed with events; the per-call time is replay / inner.
+    ``fn`` is a callable or a list of callables (one per rotating input set, so data larger than
+    L2 is streamed from memory as in a real step); the graph holds ``inner`` calls cycling
+    through them (chosen so a replay lasts about ``target_ms``), each replay is timed with
+    events, and the per-call time is replay / inner.
     """
+    fns = fn if isinstance(fn, (list, tuple)) else [fn]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(warmup):
-            fn()
+            for f in fns:
+                f()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     if inner is None:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(5):
-            fn()
+        for i in range(10):
+            fns[i % len(fns)]()
         end.record()
         torch.cuda.synchronize()
-        per_call_ms = max(start.elapsed_time(end) / 5, 1e-3)
-        inner = int(min(max(target_ms / per_call_ms, 1), 200))
+        per_call_ms = max(start.elapsed_time(end) / 10, 1e-3)
+        inner = int(min(max(target_ms / per_call_ms, len(fns)), 400))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(inner):
-            fn()
+        for i in range(inner):
+            fns[i % len(fns)]()
     graph.replay()
     torch.cuda.synchronize()
     times = []
@@ -61,9 +65,16 @@ def time_graph(fn, *, warmup: int = 3, iters: int = 20, inner: int | None = None
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / inner)
+    del graph
     times.sort()
     pick = lambda f: times[min(int(f * len(times)), len(times) - 1)]
     return pick(0.2), pick(0.5), pick(0.8)
+
+
+def rotation(nbytes: int, l2_multiple: float = 4.0, l2_bytes: int = 50 * 2**20) -> int:
+    """How many input sets to rotate through so that one pass over them exceeds the L2 cache
+    several times (the H200 has 50 MiB of L2)."""
+    return max(1, min(32, int(-(-l2_multiple * l2_bytes // max(nbytes, 1)))))
 
 
 def tbps(nbytes: float, us: float) -> float:

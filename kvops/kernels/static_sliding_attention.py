@@ -31,10 +31,10 @@ def _sliding_window_kernel(
     stride_fbb,
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
-    W, C, Hkv,
+    W, C, Hkv, NUM_SPLITS,
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HAS_FAR: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_FAR: tl.constexpr, PRECISION: tl.constexpr,
 ):
     i_bh = tl.program_id(0)
     i_s = tl.program_id(1)
@@ -94,10 +94,13 @@ def _sliding_window_kernel(
 
 
 def default_num_splits(B: int, Hkv: int, W: int, block_n: int, device: torch.device) -> int:
-    """Splits of the window per (sequence, KV head): enough programs for ~2 waves of SMs, but
-    at least 2 tiles per split. Depends on shapes only, so a captured graph stays valid."""
-    programs = B * Hkv
-    want = triton.cdiv(2 * sm_count(device), programs)
+    """Splits of the window per (sequence, KV head): about one wave of programs over the SMs,
+    with at least 2 tiles per split. Depends on shapes only, so a captured graph stays valid.
+
+    Tuned on an H200 (bench/results/*-static_sliding_attention-tune.md): B=16 x Hkv=8 runs best
+    unsplit, B=4 at W=16384 with 4 splits, B=1 at W=4096 with 16.
+    """
+    want = sm_count(device) // (B * Hkv)
     return max(1, min(want, W // (2 * block_n), 64))
 
 
@@ -122,7 +125,7 @@ def static_sliding_attention_fwd(
     scale = D ** -0.5 if scale is None else scale
     has_far = far_k is not None
     C = far_k.shape[1] if has_far else 0
-    block_n = block_n or (64 if D <= 128 else 32)
+    block_n = block_n or (128 if D <= 128 else 64)
     if num_splits is None:
         num_splits = default_num_splits(B, Hkv, W, block_n, q.device)
     nsp = num_splits + int(has_far)
@@ -147,9 +150,9 @@ def static_sliding_attention_fwd(
         far_bias.stride(0),
         part_o.stride(0), part_o.stride(1), s_os,
         part_l.stride(0), part_l.stride(1),
-        W, C, Hkv,
+        W, C, Hkv, num_splits,
         G=G, D=D, BLOCK_G=max(16, next_pow2(G)), BLOCK_D=next_pow2(D), BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, HAS_FAR=has_far, PRECISION=dot_precision(q.dtype),
+        HAS_FAR=has_far, PRECISION=dot_precision(q.dtype),
         num_warps=num_warps or 4, num_stages=num_stages or 3,
     )
     if nsp > 1:

@@ -1,0 +1,185 @@
+"""GPU benchmark: static_sliding_attention against SDPA (cuDNN, flash) and compiled flex_attention.
+
+Llama-3-8B heads (Hq 32, Hkv 8, D 128), fp16 and bf16, B x W sweep, full windows. Every time is
+the median of CUDA-graph replays with inputs rotated beyond L2; TB/s counts the K+V bytes that
+decode attention must read once, the fraction is of the 4.65 TB/s streaming-read ceiling.
+
+    python -m bench.bench_static_sliding            # full sweep, writes bench/results/
+    python -m bench.bench_static_sliding --quick    # a few shapes
+    python -m bench.bench_static_sliding --tune     # kernel config sweep on representative shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import kvops
+from bench.common import READ_CEILING, rotation, table, tbps, time_graph, write_result
+from kvops.kernels.static_sliding_attention import default_num_splits, static_sliding_attention_fwd
+
+HQ, HKV, D = 32, 8, 128
+
+
+def make_sets(B, W, dtype, n):
+    sets = []
+    for _ in range(n):
+        q = torch.randn(B, HQ, D, device="cuda", dtype=dtype)
+        k = torch.randn(B, W, HKV, D, device="cuda", dtype=dtype)
+        v = torch.randn(B, W, HKV, D, device="cuda", dtype=dtype)
+        ws = torch.randint(0, W, (B,), device="cuda", dtype=torch.int32)
+        wl = torch.full((B,), W, device="cuda", dtype=torch.int32)
+        sets.append((q, k, v, ws, wl))
+    return sets
+
+
+def sdpa_sets(sets):
+    """The same data in SDPA's preferred layout: q [B, Hq, 1, D], k/v [B, Hkv, W, D] contiguous.
+    Windows are full, so ring order does not change the result."""
+    out = []
+    for q, k, v, _, _ in sets:
+        out.append((q.unsqueeze(2), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()))
+    return out
+
+
+def peers(sets, B, W, flex_cache):
+    """name -> list of callables (one per input set) for each peer that runs on this shape."""
+    dense = sdpa_sets(sets)
+    result = {}
+    for name, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
+                          ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
+        def make(q, k, v, backend=backend):
+            def run():
+                with sdpa_kernel([backend]):
+                    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            return run
+        fns = [make(*d) for d in dense]
+        try:
+            fns[0]()
+            torch.cuda.synchronize()
+            result[name] = fns
+        except RuntimeError as e:
+            result[name] = f"n/a ({str(e).splitlines()[0][:40]})"
+    if flex_cache is not None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        if "fn" not in flex_cache:
+            flex_cache["fn"] = torch.compile(flex_attention, dynamic=False)
+        flex = flex_cache["fn"]
+        fns = [lambda q=q, k=k, v=v: flex(q, k, v, enable_gqa=True) for q, k, v in dense]
+        try:
+            fns[0]()
+            torch.cuda.synchronize()
+            result["flex"] = fns
+        except Exception as e:  # noqa: BLE001 - any compile failure is reported, not fatal
+            result["flex"] = f"n/a ({type(e).__name__})"
+    return result
+
+
+def check_once(sets):
+    q, k, v, ws, wl = sets[0]
+    out, lse = torch.ops.kvops.static_sliding_attention(q, k, v, ws, wl)
+    with kvops.backend("torch"):
+        ref, ref_lse = torch.ops.kvops.static_sliding_attention(q[:2], k[:2], v[:2], ws[:2], wl[:2])
+    err = (out[:2].float() - ref.float()).abs().max().item()
+    assert err < 2e-2, f"kernel disagrees with reference: max err {err}"
+
+
+def sweep(batches, widths, dtypes, with_flex):
+    rows, ratios = [], []
+    flex_cache = {} if with_flex else None
+    for dtype, B, W in itertools.product(dtypes, batches, widths):
+        nbytes = 2 * B * W * HKV * D * torch.tensor([], dtype=dtype).element_size()
+        sets = make_sets(B, W, dtype, rotation(nbytes))
+        check_once(sets)
+        ours = [lambda s=s: torch.ops.kvops.static_sliding_attention(*s) for s in sets]
+        t_ours = time_graph(ours)[1]
+        line = [str(dtype).replace("torch.", ""), B, W, t_ours, tbps(nbytes, t_ours),
+                tbps(nbytes, t_ours) * 1e12 / READ_CEILING]
+        best = None
+        for name, fns in peers(sets, B, W, flex_cache).items():
+            if isinstance(fns, str):
+                line += [fns, ""]
+                continue
+            t = time_graph(fns)[1]
+            line += [t, tbps(nbytes, t)]
+            if name.startswith("sdpa") and (best is None or t < best):
+                best = t
+        ratio = best / t_ours if best else float("nan")
+        ratios.append((B, W, ratio))
+        rows.append(line + [ratio])
+        print(" ".join(str(c) if not isinstance(c, float) else f"{c:.2f}" for c in line + [ratio]),
+              flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    headers = ["dtype", "B", "W", "kvops us", "kvops TB/s", "of ceil", "cudnn us", "cudnn TB/s",
+               "flash us", "flash TB/s"] + (["flex us", "flex TB/s"] if with_flex else []) + \
+              ["x best sdpa"]
+    return headers, rows, ratios
+
+
+def tune():
+    shapes = [(1, 4096), (4, 16384), (16, 4096), (64, 1024), (128, 4096)]
+    configs = [dict(block_n=bn, num_warps=nw, num_stages=ns)
+               for bn, nw, ns in itertools.product((32, 64, 128), (4, 8), (2, 3))]
+    rows = []
+    for B, W in shapes:
+        nbytes = 2 * B * W * HKV * D * 2
+        sets = make_sets(B, W, torch.float16, rotation(nbytes))
+        base = default_num_splits(B, HKV, W, 64, torch.device("cuda"))
+        split_opts = [None] + sorted({max(1, base // 2), base * 2})
+        results = []
+        for cfg in configs:
+            for ns in split_opts:
+                fns = [lambda s=s, c=cfg, n=ns: static_sliding_attention_fwd(*s, num_splits=n, **c)
+                       for s in sets]
+                try:
+                    t = time_graph(fns, iters=10)[1]
+                except Exception as e:  # noqa: BLE001 - a config that fails to compile is skipped
+                    print("skip", cfg, ns, type(e).__name__)
+                    continue
+                results.append((t, cfg, ns))
+        results.sort(key=lambda r: r[0])
+        default = [r for r in results if r[2] is None and r[1] == dict(block_n=64, num_warps=4,
+                                                                        num_stages=3)]
+        for t, cfg, ns in results[:3] + default:
+            rows.append([B, W, str(cfg), str(ns), t, tbps(nbytes, t)])
+        del sets
+        torch.cuda.empty_cache()
+    return table(["B", "W", "config", "splits", "us", "TB/s"], rows)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--no-flex", action="store_true")
+    args = ap.parse_args()
+    if args.tune:
+        body = tune()
+        write_result("static_sliding_attention-tune", body)
+        print(body)
+        return
+    if args.quick:
+        batches, widths, dtypes = (1, 16), (4096,), (torch.float16,)
+    else:
+        batches, widths, dtypes = (1, 4, 16, 64, 128), (512, 1024, 4096, 16384), \
+            (torch.float16, torch.bfloat16)
+    headers, rows, ratios = sweep(batches, widths, dtypes, not args.no_flex)
+    goals = []
+    big = [r for b, w, r in ratios if b >= 16]
+    b1 = [r for b, w, r in ratios if b == 1 and w == 4096]
+    goals.append(f"- B >= 16: min ratio to best SDPA {min(big):.2f} (goal 0.95)" if big else "")
+    goals.append(f"- B = 1, W = 4096: ratio {min(b1):.2f} (goal 1.5)" if b1 else "")
+    goals.append(f"- worst shape: {min(r for _, _, r in ratios):.2f} (goal 0.8)")
+    body = table(headers, rows) + "\n\nGoals:\n" + "\n".join(g for g in goals if g) + "\n"
+    write_result("static_sliding_attention" + ("-quick" if args.quick else ""), body)
+    print(body)
+
+
+if __name__ == "__main__":
+    main()
