@@ -8,6 +8,7 @@ Importing kvops registers the ``torch.ops.kvops.*`` ops. Public names:
 
 from kvops._config import backend, validate
 from kvops.ops import (
+    elastic_attention,
     pack_base_pairs,
     paged_gather_merged,
     refine_base_pairs,
@@ -15,5 +16,5 @@ from kvops.ops import (
 )
 
 __all__ = ["backend", "validate", "static_sliding_attention", "paged_gather_merged",
-           "pack_base_pairs", "refine_base_pairs"]
+           "pack_base_pairs", "refine_base_pairs", "elastic_attention"]
 __version__ = "0.1.0"
