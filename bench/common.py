@@ -119,7 +119,7 @@ def write_result(name: str, body: str) -> Path:
         f"- gpu: {gpu}",
         f"- commit: {os.environ.get('KVOPS_COMMIT') or _commit()}",
         f"- torch {torch.__version__}, triton {triton.__version__}, python {platform.python_version()}",
-        f"- command: `{' '.join(shlex.quote(a) for a in [Path(sys.executable).name] + sys.argv)}`",
+        f"- command: `{' '.join(shlex.quote(a) for a in getattr(sys, 'orig_argv', sys.argv))}`",
         "",
     ])
     text = header + body.rstrip() + "\n"
