@@ -32,6 +32,12 @@ from kvops import _checks
 from kvops.models.config import LlamaConfig
 
 
+def _rope_theta(hf_config) -> float:
+    """RoPE base of a transformers config (``rope_parameters`` in v5, ``rope_theta`` before)."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -157,6 +163,53 @@ class Llama(nn.Module):
         if missing:
             raise ValueError(f"GGUF file: no weights for {missing[:4]}")
         return model.to(device).eval()
+
+    @classmethod
+    def random(cls, cfg: LlamaConfig, *, seed: int = 0, std: float = 0.02,
+               dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Llama:
+        """A model of shape ``cfg`` with random weights: normal(0, ``std``) matrices (the usual
+        Llama initializer range), unit norms. For checks and benchmarks without the GGUF."""
+        gen = torch.Generator().manual_seed(seed)
+        model = cls(cfg)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+        return model.to(device=device, dtype=dtype).eval()
+
+    @classmethod
+    def from_hf(cls, hf_model) -> Llama:
+        """Our model with the weights of a transformers ``LlamaForCausalLM`` (same layout: RoPE
+        on the two halves of each head), on its device and in its dtype."""
+        c = hf_model.config
+        cfg = LlamaConfig(
+            vocab_size=c.vocab_size, dim=c.hidden_size, n_layers=c.num_hidden_layers,
+            n_heads=c.num_attention_heads, n_kv_heads=c.num_key_value_heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+            hidden_dim=c.intermediate_size, norm_eps=c.rms_norm_eps,
+            rope_base=_rope_theta(c), max_seq_len=c.max_position_embeddings,
+            tie_embeddings=bool(c.tie_word_embeddings),
+        )
+        hf = hf_model.state_dict()
+        sd = {"tok_embeddings.weight": hf["model.embed_tokens.weight"],
+              "norm.weight": hf["model.norm.weight"], "output.weight": hf["lm_head.weight"]}
+        for i in range(cfg.n_layers):
+            a, m, o = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"layers.{i}."
+            sd[o + "attention.wqkv.weight"] = torch.cat(
+                [hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"]])
+            sd[o + "attention.wo.weight"] = hf[a + "o_proj.weight"]
+            sd[o + "feed_forward.w13.weight"] = torch.cat(
+                [hf[m + "gate_proj.weight"], hf[m + "up_proj.weight"]])
+            sd[o + "feed_forward.w2.weight"] = hf[m + "down_proj.weight"]
+            sd[o + "attention_norm.weight"] = hf[f"model.layers.{i}.input_layernorm.weight"]
+            sd[o + "ffn_norm.weight"] = hf[f"model.layers.{i}.post_attention_layernorm.weight"]
+        w = sd["tok_embeddings.weight"]
+        model = cls(cfg).to(device=w.device, dtype=w.dtype)
+        model.load_state_dict(sd)
+        model.rope_cos, model.rope_sin = (t.to(w.device) for t in rope_table(cfg))
+        return model.eval()
 
     def setup_cache(self, batch_size: int, window: int, page_size: int = 16) -> None:
         """Allocate each layer's KV pool: ``[P, S, Hkv, D]`` with ``S = page_size``,
