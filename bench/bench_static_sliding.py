@@ -98,8 +98,10 @@ def sweep(batches, widths, dtypes, with_flex):
         check_once(sets)
         ours = [lambda s=s: torch.ops.kvops.static_sliding_attention(*s) for s in sets]
         t_ours = time_graph(ours)[1]
+        no_pdl = [lambda s=s: static_sliding_attention_fwd(*s, pdl=False) for s in sets]
+        t_no_pdl = time_graph(no_pdl)[1]
         line = [str(dtype).replace("torch.", ""), B, W, t_ours, tbps(nbytes, t_ours),
-                tbps(nbytes, t_ours) * 1e12 / READ_CEILING]
+                tbps(nbytes, t_ours) * 1e12 / READ_CEILING, t_no_pdl]
         best = None
         for name, fns in peers(sets, B, W, flex_cache).items():
             if isinstance(fns, str):
@@ -116,7 +118,8 @@ def sweep(batches, widths, dtypes, with_flex):
               flush=True)
         del sets
         torch.cuda.empty_cache()
-    headers = ["dtype", "B", "W", "kvops us", "kvops TB/s", "of ceil", "cudnn us", "cudnn TB/s",
+    headers = ["dtype", "B", "W", "kvops us", "kvops TB/s", "of ceil", "no-PDL us", "cudnn us",
+               "cudnn TB/s",
                "flash us", "flash TB/s"] + (["flex us", "flex TB/s"] if with_flex else []) + \
               ["x best sdpa"]
     return headers, rows, ratios

@@ -21,8 +21,10 @@ def _merge_splits_kernel(
     stride_pr, stride_ps,          # PartO [R, NSP, D] (last stride 1)
     stride_or,                     # Out [R, D]
     NSP, D: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # launched early (programmatic dependent launch): wait for stage 1's writes
+        tl.extra.cuda.gdc_wait()
     i_r = tl.program_id(0)
     o_s = tl.arange(0, BLOCK_S)
     o_d = tl.arange(0, BLOCK_D)
@@ -41,9 +43,16 @@ def _merge_splits_kernel(
     tl.store(Lse + i_r, b_lse_out)
 
 
+def use_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch (Hopper and newer): the merge launches while stage 1 is
+    still running and waits on-device, hiding one launch latency. Stage 1 kernels take it as
+    their ``USE_PDL`` constexpr and call ``gdc_launch_dependents``."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor) -> None:
-    """Merge split partials into ``out``/``lse`` in place.
+                 lse: torch.Tensor, pdl: bool = False) -> None:
+    """Merge split partials into ``out``/``lse`` in place (``pdl``: see :func:`use_pdl`).
 
     part_o   [R, NSP, D] float32   normalized partial outputs
     part_lse [R, NSP]    float32   natural-log sum-exp of each split (-inf: empty)
@@ -54,6 +63,6 @@ def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor
     _merge_splits_kernel[(R,)](
         part_o, part_lse, out, lse,
         part_o.stride(0), part_o.stride(1), out.stride(0),
-        NSP, D=D, BLOCK_S=next_pow2(NSP), BLOCK_D=next_pow2(D),
-        num_warps=4 if D >= 128 else 2,
+        NSP, D=D, BLOCK_S=next_pow2(NSP), BLOCK_D=next_pow2(D), USE_PDL=pdl,
+        num_warps=4 if D >= 128 else 2, **({"launch_pdl": True} if pdl else {}),
     )

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from kvops.kernels._attention import LOG2E, finish_rows, online_softmax_tile
 from kvops.kernels._common import dot_precision, next_pow2, sm_count
-from kvops.kernels._splitk import merge_splits
+from kvops.kernels._splitk import merge_splits, use_pdl
 
 
 @triton.jit
@@ -34,8 +34,10 @@ def _sliding_window_kernel(
     W, C, Hkv, NUM_SPLITS,
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_FAR: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_FAR: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # let the split merge launch now; it waits for this grid on-device
+        tl.extra.cuda.gdc_launch_dependents()
     i_bh = tl.program_id(0)
     i_s = tl.program_id(1)
     i_b = (i_bh // Hkv).to(tl.int64)
@@ -110,7 +112,7 @@ def static_sliding_attention_fwd(
     far_k: torch.Tensor | None = None, far_v: torch.Tensor | None = None,
     far_bias: torch.Tensor | None = None, scale: float | None = None,
     *, num_splits: int | None = None, block_n: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None, pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the sliding-window decode kernel. Inputs are already checked by the op.
 
@@ -129,6 +131,7 @@ def static_sliding_attention_fwd(
     if num_splits is None:
         num_splits = default_num_splits(B, Hkv, W, block_n, q.device)
     nsp = num_splits + int(has_far)
+    pdl = nsp > 1 and (use_pdl(q.device) if pdl is None else pdl)
     out = torch.empty((B, Hq, D), device=q.device, dtype=q.dtype)
     lse = torch.empty((B, Hq), device=q.device, dtype=torch.float32)
     if nsp == 1:
@@ -152,10 +155,10 @@ def static_sliding_attention_fwd(
         part_l.stride(0), part_l.stride(1),
         W, C, Hkv, num_splits,
         G=G, D=D, BLOCK_G=max(16, next_pow2(G)), BLOCK_D=next_pow2(D), BLOCK_N=block_n,
-        HAS_FAR=has_far, PRECISION=dot_precision(q.dtype),
+        HAS_FAR=has_far, PRECISION=dot_precision(q.dtype), USE_PDL=pdl,
         num_warps=num_warps or 4, num_stages=num_stages or 3,
     )
     if nsp > 1:
         merge_splits(part_o.view(B * Hq, nsp, D), part_l.view(B * Hq, nsp),
-                     out.view(B * Hq, D), lse.view(B * Hq))
+                     out.view(B * Hq, D), lse.view(B * Hq), pdl=pdl)
     return out, lse
