@@ -1,0 +1,9 @@
+"""Stateful host side: the KV pager (reserve/alias/trim/frame) and the merge-staged transport.
+
+The runtime edits host-side mappings; a frame commits them as fixed-shape device tables that
+the ops read. It never imports models.
+"""
+
+from kvops.runtime.pager import Commit, Frame, OutOfPages, Pager, SpanAllocator, apply_copies
+
+__all__ = ["Commit", "Frame", "OutOfPages", "Pager", "SpanAllocator", "apply_copies"]

@@ -1,0 +1,688 @@
+"""The KV pager (KV-RM section 4.2): page pool, per-session views, four verbs, Frame commits.
+
+The device always runs the same fixed-shape kernels; the pager changes which pages they see.
+
+Pool and allocator
+    ``P`` physical pages of ``S`` tokens. Free pages are kept as maximal spans
+    ``[start, start + n)`` in free lists partitioned by span size (list ``b`` holds spans of
+    ``2**b .. 2**(b+1) - 1`` pages), with boundary tags so that freeing a page coalesces with
+    its neighbours in O(1). A session grows into the page right after its last page when that
+    page starts a free span; a new session is placed in the middle of a span from the largest
+    list, leaving room on both sides; a request for ``n`` pages otherwise takes a span from the
+    smallest list whose spans all hold ``n``. Sessions therefore stay physically contiguous and
+    the transport's trains long. Reserve and trim are O(1) per block.
+
+Views
+    A session (any hashable key) has a slot row in the device tables, a length in tokens and a
+    list of pages, one per logical block ``j`` (tokens ``[j*S, (j+1)*S)``); ``-1`` marks a
+    trimmed block. Pages are reference counted: ``alias`` shares a prefix, and the first write
+    into a shared page (a ``reserve`` whose new tokens land in a partly filled shared tail)
+    copies it first (copy-on-write). The copy is returned in the commit's ``copies`` for the
+    caller to run on the device (:func:`apply_copies`).
+
+Verbs (all inside a frame)
+    ``reserve(session, n_tokens)``: extend the session by ``n_tokens`` (creating it when new),
+    allocating the blocks the new tokens need. ``alias(dst, src, n_tokens)``: a new session
+    ``dst`` sharing the first ``n_tokens`` of ``src``. ``trim(session, blocks=None)``: give the
+    listed logical blocks back (cold blocks), or with ``blocks=None`` end the session (EOS): all
+    its blocks and its slot go back. Pages reach the free lists when their count drops to zero,
+    at commit. Plus the generic ``edit(table, row, values, start=0)``, which writes a run of
+    values into a row of any registered table (policies such as the far view carry their
+    per-session tables through the same commit).
+
+Frame
+    ``with pager.frame() as f: f.reserve(...); ...`` (or ``pager.reserve`` while a frame is
+    open). Every edit goes to the frame's shadow descriptor (an overlay of the touched
+    sessions' blocks and lengths plus pending reference-count changes); the active descriptor is
+    not touched until commit. Commit (at the end of the ``with``, or ``f.commit()``) applies the
+    overlay in O(edits), bumps the epoch, runs the hooks (the transport plans its trains there),
+    writes the changed table entries and ends in ONE host-to-device copy of the fixed-shape
+    table buffer. Committing the same frame again returns the same :class:`Commit` and changes
+    nothing (idempotent retry). An exception inside the ``with`` aborts the frame: pages it
+    allocated go back, and every session's mapping is as before. Running out of pages raises
+    :class:`OutOfPages` from the verb, before it changes anything.
+
+Tables (one int32 buffer on the device, fixed shapes after the first commit)
+    ``block_table [B, L]`` (page of logical block ``j`` of slot ``b``, ``-1`` none),
+    ``seq_lens [B]`` (tokens), plus any table added with :meth:`Pager.add_table` or by a hook
+    (the transport's ``trains [T, 3]``, ``num_trains [1]``, ``win_start [B]``, ``win_len [B]``).
+    ``pager.device_tables[name]`` are views into the device buffer: capture a CUDA graph on them
+    once; every commit refreshes them in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+class OutOfPages(MemoryError):
+    """The pool cannot satisfy a reserve; raised before any mapping changes."""
+
+
+class SpanAllocator:
+    """Free pages as maximal spans in size-partitioned free lists; O(1) take and give."""
+
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages
+        self.free = 0
+        self._len_at: dict[int, int] = {}       # span start -> length
+        self._start_of_last: dict[int, int] = {}  # span's last page -> start
+        self._lists: list[dict[int, None]] = [{} for _ in range(max(1, num_pages.bit_length()))]
+        self._insert(0, num_pages)
+
+    def _insert(self, start: int, n: int) -> None:
+        self._len_at[start] = n
+        self._start_of_last[start + n - 1] = start
+        self._lists[n.bit_length() - 1][start] = None
+        self.free += n
+
+    def _remove(self, start: int) -> int:
+        n = self._len_at.pop(start)
+        del self._start_of_last[start + n - 1]
+        del self._lists[n.bit_length() - 1][start]
+        self.free -= n
+        return n
+
+    def _take_from(self, start: int, offset: int, n: int) -> int:
+        """Cut ``n`` pages at ``start + offset`` out of the free span at ``start``."""
+        length = self._remove(start)
+        if offset:
+            self._insert(start, offset)
+        rest = length - offset - n
+        if rest:
+            self._insert(start + offset + n, rest)
+        return start + offset
+
+    def take_at(self, page: int, n: int) -> int:
+        """Take up to ``n`` pages starting exactly at ``page`` when a free span starts there.
+
+        Returns how many were taken (0 when ``page`` does not start a free span).
+        """
+        length = self._len_at.get(page)
+        if not length:
+            return 0
+        k = min(n, length)
+        self._take_from(page, 0, k)
+        return k
+
+    def take(self, n: int, *, spread: bool = False) -> list[tuple[int, int]]:
+        """Take ``n`` pages as few contiguous runs ``(start, count)`` as the free lists allow.
+
+        ``spread`` (a new session): from the largest list, in the middle of the span, so the
+        session and the one before the span can both grow in place.
+        """
+        if n > self.free:
+            raise OutOfPages(f"pager: need {n} free pages, have {self.free} of {self.num_pages}")
+        runs = []
+        while n:
+            fit = max(0, (n - 1).bit_length())        # spans in list >= fit hold n pages
+            lists = self._lists
+            pick = -1
+            if spread:
+                for b in range(len(lists) - 1, -1, -1):
+                    if lists[b]:
+                        pick = b
+                        break
+            else:
+                for b in range(fit, len(lists)):
+                    if lists[b]:
+                        pick = b
+                        break
+                if pick < 0:                           # nothing holds n: the largest, in parts
+                    for b in range(fit - 1, -1, -1):
+                        if lists[b]:
+                            pick = b
+                            break
+            start = next(iter(lists[pick]))
+            length = self._len_at[start]
+            k = min(n, length)
+            offset = (length - k) // 2 if spread and start > 0 else 0
+            runs.append((self._take_from(start, offset, k), k))
+            n -= k
+        return runs
+
+    def give(self, page: int) -> None:
+        """Return one page, merging it with free neighbours."""
+        start, n = page, 1
+        left = self._start_of_last.get(page - 1)
+        if left is not None:
+            n += self._remove(left)
+            start = left
+        if page + 1 in self._len_at:
+            n += self._remove(page + 1)
+        self._insert(start, n)
+
+    def spans(self) -> list[tuple[int, int]]:
+        """Free spans ``(start, length)`` sorted by start (for tests and stats)."""
+        return sorted(self._len_at.items())
+
+
+@dataclass
+class _Session:
+    slot: int
+    length: int = 0
+    blocks: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SessionDelta:
+    """What a commit changed for one session, for hooks (the transport reads it).
+
+    ``before_*`` describe the active view before the commit (length 0 and no blocks for a new
+    session); ``page_after(j)`` reads the committed view; ``closed`` is an EOS trim.
+    """
+
+    key: Hashable
+    slot: int
+    new: bool
+    closed: bool
+    before_length: int
+    before_blocks: list[int]
+    after_length: int
+    after_overlay: dict[int, int]
+
+    def page_before(self, j: int) -> int:
+        return self.before_blocks[j] if j < len(self.before_blocks) else -1
+
+    def page_after(self, j: int) -> int:
+        if self.closed:
+            return -1
+        page = self.after_overlay.get(j)
+        if page is not None:
+            return page
+        return self.page_before(j)
+
+
+@dataclass
+class Commit:
+    """Result of one frame commit: its epoch, the copy-on-write page copies ``(src, dst)`` the
+    caller must run on the device before the step reads the pool, and what the hooks report."""
+
+    epoch: int
+    copies: list[tuple[int, int]]
+    sessions: int
+    stats: dict = field(default_factory=dict)
+
+
+class Frame:
+    """The shadow descriptor of one step; see the module doc. Get one from :meth:`Pager.frame`."""
+
+    def __init__(self, pager: Pager):
+        self.pager = pager
+        self.epoch = pager.epoch + 1
+        self.result: Commit | None = None
+        self.aborted = False
+        self._overlay: dict[Hashable, dict[int, int]] = {}
+        self._length: dict[Hashable, int] = {}
+        self._new: dict[Hashable, int] = {}            # new session -> slot
+        self._closed: set[Hashable] = set()
+        self._ref: dict[int, int] = {}                 # pending refcount changes
+        self._allocated: list[int] = []
+        self._copies: list[tuple[int, int]] = []
+        self._edits: list[tuple[str, int, int, np.ndarray]] = []
+        self._slots_taken: list[int] = []
+
+    # -- reads through the shadow ------------------------------------------------------------
+    def has(self, key: Hashable) -> bool:
+        """Whether ``key`` is a live session in this frame's view."""
+        if key in self._closed:
+            return False
+        return key in self._new or key in self.pager._sessions
+
+    def length(self, key: Hashable) -> int:
+        """Tokens of ``key`` in this frame's view."""
+        self._require(key)
+        got = self._length.get(key)
+        return got if got is not None else self.pager._sessions[key].length
+
+    def page(self, key: Hashable, j: int) -> int:
+        """Page of logical block ``j`` of ``key`` in this frame's view (``-1`` none)."""
+        self._require(key)
+        over = self._overlay.get(key)
+        if over is not None and j in over:
+            return over[j]
+        sess = self.pager._sessions.get(key)
+        return sess.blocks[j] if sess is not None and j < len(sess.blocks) else -1
+
+    def pages(self, key: Hashable) -> list[int]:
+        """Pages of every logical block of ``key`` in this frame's view."""
+        n = -(-self.length(key) // self.pager.page_size)
+        return [self.page(key, j) for j in range(n)]
+
+    def refcount(self, page: int) -> int:
+        return self.pager._refs[page] + self._ref.get(page, 0)
+
+    def _require(self, key):
+        if not self.has(key):
+            raise KeyError(f"session {key!r}: not a live session")
+
+    def _open(self):
+        if self.result is not None or self.aborted:
+            raise RuntimeError(f"frame of epoch {self.epoch} is closed; open a new frame")
+
+    # -- verbs -------------------------------------------------------------------------------
+    def _new_session(self, key) -> None:
+        pager = self.pager
+        if key in self._closed:
+            raise ValueError(f"session {key!r} ended in this frame; reuse its key in a later "
+                             f"frame")
+        if not pager._free_slots:
+            raise OutOfPages(f"pager: all {pager.max_sessions} session slots are in use")
+        slot = pager._free_slots.pop()
+        self._slots_taken.append(slot)
+        self._new[key] = slot
+        self._length[key] = 0
+        self._overlay[key] = {}
+
+    def _set(self, key, j: int, page: int) -> None:
+        over = self._overlay.get(key)
+        if over is None:
+            over = self._overlay[key] = {}
+        over[j] = page
+
+    def _bump(self, page: int, d: int) -> None:
+        self._ref[page] = self._ref.get(page, 0) + d
+
+    def _alloc(self, n: int, after: int, fresh: bool) -> list[int]:
+        """``n`` pages, continuing right after page ``after`` when it can."""
+        alloc = self.pager._alloc
+        if n > alloc.free:
+            raise OutOfPages(f"pager: need {n} free pages, have {alloc.free} of "
+                             f"{alloc.num_pages}")
+        pages: list[int] = []
+        if after >= 0:
+            k = alloc.take_at(after + 1, n)
+            pages.extend(range(after + 1, after + 1 + k))
+        if len(pages) < n:
+            for start, k in alloc.take(n - len(pages), spread=fresh and not pages):
+                pages.extend(range(start, start + k))
+        self._allocated.extend(pages)
+        for p in pages:
+            self._ref[p] = self._ref.get(p, 0) + 1
+        return pages
+
+    def reserve(self, key: Hashable, n_tokens: int) -> None:
+        """Extend ``key`` by ``n_tokens`` tokens (a new key starts a session)."""
+        self._open()
+        if not isinstance(n_tokens, int) or n_tokens < 0:
+            raise ValueError(f"n_tokens: expected an int >= 0, got {n_tokens!r}")
+        pager = self.pager
+        S, L = pager.page_size, pager.max_blocks
+        fresh = not self.has(key)
+        old = 0 if fresh else self.length(key)
+        new = old + n_tokens
+        nb_old, nb_new = -(-old // S), -(-new // S)
+        if nb_new > L:
+            raise ValueError(f"reserve: session {key!r} would need {nb_new} blocks, the block "
+                             f"table holds L={L}")
+        if n_tokens == 0:
+            if fresh:
+                self._new_session(key)
+            return
+        tail = old // S if old % S else -1           # partly filled block the tokens land in
+        tail_page = self.page(key, tail) if tail >= 0 and not fresh else -1
+        if tail >= 0 and tail_page < 0:
+            raise ValueError(f"reserve: session {key!r} writes into trimmed block {tail}")
+        cow = tail_page >= 0 and self.refcount(tail_page) > 1
+        need = nb_new - nb_old + int(cow)
+        if need > pager._alloc.free:
+            raise OutOfPages(f"pager: reserve({key!r}, {n_tokens}) needs {need} pages, "
+                             f"{pager._alloc.free} of {pager.num_pages} free")
+        if fresh:
+            self._new_session(key)
+        last = self.page(key, nb_old - 1) if nb_old else -1
+        pages = self._alloc(need, last, fresh)
+        if cow:
+            page = pages.pop(0)
+            self._copies.append((tail_page, page))
+            self._bump(tail_page, -1)
+            self._set(key, tail, page)
+        for j, page in zip(range(nb_old, nb_new), pages):
+            self._set(key, j, page)
+        self._length[key] = new
+
+    def alias(self, dst: Hashable, src: Hashable, n_tokens: int) -> None:
+        """New session ``dst`` sharing the first ``n_tokens`` tokens of ``src`` (refcounted)."""
+        self._open()
+        self._require(src)
+        if self.has(dst):
+            raise ValueError(f"alias: destination session {dst!r} already exists")
+        if not isinstance(n_tokens, int) or not 0 <= n_tokens <= self.length(src):
+            raise ValueError(f"alias: n_tokens must be an int in [0, {self.length(src)}] "
+                             f"(the length of {src!r}), got {n_tokens!r}")
+        nb = -(-n_tokens // self.pager.page_size)
+        shared = [self.page(src, j) for j in range(nb)]
+        if any(p < 0 for p in shared):
+            raise ValueError(f"alias: the first {n_tokens} tokens of {src!r} include trimmed "
+                             f"blocks")
+        self._new_session(dst)
+        for j, page in enumerate(shared):
+            self._bump(page, 1)
+            self._set(dst, j, page)
+        self._length[dst] = n_tokens
+
+    def trim(self, key: Hashable, blocks: Iterable[int] | None = None) -> None:
+        """Give back logical ``blocks`` of ``key`` (already trimmed ones are skipped), or end the
+        session (EOS) with ``blocks=None``."""
+        self._open()
+        self._require(key)
+        nb = -(-self.length(key) // self.pager.page_size)
+        if blocks is None:
+            for j in range(nb):
+                page = self.page(key, j)
+                if page >= 0:
+                    self._bump(page, -1)
+            if key in self._new:
+                self.pager._free_slots.append(self._new.pop(key))
+                self._slots_taken.remove(self.pager._free_slots[-1])
+                self._overlay.pop(key, None)
+                self._length.pop(key, None)
+            else:
+                self._closed.add(key)
+            return
+        blocks = list(blocks)
+        bad = [j for j in blocks if not isinstance(j, int) or not 0 <= j < nb]
+        if bad:
+            raise ValueError(f"trim: blocks of {key!r} must lie in [0, {nb}), got {bad[0]!r}")
+        for j in blocks:
+            page = self.page(key, j)
+            if page >= 0:
+                self._bump(page, -1)
+                self._set(key, j, -1)
+
+    def edit(self, table: str, row: int, values, start: int = 0) -> None:
+        """Write ``values`` into ``table[row, start:start + len(values)]`` at commit.
+
+        For a 1-D table, ``row`` is the element index and ``values`` one int. Any table given to
+        :meth:`Pager.add_table` can be edited; edits land in the same single upload.
+        """
+        self._open()
+        offset, shape = self.pager._layout_of(table)
+        vals = np.asarray(values, dtype=np.int32).reshape(-1)
+        width = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+        if not 0 <= row < shape[0] or start < 0 or start + vals.size > width:
+            raise ValueError(f"edit: {table}{list(shape)} has no run row={row}, "
+                             f"[{start}, {start + vals.size})")
+        self._edits.append((table, offset + row * width + start, vals.size, vals))
+
+    # -- commit / abort ----------------------------------------------------------------------
+    def commit(self) -> Commit:
+        """Apply the shadow atomically; a second call returns the first result unchanged."""
+        if self.result is not None:
+            return self.result
+        if self.aborted:
+            raise RuntimeError(f"frame of epoch {self.epoch} was aborted")
+        try:
+            self.result = self.pager._commit(self)
+        except BaseException:
+            self.abort()
+            raise
+        return self.result
+
+    def abort(self) -> None:
+        """Drop the shadow: pages this frame allocated go back, nothing else changes."""
+        if self.result is not None or self.aborted:
+            return
+        self.aborted = True
+        pager = self.pager
+        for page in self._allocated:
+            pager._alloc.give(page)
+        pager._free_slots.extend(self._slots_taken)
+        pager._open = None
+
+    def __enter__(self) -> Frame:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is not None:
+            self.abort()
+        else:
+            self.commit()
+        return False
+
+
+class Pager:
+    """Page pool + session views + Frame commits. See the module doc for the whole contract.
+
+    Parameters
+    ----------
+    num_pages, page_size : int
+        The pool ``[P, S, Hkv, D]`` this pager maps (``P``, ``S``).
+    max_sessions : int
+        ``B``, rows of every per-session table.
+    max_blocks : int
+        ``L``, logical blocks per session the block table holds.
+    device : torch.device or str or None
+        Where the tables are uploaded at each commit (one copy of one int32 buffer; pinned and
+        double-buffered on CUDA). ``None`` keeps host tables only (no upload).
+    """
+
+    def __init__(self, num_pages: int, page_size: int, max_sessions: int, max_blocks: int,
+                 device: torch.device | str | None = None):
+        if num_pages < 1 or max_sessions < 1 or max_blocks < 1:
+            raise ValueError(f"Pager: num_pages, max_sessions and max_blocks must be >= 1, got "
+                             f"{num_pages}, {max_sessions}, {max_blocks}")
+        if page_size < 1 or page_size & (page_size - 1):
+            raise ValueError(f"Pager: page_size must be a power of two, got {page_size}")
+        self.num_pages, self.page_size = num_pages, page_size
+        self.max_sessions, self.max_blocks = max_sessions, max_blocks
+        self.device = torch.device(device) if device is not None else None
+        self.epoch = 0
+        self._alloc = SpanAllocator(num_pages)
+        self._refs = [0] * num_pages
+        self._sessions: dict[Hashable, _Session] = {}
+        self._free_slots = list(range(max_sessions - 1, -1, -1))
+        self._open: Frame | None = None
+        self._hooks: list = []
+        self._specs: dict[str, tuple[tuple[int, ...], int]] = {}
+        self._layout: dict[str, tuple[int, tuple[int, ...]]] = {}
+        self._frozen = False
+        self.add_table("block_table", (max_sessions, max_blocks), fill=-1)
+        self.add_table("seq_lens", (max_sessions,), fill=0)
+
+    # -- tables ------------------------------------------------------------------------------
+    def add_table(self, name: str, shape: tuple[int, ...], fill: int = 0) -> None:
+        """Register an int32 table uploaded with every commit; only before the first frame."""
+        if self._frozen:
+            raise RuntimeError(f"add_table({name!r}): tables are fixed once a frame has opened")
+        if name in self._specs:
+            raise ValueError(f"add_table: table {name!r} already exists")
+        self._specs[name] = (tuple(int(s) for s in shape), int(fill))
+
+    def attach(self, hook) -> None:
+        """Add a commit hook (e.g. the transport): an object with ``tables()`` -> ``{name:
+        (shape, fill)}`` and ``on_commit(frame, deltas) -> stats dict`` (it edits its tables
+        through ``frame.edit``). Only before the first frame."""
+        for name, (shape, fill) in hook.tables().items():
+            self.add_table(name, shape, fill)
+        self._hooks.append(hook)
+
+    def _freeze(self) -> None:
+        offset = 0
+        for name, (shape, _) in self._specs.items():
+            self._layout[name] = (offset, shape)
+            offset += int(np.prod(shape))
+        self._size = offset
+        master = np.empty(offset, dtype=np.int32)
+        for name, (shape, fill) in self._specs.items():
+            off = self._layout[name][0]
+            master[off: off + int(np.prod(shape))] = fill
+        self._master = master
+        self._stage, self._events, self._last_changed = [], [], []
+        self.device_tables: dict[str, torch.Tensor] = {}
+        if self.device is not None:
+            pin = self.device.type == "cuda"
+            for _ in range(2):
+                buf = torch.from_numpy(master.copy())
+                self._stage.append(buf.pin_memory() if pin else buf)
+                self._events.append(torch.cuda.Event() if pin else None)
+            self._device_buf = self._stage[0].to(self.device, copy=True)
+            for name, (off, shape) in self._layout.items():
+                n = int(np.prod(shape))
+                self.device_tables[name] = self._device_buf[off: off + n].view(shape)
+        self.host_tables = {name: master[off: off + int(np.prod(shape))].reshape(shape)
+                            for name, (off, shape) in self._layout.items()}
+        self._frozen = True
+
+    def _layout_of(self, name: str) -> tuple[int, tuple[int, ...]]:
+        if name not in self._layout:
+            raise KeyError(f"table {name!r}: not registered (have {list(self._layout)})")
+        return self._layout[name]
+
+    # -- frames ------------------------------------------------------------------------------
+    def frame(self) -> Frame:
+        """Open the step's frame (one at a time); use as a context manager or call commit()."""
+        if self._open is not None:
+            raise RuntimeError(f"a frame (epoch {self._open.epoch}) is already open")
+        if not self._frozen:
+            self._freeze()
+        self._open = Frame(self)
+        return self._open
+
+    def _current(self) -> Frame:
+        if self._open is None:
+            raise RuntimeError("pager: verbs run inside a frame; use `with pager.frame():`")
+        return self._open
+
+    def reserve(self, session: Hashable, n_tokens: int) -> None:
+        """:meth:`Frame.reserve` on the open frame."""
+        self._current().reserve(session, n_tokens)
+
+    def alias(self, dst_session: Hashable, src_session: Hashable, n_tokens: int) -> None:
+        """:meth:`Frame.alias` on the open frame."""
+        self._current().alias(dst_session, src_session, n_tokens)
+
+    def trim(self, session: Hashable, blocks: Iterable[int] | None = None) -> None:
+        """:meth:`Frame.trim` on the open frame."""
+        self._current().trim(session, blocks)
+
+    def _commit(self, f: Frame) -> Commit:
+        S = self.page_size
+        # 1. deltas (nothing mutated yet, so a failing hook leaves the pager as it was)
+        deltas = []
+        for key in set(self._overlay_keys(f)):
+            sess = self._sessions.get(key)
+            new = key in f._new
+            deltas.append(SessionDelta(
+                key=key, slot=f._new[key] if new else sess.slot, new=new,
+                closed=key in f._closed,
+                before_length=0 if new else sess.length,
+                before_blocks=[] if new else sess.blocks,
+                after_length=0 if key in f._closed else f._length.get(
+                    key, 0 if new else sess.length),
+                after_overlay=f._overlay.get(key, {})))
+        stats: dict = {}
+        for hook in self._hooks:
+            stats.update(hook.on_commit(f, deltas) or {})
+        # 2. apply: refcounts and free lists, views, table entries
+        refs, give = self._refs, self._alloc.give
+        for page, d in f._ref.items():
+            r = refs[page] + d
+            refs[page] = r
+            if r == 0:                  # last reference gone, or allocated and dropped in-frame
+                give(page)
+        L = self.max_blocks
+        bt_off = self._layout["block_table"][0]
+        sl_off = self._layout["seq_lens"][0]
+        idx: list[int] = []
+        val: list[int] = []
+        for dlt in deltas:
+            row = bt_off + dlt.slot * L
+            if dlt.closed:
+                sess = self._sessions.pop(dlt.key)
+                n = -(-sess.length // S)
+                idx.extend(range(row, row + n))
+                val.extend([-1] * n)
+                idx.append(sl_off + dlt.slot)
+                val.append(0)
+                self._free_slots.append(dlt.slot)
+                continue
+            sess = self._sessions.get(dlt.key)
+            if sess is None:
+                sess = self._sessions[dlt.key] = _Session(dlt.slot)
+            blocks = sess.blocks
+            need = -(-dlt.after_length // S)
+            if len(blocks) < need:
+                blocks.extend([-1] * (need - len(blocks)))
+            for j, page in dlt.after_overlay.items():
+                blocks[j] = page
+                idx.append(row + j)
+                val.append(page)
+            if sess.length != dlt.after_length or dlt.new:
+                sess.length = dlt.after_length
+                idx.append(sl_off + dlt.slot)
+                val.append(dlt.after_length)
+        master = self._master
+        changed: list = []
+        if idx:
+            at = np.asarray(idx, dtype=np.int64)
+            master[at] = val
+            changed.append(at)
+        for _, off, n, vals in f._edits:
+            master[off: off + n] = vals
+            changed.append(slice(off, off + n))
+        self.epoch = f.epoch
+        self._open = None
+        self._upload(changed)
+        return Commit(epoch=f.epoch, copies=list(f._copies), sessions=len(self._sessions),
+                      stats=stats)
+
+    @staticmethod
+    def _overlay_keys(f: Frame):
+        yield from f._overlay
+        yield from f._length
+        yield from f._closed
+
+    def _upload(self, changed: list) -> None:
+        """Bring the staging buffer up to date (this and the previous commit's changes, as the
+        other buffer may still be in flight) and copy it to the device in one transfer."""
+        if self.device is None:
+            return
+        i = self.epoch % 2
+        stage = self._stage[i]
+        if self._events[i] is not None:
+            self._events[i].synchronize()
+        buf = stage.numpy()
+        for where in self._last_changed + changed:
+            buf[where] = self._master[where]
+        self._last_changed = changed
+        self._device_buf.copy_(stage, non_blocking=self._events[i] is not None)
+        if self._events[i] is not None:
+            self._events[i].record()
+
+    # -- reads of the committed (active) descriptor -------------------------------------------
+    def sessions(self) -> list[Hashable]:
+        return list(self._sessions)
+
+    def length(self, session: Hashable) -> int:
+        return self._sessions[session].length
+
+    def pages(self, session: Hashable) -> list[int]:
+        """Committed pages of every logical block of ``session`` (``-1`` trimmed)."""
+        return list(self._sessions[session].blocks)
+
+    def slot(self, session: Hashable) -> int:
+        return self._sessions[session].slot
+
+    def refcount(self, page: int) -> int:
+        return self._refs[page]
+
+    @property
+    def free_pages(self) -> int:
+        return self._alloc.free
+
+
+def apply_copies(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 copies: list[tuple[int, int]]) -> None:
+    """Run a commit's copy-on-write copies ``(src_page, dst_page)`` on the pool, K and V."""
+    if not copies:
+        return
+    src, dst = zip(*copies)
+    src_t = torch.tensor(src, dtype=torch.long).to(k_cache.device, non_blocking=True)
+    dst_t = torch.tensor(dst, dtype=torch.long).to(k_cache.device, non_blocking=True)
+    k_cache.index_copy_(0, dst_t, k_cache.index_select(0, src_t))
+    v_cache.index_copy_(0, dst_t, v_cache.index_select(0, src_t))

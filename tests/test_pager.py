@@ -1,0 +1,386 @@
+"""The pager: allocator spans, the four verbs, Frame atomicity, and a hypothesis state machine
+checking after every step that no page leaks or is double-owned, refcounts match mappings,
+copy-on-write isolates sessions, and the uploaded tables equal the views."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvops.runtime import OutOfPages, Pager, SpanAllocator, apply_copies
+
+P, S, B, L = 40, 4, 6, 12
+
+
+class Boom(Exception):
+    pass
+
+
+class PagerMachine(RuleBasedStateMachine):
+    """Model: every session's token tags; the pool's content as a [P, S] array of tags, written
+    through the committed mappings (after the commit's copy-on-write copies)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pager = Pager(P, S, B, L, device="cpu")
+        self.pager.frame().commit()                    # an empty step fixes the tables
+        self.content = np.full((P, S), -1, dtype=np.int64)
+        self.tokens: dict[int, list[int | None]] = {}
+        self.next_key = 0
+        self.next_tag = 0
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _write(self, commit, grown: dict[int, int]):
+        for src, dst in commit.copies:
+            self.content[dst] = self.content[src]
+        for key, old in grown.items():
+            pages = self.pager.pages(key)
+            for p in range(old, self.pager.length(key)):
+                self.next_tag += 1
+                self.content[pages[p // S], p % S] = self.next_tag
+                self.tokens[key].append(self.next_tag)
+
+    def _snapshot(self):
+        pg = self.pager
+        return (pg.epoch, pg.free_pages, pg._alloc.spans(), list(pg._refs),
+                {k: (pg.length(k), pg.pages(k), pg.slot(k)) for k in pg.sessions()},
+                pg.host_tables["block_table"].tolist(),
+                sorted(pg._free_slots))
+
+    # -- rules -----------------------------------------------------------------------------
+    @rule(n=st.integers(1, 14))
+    def new_session(self, n):
+        key = self.next_key
+        self.next_key += 1
+        try:
+            with self.pager.frame() as f:
+                f.reserve(key, n)
+        except (OutOfPages, ValueError):
+            assert key not in self.pager.sessions()
+            return
+        self.tokens[key] = []
+        self._write(f.result, {key: 0})
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), n=st.integers(0, 6))
+    def decode_step(self, data, n):
+        """One frame: every live session grows by n tokens (or some of them)."""
+        keys = data.draw(st.lists(st.sampled_from(sorted(self.tokens)), unique=True, min_size=1))
+        before = self._snapshot()
+        old = {k: self.pager.length(k) for k in keys}
+        try:
+            with self.pager.frame() as f:
+                for k in keys:
+                    f.reserve(k, n)
+        except (OutOfPages, ValueError):
+            assert self._snapshot() == before
+            return
+        self._write(f.result, old)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), frac=st.floats(0, 1))
+    def alias(self, data, frac):
+        src = data.draw(st.sampled_from(sorted(self.tokens)))
+        n = int(frac * self.pager.length(src))
+        dst = self.next_key
+        self.next_key += 1
+        before = self._snapshot()
+        try:
+            with self.pager.frame() as f:
+                f.alias(dst, src, n)
+        except (ValueError, OutOfPages):
+            assert self._snapshot() == before
+            return
+        self.tokens[dst] = self.tokens[src][:n]
+        assert not f.result.copies
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def trim_cold(self, data):
+        key = data.draw(st.sampled_from(sorted(self.tokens)))
+        nb = -(-self.pager.length(key) // S)
+        if nb == 0:
+            return
+        blocks = data.draw(st.lists(st.integers(0, nb - 1), unique=True, max_size=3))
+        with self.pager.frame() as f:
+            f.trim(key, blocks)
+        for j in blocks:
+            for p in range(j * S, min((j + 1) * S, self.pager.length(key))):
+                self.tokens[key][p] = None
+            assert self.pager.pages(key)[j] == -1
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def end_session(self, data):
+        key = data.draw(st.sampled_from(sorted(self.tokens)))
+        with self.pager.frame() as f:
+            f.trim(key)
+        del self.tokens[key]
+        assert key not in self.pager.sessions()
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def mixed_frame(self, data):
+        """Alias, grow both, end another session: all in one frame."""
+        src = data.draw(st.sampled_from(sorted(self.tokens)))
+        victim = data.draw(st.sampled_from(sorted(self.tokens)))
+        n = self.pager.length(src)
+        dst = self.next_key
+        self.next_key += 1
+        before = self._snapshot()
+        old = {src: n, dst: n}
+        try:
+            with self.pager.frame() as f:
+                f.alias(dst, src, n)
+                f.reserve(dst, 2)
+                f.reserve(src, 1)
+                if victim != src:
+                    f.trim(victim)
+        except (ValueError, OutOfPages):
+            assert self._snapshot() == before
+            return
+        self.tokens[dst] = list(self.tokens[src])
+        if victim != src:
+            del self.tokens[victim]
+        self._write(f.result, old)
+
+    @rule(n=st.integers(1, 9), blocks=st.booleans())
+    def short_lived_session(self, n, blocks):
+        """A session that starts and ends (or drops blocks) within one frame."""
+        key = self.next_key
+        self.next_key += 1
+        try:
+            with self.pager.frame() as f:
+                f.reserve(key, n)
+                if blocks:
+                    f.trim(key, [0])
+                f.trim(key)
+        except OutOfPages:
+            return
+        assert key not in self.pager.sessions()
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def failing_frame(self, data):
+        """An exception inside the frame leaves every mapping, count and table as it was."""
+        keys = sorted(self.tokens)
+        before = self._snapshot()
+        with pytest.raises(Boom), self.pager.frame() as f:
+            for k in keys:
+                try:
+                    f.reserve(k, data.draw(st.integers(1, 9)))
+                except (OutOfPages, ValueError):
+                    pass
+            try:
+                f.alias(self.next_key, keys[0], 0)
+            except OutOfPages:
+                pass
+            f.trim(keys[-1])
+            raise Boom
+        assert self._snapshot() == before
+        assert f.aborted
+
+    @rule()
+    def oversized_reserve(self):
+        before = self._snapshot()
+        with pytest.raises(OutOfPages), self.pager.frame() as f:
+            for i in range(B):                         # 6 full sessions need 72 > 40 pages
+                f.reserve(("big", i), L * S)
+        assert self._snapshot() == before
+
+    # -- invariants ------------------------------------------------------------------------
+    @invariant()
+    def pages_accounted(self):
+        pg = self.pager
+        owners = np.zeros(P, dtype=np.int64)
+        for key in pg.sessions():
+            for page in pg.pages(key):
+                if page >= 0:
+                    owners[page] += 1
+        assert list(owners) == pg._refs, "refcounts differ from the mappings"
+        free = np.zeros(P, dtype=bool)
+        for start, n in pg._alloc.spans():
+            assert not free[start: start + n].any(), "free spans overlap"
+            free[start: start + n] = True
+        assert not (free & (owners > 0)).any(), "a mapped page is on a free list"
+        assert free.sum() + (owners > 0).sum() == P, "a page leaked"
+        assert pg.free_pages == free.sum()
+        spans = pg._alloc.spans()
+        for (a, n), (b, _) in zip(spans, spans[1:]):
+            assert a + n < b, "adjacent free spans were not coalesced"
+
+    @invariant()
+    def sessions_see_their_own_tokens(self):
+        pg = self.pager
+        assert sorted(pg.sessions()) == sorted(self.tokens)
+        for key, toks in self.tokens.items():
+            assert pg.length(key) == len(toks)
+            pages = pg.pages(key)
+            for p, tag in enumerate(toks):
+                if tag is not None:
+                    assert self.content[pages[p // S], p % S] == tag, (
+                        f"session {key} token {p}: sees another session's write")
+
+    @invariant()
+    def tables_match_views(self):
+        pg = self.pager
+        bt = pg.host_tables["block_table"]
+        lens = pg.host_tables["seq_lens"]
+        slots = set()
+        for key in pg.sessions():
+            slot = pg.slot(key)
+            slots.add(slot)
+            pages = pg.pages(key)
+            assert list(bt[slot, : len(pages)]) == pages
+            assert (bt[slot, len(pages):] == -1).all()
+            assert lens[slot] == pg.length(key)
+        for slot in set(range(B)) - slots:
+            assert (bt[slot] == -1).all() and lens[slot] == 0
+        for name, host in pg.host_tables.items():
+            assert np.array_equal(pg.device_tables[name].numpy(), host), f"{name} not uploaded"
+
+    def teardown(self):
+        with self.pager.frame() as f:
+            for key in list(self.tokens):
+                f.trim(key)
+        assert self.pager.free_pages == P and self.pager._alloc.spans() == [(0, P)]
+        assert not any(self.pager._refs)
+
+
+TestPagerMachine = PagerMachine.TestCase
+TestPagerMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_allocator_coalesces_and_prefers_contiguous():
+    a = SpanAllocator(32)
+    runs = a.take(5)
+    assert runs == [(0, 5)]
+    assert a.take_at(5, 3) == 3 and a.spans() == [(8, 24)]
+    assert a.take_at(9, 1) == 0                    # 9 is inside a span, not its start
+    (start, n), = a.take(4, spread=True)           # a new session lands mid-span
+    assert n == 4 and start == 8 + (24 - 4) // 2
+    for p in range(8):
+        a.give(p)
+    assert a.spans() == [(0, 18), (22, 10)]
+    for p in range(start, start + 4):
+        a.give(p)
+    assert a.spans() == [(0, 32)] and a.free == 32
+    with pytest.raises(OutOfPages):
+        a.take(33)
+
+
+def test_growth_stays_contiguous_for_interleaved_sessions():
+    """Eight sessions decoding in lockstep still get physically contiguous pages."""
+    pg = Pager(256, 16, 8, 32)
+    for step in range(16 * 20):
+        with pg.frame() as f:
+            for s in range(8):
+                f.reserve(s, 1 if step else 1)
+    for s in range(8):
+        pages = pg.pages(s)
+        assert len(pages) == 20
+        assert pages == list(range(pages[0], pages[0] + 20)), f"session {s}: {pages}"
+
+
+def test_cow_on_shared_tail_and_commit_copies():
+    k = torch.arange(8 * 4, dtype=torch.float32).view(8, 4, 1, 1).repeat(1, 1, 1, 16)
+    v = -k
+    pg = Pager(8, 4, 4, 4)
+    with pg.frame() as f:
+        f.reserve("a", 6)                          # blocks 0 (full) and 1 (2 tokens)
+    with pg.frame() as f:
+        f.alias("b", "a", 6)
+        f.reserve("b", 1)                          # writes into shared block 1 -> copy
+    commit = f.result
+    a1, b1 = pg.pages("a")[1], pg.pages("b")[1]
+    assert commit.copies == [(a1, b1)] and a1 != b1
+    assert pg.pages("a")[0] == pg.pages("b")[0] and pg.refcount(pg.pages("a")[0]) == 2
+    apply_copies(k, v, commit.copies)
+    assert torch.equal(k[b1], k[a1]) and torch.equal(v[b1], v[a1])
+    with pg.frame() as f:
+        f.reserve("a", 1)                          # block 1 of a is no longer shared
+    assert not f.result.copies and pg.pages("a")[1] == a1
+
+
+def test_commit_is_idempotent_and_verbs_need_a_frame():
+    pg = Pager(16, 8, 2, 4, device="cpu")
+    with pytest.raises(RuntimeError, match="inside a frame"):
+        pg.reserve("a", 3)
+    f = pg.frame()
+    pg.reserve("a", 9)
+    with pytest.raises(RuntimeError, match="already open"):
+        pg.frame()
+    first = f.commit()
+    state = (pg.epoch, pg.pages("a"), pg.free_pages, pg.device_tables["seq_lens"].clone())
+    again = f.commit()
+    assert again is first and first.epoch == 1
+    assert (pg.epoch, pg.pages("a"), pg.free_pages) == state[:3]
+    assert torch.equal(pg.device_tables["seq_lens"], state[3])
+    with pytest.raises(RuntimeError, match="closed"):
+        f.reserve("a", 1)
+
+
+def test_out_of_pages_leaves_mappings_intact():
+    pg = Pager(6, 4, 4, 8)
+    with pg.frame() as f:
+        f.reserve("a", 12)
+        f.reserve("b", 8)
+    before = (pg.pages("a"), pg.pages("b"), pg.free_pages, pg.epoch)
+    with pytest.raises(OutOfPages, match="needs 2 pages, 0 of 6 free"), pg.frame() as f:
+        f.reserve("a", 1)                          # fits: takes the last page
+        f.reserve("b", 8)                          # does not
+    assert (pg.pages("a"), pg.pages("b"), pg.free_pages, pg.epoch) == before
+    with pytest.raises(OutOfPages, match="session slots"), pg.frame() as f:
+        for s in range(5):
+            f.reserve(("s", s), 0)
+    assert pg.free_pages == 1
+
+
+def test_generic_table_edits_ride_the_same_commit():
+    """A policy (e.g. the far view) registers its own table and edits rows inside frames."""
+    pg = Pager(16, 8, 3, 4, device="cpu")
+    pg.add_table("far_chunks", (3, 2, 4), fill=-1)
+    with pg.frame() as f:
+        f.reserve("a", 5)
+        f.edit("far_chunks", pg_slot := 0, [7, 8, 9, 10], start=4)
+    assert pg.device_tables["far_chunks"][pg_slot].tolist() == [[-1] * 4, [7, 8, 9, 10]]
+    with pytest.raises(Boom), pg.frame() as f:
+        f.edit("far_chunks", 1, [1])
+        raise Boom
+    assert (pg.device_tables["far_chunks"][1] == -1).all()
+    with pytest.raises(ValueError, match="no run"), pg.frame() as f:
+        f.edit("far_chunks", 0, [1, 2], start=7)
+    with pytest.raises(RuntimeError, match="fixed once"):
+        pg.add_table("late", (1,))
+
+
+def test_bad_verb_arguments_raise():
+    pg = Pager(16, 4, 4, 3)
+    with pytest.raises(ValueError, match="block table holds L=3"), pg.frame() as f:
+        f.reserve("a", 13)
+    with pg.frame() as f:
+        f.reserve("a", 5)
+    with pytest.raises(ValueError, match=r"n_tokens must be an int in \[0, 5\]"), \
+            pg.frame() as f:
+        f.alias("b", "a", 6)
+    with pytest.raises(ValueError, match="already exists"), pg.frame() as f:
+        f.alias("a", "a", 1)
+    with pytest.raises(KeyError), pg.frame() as f:
+        f.trim("zzz")
+    with pytest.raises(ValueError, match=r"blocks of 'a' must lie in \[0, 2\)"), \
+            pg.frame() as f:
+        f.trim("a", [2])
+    with pg.frame() as f:
+        f.trim("a", [1])
+    with pytest.raises(ValueError, match="trimmed block"), pg.frame() as f:
+        f.reserve("a", 1)
+    with pytest.raises(ValueError, match="trimmed blocks"), pg.frame() as f:
+        f.alias("c", "a", 5)
+    with pytest.raises(ValueError, match="ended in this frame"), pg.frame() as f:
+        f.trim("a")
+        f.reserve("a", 1)
+    assert pg.pages("a")[0] >= 0 and pg.free_pages == 15
