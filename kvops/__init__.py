@@ -9,6 +9,7 @@ Importing kvops registers the ``torch.ops.kvops.*`` ops. Public names:
 from kvops._config import backend, validate
 from kvops.ops import (
     elastic_attention,
+    far_view_summarize,
     pack_base_pairs,
     paged_gather_merged,
     refine_base_pairs,
@@ -16,5 +17,5 @@ from kvops.ops import (
 )
 
 __all__ = ["backend", "validate", "static_sliding_attention", "paged_gather_merged",
-           "pack_base_pairs", "refine_base_pairs", "elastic_attention"]
+           "pack_base_pairs", "refine_base_pairs", "elastic_attention", "far_view_summarize"]
 __version__ = "0.1.0"

@@ -1,0 +1,93 @@
+"""``torch.ops.kvops.far_view_summarize``: uniform summaries of far chunks of paged KV.
+
+KV-RM far-view summarization (paper section 4.4): a far chunk of ``sv_chunk = M * S`` tokens is
+represented by the mean of its keys and the mean of its values, which the decode kernel then
+sees as one far slot (``static_sliding_attention``'s ``far_k``/``far_v``, with
+``far_bias = log(M * S)``). See CONTRACT.md for the binding semantics; in short:
+
+- k_cache, v_cache [P, S, Hkv, D] (NHD pool), the same dtype (float16, bfloat16 or float32);
+  each page's ``[Hkv, D]`` rows dense (``stride(3) == 1``, ``stride(2) == D``); other strides free.
+- chunk_table int32 [B, C, M]: the M pages of far chunk c of sequence b, in token order. A chunk
+  whose first page is -1 is an empty slot. All pages of a chunk are full (S tokens each).
+- Returns k_sum, v_sum [B, C, Hkv, D] in the cache dtype: the mean over the chunk's M * S tokens,
+  accumulated in float32; zeros for an empty slot.
+
+Values outside the documented ranges are not read out of bounds: in a non-empty chunk, a page
+id outside ``[0, P)`` contributes zeros (the divisor stays M * S). Validation mode
+(kvops.validate(True)) raises IndexError for such ids instead.
+
+Implementations: CUDA tensors run ``kvops.kernels.far_view_summarize`` (Triton); CPU tensors run
+:func:`far_view_summarize_ref` (or the interpreted kernel under backend "triton"). Output shapes
+depend on input shapes only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvops import _checks
+from kvops._config import use_triton, validate
+
+
+def _check(k_cache, v_cache, chunk_table) -> None:
+    _checks.tensor("k_cache", k_cache, rank=4, dtypes=_checks.KV_DTYPES)
+    dev = k_cache.device
+    P, S, Hkv, D = k_cache.shape
+    if P < 1:
+        raise ValueError(f"k_cache: expected at least one page, got P={P}")
+    if Hkv < 1:
+        raise ValueError(f"k_cache: expected at least one KV head, got Hkv={Hkv}")
+    _checks.page_size("k_cache", S)
+    _checks.head_dim("k_cache", D)
+    _checks.tensor("v_cache", v_cache, rank=4, device=dev)
+    _checks.same_dtype("v_cache", v_cache, "k_cache", k_cache)
+    _checks.shape("v_cache", v_cache, (P, S, Hkv, D), "P S Hkv D")
+    _checks.tensor("chunk_table", chunk_table, rank=3, dtypes=(torch.int32,), device=dev)
+    if chunk_table.shape[2] < 1:
+        raise ValueError(f"chunk_table: expected at least one page per chunk (M >= 1), got shape "
+                         f"{tuple(chunk_table.shape)}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(3) != 1 or t.stride(2) != D:
+            raise ValueError(f"{name}: expected each page's [Hkv, D] rows dense (strides (..., {D}, 1)), "
+                             f"got strides {t.stride()}")
+
+
+def far_view_summarize_ref(k_cache: Tensor, v_cache: Tensor, chunk_table: Tensor) -> tuple[Tensor, Tensor]:
+    """PyTorch reference (float32 sums); the CPU implementation. Shapes as in the module doc."""
+    P, S, Hkv, D = k_cache.shape
+    B, C, M = chunk_table.shape
+    pages = chunk_table.long()
+    live = (pages[..., :1] >= 0) & (pages >= 0) & (pages < P)              # [B, C, M]
+    safe = torch.where(live, pages, 0).flatten()
+    weight = live.flatten().to(torch.float32)[:, None, None, None]
+    sums = []
+    for cache in (k_cache, v_cache):
+        rows = cache.index_select(0, safe).float() * weight                # [B*C*M, S, Hkv, D]
+        total = rows.view(B, C, M * S, Hkv, D).sum(dim=2)
+        sums.append((total / (M * S)).to(cache.dtype))
+    return sums[0], sums[1]
+
+
+@torch.library.custom_op("kvops::far_view_summarize", mutates_args=())
+def far_view_summarize(k_cache: Tensor, v_cache: Tensor, chunk_table: Tensor) -> tuple[Tensor, Tensor]:
+    """Mean K and V of each far chunk; see the module doc."""
+    _check(k_cache, v_cache, chunk_table)
+    if validate():
+        P = k_cache.shape[0]
+        _checks.index_range("chunk_table[..., 0] (first page)", chunk_table[..., 0], 0, P, allow=-1)
+        live = chunk_table[chunk_table[..., 0] >= 0]
+        _checks.index_range("chunk_table (pages of a non-empty chunk)", live, 0, P)
+    if use_triton(k_cache.device):
+        from kvops.kernels.far_view_summarize import far_view_summarize_fwd
+
+        return far_view_summarize_fwd(k_cache, v_cache, chunk_table)
+    return far_view_summarize_ref(k_cache, v_cache, chunk_table)
+
+
+@far_view_summarize.register_fake
+def _(k_cache, v_cache, chunk_table):
+    _check(k_cache, v_cache, chunk_table)
+    B, C, _ = chunk_table.shape
+    _, _, Hkv, D = k_cache.shape
+    return k_cache.new_empty((B, C, Hkv, D)), v_cache.new_empty((B, C, Hkv, D))
