@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import time
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +94,7 @@ def sweep(batches, widths, dtypes, with_flex):
     rows, ratios = [], []
     flex_cache = {} if with_flex else None
     for dtype, B, W in itertools.product(dtypes, batches, widths):
+        t_start = time.perf_counter()
         nbytes = 2 * B * W * HKV * D * torch.tensor([], dtype=dtype).element_size()
         sets = make_sets(B, W, dtype, rotation(nbytes))
         check_once(sets)
@@ -115,7 +117,7 @@ def sweep(batches, widths, dtypes, with_flex):
         ratios.append((B, W, ratio))
         rows.append(line + [ratio])
         print(" ".join(str(c) if not isinstance(c, float) else f"{c:.2f}" for c in line + [ratio]),
-              flush=True)
+              f"({time.perf_counter() - t_start:.1f} s)", flush=True)
         del sets
         torch.cuda.empty_cache()
     headers = ["dtype", "B", "W", "kvops us", "kvops TB/s", "of ceil", "no-PDL us", "cudnn us",
