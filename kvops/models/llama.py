@@ -230,8 +230,13 @@ class Llama(nn.Module):
 
     def forward(self, tokens: Tensor) -> Tensor:
         """Dense causal forward (the reference): ``tokens [B, T]`` -> logits float32 ``[B, T, V]``."""
-        logits, _ = self._dense(tokens)
-        return logits
+        return self.output(self.hidden_states(tokens)).float()
+
+    def hidden_states(self, tokens: Tensor) -> Tensor:
+        """Final-norm hidden states ``[B, T, dim]`` of the dense causal forward (project them with
+        ``model.output`` a chunk at a time when ``T * V`` logits would not fit)."""
+        x, _ = self._dense(tokens)
+        return x
 
     def _dense(self, tokens: Tensor) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
         T = tokens.shape[-1]
@@ -245,7 +250,7 @@ class Llama(nn.Module):
             x = x + h
             x = x + block.feed_forward(block.ffn_norm(x))
             kvs.append((k, v))
-        return self.output(self.norm(x)).float(), kvs
+        return self.norm(x), kvs
 
     @torch.no_grad()
     def prefill(self, tokens: Tensor, seq: int) -> Tensor:
@@ -259,14 +264,14 @@ class Llama(nn.Module):
         T, W = tokens.shape[0], self.window
         if T < 1:
             raise ValueError("tokens: expected at least one token, got 0")
-        logits, kvs = self._dense(tokens[None])
+        x, kvs = self._dense(tokens[None])
         keep = torch.arange(max(0, T - W), T, device=tokens.device)
         flat = seq * W + keep % W
         for block, (k, v) in zip(self.layers, kvs):
             P, S, Hkv, D = block.attention.k_cache.shape
             block.attention.k_cache.view(P * S, Hkv, D).index_copy_(0, flat, k[0, keep])
             block.attention.v_cache.view(P * S, Hkv, D).index_copy_(0, flat, v[0, keep])
-        return logits[0]
+        return self.output(x[0]).float()
 
     def decode_step(self, tokens: Tensor, pos: Tensor) -> Tensor:
         """One fixed-shape decode step for all ``B`` sequences.
