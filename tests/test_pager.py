@@ -353,7 +353,7 @@ def test_generic_table_edits_ride_the_same_commit():
         raise Boom
     assert (pg.device_tables["far_chunks"][1] == -1).all()
     with pytest.raises(ValueError, match="no run"), pg.frame() as f:
-        f.edit("far_chunks", 0, [1, 2], start=7)
+        f.edit("far_chunks", 2, [1, 2], start=7)
     with pytest.raises(RuntimeError, match="fixed once"):
         pg.add_table("late", (1,))
 

@@ -5,5 +5,7 @@ the ops read. It never imports models.
 """
 
 from kvops.runtime.pager import Commit, Frame, OutOfPages, Pager, SpanAllocator, apply_copies
+from kvops.runtime.transport import Transport
 
-__all__ = ["Commit", "Frame", "OutOfPages", "Pager", "SpanAllocator", "apply_copies"]
+__all__ = ["Commit", "Frame", "OutOfPages", "Pager", "SpanAllocator", "Transport",
+           "apply_copies"]

@@ -223,7 +223,7 @@ class Frame:
         self._ref: dict[int, int] = {}                 # pending refcount changes
         self._allocated: list[int] = []
         self._copies: list[tuple[int, int]] = []
-        self._edits: list[tuple[str, int, int, np.ndarray]] = []
+        self._edits: list[tuple[slice | np.ndarray, np.ndarray]] = []
         self._slots_taken: list[int] = []
 
     # -- reads through the shadow ------------------------------------------------------------
@@ -395,19 +395,37 @@ class Frame:
                 self._set(key, j, -1)
 
     def edit(self, table: str, row: int, values, start: int = 0) -> None:
-        """Write ``values`` into ``table[row, start:start + len(values)]`` at commit.
+        """Write ``values`` as a run from ``table[row, start]`` at commit (row-major, so a
+        long run continues into the following rows).
 
-        For a 1-D table, ``row`` is the element index and ``values`` one int. Any table given to
+        For a 1-D table, ``row`` is the element index. Any table given to
         :meth:`Pager.add_table` can be edited; edits land in the same single upload.
         """
         self._open()
         offset, shape = self.pager._layout_of(table)
         vals = np.asarray(values, dtype=np.int32).reshape(-1)
         width = int(np.prod(shape[1:])) if len(shape) > 1 else 1
-        if not 0 <= row < shape[0] or start < 0 or start + vals.size > width:
+        if not 0 <= row < shape[0] or start < 0 or row * width + start + vals.size > \
+                shape[0] * width:
             raise ValueError(f"edit: {table}{list(shape)} has no run row={row}, "
                              f"[{start}, {start + vals.size})")
-        self._edits.append((table, offset + row * width + start, vals.size, vals))
+        at = offset + row * width + start
+        self._edits.append((slice(at, at + vals.size), vals))
+
+    def scatter(self, table: str, rows, values) -> None:
+        """Write ``table[rows[i]] = values[i]`` into a 1-D table at commit."""
+        self._open()
+        offset, shape = self.pager._layout_of(table)
+        if len(shape) != 1:
+            raise ValueError(f"scatter: {table}{list(shape)} is not 1-D; use edit()")
+        at = np.asarray(rows, dtype=np.int64)
+        vals = np.asarray(values, dtype=np.int32)
+        if at.shape != vals.shape or at.ndim != 1:
+            raise ValueError(f"scatter: rows and values must be equal-length 1-D, got "
+                             f"{at.shape} and {vals.shape}")
+        if at.size and (at.min() < 0 or at.max() >= shape[0]):
+            raise ValueError(f"scatter: rows of {table}[{shape[0]}] out of range")
+        self._edits.append((at + offset, vals))
 
     # -- commit / abort ----------------------------------------------------------------------
     def commit(self) -> Commit:
@@ -622,9 +640,9 @@ class Pager:
             at = np.asarray(idx, dtype=np.int64)
             master[at] = val
             changed.append(at)
-        for _, off, n, vals in f._edits:
-            master[off: off + n] = vals
-            changed.append(slice(off, off + n))
+        for where, vals in f._edits:
+            master[where] = vals
+            changed.append(where)
         self.epoch = f.epoch
         self._open = None
         self._upload(changed)
