@@ -9,6 +9,7 @@ import torch
 import kvops
 from kvops.layouts import arena_as_pages, plan_trains
 from kvops.runtime import Pager, Transport, apply_copies
+from tests.conftest import KERNEL_DEVICES
 
 S, HKV, D = 8, 1, 16
 
@@ -69,14 +70,12 @@ class Harness:
         return self.tags[key] * 1000 + p
 
 
-@pytest.fixture(params=["torch", "triton"])
+@pytest.fixture(params=[("torch", "cpu")] + [("triton", d) for d in KERNEL_DEVICES],
+                ids=lambda p: f"{p[0]}-{p[1]}")
 def harness(request):
-    if request.param == "torch":
-        device = torch.device("cpu")
-    else:
-        device = request.getfixturevalue("kernel_device")
-    with kvops.backend(request.param if device.type == "cpu" else "auto"):
-        yield Harness(device)
+    impl, device = request.param
+    with kvops.backend(impl if device == "cpu" else "auto"):
+        yield Harness(torch.device(device))
 
 
 def test_decode_moves_one_page_per_session_per_step(harness):
