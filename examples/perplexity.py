@@ -13,7 +13,8 @@ tokens, and the perplexity is exp of the mean next-token NLL over tokens 2..N.
   sliding-window attention, the floor that the far view and fidelity control improve on.
   The first ``min(W, N) / 2`` tokens are prefilled, the rest decoded.
 
-Writes ``bench/results/<date>-smollm2-perplexity.md`` (and ``$OUT``). Run from the repo root.
+Writes ``bench/results/<date>-smollm2-perplexity[-decode].md`` (and ``$OUT``). Run from the repo
+root.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
         table(["context N", "path", "window W", "perplexity", "seconds"], rows),
     ])
     print(body)
-    print(write_result("smollm2-perplexity", body))
+    print(write_result("smollm2-perplexity" + ("-decode" if args.decode else ""), body))
 
 
 if __name__ == "__main__":

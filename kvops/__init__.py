@@ -3,7 +3,9 @@
 Importing kvops registers the ``torch.ops.kvops.*`` ops. Public names:
 
 - ops: :func:`static_sliding_attention` (also ``torch.ops.kvops.static_sliding_attention``);
-- settings: :func:`backend` ("auto" | "torch" | "triton") and :func:`validate`.
+- settings: :func:`backend` ("auto" | "torch" | "triton") and :func:`validate`;
+- ``kvops.models`` (imported on demand): SmolLM2-135M decoding through these ops,
+  ``kvops.models.generate(prompt, max_new_tokens, device)`` (docs/models.md).
 """
 
 from kvops._config import backend, validate

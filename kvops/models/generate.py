@@ -131,7 +131,7 @@ def generate(prompt: str, max_new_tokens: int = 64, device: str | torch.device |
     step = model.decode_step
     if compile:
         mode = "reduce-overhead" if device.type == "cuda" else None
-        step = torch.compile(model.decode_step, mode=mode, fullgraph=True)
+        step = torch.compile(model.decode_step, mode=mode, fullgraph=True, dynamic=False)
     new, t = greedy_decode(model, ids, max_new_tokens, step=step,
                            eos_id=tok.eos_id if stop_at_eos else None)
     steps = t["decode_steps"]
