@@ -13,7 +13,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import kvops
-from kvops.models import SMOLLM2_135M, Llama, LlamaConfig, ModelUnavailable
+from kvops.models import SMOLLM2_135M, Llama, LlamaConfig, ModelUnavailable, greedy_decode
 from kvops.models import gguf as gguf_mod
 from kvops.models.reference import (
     decode_vs_transformers,
@@ -207,3 +207,18 @@ def test_cuda_compiled_step_once_and_graph_replay():
     assert counter.frame_count == 1, f"decode step compiled {counter.frame_count} times"
     rel = rel_l2(got, want)
     assert rel < BF16_REL_L2, f"compiled+graph vs eager: logits relative L2 error {rel:.3e}"
+
+
+@requires_cuda
+def test_cuda_greedy_decode_reduce_overhead_matches_eager():
+    """generate()'s CUDA path: the step compiled with mode="reduce-overhead" (CUDA graphs)
+    produces the eager step's greedy tokens (float32, SmolLM2 shape, random weights)."""
+    model = Llama.random(SMOLLM2_135M, seed=10, device="cuda", dtype=torch.float32)
+    prompt = random_prompts([29], SMOLLM2_135M.vocab_size, "cpu", seed=10)[0].tolist()
+    model.setup_cache(batch_size=1, window=64, page_size=16)
+    want, _ = greedy_decode(model, prompt, 32)
+    model.setup_cache(batch_size=1, window=64, page_size=16)
+    step = torch.compile(model.decode_step, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    got, timing = greedy_decode(model, prompt, 32, step=step)
+    assert got == want
+    assert timing["decode_steps"] == 30 and timing["decode_s"] > 0
