@@ -4,8 +4,9 @@ The runtime edits host-side mappings; a frame commits them as fixed-shape device
 the ops read. It never imports models.
 """
 
+from kvops.runtime.far_view import FarView
 from kvops.runtime.pager import Commit, Frame, OutOfPages, Pager, SpanAllocator, apply_copies
 from kvops.runtime.transport import Transport
 
-__all__ = ["Commit", "Frame", "OutOfPages", "Pager", "SpanAllocator", "Transport",
+__all__ = ["Commit", "FarView", "Frame", "OutOfPages", "Pager", "SpanAllocator", "Transport",
            "apply_copies"]

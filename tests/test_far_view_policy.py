@@ -1,0 +1,365 @@
+"""FarView policy: summaries computed once when chunks leave the window, EMA utility from the
+kernel's lse, top-C selection committed through the pager's frame, the log-count bias switch."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import kvops
+from kvops.ops.static_sliding_attention import static_sliding_attention_ref
+from kvops.runtime import FarView, Pager
+from tests.conftest import requires_cuda
+
+S, W, CHUNK, HKV, G, D, LAYERS = 8, 16, 16, 2, 2, 16, 2
+M = CHUNK // S
+
+
+def setup(cap=2, max_leave=1, sessions=2, ema=0.9, bias=True, seed=0, pages=64):
+    pager = Pager(pages, S, max_sessions=sessions, max_blocks=24, device="cpu")
+    far = FarView(pager, window_tokens=W, chunk_tokens=CHUNK, cap=cap, num_layers=LAYERS,
+                  num_kv_heads=HKV, head_dim=D, dtype=torch.float32, max_leave=max_leave,
+                  ema=ema, log_count_bias=bias)
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(LAYERS, pages, S, HKV, D, generator=gen)
+    v = torch.randn(LAYERS, pages, S, HKV, D, generator=gen)
+    return pager, far, k, v
+
+
+def commit(pager, far, k, v, grow):
+    """One step: a frame reserving ``grow[key]`` tokens, then every layer's absorb. Returns
+    the chunk ids summarized in the step per slot (read from the committed leave table)."""
+    with pager.frame() as f:
+        for key, n in grow.items():
+            f.reserve(key, n)
+    ids = pager.host_tables["far_leave_ids"].reshape(far.B, far.max_leave)
+    for layer in range(LAYERS):
+        far.absorb(layer, k[layer], v[layer])
+    return {b: [j for j in ids[b].tolist() if j != far.J] for b in range(far.B)}
+
+
+def chunk_mean(cache, pages, j):
+    rows = torch.cat([cache[p] for p in pages[j * M:(j + 1) * M]]).double()
+    return rows.mean(0)
+
+
+def test_chunks_are_summarized_once_when_they_leave_the_window():
+    pager, far, k, v = setup()
+    seen: list[int] = []
+    for step in range(12):                       # one block per step
+        got = commit(pager, far, k, v, {"a": S})
+        slot = pager.slot("a")
+        seen += got[slot]
+        nb = step + 1
+        assert far.summarized(slot) == list(range(max(0, nb - W // S) // M)), f"step {step}"
+    assert seen == list(range(5))                # each chunk in exactly one step's table
+    pages = pager.pages("a")
+    before = far.k_store.clone()
+    k[:, pages[0]] += 100.0                      # cached: later steps do not re-read chunk 0
+    commit(pager, far, k, v, {"a": S})
+    assert torch.equal(far.k_store[:, slot, 0], before[:, slot, 0])
+    for layer in range(LAYERS):
+        for j in range(5):
+            torch.testing.assert_close(far.v_store[layer, slot, j].double(),
+                                       chunk_mean(v[layer], pages, j))
+            if j:
+                torch.testing.assert_close(far.k_store[layer, slot, j].double(),
+                                           chunk_mean(k[layer], pages, j))
+
+
+def test_prefill_queue_drains_max_leave_per_commit():
+    pager, far, k, v = setup(max_leave=2)
+    got = commit(pager, far, k, v, {"a": 14 * S})       # 14 blocks: 6 far chunks at once
+    slot = pager.slot("a")
+    assert got[slot] == [0, 1] and far.last["pending"] == 4
+    got = commit(pager, far, k, v, {})                   # an empty frame still drains
+    assert got[slot] == [2, 3]
+    got = commit(pager, far, k, v, {"a": 0})
+    assert got[slot] == [4, 5] and far.last["pending"] == 0
+    got = commit(pager, far, k, v, {})
+    assert got[slot] == []                               # last commit's rows cleared
+    assert np.all(pager.host_tables["far_leave_pages"] == -1)
+    pages = pager.pages("a")
+    for j in range(6):
+        torch.testing.assert_close(far.k_store[1, slot, j].double(), chunk_mean(k[1], pages, j))
+
+
+def test_selection_is_top_cap_by_utility_and_fresh_chunks_get_in():
+    pager, far, k, v = setup(cap=2, max_leave=8)
+    commit(pager, far, k, v, {"a": 10 * S})              # chunks 0..3 far, all fresh
+    slot = pager.slot("a")
+    # four fresh chunks, cap 2: the newest two win the tie
+    assert far.selection(0, slot) == [2, 3]
+    far.host_scores[0, slot, :4] = [0.5, 0.9, 0.1, 0.2]
+    far.host_scores[1, slot, :4] = [0.3, 0.3, 0.3, 0.0]
+    commit(pager, far, k, v, {"a": 1})
+    assert far.selection(0, slot) == [0, 1]
+    assert far.selection(1, slot) == [1, 2]              # ties broken toward the newer chunk
+    commit(pager, far, k, v, {"a": 2 * S - 1})           # 12 blocks: chunk 4 becomes far
+    assert 4 in far.selection(0, slot) and 4 in far.selection(1, slot)
+    assert far.selection(0, slot) == [1, 4]
+    assert far.last["select_rows_changed"] == 2
+    far.host_scores[:, slot, 4] = 1.0                    # as pull_scores would bring it
+    commit(pager, far, k, v, {"a": 1})
+    assert far.last["select_rows_changed"] == 0          # no change, no edit
+    assert far.selection(1, slot) == [2, 4]
+    far.host_scores[0, slot, 4] = 0.0
+    commit(pager, far, k, v, {"a": 1})
+    assert far.selection(0, slot) == [0, 1]
+    # the device table is the committed host table
+    dev = pager.device_tables["far_select"].view(LAYERS, far.B, far.C)
+    assert dev[0, slot].tolist() == far.selection(0, slot)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["log-count", "zero"])
+def test_view_gathers_stored_summaries_with_the_bias_switch(bias):
+    pager, far, k, v = setup(cap=3, max_leave=4, bias=bias)
+    commit(pager, far, k, v, {"a": 8 * S, "b": 4 * S})   # a: 3 far chunks, b: 1
+    a, b = pager.slot("a"), pager.slot("b")
+    for layer in range(LAYERS):
+        far_k, far_v, far_bias = far.view(layer)
+        assert far_k.shape == (2, 3, HKV, D) and far_bias.dtype == torch.float32
+        live = float(torch.tensor(math.log(CHUNK), dtype=torch.float32)) if bias else 0.0
+        assert far_bias[a].tolist() == [live] * 3
+        assert far_bias[b].tolist() == [live, float("-inf"), float("-inf")]
+        for c, j in enumerate(far.selection(layer, a)):
+            assert torch.equal(far_k[a, c], far.k_store[layer, a, j])
+            assert torch.equal(far_v[a, c], far.v_store[layer, a, j])
+        assert torch.equal(far_k[b, 1:], torch.zeros_like(far_k[b, 1:]))
+
+
+def mass_oracle(q, k, v, far_k, far_bias, scale):
+    """Attention probability of each far slot, summed over query heads, by explicit softmax."""
+    B, Hq, _ = q.shape
+    W_, C = k.shape[1], far_k.shape[1]
+    mass = torch.zeros(B, C, dtype=torch.float64)
+    for b in range(B):
+        for h in range(Hq):
+            kv = h // (Hq // HKV)
+            logits = [float(q[b, h].double() @ k[b, j, kv].double()) * scale for j in range(W_)]
+            far = [float(q[b, h].double() @ far_k[b, c, kv].double()) * scale + float(far_bias[b, c])
+                   for c in range(C)]
+            top = max(logits + far)
+            total = sum(math.exp(x - top) for x in logits + far)
+            for c in range(C):
+                mass[b, c] += math.exp(far[c] - top) / total
+    return mass
+
+
+def test_observe_mass_from_lse_and_ema_update():
+    pager, far, k, v = setup(cap=3, max_leave=4, ema=0.75)
+    commit(pager, far, k, v, {"a": 8 * S, "b": 4 * S})
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, HKV * G, D, generator=gen)
+    win_k, win_v = torch.randn(2, W, HKV, D, generator=gen), torch.randn(2, W, HKV, D, generator=gen)
+    ws = torch.zeros(2, dtype=torch.int32)
+    wl = torch.full((2,), W, dtype=torch.int32)
+    layer = 1
+    far.scores[layer].uniform_(0.0, 1.0)
+    before = far.scores.clone()
+    far_k, far_v, far_bias = far.view(layer)
+    _, lse = static_sliding_attention_ref(q, win_k, win_v, ws, wl, far_k, far_v, far_bias)
+    mass = far.observe(layer, q, far_k, far_bias, lse)
+    want = mass_oracle(q, win_k, win_v, far_k, far_bias, D ** -0.5)
+    torch.testing.assert_close(mass.double(), want, atol=1e-6, rtol=1e-5)
+    for b in range(2):
+        for c, j in enumerate(far.selection(layer, b)):
+            if j < 0:
+                continue
+            torch.testing.assert_close(far.scores[layer, b, j].double(),
+                                       0.75 * before[layer, b, j].double() + 0.25 * want[b, c])
+    assert torch.equal(far.scores[0], before[0])         # other layers untouched
+    unselected = [j for j in range(far.J) if j not in far.selection(layer, 1)]
+    assert torch.equal(far.scores[layer, 1, unselected[1:]], before[layer, 1, unselected[1:]])
+
+
+def test_utility_keeps_the_attended_chunk_in_view():
+    """A query aligned with one far chunk's keys: that chunk stays selected as newer chunks
+    arrive and compete for two slots; chunks nobody attends to rotate out."""
+    pager, far, k, v = setup(cap=2, max_leave=1, sessions=1, seed=4)
+    gen = torch.Generator().manual_seed(5)
+    u = torch.randn(HKV, D, generator=gen)
+    k *= 0.1
+    q = (u * 3.0).repeat_interleave(G, dim=0)[None]                   # [1, Hq, D]
+    ws = torch.zeros(1, dtype=torch.int32)
+    wl = torch.full((1,), W, dtype=torch.int32)
+    win = torch.zeros(1, W, HKV, D)
+    hot_seen, others = 0, set()
+    for step in range(24):
+        with pager.frame() as f:
+            f.reserve("a", S)
+        pages = pager.pages("a")
+        if step == 3:                                # chunk 1 (blocks 2, 3) is written
+            for layer in range(LAYERS):
+                for p in pages[2:4]:
+                    k[layer, p] = u + 0.1 * torch.randn(S, HKV, D, generator=gen)
+        for layer in range(LAYERS):
+            far.absorb(layer, k[layer], v[layer])
+            far_k, far_v, far_bias = far.view(layer)
+            _, lse = static_sliding_attention_ref(q, win, win, ws, wl, far_k, far_v, far_bias)
+            far.observe(layer, q, far_k, far_bias, lse)
+        far.pull_scores()
+        if 1 in far.summarized(0):
+            hot_seen += 1
+            for layer in range(LAYERS):
+                assert 1 in far.selection(layer, 0), f"step {step}: {far.selection(layer, 0)}"
+                others.update(set(far.selection(layer, 0)) - {1, -1})
+    ids = far.summarized(0)
+    assert hot_seen > 10 and len(ids) >= 8
+    assert far.host_scores[0, 0, 1] == far.host_scores[0, 0, ids].max()
+    assert len(others) >= 4                      # the second slot went round the cold chunks
+
+
+class _FailingHook:
+    """A hook after the far view's that fails on demand, aborting the commit after the far
+    view has staged its edits."""
+
+    fail = False
+
+    def tables(self):
+        return {}
+
+    def on_commit(self, frame, deltas, grown=None):
+        if self.fail:
+            raise RuntimeError("boom")
+        return {}
+
+
+def test_aborted_commit_and_closed_session():
+    pager = Pager(64, S, max_sessions=2, max_blocks=24, device="cpu")
+    far = FarView(pager, window_tokens=W, chunk_tokens=CHUNK, cap=2, num_layers=LAYERS,
+                  num_kv_heads=HKV, head_dim=D, dtype=torch.float32, max_leave=2)
+    hook = _FailingHook()
+    pager.attach(hook)
+    k = torch.randn(LAYERS, 64, S, HKV, D)
+    commit(pager, far, k, k, {"a": 8 * S})            # 3 far chunks: [0, 1] now, 2 pending
+    slot = pager.slot("a")
+    state = far.summarized(slot), far.selection(0, slot), far.last["pending"]
+    assert state == ([0, 1], [0, 1], 1)
+    hook.fail = True
+    with pytest.raises(RuntimeError, match="boom"), pager.frame() as f:
+        f.reserve("a", 4 * S)
+    hook.fail = False
+    assert (far.summarized(slot), far.selection(0, slot)) == state[:2]
+    got = commit(pager, far, k, k, {"b": S})          # the retry drains the same queue
+    assert got[slot] == [2] and far.summarized(slot) == [0, 1, 2]
+    with pager.frame() as f:
+        f.trim("a")
+    assert all(far.selection(layer, slot) == [-1, -1] for layer in range(LAYERS))
+    commit(pager, far, k, k, {"c": 6 * S})            # a new session reuses the slot
+    assert pager.slot("c") == slot and far.summarized(slot) == [0, 1]
+    torch.testing.assert_close(far.k_store[0, slot, 1].double(),
+                               chunk_mean(k[0], pager.pages("c"), 1))
+
+
+def test_bad_parameters():
+    pager = Pager(16, S, max_sessions=1, max_blocks=8, device="cpu")
+    kw = dict(window_tokens=W, chunk_tokens=CHUNK, cap=2, num_layers=1, num_kv_heads=1,
+              head_dim=16)
+    with pytest.raises(ValueError, match="window_tokens"):
+        FarView(pager, **dict(kw, window_tokens=12))
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        FarView(pager, **dict(kw, chunk_tokens=4))
+    with pytest.raises(ValueError, match="ema"):
+        FarView(pager, **kw, ema=1.0)
+    with pytest.raises(ValueError, match="cap"):
+        FarView(pager, **dict(kw, cap=0))
+
+
+def _counting_backend():
+    from torch._dynamo.backends.registry import lookup_backend
+
+    inductor, calls = lookup_backend("inductor"), []
+
+    def backend(gm, example_inputs):
+        calls.append(1)
+        return inductor(gm, example_inputs)
+
+    return backend, calls
+
+
+def test_compiled_far_view_layer_never_recompiles():
+    """absorb + view + attention + observe compiled once; tables and values change per step."""
+    torch._dynamo.reset()
+    backend, calls = _counting_backend()
+    pager, far, k, v = setup(cap=2, max_leave=1, sessions=2)
+    ws = torch.zeros(2, dtype=torch.int32)
+    wl = torch.full((2,), W, dtype=torch.int32)
+    gen = torch.Generator().manual_seed(6)
+    win = torch.randn(2, W, HKV, D, generator=gen)
+
+    @torch.compile(backend=backend, fullgraph=True)
+    def layer_step(q, kc, vc):
+        far.absorb(0, kc, vc)
+        far_k, far_v, far_bias = far.view(0)
+        out, lse = torch.ops.kvops.static_sliding_attention(q, win, win, ws, wl, far_k, far_v, far_bias)
+        far.observe(0, q, far_k, far_bias, lse)
+        return out
+
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(10):
+            with pager.frame() as f:
+                f.reserve("a", S)
+                f.reserve("b", 2 * S)
+            q = torch.randn(2, HKV * G, D, generator=gen)
+            out = layer_step(q, k[0], v[0])
+            far_k, far_v, far_bias = far.view(0)
+            want, _ = static_sliding_attention_ref(q, win, win, ws, wl, far_k, far_v, far_bias)
+            torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    assert len(calls) == 1
+    assert len(far.summarized(pager.slot("b"))) >= 8
+    assert kvops.validate() is False
+
+
+@requires_cuda
+def test_cuda_graph_replays_far_view_layer_across_commits():
+    """absorb + view + attention + observe captured once; each commit's upload changes what the
+    replay summarizes and selects, and the replay matches eager on a twin policy."""
+    def build():
+        pager = Pager(64, S, max_sessions=2, max_blocks=24, device="cuda")
+        far = FarView(pager, window_tokens=W, chunk_tokens=CHUNK, cap=2, num_layers=1,
+                      num_kv_heads=HKV, head_dim=D, dtype=torch.float16, device="cuda")
+        return pager, far
+
+    gen = torch.Generator().manual_seed(7)
+    k = torch.randn(64, S, HKV, D, generator=gen).half().cuda()
+    v = torch.randn(64, S, HKV, D, generator=gen).half().cuda()
+    win = torch.randn(2, W, HKV, D, generator=gen).half().cuda()
+    q = torch.randn(2, HKV * G, D, generator=gen).half().cuda()
+    ws = torch.zeros(2, dtype=torch.int32, device="cuda")
+    wl = torch.full((2,), W, dtype=torch.int32, device="cuda")
+    (pager, far), (twin_pager, twin) = build(), build()
+
+    def layer(f):
+        f.absorb(0, k, v)
+        far_k, far_v, far_bias = f.view(0)
+        out, lse = torch.ops.kvops.static_sliding_attention(q, win, win, ws, wl, far_k, far_v, far_bias)
+        f.observe(0, q, far_k, far_bias, lse)
+        return out
+
+    for p in (pager, twin_pager):
+        with p.frame() as fr:
+            fr.reserve("a", S)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        layer(far)
+    torch.cuda.current_stream().wait_stream(s)
+    layer(twin)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(far)
+    for _ in range(12):
+        for p, f in ((pager, far), (twin_pager, twin)):
+            f.pull_scores()
+            with p.frame() as fr:
+                fr.reserve("a", S)
+                fr.reserve("b", 2 * S)
+        graph.replay()
+        want = layer(twin)
+        torch.testing.assert_close(out, want, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(far.scores, twin.scores, atol=1e-4, rtol=1e-4)
+    assert len(far.summarized(pager.slot("b"))) >= 8
