@@ -68,29 +68,29 @@ def plan_trains(src_pages, dst_pages, page_bytes: int, max_train_bytes: int = 13
     if n == 0:
         return torch.zeros((0, 3), dtype=torch.int32), {"groups": 0, "bytes": 0,
                                                          "mean_train_bytes": 0.0}
-    both = np.concatenate((src, dst))
-    if both.min() < 0 or both.max() > INT32_MAX:
-        raise ValueError(f"src_pages/dst_pages: page ids must lie in [0, 2**31), got "
-                         f"{both.min()}..{both.max()}")
+    lo, hi = min(src.min(), dst.min()), max(src.max(), dst.max())
+    if lo < 0 or hi > INT32_MAX:
+        raise ValueError(f"src_pages/dst_pages: page ids must lie in [0, 2**31), got {lo}..{hi}")
     max_pages = max(1, max_train_bytes // page_bytes)
 
     # A run is a maximal stretch of moves each continuing the previous one in src and dst.
-    idx = np.arange(n)
     starts_run = np.empty(n, dtype=bool)
     starts_run[0] = True
-    np.not_equal(np.diff(src), 1, out=starts_run[1:])
-    starts_run[1:] |= np.diff(dst) != 1
-    # Greedy cap: a run splits into trains of max_pages counted from its first move.
-    if max_pages > 1:
+    np.logical_or(np.diff(src) != 1, np.diff(dst) != 1, out=starts_run[1:])
+    head = np.flatnonzero(starts_run)
+    bounds = np.append(head, n)
+    sizes = bounds[1:] - bounds[:-1]
+    if sizes.max() > max_pages:
+        # Greedy cap: a run splits into trains of max_pages counted from its first move.
+        idx = np.arange(n)
         run_first = np.maximum.accumulate(np.where(starts_run, idx, 0))
         head = np.flatnonzero((idx - run_first) % max_pages == 0)
-    else:
-        head = idx
-    bounds = np.append(head, n)
+        bounds = np.append(head, n)
+        sizes = bounds[1:] - bounds[:-1]
     trains = np.empty((head.shape[0], 3), dtype=np.int32)
     trains[:, 0] = src[head]
     trains[:, 1] = dst[head]
-    trains[:, 2] = bounds[1:] - bounds[:-1]
+    trains[:, 2] = sizes
     groups = int(head.shape[0])
     total = n * page_bytes
     return torch.from_numpy(trains), {"groups": groups, "bytes": total,

@@ -168,7 +168,7 @@ class _Session:
     blocks: list[int] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)
 class SessionDelta:
     """What a commit changed for one session, for hooks (the transport reads it).
 
@@ -197,6 +197,17 @@ class SessionDelta:
         return self.page_before(j)
 
 
+@dataclass(slots=True)
+class GrownBatch:
+    """Sessions whose only edit in a frame was growth inside their unshared tail page (the
+    common decode step), as arrays for vectorized hooks: ``slots``, ``before`` and ``after``
+    lengths (int64 ``[n]``). Their blocks did not change."""
+
+    slots: np.ndarray
+    before: np.ndarray
+    after: np.ndarray
+
+
 @dataclass
 class Commit:
     """Result of one frame commit: its epoch, the copy-on-write page copies ``(src, dst)`` the
@@ -218,6 +229,7 @@ class Frame:
         self.aborted = False
         self._overlay: dict[Hashable, dict[int, int]] = {}
         self._length: dict[Hashable, int] = {}
+        self._grown: dict[Hashable, int] = {}          # tail-only growth (the fast path)
         self._new: dict[Hashable, int] = {}            # new session -> slot
         self._closed: set[Hashable] = set()
         self._ref: dict[int, int] = {}                 # pending refcount changes
@@ -237,6 +249,8 @@ class Frame:
         """Tokens of ``key`` in this frame's view."""
         self._require(key)
         got = self._length.get(key)
+        if got is None:
+            got = self._grown.get(key)
         return got if got is not None else self.pager._sessions[key].length
 
     def page(self, key: Hashable, j: int) -> int:
@@ -278,6 +292,11 @@ class Frame:
         self._length[key] = 0
         self._overlay[key] = {}
 
+    def _slow(self, key) -> None:
+        """``key`` gets edits beyond tail growth: track it in the general overlay."""
+        if key in self._grown:
+            self._length[key] = self._grown.pop(key)
+
     def _set(self, key, j: int, page: int) -> None:
         over = self._overlay.get(key)
         if over is None:
@@ -312,6 +331,22 @@ class Frame:
             raise ValueError(f"n_tokens: expected an int >= 0, got {n_tokens!r}")
         pager = self.pager
         S, L = pager.page_size, pager.max_blocks
+        # fast path (a decode step): the tokens fit in the session's unshared tail page
+        sess = pager._sessions.get(key)
+        if sess is not None and key not in self._closed:
+            old = self._length.get(key)
+            slow = old is not None
+            if not slow:
+                old = self._grown.get(key, sess.length)
+            if old % S and old % S + n_tokens <= S:
+                tail = self.page(key, old // S)
+                if tail >= 0 and pager._refs[tail] + self._ref.get(tail, 0) == 1:
+                    if slow:
+                        self._length[key] = old + n_tokens
+                    else:
+                        self._grown[key] = old + n_tokens
+                    return
+        self._slow(key)
         fresh = not self.has(key)
         old = 0 if fresh else self.length(key)
         new = old + n_tokens
@@ -335,7 +370,7 @@ class Frame:
         if fresh:
             self._new_session(key)
         last = self.page(key, nb_old - 1) if nb_old else -1
-        pages = self._alloc(need, last, fresh)
+        pages = self._alloc(need, last, fresh) if need else []
         if cow:
             page = pages.pop(0)
             self._copies.append((tail_page, page))
@@ -370,6 +405,7 @@ class Frame:
         session (EOS) with ``blocks=None``."""
         self._open()
         self._require(key)
+        self._slow(key)
         nb = -(-self.length(key) // self.pager.page_size)
         if blocks is None:
             for j in range(nb):
@@ -513,8 +549,10 @@ class Pager:
 
     def attach(self, hook) -> None:
         """Add a commit hook (e.g. the transport): an object with ``tables()`` -> ``{name:
-        (shape, fill)}`` and ``on_commit(frame, deltas) -> stats dict`` (it edits its tables
-        through ``frame.edit``). Only before the first frame."""
+        (shape, fill)}`` and ``on_commit(frame, deltas, grown) -> stats dict`` (``deltas``: a
+        :class:`SessionDelta` per session with general edits; ``grown``: a
+        :class:`GrownBatch` of tail-only growth). It edits its tables through ``frame.edit`` /
+        ``frame.scatter``, before anything is applied. Only before the first frame."""
         for name, (shape, fill) in hook.tables().items():
             self.add_table(name, shape, fill)
         self._hooks.append(hook)
@@ -593,9 +631,14 @@ class Pager:
                 after_length=0 if key in f._closed else f._length.get(
                     key, 0 if new else sess.length),
                 after_overlay=f._overlay.get(key, {})))
+        sl_off = self._layout["seq_lens"][0]
+        grown = f._grown
+        g_slots = np.fromiter((self._sessions[k].slot for k in grown), np.int64, len(grown))
+        batch = GrownBatch(g_slots, self._master[sl_off + g_slots].astype(np.int64),
+                           np.fromiter(grown.values(), np.int64, len(grown)))
         stats: dict = {}
         for hook in self._hooks:
-            stats.update(hook.on_commit(f, deltas) or {})
+            stats.update(hook.on_commit(f, deltas, batch) or {})
         # 2. apply: refcounts and free lists, views, table entries
         refs, give = self._refs, self._alloc.give
         for page, d in f._ref.items():
@@ -605,7 +648,9 @@ class Pager:
                 give(page)
         L = self.max_blocks
         bt_off = self._layout["block_table"][0]
-        sl_off = self._layout["seq_lens"][0]
+        sessions = self._sessions
+        for key, n in grown.items():
+            sessions[key].length = n
         idx: list[int] = []
         val: list[int] = []
         for dlt in deltas:
@@ -636,6 +681,9 @@ class Pager:
                 val.append(dlt.after_length)
         master = self._master
         changed: list = []
+        if g_slots.size:
+            master[sl_off + g_slots] = batch.after
+            changed.append(sl_off + g_slots)
         if idx:
             at = np.asarray(idx, dtype=np.int64)
             master[at] = val

@@ -29,8 +29,10 @@ descriptor per page), ``groups`` (trains), ``bytes`` (one of K or V) and ``mean_
 
 from __future__ import annotations
 
+import numpy as np
+
 from kvops.layouts.trains import plan_trains
-from kvops.runtime.pager import Frame, Pager, SessionDelta
+from kvops.runtime.pager import Frame, GrownBatch, Pager, SessionDelta
 
 
 class Transport:
@@ -80,41 +82,54 @@ class Transport:
         nb = -(-d.after_length // S)
         first = max(0, nb - NW)
         grew_from = d.before_length // S if d.after_length > d.before_length else nb
+        if d.new:
+            todo = range(first, nb)
+        else:   # O(delta): blocks that got tokens, and remapped blocks still in the window
+            todo = range(max(first, grew_from), nb)
+            remapped = [j for j in d.after_overlay if first <= j < grew_from]
+            if remapped:
+                todo = sorted(remapped) + list(todo)
         base = d.slot * NW
         src, dst = [], []
-        for j in range(first, nb):
+        for j in todo:
             page = d.page_after(j)
-            if page < 0:
-                continue
-            if d.new or j >= grew_from or page != d.page_before(j):
+            if page >= 0 and (d.new or j >= grew_from or page != d.page_before(j)):
                 src.append(page)
                 dst.append(base + j % NW)
         return src, dst
 
-    def on_commit(self, frame: Frame, deltas: list[SessionDelta]) -> dict:
+    def on_commit(self, frame: Frame, deltas: list[SessionDelta], grown: GrownBatch) -> dict:
         """Pager hook: plan the step's trains and window bounds into the frame's tables."""
         S, W, NW = self.pager.page_size, self.window_tokens, self.pages_per_window
         src: list[int] = []
         dst: list[int] = []
         slots: list[int] = []
-        starts: list[int] = []
-        lens: list[int] = []
-        for d in sorted(deltas, key=lambda d: d.slot):
+        lengths: list[int] = []
+        for d in deltas:
             s, t = self.moves(d)
             src += s
             dst += t
-            first = max(0, -(-d.after_length // S) - NW) * S
             slots.append(d.slot)
-            starts.append(first % W)
-            lens.append(d.after_length - first)
-        trains, stats = plan_trains(src, dst, self.page_bytes, self.max_train_bytes)
-        if slots:
-            frame.scatter("win_start", slots, starts)
-            frame.scatter("win_len", slots, lens)
+            lengths.append(d.after_length)
+        # tail-only growth, vectorized: one move each, the tail block (always in the window)
+        tail = grown.before // S
+        all_src = np.concatenate((np.asarray(src, dtype=np.int64), self.pager.host_tables[
+            "block_table"][grown.slots, tail].astype(np.int64)))
+        all_dst = np.concatenate((np.asarray(dst, dtype=np.int64),
+                                  grown.slots * NW + tail % NW))
+        order = np.argsort(all_dst // NW, kind="stable")      # slot order, ring order within
+        trains, stats = plan_trains(all_src[order], all_dst[order], self.page_bytes,
+                                    self.max_train_bytes)
+        all_slots = np.concatenate((np.asarray(slots, dtype=np.int64), grown.slots))
+        if all_slots.size:
+            after = np.concatenate((np.asarray(lengths, dtype=np.int64), grown.after))
+            first = np.maximum(-(-after // S) - NW, 0) * S
+            frame.scatter("win_start", all_slots, first % W)
+            frame.scatter("win_len", all_slots, after - first)
         if stats["groups"]:
             frame.edit("trains", 0, trains.numpy().reshape(-1))
         frame.edit("num_trains", 0, [stats["groups"]])
-        self.last = dict(stats, moves=len(src))
+        self.last = dict(stats, moves=int(all_src.size))
         return {"transport": self.last}
 
     def window_of(self, session) -> tuple[int, int]:

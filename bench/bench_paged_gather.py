@@ -1,0 +1,270 @@
+"""KV-RM substrate benchmark: the merged gather on the GPU, and the pager's host side anywhere.
+
+Three parts (``--parts``, all by default; ``gather`` needs CUDA and is skipped without it):
+
+- ``gather``: ``paged_gather_merged`` against ``torch.index_select`` (K and V, same pages, same
+  run) for trains of 1, 4 and 16 pages and one contiguous train, page sizes 16 and 64,
+  Llama-3-8B KV heads (Hkv 8, D 128, fp16), moving 128 MiB per tensor per call; plus a
+  decode-sized step (64 sessions x one page). TB/s counts read + write of K and V; the fraction
+  is of the 4.25 TB/s copy ceiling. Times are CUDA-graph replays (p50, p20-p80 beside it).
+- ``dma``: DMA regularity on a replayed step stream (the paper's Figure 6 a-b): requests from a
+  trace (Azure CSV ``ContextTokens,GeneratedTokens`` or Mooncake JSONL ``input_length,
+  output_length``, given with ``--trace``; a seeded synthetic stream by default) admitted into
+  64 slots, prefilled, decoded one token per step and trimmed at EOS through Pager frames; each
+  step's moves planned with and without merging. Reports groups per step and mean bytes per
+  group.
+- ``control``: host time per step of the frame's verbs, of the commit (transport hook with
+  planning, table writes, the single upload) and of planning alone, for 64 and 256 sessions
+  with one new token each, median and p99 over 1,000 steps.
+
+    python -m bench.bench_paged_gather                 # everything available here
+    python -m bench.bench_paged_gather --quick         # smaller sizes, fewer steps
+    python -m bench.bench_paged_gather --parts dma,control --trace \
+        ../shared/data/traces/AzureLLMInferenceTrace_conv.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import kvops  # noqa: F401  (registers torch.ops.kvops.*)
+import kvops.runtime.transport as transport_mod
+from bench.common import COPY_CEILING, rotation, table, tbps, time_graph, write_result
+from kvops.runtime import Pager, Transport
+
+HKV, D = 8, 128
+DTYPE = torch.float16
+
+
+# -- gather ----------------------------------------------------------------------------------
+def _train_sets(P: int, Q: int, n: int | None, gen: torch.Generator, sets: int):
+    """``sets`` random train layouts moving Q pages: trains of n pages (None: one train)."""
+    out = []
+    for _ in range(sets):
+        if n is None:
+            start = int(torch.randint(0, P - Q + 1, (1,), generator=gen))
+            trains = torch.tensor([[start, 0, Q]], dtype=torch.int32)
+        else:
+            T = Q // n
+            slots = torch.randperm(P // n, generator=gen)[:T]
+            trains = torch.stack([slots * n, torch.arange(T) * n, torch.full((T,), n)], 1)
+        src = torch.cat([torch.arange(s, s + c) for s, _, c in trains.tolist()])
+        out.append((trains.to(torch.int32).cuda(), src.cuda()))
+    return out
+
+
+def _gather_rows(label: str, S: int, move_bytes: int, gen: torch.Generator) -> list[list]:
+    page_bytes = S * HKV * D * 2
+    Q = move_bytes // page_bytes
+    P = max(4 * Q, (1 << 30) // page_bytes)                # a 1 GiB pool per tensor
+    k_cache = torch.randn(P, S, HKV, D, device="cuda", dtype=DTYPE)
+    v_cache = torch.randn_like(k_cache)
+    k_out = torch.empty(Q, S, HKV, D, device="cuda", dtype=DTYPE)
+    v_out = torch.empty_like(k_out)
+    nbytes = 4 * Q * page_bytes                            # K and V, read and written
+    rows = []
+    for n in ((1,) if label == "step" else (1, 4, 16, None)):
+        sets = _train_sets(P, Q, n, gen, rotation(2 * Q * page_bytes))
+        num = torch.tensor([sets[0][0].shape[0]], dtype=torch.int32, device="cuda")
+
+        def ours_fn(t, num=num):
+            return lambda: torch.ops.kvops.paged_gather_merged(k_cache, v_cache, t, num,
+                                                               k_out, v_out)
+
+        def base_fn(i):
+            return lambda: (torch.index_select(k_cache, 0, i, out=k_out),
+                            torch.index_select(v_cache, 0, i, out=v_out))
+
+        ours = [ours_fn(t) for t, _ in sets]
+        base = [base_fn(i) for _, i in sets]
+        ours[0]()
+        assert torch.equal(k_out, k_cache[sets[0][1]]) and torch.equal(v_out, v_cache[sets[0][1]])
+        o20, o50, o80 = time_graph(ours)
+        b20, b50, b80 = time_graph(base)
+        train_kib = (Q if n is None else n) * page_bytes // 1024
+        rows.append([label, S, "all" if n is None else str(n), train_kib, Q,
+                     f"{o50:.1f} ({o20:.1f}-{o80:.1f})", tbps(nbytes, o50),
+                     tbps(nbytes, o50) * 1e12 / COPY_CEILING,
+                     f"{b50:.1f} ({b20:.1f}-{b80:.1f})", tbps(nbytes, b50),
+                     tbps(nbytes, b50) * 1e12 / COPY_CEILING, b50 / o50])
+    return rows
+
+
+def bench_gather(quick: bool) -> str:
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for S in (16, 64):
+        rows += _gather_rows("bulk", S, (16 if quick else 128) << 20, gen)
+        rows += _gather_rows("step", S, 64 * S * HKV * D * 2, gen)
+        torch.cuda.empty_cache()
+    headers = ["size", "S", "train pages", "train KiB", "pages", "merged us p50 (p20-p80)",
+               "TB/s", "of ceiling", "index_select us p50 (p20-p80)", "TB/s", "of ceiling",
+               "speedup"]
+    return ("## Gather: paged_gather_merged vs torch.index_select\n\n"
+            f"Hkv={HKV}, D={D}, fp16; bulk moves {(16 if quick else 128)} MiB per tensor, step "
+            "moves 64 one-page trains; TB/s = K+V read+write bytes / p50; ceiling = "
+            f"{COPY_CEILING / 1e12:.2f} TB/s copy.\n\n" + table(headers, rows) + "\n")
+
+
+# -- request streams -------------------------------------------------------------------------
+def load_requests(path: str | None, limit: int, seed: int = 0) -> tuple[list[tuple[int, int]],
+                                                                          str]:
+    """(context tokens, generated tokens) per request, in arrival order."""
+    if path is None:
+        rng = np.random.default_rng(seed)
+        ctx = np.clip(rng.lognormal(np.log(1000), 0.8, limit), 16, 8000).astype(int)
+        gen = np.clip(rng.lognormal(np.log(128), 0.9, limit), 1, 1000).astype(int)
+        return list(zip(ctx.tolist(), gen.tolist())), f"synthetic (seed {seed})"
+    reqs = []
+    with open(path) as fh:
+        if path.endswith(".jsonl"):
+            for line in fh:
+                r = json.loads(line)
+                reqs.append((int(r["input_length"]), int(r["output_length"])))
+                if len(reqs) == limit:
+                    break
+        else:
+            for r in csv.DictReader(fh):
+                reqs.append((int(r["ContextTokens"]), int(r["GeneratedTokens"])))
+                if len(reqs) == limit:
+                    break
+    return reqs, Path(path).name
+
+
+def bench_dma(trace: str | None, quick: bool) -> str:
+    S, W, slots, max_ctx = 16, 1024, 64, 8192
+    page_bytes = S * HKV * D * 2
+    steps = 300 if quick else 2000
+    reqs, source = load_requests(trace, 10000)
+    L = (max_ctx + 1024) // S
+    pager = Pager(slots * L, S, slots, L)
+    tr = Transport(pager, W, page_bytes)
+    queue = list(reversed(reqs))
+    remaining: dict[int, int] = {}
+    per_step = []
+    next_id = 0
+    for _ in range(steps):
+        with pager.frame() as f:
+            done = [k for k, left in remaining.items() if left == 0]
+            for key in done:                    # EOS: the slot frees at this commit
+                f.trim(key)
+                del remaining[key]
+            for key in remaining:
+                f.reserve(key, 1)
+                remaining[key] -= 1
+            while queue and len(remaining) + len(done) < slots:
+                ctx, out = queue.pop()
+                f.reserve(next_id, min(ctx, max_ctx))
+                remaining[next_id] = min(out, 1024)
+                next_id += 1
+        per_step.append(tr.last)
+    moves = np.array([s["moves"] for s in per_step], dtype=np.float64)
+    groups = np.array([s["groups"] for s in per_step], dtype=np.float64)
+    kib = page_bytes / 1024
+    rows = []
+    for name, g in (("unmerged (one descriptor per page)", moves), ("merged (tau = 128 KiB)",
+                                                                     groups)):
+        rows.append([name, g.mean(), g.mean() / slots, moves.sum() * kib / g.sum()])
+    arrival = moves > slots
+    for name, g in (("unmerged, steps with arrivals", moves[arrival]),
+                    ("merged, steps with arrivals", groups[arrival])):
+        if g.size:
+            rows.append([name, g.mean(), g.mean() / slots, moves[arrival].sum() * kib / g.sum()])
+    return ("## DMA regularity on a replayed step stream\n\n"
+            f"Requests: {source}; {slots} slots, {steps} steps, {next_id} requests admitted, "
+            f"context capped at {max_ctx}, outputs at 1024; S={S}, W={W} (a {W // S}-page ring "
+            f"window per slot), page {kib:.0f} KiB per tensor. A decode step moves each "
+            "session's tail page; an arrival moves its whole window.\n\n"
+            + table(["descriptors", "groups per step", "per session-step", "mean KiB per group"],
+                    rows) + "\n")
+
+
+# -- control plane ---------------------------------------------------------------------------
+def bench_control(quick: bool) -> str:
+    S, W = 16, 2048
+    device = "cuda" if torch.cuda.is_available() else None
+    steps = 200 if quick else 1000
+    rows = []
+    plan_times: list[float] = []
+    plan = transport_mod.plan_trains
+
+    def timed_plan(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = plan(*args, **kwargs)
+        plan_times.append(time.perf_counter() - t0)
+        return out
+
+    transport_mod.plan_trains = timed_plan
+    try:
+        for sessions in (64, 256):
+            L = 512
+            pager = Pager(sessions * 300, S, sessions, L, device=device)
+            Transport(pager, W, S * HKV * D * 2)
+            with pager.frame() as f:
+                for s in range(sessions):
+                    f.reserve(s, 1000 + (s * 97) % 3000)
+            plan_times.clear()
+            edits, commits = [], []
+            gc.collect()
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                f = pager.frame()
+                for s in range(sessions):
+                    f.reserve(s, 1)
+                t1 = time.perf_counter()
+                f.commit()
+                t2 = time.perf_counter()
+                edits.append(t1 - t0)
+                commits.append(t2 - t1)
+            q = lambda xs, p: float(np.quantile(np.array(xs) * 1e6, p))
+            rows.append([sessions, q(edits, 0.5), q(edits, 0.99), q(commits, 0.5),
+                         q(commits, 0.99), q(plan_times, 0.5), q(plan_times, 0.99),
+                         q(np.add(edits, commits), 0.5)])
+    finally:
+        transport_mod.plan_trains = plan
+    load = os.getloadavg()
+    return ("## Control plane: host time per step\n\n"
+            f"One new token per session per step, {steps} steps; upload to "
+            f"{device or 'none (host tables only)'}; S={S}, W={W}. The commit includes the "
+            "transport hook (moves, planning, window bounds) and the single table upload. "
+            f"Host load average during the run: {load[0]:.1f} (1 min), {os.cpu_count()} CPUs.\n\n"
+            + table(["sessions", "verbs us p50", "verbs p99", "commit us p50", "commit p99",
+                     "planning us p50", "planning p99", "verbs+commit p50"], rows) + "\n")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes, fewer steps")
+    ap.add_argument("--parts", default="gather,dma,control")
+    ap.add_argument("--trace", default=None, help="Azure CSV or Mooncake JSONL request trace")
+    args = ap.parse_args()
+    parts = args.parts.split(",")
+    sections = []
+    if "control" in parts:
+        sections.append(bench_control(args.quick))
+    if "dma" in parts:
+        sections.append(bench_dma(args.trace, args.quick))
+    if "gather" in parts:
+        if torch.cuda.is_available():
+            sections.append(bench_gather(args.quick))
+        else:
+            print("gather: skipped (needs CUDA)")
+    body = "\n".join(sections)
+    name = "paged_gather" + ("" if torch.cuda.is_available() else "-cpu") + \
+        ("-quick" if args.quick else "")
+    path = write_result(name, body)
+    print(f"wrote {path}\n")
+    print(body)
+
+
+if __name__ == "__main__":
+    main()
