@@ -177,7 +177,9 @@ class Llama(nn.Module):
                     p.fill_(1.0)
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
-        return model.to(device=device, dtype=dtype).eval()
+        model = model.to(device=device, dtype=dtype)
+        model.rope_cos, model.rope_sin = (t.to(device) for t in rope_table(cfg))  # float32
+        return model.eval()
 
     @classmethod
     def from_hf(cls, hf_model) -> Llama:
