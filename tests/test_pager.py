@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvops.runtime import OutOfPages, Pager, SpanAllocator, apply_copies
+from tests.conftest import requires_cuda
 
 P, S, B, L = 40, 4, 6, 12
 
@@ -384,3 +385,23 @@ def test_bad_verb_arguments_raise():
         f.trim("a")
         f.reserve("a", 1)
     assert pg.pages("a")[0] >= 0 and pg.free_pages == 15
+
+
+@requires_cuda
+def test_cuda_upload_double_buffer_keeps_every_commit():
+    """Back-to-back commits without syncing: each upload carries that commit's tables."""
+    pg = Pager(4096, 16, 64, 64, device="cuda")
+    snaps = []
+    for step in range(40):
+        with pg.frame() as f:
+            for s in range(64):
+                f.reserve(s, 1 + (s * step) % 17)
+            if step % 7 == 6:
+                f.trim(step % 64, [0])
+        snaps.append((pg.device_tables["block_table"].clone(),
+                      pg.device_tables["seq_lens"].clone(),
+                      pg.host_tables["block_table"].copy(), pg.host_tables["seq_lens"].copy()))
+    torch.cuda.synchronize()
+    for dev_bt, dev_len, host_bt, host_len in snaps:
+        assert np.array_equal(dev_bt.cpu().numpy(), host_bt)
+        assert np.array_equal(dev_len.cpu().numpy(), host_len)

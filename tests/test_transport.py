@@ -9,7 +9,7 @@ import torch
 import kvops
 from kvops.layouts import arena_as_pages, plan_trains
 from kvops.runtime import Pager, Transport, apply_copies
-from tests.conftest import KERNEL_DEVICES
+from tests.conftest import KERNEL_DEVICES, requires_cuda
 
 S, HKV, D = 8, 1, 16
 
@@ -41,11 +41,15 @@ class Harness:
                     val = self.tags.setdefault(key, len(self.tags) + 1) * 1000 + p
                     self.k[pages[p // S], p % S] = val
                     self.v[pages[p // S], p % S] = -val
+        self.gather()
+        return f.result.stats["transport"]
+
+    def gather(self):
+        """One gather of the committed trains (the graph test swaps in a replay)."""
         dev = self.pager.device_tables
         torch.ops.kvops.paged_gather_merged(self.k, self.v, dev["trains"], dev["num_trains"],
                                             arena_as_pages(self.k_arena, S),
                                             arena_as_pages(self.v_arena, S))
-        return f.result.stats["transport"]
 
     def _aliased(self, key, p):
         return p < getattr(self, "alias_len", {}).get(key, 0)
@@ -145,3 +149,29 @@ def test_stats_match_planner_and_tables():
 def test_bad_window_raises():
     with pytest.raises(ValueError, match="multiple of the page size"):
         Transport(Pager(8, 16, 2, 4), 40, 1024)
+
+
+@requires_cuda
+def test_one_captured_gather_follows_every_commit():
+    """The gather is captured once on the pager's device tables; each step only commits a
+    frame (one upload) and replays the graph, and the arena follows the moving mappings."""
+    h = Harness(torch.device("cuda"), P=64, B=3, W=24, L=16)
+    h.step(lambda f: (f.reserve("a", 9), f.reserve("b", 2)))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        h.gather()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        h.gather()
+    h.gather = graph.replay
+    h.alias_src, h.alias_len = {"c": "a"}, {"c": 30}
+    for t in range(40):
+        if t == 21:
+            h.step(lambda f: (f.alias("c", "a", 30), f.reserve("c", 1), f.trim("b")))
+        else:
+            h.step(lambda f: [f.reserve(k, 1) for k in h.pager.sessions()])
+        torch.cuda.synchronize()
+        h.check_windows()
+
