@@ -139,6 +139,7 @@ def elastic_attention_ref(
     lse = torch.logsumexp(logits, dim=-1)                                  # [B, Hkv, G]
     empty = torch.isneginf(lse)
     p = torch.exp(logits - torch.where(empty, 0.0, lse)[..., None])
+    v = v.masked_fill(~visible[:, :, None, None], 0.0)     # unread rows may hold inf/NaN
     out = torch.einsum("bhgn,bnhd->bhgd", p, v).masked_fill(empty[..., None], 0.0)
     return out.reshape(B, Hq, D).to(q.dtype), lse.reshape(B, Hq)
 

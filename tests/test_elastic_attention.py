@@ -1,0 +1,345 @@
+"""elastic_attention: kernel and reference against a float64 oracle on all three paths (native,
+structured, general), random block tables with shared BASE pages, and the op contract (opcheck,
+compile without recompiles, CUDA graphs, input errors, validation mode)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kvops
+from kvops.kernels.elastic_attention import elastic_attention_fwd
+from kvops.layouts import codecs
+from kvops.layouts.pairs import base_pair_view
+from kvops.ops.elastic_attention import elastic_attention_ref, span_modes
+from tests.conftest import requires_cuda
+from tests.oracles_elastic import elastic_oracle
+from tests.tolerances import ATTN_TOL, LSE_TOL, assert_close
+
+PATHS = ("native", "structured", "general")
+
+
+def make_case(B, L, S, Hkv, G, D, dtype, path, device, seed, zero_row=False, pool_pages=None):
+    """A paged pool and tables for one decode step.
+
+    Pages are a random permutation (not arange). TARGET blocks own a page; BASE blocks are
+    paired into shared pages the way pack_base_pairs leaves them: structured spans put blocks
+    first+2i and first+2i+1 in halves 0 and 1 of one page, the general path pairs BASE blocks
+    picked at random (across sequences too) and gives each its half. BASE bytes are encoded from
+    fresh values, so they are what a pack would write. Lengths end mid-page; one row may be 0;
+    table entries past a sequence's end are -1 and their modes garbage. ``pool_pages`` fixes
+    the pool size (at least B * L + 2) so steps of a compiled or captured loop share shapes.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(dtype)
+    seq_lens = torch.randint(0, L * S + 1, (B,), generator=gen, dtype=torch.int32)
+    seq_lens[-1] = L * S - S // 2 - 1 if L * S > S // 2 + 1 else L * S     # ends mid-page
+    if zero_row:
+        seq_lens[0] = 0
+    used = [(int(n) + S - 1) // S for n in seq_lens]
+    modes = torch.zeros(B, L, dtype=torch.int8)
+    span = torch.zeros(B, 2, dtype=torch.int32)
+    groups = []                                     # lists of (b, j) sharing one page
+    if path == "structured":
+        for b in range(B):
+            first = int(torch.randint(0, L + 1, (1,), generator=gen))
+            end = int(torch.randint(first, L + 1, (1,), generator=gen))
+            span[b] = torch.tensor([first, end])
+            modes[b] = span_modes(span[b:b + 1], L)[0]
+            for j in range(first, end, 2):
+                groups.append([(b, jj) for jj in (j, j + 1) if jj < end])
+    elif path == "general":
+        base_blocks = [(b, j) for b in range(B) for j in range(L)
+                       if torch.rand(1, generator=gen).item() < 0.5]
+        order = torch.randperm(len(base_blocks), generator=gen).tolist()
+        base_blocks = [base_blocks[i] for i in order]
+        for i in range(0, len(base_blocks), 2):
+            groups.append(base_blocks[i:i + 2])
+    target = [(b, j) for b in range(B) for j in range(L) if modes[b, j] == 0 and
+              not any((b, j) in g for g in groups)]
+    P = pool_pages or len(target) + len(groups) + 2
+    perm = torch.randperm(P, generator=gen).tolist()
+    block_table = torch.full((B, L), -1, dtype=torch.int32)
+    k_cache, v_cache = rnd(P, S, Hkv, D), rnd(P, S, Hkv, D)
+    codec = codecs.default_codec(dtype) if dtype != torch.float32 else None
+    for b, j in target:
+        block_table[b, j] = perm.pop()
+    for g in groups:
+        page = perm.pop()
+        halves = [0, 1] if len(g) == 2 or path == "structured" else \
+            [int(torch.randint(0, 2, (1,), generator=gen))]
+        for (b, j), h in zip(g, halves):
+            block_table[b, j] = page
+            if path == "general":
+                modes[b, j] = 1 + h
+            for cache in (k_cache, v_cache):
+                base_pair_view(cache)[page, h] = codecs.encode(rnd(S, Hkv, D), codec)[0]
+    for b in range(B):                              # past the end: nothing may be read
+        block_table[b, used[b]:] = -1
+        modes[b, used[b]:] = torch.randint(0, 3, (L - used[b],), generator=gen).to(torch.int8)
+    q = rnd(B, Hkv * G, D)
+    case = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
+                seq_lens=seq_lens)
+    if path == "structured":
+        case["base_span"] = span
+    elif path == "general":
+        case["block_mode"] = modes
+    return {n: t.to(device) for n, t in case.items()}
+
+
+def case_id(B, L, S, Hkv, G, D, dtype, path):
+    return f"B{B}-L{L}-S{S}-Hkv{Hkv}-G{G}-D{D}-{str(dtype).replace('torch.', '')}-{path}"
+
+
+def check_against_oracle(out, lse, case, name):
+    dtype = case["q"].dtype
+    want_out, want_lse = elastic_oracle(**case)
+    atol, rtol = ATTN_TOL[dtype]
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert out.shape == case["q"].shape and lse.shape == case["q"].shape[:2]
+    assert_close("out", out, want_out, atol, rtol, name)
+    assert_close("lse", lse, want_lse, LSE_TOL[dtype], LSE_TOL[dtype], name)
+
+
+shapes = st.tuples(
+    st.integers(1, 4),                                 # B
+    st.integers(1, 5),                                 # L blocks per sequence
+    st.sampled_from([8, 16, 64]),                      # S
+    st.sampled_from([1, 2]),                           # Hkv
+    st.sampled_from([1, 2, 4, 8]),                     # G
+    st.sampled_from([16, 48, 64, 128]),                # D (48: not a power of two)
+    st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
+    st.sampled_from(PATHS),
+    st.integers(0, 2**31 - 1),                         # seed
+)
+
+
+def _draw(shape):
+    *dims, seed = shape
+    if dims[6] == torch.float32:                       # BASE needs a 16-bit cache
+        dims[7] = "native"
+    return dims, seed
+
+
+@given(shape=shapes, num_splits=st.sampled_from([None, 1, 3]), block_n=st.sampled_from([None, 16]))
+def test_kernel_matches_oracle(kernel_device, poison, shape, num_splits, block_n):
+    dims, seed = _draw(shape)
+    case = make_case(*dims, device=kernel_device, seed=seed, zero_row=seed % 3 == 0)
+    out, lse = elastic_attention_fwd(**case, num_splits=num_splits, block_n=block_n)
+    check_against_oracle(out, lse, case, case_id(*dims) + f"-splits{num_splits}-bn{block_n}")
+
+
+@given(shape=shapes)
+def test_reference_matches_oracle(shape):
+    dims, seed = _draw(shape)
+    case = make_case(*dims, device="cpu", seed=seed, zero_row=seed % 2 == 0)
+    out, lse = elastic_attention_ref(**case)
+    check_against_oracle(out, lse, case, case_id(*dims))
+
+
+@pytest.mark.parametrize("S", [8, 16, 64])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_structured_and_general_agree_bit_for_bit(kernel_device, S, dtype):
+    case = make_case(3, 6, S, 2, 4, 64, dtype, "structured", kernel_device, seed=S)
+    span = case.pop("base_span")
+    for num_splits in (1, 3):
+        a = elastic_attention_fwd(**case, base_span=span, num_splits=num_splits)
+        b = elastic_attention_fwd(**case, block_mode=span_modes(span, 6), num_splits=num_splits)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_empty_sequences_give_zero_and_neg_inf(kernel_device, poison, path):
+    case = make_case(3, 4, 16, 2, 4, 64, torch.float16, path, kernel_device, seed=7)
+    case["seq_lens"].zero_()
+    for num_splits in (1, 4):
+        out, lse = elastic_attention_fwd(**case, num_splits=num_splits)
+        assert torch.equal(out.cpu(), torch.zeros_like(out.cpu()))
+        assert torch.isneginf(lse).all()
+
+
+def test_pack_then_attend_reads_the_packed_halves(kernel_device):
+    """pack_base_pairs then elastic_attention on the packed page equals attention over the
+    decoded BASE values placed as TARGET: the two ops agree on the pair layout."""
+    S, Hkv, D = 16, 2, 64
+    for dtype in (torch.float16, torch.bfloat16):
+        gen = torch.Generator().manual_seed(8)
+        k = torch.randn(4, S, Hkv, D, generator=gen).to(dtype).to(kernel_device)
+        v = torch.randn(4, S, Hkv, D, generator=gen).to(dtype).to(kernel_device)
+        q = torch.randn(1, 4 * Hkv, D, generator=gen).to(dtype).to(kernel_device)
+        dense_k, dense_v = k.clone(), v.clone()
+        for c in (dense_k, dense_v):
+            c[1:3] = codecs.decode(codecs.encode(c[1:3].cpu(), codecs.default_codec(dtype))[0],
+                                   dtype).to(kernel_device)
+        pairs = torch.tensor([[1, 2, 1]], dtype=torch.int32, device=kernel_device)
+        codec = codecs.default_codec(dtype)
+        with kvops.backend("triton"):
+            for c in (k, v):
+                back = torch.empty((1, 2, S, Hkv, D), dtype=codecs.backing_dtype(codec, dtype),
+                                   device=kernel_device)
+                torch.ops.kvops.pack_base_pairs(c, pairs, back)
+            seq = torch.tensor([3 * S + 5], dtype=torch.int32, device=kernel_device)
+            table = torch.tensor([[0, 1, 1, 3]], dtype=torch.int32, device=kernel_device)
+            span = torch.tensor([[1, 3]], dtype=torch.int32, device=kernel_device)
+            got = torch.ops.kvops.elastic_attention(q, k, v, table, seq, base_span=span)
+            want = torch.ops.kvops.elastic_attention(
+                q, dense_k, dense_v, torch.tensor([[0, 1, 2, 3]], dtype=torch.int32,
+                                                  device=kernel_device), seq)
+        torch.testing.assert_close(got[0], want[0], atol=0, rtol=0)
+        torch.testing.assert_close(got[1], want[1], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_kv_interleaved_pool(kernel_device, path):
+    """k_cache, v_cache as the two halves of one [P, 2, S, Hkv, D] pool (page stride 2 pages)."""
+    case = make_case(2, 3, 16, 2, 2, 64, torch.float16, path, kernel_device, seed=9)
+    pool = torch.stack([case["k_cache"], case["v_cache"]], dim=1)
+    strided = dict(case, k_cache=pool[:, 0], v_cache=pool[:, 1])
+    with kvops.backend("triton"):
+        got = torch.ops.kvops.elastic_attention(**strided)
+    check_against_oracle(*got, case, f"interleaved-{path}")
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_op_dispatch_and_opcheck(kernel_device, path):
+    case = make_case(3, 3, 8, 2, 2, 32, torch.float16, path, "cpu", seed=10)
+    torch.library.opcheck(torch.ops.kvops.elastic_attention.default, (), dict(case, scale=0.2))
+    dev_case = {n: t.to(kernel_device) for n, t in case.items()}
+    with kvops.backend("triton"):
+        out, lse = torch.ops.kvops.elastic_attention(**dev_case, scale=0.2)
+    want, want_lse = elastic_attention_ref(**case, scale=0.2)
+    assert_close("out", out, want, *ATTN_TOL[torch.float16], f"op-{path}")
+    assert_close("lse", lse, want_lse, LSE_TOL[torch.float16], LSE_TOL[torch.float16], f"op-{path}")
+
+
+def test_compiled_decode_steps_never_recompile():
+    """Steps with new lengths, tables, modes and spans: one compile per path, no recompiles."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    torch._dynamo.reset()
+    inductor, calls = lookup_backend("inductor"), []
+
+    def backend(gm, example_inputs):
+        calls.append(1)
+        return inductor(gm, example_inputs)
+
+    @torch.compile(backend=backend, fullgraph=True)
+    def step(x, k_cache, v_cache, block_table, seq_lens, block_mode, base_span):
+        q = x * 0.5
+        a, _ = torch.ops.kvops.elastic_attention(q, k_cache, v_cache, block_table, seq_lens)
+        b, _ = torch.ops.kvops.elastic_attention(q, k_cache, v_cache, block_table, seq_lens,
+                                                 block_mode=block_mode)
+        c, lse = torch.ops.kvops.elastic_attention(q, k_cache, v_cache, block_table, seq_lens,
+                                                   base_span=base_span)
+        return a + b + c, lse
+
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for t in range(6):
+            case = make_case(2, 4, 8, 2, 2, 32, torch.float16, "structured", "cpu", seed=t,
+                             pool_pages=10)
+            span = case.pop("base_span")
+            modes = span_modes(span, 4)
+            x = case.pop("q") * 2
+            got, lse = step(x, **case, block_mode=modes, base_span=span)
+            want = [elastic_attention_ref(x * 0.5, **case, **kw) for kw in
+                    ({}, {"block_mode": modes}, {"base_span": span})]
+            torch.testing.assert_close(got, want[0][0] + want[1][0] + want[2][0], atol=4e-3,
+                                       rtol=4e-3)
+            torch.testing.assert_close(lse, want[2][1])
+    assert len(calls) == 1
+
+
+@requires_cuda
+@pytest.mark.parametrize("path", PATHS)
+def test_cuda_graph_replay_with_new_tables(path):
+    dims = (8, 32, 16, 8, 4, 128, torch.float16, path)
+    case = make_case(*dims, "cuda", seed=11, pool_pages=8 * 32 + 2)
+    static = {n: t.clone() for n, t in case.items()}
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        torch.ops.kvops.elastic_attention(**static)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = torch.ops.kvops.elastic_attention(**static)
+    for seed in range(12, 15):
+        fresh = make_case(*dims, "cuda", seed=seed, pool_pages=8 * 32 + 2)
+        for n, t in fresh.items():
+            static[n].copy_(t)
+        graph.replay()
+        check_against_oracle(out, lse, fresh, case_id(*dims) + f"-graph{seed}")
+
+
+@requires_cuda
+def test_large_pool_offsets_do_not_overflow():
+    """A pool of more than 2**31 elements: page offsets must be 64-bit (TARGET and BASE)."""
+    S, Hkv, D = 16, 8, 128
+    P = 2**31 // (S * Hkv * D) + 8
+    k = torch.empty((P, S, Hkv, D), dtype=torch.float16, device="cuda")
+    v = torch.empty_like(k)
+    small = make_case(1, 4, S, Hkv, 4, D, torch.float16, "general", "cuda", seed=15)
+    n = small["k_cache"].shape[0]
+    k[P - n:], v[P - n:] = small["k_cache"], small["v_cache"]
+    table = torch.where(small["block_table"] >= 0, small["block_table"] + P - n, -1)
+    got = torch.ops.kvops.elastic_attention(small["q"], k, v, table.int(), small["seq_lens"],
+                                            block_mode=small["block_mode"])
+    check_against_oracle(*got, small, "int64-offsets")
+
+
+def _bad_inputs():
+    ok = make_case(2, 3, 8, 2, 2, 32, torch.float16, "general", "cpu", seed=0)
+    span = torch.zeros(2, 2, dtype=torch.int32)
+    yield "q-rank", dict(ok, q=ok["q"][0]), ValueError, "q: expected rank 3"
+    yield "q-dtype", dict(ok, q=ok["q"].double()), TypeError, "q: expected dtype"
+    yield "cache-dtype", dict(ok, k_cache=ok["k_cache"].bfloat16()), TypeError, "k_cache: expected"
+    yield "v-shape", dict(ok, v_cache=ok["v_cache"][:1]), ValueError, "v_cache: expected shape"
+    yield "heads", dict(ok, q=torch.randn(2, 3, 32).half()), ValueError, "Hq=3 must be a multiple"
+    yield "page-size", dict(ok, k_cache=ok["k_cache"][:, :6], v_cache=ok["v_cache"][:, :6]), \
+        ValueError, "S=6"
+    yield "table-dtype", dict(ok, block_table=ok["block_table"].long()), TypeError, "block_table"
+    yield "table-batch", dict(ok, block_table=ok["block_table"][:1]), ValueError, "block_table"
+    yield "seq-dtype", dict(ok, seq_lens=ok["seq_lens"].long()), TypeError, "seq_lens"
+    yield "mode-dtype", dict(ok, block_mode=ok["block_mode"].int()), TypeError, "block_mode"
+    yield "mode-shape", dict(ok, block_mode=ok["block_mode"][:, :2]), ValueError, "block_mode"
+    yield "span-shape", dict(ok, block_mode=None, base_span=span[:, :1]), ValueError, "base_span"
+    yield "both", dict(ok, base_span=span), ValueError, "give at most one"
+    yield "fp32-base", dict(ok, q=ok["q"].float(), k_cache=ok["k_cache"].float(),
+                            v_cache=ok["v_cache"].float()), TypeError, "float32 runs the native"
+    P = ok["k_cache"].shape[0]
+    yield "cache-strided", dict(ok, k_cache=torch.zeros(P, 8, 4, 32).half()[:, :, :2]), ValueError, \
+        "k_cache: expected contiguous pages"
+    yield "table-strided", dict(ok, block_table=ok["block_table"].t().contiguous().t()), \
+        ValueError, "block_table: expected the last dim contiguous"
+
+
+@pytest.mark.parametrize("name,kwargs,exc,msg", list(_bad_inputs()),
+                         ids=[c[0] for c in _bad_inputs()])
+def test_bad_inputs_raise(name, kwargs, exc, msg):
+    with pytest.raises(exc, match=msg):
+        torch.ops.kvops.elastic_attention(**kwargs)
+
+
+def test_validation_mode_raises_on_out_of_range():
+    ok = make_case(2, 3, 8, 2, 2, 32, torch.float16, "general", "cpu", seed=1)
+    ok["seq_lens"] = torch.tensor([24, 9], dtype=torch.int32)
+    ok["block_table"] = torch.tensor([[0, 1, 2], [3, 4, -1]], dtype=torch.int32)
+    ok["block_mode"] = torch.tensor([[0, 1, 2], [0, 0, 7]], dtype=torch.int8)   # 7: unused
+    ok["k_cache"], ok["v_cache"] = ok["k_cache"][:5].contiguous(), ok["v_cache"][:5].contiguous()
+    with kvops.validate(True):
+        torch.ops.kvops.elastic_attention(**ok)
+    bad = [("seq_lens", torch.tensor([25, 9], dtype=torch.int32), r"seq_lens: values must lie in"),
+           ("block_table", torch.tensor([[0, 1, 5], [3, 4, -1]], dtype=torch.int32), "block_table"),
+           ("block_table", torch.tensor([[0, 1, 2], [3, -1, -1]], dtype=torch.int32), "block_table"),
+           ("block_mode", torch.tensor([[0, 3, 2], [0, 0, 0]], dtype=torch.int8), "block_mode")]
+    for name, value, msg in bad:
+        with kvops.validate(True), pytest.raises(IndexError, match=msg):
+            torch.ops.kvops.elastic_attention(**dict(ok, **{name: value}))
+    structured = dict(ok, block_mode=None)
+    for span, msg in (([[0, 4], [0, 0]], "base_span"), ([[2, 1], [0, 0]], "end - first")):
+        with kvops.validate(True), pytest.raises(IndexError, match=msg):
+            torch.ops.kvops.elastic_attention(**structured, base_span=torch.tensor(
+                span, dtype=torch.int32))
+    assert kvops.validate() is False
