@@ -12,6 +12,7 @@ transformers') rotates the two halves of each head, as the model was trained.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -49,12 +50,21 @@ def gguf_path() -> Path:
 
 
 def _reader(path: Path | None):
+    """The parsed file, shared by the weights and the tokenizer (parsing its 49k-entry vocabulary
+    and merges is the slow part of loading, so it is done once per process)."""
     try:
-        import gguf
+        import gguf  # noqa: F401
     except ImportError as exc:
         raise ModelUnavailable(f"reading the GGUF file needs the PyPI package 'gguf': {INSTALL_HINT}"
                                ) from exc
-    return gguf.GGUFReader(str(path or gguf_path()))
+    return _parsed(str(Path(path or gguf_path()).resolve()))
+
+
+@functools.lru_cache(maxsize=1)
+def _parsed(path: str):
+    import gguf
+
+    return gguf.GGUFReader(path)
 
 
 def _field(reader, key: str):
