@@ -1,0 +1,286 @@
+"""GPU benchmark: ElasticKV kernels (pack/refine_base_pairs, elastic_attention) on an H200.
+
+Part 1, pack/refine: N pairs of Llama-3-8B pages (Hkv 8, D 128; S 16 and 64), in place
+(dst == src_a, base_page == dst_a), each codec, Triton kernel against the PyTorch reference
+(gather + index_put, the "torch slicing" equivalent). TB/s counts bytes read plus written:
+pack reads two TARGET pages and writes one page plus the backing; refine reads the BASE page and
+the backing and writes two pages. Fraction of the 4.25 TB/s copy ceiling.
+
+Part 2, elastic_attention: Llama-3-8B heads (Hq 32, Hkv 8, D 128), fp16, random block tables,
+full-length sequences, S 16 and 64. Native path; structured path with a centered BASE span of
+0/25/50/75/100 % of the blocks (packed by pack_base_pairs, two blocks per page); general path on
+the 50 % layout. Beside it, static_sliding_attention over the same tokens as a dense window
+(win_start 0, win_len = context) and the best SDPA backend on the gathered dense K/V. TB/s counts
+the K/V bytes the kernel must read (TARGET rows 2 bytes a value, BASE rows 1); fraction of the
+4.65 TB/s read ceiling. Every time is the median of CUDA-graph replays with inputs rotated past
+L2.
+
+    python -m bench.bench_elastic            # full sweep (about 3 minutes), writes bench/results/
+    python -m bench.bench_elastic --quick    # a smoke pass
+    python -m bench.bench_elastic --tune     # pack/refine block and warp sweep
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import kvops
+from bench.common import COPY_CEILING, READ_CEILING, rotation, table, tbps, time_graph, write_result
+from kvops.kernels.base_pairs import pack_base_pairs_fwd, refine_base_pairs_fwd
+from kvops.layouts import codecs
+from kvops.ops.elastic_attention import elastic_attention_ref, span_modes
+from kvops.ops.pack_base_pairs import pack_base_pairs_ref
+from kvops.ops.refine_base_pairs import refine_base_pairs_ref
+
+HQ, HKV, D = 32, 8, 128
+CODECS = [(torch.float16, "hi8"), (torch.float16, "hi8r"), (torch.bfloat16, "e4m3")]
+
+
+# ----------------------------------------------------------------------------------- pack/refine
+
+def pair_sets(N, S, dtype, codec, n_sets):
+    """Per set: a pool of 2N pages, in-place rows (2i, 2i+1, 2i) and a backing."""
+    sets = []
+    for _ in range(n_sets):
+        cache = torch.randn(2 * N, S, HKV, D, device="cuda").to(dtype)
+        a = torch.arange(0, 2 * N, 2, device="cuda", dtype=torch.int32)
+        pairs = torch.stack([a, a + 1, a], 1)
+        backing = torch.empty((N, 2, S, HKV, D), device="cuda",
+                              dtype=codecs.backing_dtype(codec, dtype))
+        sets.append((cache, pairs, backing))
+    return sets
+
+
+def check_pack(sets, codec):
+    cache, pairs, backing = sets[0]
+    ref_cache, ref_back = cache[:8].clone(), backing[:4].clone()
+    pack_base_pairs_ref(ref_cache, pairs[:4], ref_back, codec)
+    pack_base_pairs_fwd(cache, pairs, backing, codec)
+    assert torch.equal(cache[:8].view(torch.uint8), ref_cache.view(torch.uint8)), "pack differs"
+    refine_base_pairs_fwd(cache, pairs, backing, codec)
+    refine_base_pairs_ref(ref_cache, pairs[:4], ref_back, codec)
+    assert torch.equal(cache[:8].view(torch.uint8), ref_cache.view(torch.uint8)), "refine differs"
+
+
+def pair_bytes(op, codec, page):
+    """Bytes one pair moves (read + written); ``page`` = bytes of one TARGET page. Pack reads 2
+    pages and writes 1 plus the backing (1 page of low bytes for hi8/hi8r, 2 full pages for
+    e4m3). Refine writes 2 pages and reads the BASE page plus the low bytes (hi8/hi8r) or the 2
+    backing pages alone (e4m3): 4 pages either way."""
+    return page * ((5 if codec == "e4m3" else 4) if op == "pack" else 4)
+
+
+def pack_rows(N_pairs, pages, quick):
+    rows = []
+    for (dtype, codec), S in itertools.product(CODECS[:1] if quick else CODECS, pages):
+        page = S * HKV * D * 2
+        nbytes = {op: N_pairs * pair_bytes(op, codec, page) for op in ("pack", "refine")}
+        sets = pair_sets(N_pairs, S, dtype, codec, rotation(N_pairs * 4 * page))
+        check_pack(sets, codec)
+        for op, kernel, ref in (("pack", pack_base_pairs_fwd, pack_base_pairs_ref),
+                                ("refine", refine_base_pairs_fwd, refine_base_pairs_ref)):
+            t_k = time_graph([lambda s=s, f=kernel, c=codec: f(*s, c) for s in sets])[1]
+            t_r = time_graph([lambda s=s, f=ref, c=codec: f(*s, c) for s in sets])[1]
+            b = nbytes[op]
+            rows.append([op, str(dtype).replace("torch.", ""), codec, S, N_pairs, t_k, tbps(b, t_k),
+                         tbps(b, t_k) * 1e12 / COPY_CEILING, t_r, tbps(b, t_r), t_r / t_k])
+            print(" ".join(f"{c:.2f}" if isinstance(c, float) else str(c) for c in rows[-1]),
+                  flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    headers = ["op", "dtype", "codec", "S", "pairs", "kernel us", "TB/s", "of copy ceil",
+               "torch us", "torch TB/s", "speedup"]
+    return headers, rows
+
+
+def tune_pack(N_pairs=2048, S=16):
+    rows = []
+    for dtype, codec in CODECS:
+        page = S * HKV * D * 2
+        sets = pair_sets(N_pairs, S, dtype, codec, rotation(N_pairs * 4 * page))
+        for op, kernel in (("pack", pack_base_pairs_fwd), ("refine", refine_base_pairs_fwd)):
+            for block, warps in itertools.product((1024, 2048, 4096, 8192), (4, 8, 16)):
+                t = time_graph([lambda s=s, f=kernel, c=codec, b=block, w=warps:
+                                f(*s, c, block=b, num_warps=w) for s in sets], iters=10)[1]
+                b = N_pairs * pair_bytes(op, codec, page)
+                rows.append([op, codec, block, warps, t, tbps(b, t)])
+        del sets
+        torch.cuda.empty_cache()
+    return table(["op", "codec", "block", "warps", "us", "TB/s"], rows)
+
+
+# ------------------------------------------------------------------------------ elastic attention
+
+def attention_set(B, ctx, S, share, dtype=torch.float16):
+    """A pool and tables for B full sequences of ``ctx`` tokens, ``share`` of the blocks BASE in a
+    centered span, packed two per page. Returns the tensors and the bytes the kernel must read."""
+    L = ctx // S
+    nbase = round(share * L)
+    first = (L - nbase) // 2
+    n_pages = B * (L - nbase + (nbase + 1) // 2)
+    perm = torch.randperm(n_pages, device="cuda").int()
+    k = torch.randn(n_pages, S, HKV, D, device="cuda").to(dtype)
+    v = torch.randn(n_pages, S, HKV, D, device="cuda").to(dtype)
+    table_ = torch.empty(B, L, dtype=torch.int32, device="cuda")
+    used = 0
+    for j in range(L):            # a span pair (first + 2i, first + 2i + 1) shares one page
+        if first <= j < first + nbase and (j - first) % 2 == 1:
+            table_[:, j] = table_[:, j - 1]
+            continue
+        table_[:, j] = perm[used:used + B]
+        used += B
+    if nbase:
+        span_pages = table_[:, first:first + nbase:2].flatten()
+        for c in (k, v):                  # BASE bytes from real values in both halves
+            halves = torch.randn(span_pages.numel(), 2, S, HKV, D, device="cuda").to(dtype)
+            base, _ = codecs.encode(halves, codecs.default_codec(dtype))
+            c.view(torch.uint8).view(n_pages, 2, S, HKV, D)[span_pages.long()] = base
+    q = torch.randn(B, HQ, D, device="cuda").to(dtype)
+    seq = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+    span = torch.tensor([[first, first + nbase]] * B, dtype=torch.int32, device="cuda")
+    nbytes = 2 * B * HKV * D * S * ((L - nbase) * 2 + nbase)
+    return dict(q=q, k_cache=k, v_cache=v, block_table=table_, seq_lens=seq), span, nbytes
+
+
+def path_kwargs(label, span, L):
+    """elastic_attention keyword arguments of a row: native, structured or general."""
+    if label == "native":
+        return {}
+    if label.startswith("struct"):
+        return {"base_span": span}
+    return {"block_mode": span_modes(span, L)}
+
+
+def check_attention(case, **kw):
+    out, _ = torch.ops.kvops.elastic_attention(**case, **kw)
+    small = {n: t[:2] if n in ("q", "block_table", "seq_lens") else t for n, t in case.items()}
+    small_kw = {n: t[:2] for n, t in kw.items()}
+    want, _ = elastic_attention_ref(**small, **small_kw)
+    err = (out[:2].float() - want.float()).abs().max().item()
+    assert err < 2e-2, f"kernel disagrees with reference: max err {err}"
+
+
+def dense_peers(B, ctx, dtype, n_sets):
+    """static_sliding_attention and SDPA over dense K/V: name -> median us (or a reason)."""
+    sets = []
+    for _ in range(n_sets):
+        q = torch.randn(B, HQ, D, device="cuda", dtype=dtype)
+        k = torch.randn(B, ctx, HKV, D, device="cuda", dtype=dtype)
+        v = torch.randn(B, ctx, HKV, D, device="cuda", dtype=dtype)
+        sets.append((q, k, v))
+    zero = torch.zeros(B, dtype=torch.int32, device="cuda")
+    full = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+    result = {"static": time_graph([lambda s=s: torch.ops.kvops.static_sliding_attention(
+        s[0], s[1], s[2], zero, full) for s in sets])[1]}
+    dense = [(q.unsqueeze(2), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous())
+             for q, k, v in sets]
+    del sets
+    best = None
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION),
+                          ("flash", SDPBackend.FLASH_ATTENTION),
+                          ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        def run(q, k, v, backend=backend):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        try:
+            run(*dense[0])
+            torch.cuda.synchronize()
+        except RuntimeError:
+            continue
+        t = time_graph([lambda d=d: run(*d) for d in dense])[1]
+        if best is None or t < best[1]:
+            best = (name, t)
+    result["sdpa"] = best
+    return result
+
+
+def attention_rows(shapes, pages, shares):
+    rows, goals = [], {"native/static": [], "base100 speedup": [], "general/structured": [],
+                       "TB/s spread": []}
+    for B, ctx in shapes:
+        dense_bytes = 2 * B * ctx * HKV * D * 2
+        peers = dense_peers(B, ctx, torch.float16, rotation(dense_bytes))
+        t_static = peers["static"]
+        sdpa_name, t_sdpa = peers["sdpa"] or ("n/a", float("nan"))
+        for S in pages:
+            timings = {}
+            for label, share in [("native", 0.0)] + [(f"struct {int(s * 100)}%", s) for s in shares] \
+                    + [("general 50%", 0.5)]:
+                n_sets = rotation(dense_bytes)
+                sets = [attention_set(B, ctx, S, share) for _ in range(n_sets)]
+                nbytes = sets[0][2]
+                kws = [path_kwargs(label, span, ctx // S) for _, span, _ in sets]
+                check_attention(sets[0][0], **kws[0])
+                t = time_graph([lambda s=s, e=e: torch.ops.kvops.elastic_attention(**s[0], **e)
+                                for s, e in zip(sets, kws)])[1]
+                timings[label] = (t, nbytes)
+                rows.append([B, ctx, S, label, t, tbps(nbytes, t), tbps(nbytes, t) * 1e12 /
+                             READ_CEILING, t_static, tbps(dense_bytes, t_static), sdpa_name, t_sdpa,
+                             t_sdpa / t])
+                print(" ".join(f"{c:.2f}" if isinstance(c, float) else str(c) for c in rows[-1]),
+                      flush=True)
+                del sets
+                torch.cuda.empty_cache()
+            goals["native/static"].append(t_static / timings["native"][0])
+            if "struct 100%" in timings and "struct 0%" in timings:
+                goals["base100 speedup"].append(timings["struct 0%"][0] / timings["struct 100%"][0])
+            if "struct 50%" in timings:
+                goals["general/structured"].append(timings["general 50%"][0] /
+                                                   timings["struct 50%"][0])
+            bw = [tbps(nb, t) for lab, (t, nb) in timings.items() if lab.startswith("struct")]
+            goals["TB/s spread"].append(max(bw) / min(bw) - 1)
+    headers = ["B", "ctx", "S", "path", "us", "TB/s", "of read ceil", "static us", "static TB/s",
+               "sdpa", "sdpa us", "x sdpa"]
+    return headers, rows, goals
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a few shapes (smoke pass)")
+    ap.add_argument("--tune", action="store_true", help="pack/refine block and warp sweep")
+    args = ap.parse_args()
+    if args.tune:
+        body = tune_pack()
+        write_result("elastic-pack-tune", body)
+        print(body)
+        return
+    torch.manual_seed(0)
+    with kvops.validate(False):
+        if args.quick:
+            ph, prow = pack_rows(512, (16,), quick=True)
+            ah, arow, goals = attention_rows([(16, 4096)], (16,), (0.0, 0.5, 1.0))
+        else:
+            ph, prow = pack_rows(2048, (16, 64), quick=False)
+            ah, arow, goals = attention_rows(
+                [(1, 16384), (16, 4096), (16, 16384), (64, 4096), (128, 1024), (128, 4096)],
+                (16, 64), (0.0, 0.25, 0.5, 0.75, 1.0))
+    fmt = lambda xs: f"min {min(xs):.2f}, max {max(xs):.2f}" if xs else "n/a"
+    goal_lines = [
+        f"- native path / static_sliding_attention on the dense window (speed ratio, goal >= 0.95): "
+        f"{fmt(goals['native/static'])}",
+        f"- all-BASE speedup over all-TARGET (structured 100 % vs 0 %, goal >= 1.7): "
+        f"{fmt(goals['base100 speedup'])}",
+        f"- general / structured time at 50 % BASE (goal <= 1.10): {fmt(goals['general/structured'])}",
+        f"- TB/s spread across BASE shares, max/min - 1 (goal <= 0.10): {fmt(goals['TB/s spread'])}",
+    ]
+    pack_goal = [r[6] for r in prow]
+    body = "\n".join([
+        "## pack_base_pairs / refine_base_pairs (in place, Hkv 8, D 128)", "",
+        table(ph, prow), "",
+        f"Pack/refine TB/s (read + written): {fmt(pack_goal)} (goal >= 3.6).", "",
+        "## elastic_attention (Hq 32, Hkv 8, D 128, fp16, full sequences)", "",
+        "TB/s: bytes the kernel must read (TARGET 2 B a value, BASE 1 B); static: dense window of "
+        "the same tokens; sdpa: best backend on gathered dense K/V; x sdpa = sdpa us / ours.", "",
+        table(ah, arow), "", "Goals:", *goal_lines,
+    ])
+    write_result("elastic" + ("-quick" if args.quick else ""), body)
+    print(body)
+
+
+if __name__ == "__main__":
+    main()
