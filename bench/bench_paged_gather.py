@@ -140,18 +140,15 @@ def load_requests(path: str | None, limit: int, seed: int = 0) -> tuple[list[tup
     return reqs, Path(path).name
 
 
-def bench_dma(trace: str | None, quick: bool) -> str:
-    S, W, slots, max_ctx = 16, 1024, 64, 8192
-    page_bytes = S * HKV * D * 2
-    steps = 300 if quick else 2000
-    reqs, source = load_requests(trace, 10000)
+def _replay(reqs, steps: int, copy_tail: bool, S: int, W: int, slots: int, max_ctx: int):
+    """Drive a Pager + Transport through the request stream; per-step transport stats."""
     L = (max_ctx + 1024) // S
     pager = Pager(slots * L, S, slots, L)
-    tr = Transport(pager, W, page_bytes)
+    tr = Transport(pager, W, S * HKV * D * 2, copy_tail=copy_tail)
     queue = list(reversed(reqs))
     remaining: dict[int, int] = {}
     per_step = []
-    next_id = 0
+    admitted = 0
     for _ in range(steps):
         with pager.frame() as f:
             done = [k for k, left in remaining.items() if left == 0]
@@ -163,29 +160,38 @@ def bench_dma(trace: str | None, quick: bool) -> str:
                 remaining[key] -= 1
             while queue and len(remaining) + len(done) < slots:
                 ctx, out = queue.pop()
-                f.reserve(next_id, min(ctx, max_ctx))
-                remaining[next_id] = min(out, 1024)
-                next_id += 1
+                f.reserve(admitted, min(ctx, max_ctx))
+                remaining[admitted] = min(out, 1024)
+                admitted += 1
         per_step.append(tr.last)
-    moves = np.array([s["moves"] for s in per_step], dtype=np.float64)
-    groups = np.array([s["groups"] for s in per_step], dtype=np.float64)
-    kib = page_bytes / 1024
+    return per_step, admitted
+
+
+def bench_dma(trace: str | None, quick: bool) -> str:
+    S, W, slots, max_ctx = 16, 1024, 64, 8192
+    kib = S * HKV * D * 2 / 1024
+    steps = 300 if quick else 2000
+    reqs, source = load_requests(trace, 10000)
     rows = []
-    for name, g in (("unmerged (one descriptor per page)", moves), ("merged (tau = 128 KiB)",
-                                                                     groups)):
-        rows.append([name, g.mean(), g.mean() / slots, moves.sum() * kib / g.sum()])
-    arrival = moves > slots
-    for name, g in (("unmerged, steps with arrivals", moves[arrival]),
-                    ("merged, steps with arrivals", groups[arrival])):
-        if g.size:
-            rows.append([name, g.mean(), g.mean() / slots, moves[arrival].sum() * kib / g.sum()])
+    for copy_tail, mode in ((True, "transport copies the tail"),
+                            (False, "model writes new tokens through")):
+        per_step, admitted = _replay(reqs, steps, copy_tail, S, W, slots, max_ctx)
+        moves = np.array([s["moves"] for s in per_step], dtype=np.float64)
+        groups = np.array([s["groups"] for s in per_step], dtype=np.float64)
+        busy = moves > 0
+        for name, g in (("unmerged", moves), ("merged", groups)):
+            rows.append([mode, name, g.mean(), g[busy].mean() if busy.any() else 0.0,
+                         int(busy.sum()), moves.sum() * kib / max(g.sum(), 1)])
     return ("## DMA regularity on a replayed step stream\n\n"
-            f"Requests: {source}; {slots} slots, {steps} steps, {next_id} requests admitted, "
+            f"Requests: {source}; {slots} slots, {steps} steps, {admitted} requests admitted, "
             f"context capped at {max_ctx}, outputs at 1024; S={S}, W={W} (a {W // S}-page ring "
-            f"window per slot), page {kib:.0f} KiB per tensor. A decode step moves each "
-            "session's tail page; an arrival moves its whole window.\n\n"
-            + table(["descriptors", "groups per step", "per session-step", "mean KiB per group"],
-                    rows) + "\n")
+            f"window per slot), page {kib:.0f} KiB per tensor, tau = 128 KiB. Unmerged is one "
+            "descriptor per page; merged is paged_gather_merged's trains. When the transport "
+            "copies the tail, each decode step moves every session's tail page; when the model "
+            "writes new tokens through to the arena, only arrivals (whole windows) and "
+            "copy-on-write remaps move.\n\n"
+            + table(["mode", "descriptors", "groups per step", "per step that moved",
+                     "steps that moved", "mean KiB per group"], rows) + "\n")
 
 
 # -- control plane ---------------------------------------------------------------------------
@@ -260,7 +266,7 @@ def main():
             print("gather: skipped (needs CUDA)")
     body = "\n".join(sections)
     name = "paged_gather" + ("" if torch.cuda.is_available() else "-cpu") + \
-        ("-quick" if args.quick else "")
+        (f"-{Path(args.trace).stem}" if args.trace else "") + ("-quick" if args.quick else "")
     path = write_result(name, body)
     print(f"wrote {path}\n")
     print(body)

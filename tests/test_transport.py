@@ -18,10 +18,10 @@ class Harness:
     """A pool whose token (session tag, position) is written as the K value and its negation as
     the V value; the arena must hold each session's window in ring order after each gather."""
 
-    def __init__(self, device, P=48, B=3, W=24, L=16):
+    def __init__(self, device, P=48, B=3, W=24, L=16, copy_tail=True):
         self.device = device
         self.pager = Pager(P, S, B, L, device=device)
-        self.tr = Transport(self.pager, W, S * HKV * D * 4)
+        self.tr = Transport(self.pager, W, S * HKV * D * 4, copy_tail=copy_tail)
         self.W = W
         self.k = torch.zeros(P, S, HKV, D, device=device)
         self.v = torch.zeros(P, S, HKV, D, device=device)
@@ -41,6 +41,9 @@ class Harness:
                     val = self.tags.setdefault(key, len(self.tags) + 1) * 1000 + p
                     self.k[pages[p // S], p % S] = val
                     self.v[pages[p // S], p % S] = -val
+                    if not self.tr.copy_tail and key in old:     # the model writes through
+                        self.k_arena[self.pager.slot(key), p % self.W] = val
+                        self.v_arena[self.pager.slot(key), p % self.W] = -val
         self.gather()
         return f.result.stats["transport"]
 
@@ -121,6 +124,23 @@ def test_new_session_in_reused_slot_moves_its_whole_window(harness):
     h.step(lambda f: f.trim("a"))
     stats = h.step(lambda f: f.reserve("z", 17))
     assert h.pager.slot("z") == slot and stats["moves"] == 3
+    h.check_windows()
+
+
+def test_write_through_moves_only_new_windows_and_remaps(harness):
+    """copy_tail=False: the model writes new tokens into the arena, so decode moves nothing;
+    an arrival moves its window and a copy-on-write moves the remapped tail."""
+    h = Harness(harness.device, copy_tail=False)
+    stats = h.step(lambda f: (f.reserve("a", 21), f.reserve("b", 5)))
+    assert stats["moves"] == 3 + 1
+    for _ in range(20):
+        stats = h.step(lambda f: [f.reserve(s, 1) for s in ("a", "b")])
+        assert stats["moves"] == 0 and stats["groups"] == 0
+        h.check_windows()
+    h.alias_src, h.alias_len = {"c": "a"}, {"c": 41}
+    stats = h.step(lambda f: (f.alias("c", "a", 41), f.reserve("a", 1)))
+    # c's window (3 blocks) moves; a's shared tail is copied on write and moved once
+    assert stats["moves"] == 3 + 1
     h.check_windows()
 
 

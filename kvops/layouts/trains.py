@@ -22,6 +22,8 @@ def _as_index_array(name: str, x) -> np.ndarray:
         if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
             raise TypeError(f"{name}: expected an integer tensor, got {x.dtype}")
         return x.detach().cpu().numpy().astype(np.int64, copy=False)
+    if isinstance(x, np.ndarray) and x.dtype == np.int64 and x.ndim == 1:
+        return x
     arr = np.asarray(x)
     if arr.size == 0:
         return np.zeros(0, np.int64)
@@ -68,25 +70,30 @@ def plan_trains(src_pages, dst_pages, page_bytes: int, max_train_bytes: int = 13
     if n == 0:
         return torch.zeros((0, 3), dtype=torch.int32), {"groups": 0, "bytes": 0,
                                                          "mean_train_bytes": 0.0}
-    lo, hi = min(src.min(), dst.min()), max(src.max(), dst.max())
-    if lo < 0 or hi > INT32_MAX:
-        raise ValueError(f"src_pages/dst_pages: page ids must lie in [0, 2**31), got {lo}..{hi}")
+    either = src | dst              # negative iff one is negative, >= 2**31 iff one is
+    if either.min() < 0 or either.max() > INT32_MAX:
+        raise ValueError(f"src_pages/dst_pages: page ids must lie in [0, 2**31), got "
+                         f"{min(src.min(), dst.min())}..{max(src.max(), dst.max())}")
     max_pages = max(1, max_train_bytes // page_bytes)
 
     # A run is a maximal stretch of moves each continuing the previous one in src and dst.
+    # (Plain ufuncs and slicing only: numpy's diff/append wrappers cost more than the work.)
     starts_run = np.empty(n, dtype=bool)
     starts_run[0] = True
-    np.logical_or(np.diff(src) != 1, np.diff(dst) != 1, out=starts_run[1:])
-    head = np.flatnonzero(starts_run)
-    bounds = np.append(head, n)
-    sizes = bounds[1:] - bounds[:-1]
+    np.not_equal(src[1:] - src[:-1], 1, out=starts_run[1:])
+    starts_run[1:] |= (dst[1:] - dst[:-1]) != 1
+    head = starts_run.nonzero()[0]
+    sizes = np.empty_like(head)
+    sizes[:-1] = head[1:] - head[:-1]
+    sizes[-1] = n - head[-1]
     if sizes.max() > max_pages:
         # Greedy cap: a run splits into trains of max_pages counted from its first move.
         idx = np.arange(n)
         run_first = np.maximum.accumulate(np.where(starts_run, idx, 0))
-        head = np.flatnonzero((idx - run_first) % max_pages == 0)
-        bounds = np.append(head, n)
-        sizes = bounds[1:] - bounds[:-1]
+        head = ((idx - run_first) % max_pages == 0).nonzero()[0]
+        sizes = np.empty_like(head)
+        sizes[:-1] = head[1:] - head[:-1]
+        sizes[-1] = n - head[-1]
     trains = np.empty((head.shape[0], 3), dtype=np.int32)
     trains[:, 0] = src[head]
     trains[:, 1] = dst[head]

@@ -9,8 +9,9 @@ they are.
 
 At every frame commit (the transport is a pager hook, :meth:`Pager.attach`), for each session
 the frame touched, the blocks of its new window whose contents or mapping changed become page
-moves: the blocks that received new tokens, blocks whose page changed (copy-on-write, alias),
-and every block of a session new to its slot. Blocks trimmed inside the window (page ``-1``)
+moves: the blocks that received new tokens (unless ``copy_tail=False``: the model writes new
+tokens into the arena itself), blocks whose page changed (copy-on-write, alias), and every
+block of a session new to its slot. Blocks trimmed inside the window (page ``-1``)
 are not moved. The moves, in slot order then ring order, go through
 :func:`kvops.layouts.plan_trains` (greedy merge up to ``max_train_bytes``); the trains and
 their count are written into the frame's tables, so the commit's single upload carries them
@@ -48,10 +49,15 @@ class Transport:
         Bytes of one page of one of K or V (``PagedGeometry.page_bytes``).
     max_train_bytes : int
         tau for :func:`plan_trains` (128 KiB by default, as in the paper).
+    copy_tail : bool
+        True (default): blocks that received tokens are moved, so the arena follows the pool
+        alone. False: the model writes each new token's K/V into its arena slot as well as its
+        pool page (as KV-RM's static kernel writes back), so growth moves nothing and only
+        new sessions and remapped blocks are moved.
     """
 
     def __init__(self, pager: Pager, window_tokens: int, page_bytes: int,
-                 max_train_bytes: int = 131072):
+                 max_train_bytes: int = 131072, copy_tail: bool = True):
         S = pager.page_size
         if window_tokens < S or window_tokens % S:
             raise ValueError(f"window_tokens: expected a positive multiple of the page size "
@@ -61,6 +67,7 @@ class Transport:
         self.pages_per_window = window_tokens // S
         self.page_bytes = page_bytes
         self.max_train_bytes = max_train_bytes
+        self.copy_tail = copy_tail
         self.last: dict = {}
         pager.attach(self)
 
@@ -81,12 +88,14 @@ class Transport:
         S, NW = self.pager.page_size, self.pages_per_window
         nb = -(-d.after_length // S)
         first = max(0, nb - NW)
-        grew_from = d.before_length // S if d.after_length > d.before_length else nb
+        grew = self.copy_tail and d.after_length > d.before_length
+        grew_from = d.before_length // S if grew else nb
         if d.new:
             todo = range(first, nb)
         else:   # O(delta): blocks that got tokens, and remapped blocks still in the window
             todo = range(max(first, grew_from), nb)
-            remapped = [j for j in d.after_overlay if first <= j < grew_from]
+            old_end = min(grew_from, -(-d.before_length // S))
+            remapped = [j for j in d.after_overlay if first <= j < old_end]
             if remapped:
                 todo = sorted(remapped) + list(todo)
         base = d.slot * NW
@@ -112,11 +121,11 @@ class Transport:
             slots.append(d.slot)
             lengths.append(d.after_length)
         # tail-only growth, vectorized: one move each, the tail block (always in the window)
-        tail = grown.before // S
+        g_slots = grown.slots if self.copy_tail else grown.slots[:0]
+        tail = grown.before[: g_slots.size] // S
         all_src = np.concatenate((np.asarray(src, dtype=np.int64), self.pager.host_tables[
-            "block_table"][grown.slots, tail].astype(np.int64)))
-        all_dst = np.concatenate((np.asarray(dst, dtype=np.int64),
-                                  grown.slots * NW + tail % NW))
+            "block_table"][g_slots, tail].astype(np.int64)))
+        all_dst = np.concatenate((np.asarray(dst, dtype=np.int64), g_slots * NW + tail % NW))
         order = np.argsort(all_dst // NW, kind="stable")      # slot order, ring order within
         trains, stats = plan_trains(all_src[order], all_dst[order], self.page_bytes,
                                     self.max_train_bytes)
