@@ -128,8 +128,9 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    """The decoder. Build with :meth:`from_gguf` (SmolLM2 weights) or directly (random weights),
-    then :meth:`setup_cache` before :meth:`prefill` / :meth:`decode_step`."""
+    """The decoder. Build with :meth:`from_gguf` (SmolLM2 weights), :meth:`random` or
+    :meth:`from_hf` (inference models: eval mode, no gradients), then :meth:`setup_cache` before
+    :meth:`prefill` / :meth:`decode_step`."""
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -162,7 +163,7 @@ class Llama(nn.Module):
         missing = [n for n, p in model.named_parameters() if p.is_meta]
         if missing:
             raise ValueError(f"GGUF file: no weights for {missing[:4]}")
-        return model.to(device).eval()
+        return model.to(device).eval().requires_grad_(False)
 
     @classmethod
     def random(cls, cfg: LlamaConfig, *, seed: int = 0, std: float = 0.02,
@@ -179,7 +180,7 @@ class Llama(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
         model = model.to(device=device, dtype=dtype)
         model.rope_cos, model.rope_sin = (t.to(device) for t in rope_table(cfg))  # float32
-        return model.eval()
+        return model.eval().requires_grad_(False)
 
     @classmethod
     def from_hf(cls, hf_model) -> Llama:
@@ -211,7 +212,7 @@ class Llama(nn.Module):
         model = cls(cfg).to(device=w.device, dtype=w.dtype)
         model.load_state_dict(sd)
         model.rope_cos, model.rope_sin = (t.to(w.device) for t in rope_table(cfg))
-        return model.eval()
+        return model.eval().requires_grad_(False)
 
     def setup_cache(self, batch_size: int, window: int, page_size: int = 16) -> None:
         """Allocate each layer's KV pool: ``[P, S, Hkv, D]`` with ``S = page_size``,
