@@ -325,6 +325,29 @@ def test_commit_is_idempotent_and_verbs_need_a_frame():
         f.reserve("a", 1)
 
 
+def test_failing_hook_aborts_the_commit():
+    """A hook that raises during commit leaves the pager as before the frame."""
+
+    class Failing:
+        def tables(self):
+            return {}
+
+        def on_commit(self, frame, deltas, grown):
+            if any(d.new for d in deltas):
+                raise Boom
+            return {}
+
+    pg = Pager(16, 4, 4, 4)
+    pg.attach(Failing())
+    with pg.frame() as f:
+        pass
+    before = (pg.epoch, pg.free_pages, pg._alloc.spans(), pg.sessions())
+    with pytest.raises(Boom), pg.frame() as f:
+        f.reserve("a", 9)
+    assert (pg.epoch, pg.free_pages, pg._alloc.spans(), pg.sessions()) == before
+    assert f.aborted and pg.frame() is not None
+
+
 def test_out_of_pages_leaves_mappings_intact():
     pg = Pager(6, 4, 4, 8)
     with pg.frame() as f:

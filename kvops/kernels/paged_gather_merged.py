@@ -117,7 +117,7 @@ def paged_gather_merged_fwd(
     units = page_elems // block
     ends = torch.empty(T + 1, dtype=torch.int32, device=trains.device)
     _train_ends_kernel[(1,)](trains, num_trains, ends, T, P, Q,
-                             BLOCK_T=min(1024, next_pow2(T)))
+                             BLOCK_T=min(4096, next_pow2(T)), num_warps=8)
     grid = num_programs or min(Q * units, 8 * sm_count(k_cache.device))
     _gather_pages_kernel[(grid,)](
         k_cache, v_cache, k_out, v_out, trains, ends, T,
