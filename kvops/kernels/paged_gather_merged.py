@@ -48,8 +48,8 @@ def _train_ends_kernel(Trains, NumTrains, Ends, T, P, Q, BLOCK_T: tl.constexpr):
 
 @triton.jit
 def _gather_pages_kernel(
-    K, V, KOut, VOut, Trains, Ends, T,
-    UNITS: tl.constexpr, BLOCK: tl.constexpr, LOG_T: tl.constexpr,
+    K, V, KOut, VOut, Trains, Ends, T, log_t,
+    UNITS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     i_p = tl.program_id(0)
     total = tl.load(Ends + T) * UNITS
@@ -61,7 +61,7 @@ def _gather_pages_kernel(
         g = lo // UNITS
         t_lo = tl.full([], 0, tl.int32)
         t_hi = tl.full([], 0, tl.int32) + T
-        for _ in range(LOG_T):
+        for _ in range(log_t):
             mid = (t_lo + t_hi) // 2
             m_up = tl.load(Ends + mid) <= g
             t_lo = tl.where(m_up, mid, t_lo)
@@ -120,7 +120,7 @@ def paged_gather_merged_fwd(
                              BLOCK_T=min(4096, next_pow2(T)), num_warps=8)
     grid = num_programs or min(Q * units, 8 * sm_count(k_cache.device))
     _gather_pages_kernel[(grid,)](
-        k_cache, v_cache, k_out, v_out, trains, ends, T,
-        UNITS=units, BLOCK=block, LOG_T=max(1, T.bit_length()),
+        k_cache, v_cache, k_out, v_out, trains, ends, T, max(1, T.bit_length()),
+        UNITS=units, BLOCK=block,
         num_warps=num_warps or 4,
     )
