@@ -17,6 +17,7 @@ from tests.conftest import requires_cuda
 from tests.oracles_kv_rm import gather_oracle
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def random_trains(P, Q, gen, *, max_len=5, ignored=2):
@@ -156,9 +157,11 @@ def test_op_dispatches_to_kernel_under_triton_backend(kernel_device):
     check(k_out, v_out, k, v, trains, num, "op-triton")
 
 
-def test_opcheck():
-    (k, v, trains, num_t), _ = make_case(11, 9, 8, 2, 16, torch.float32, "cpu", 6)
-    k_out, v_out = torch.zeros(9, 8, 2, 16), torch.zeros(9, 8, 2, 16)
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    (k, v, trains, num_t), _ = make_case(11, 9, 8, 2, 16, torch.float32, device, 6)
+    k_out = torch.zeros(9, 8, 2, 16, device=device)
+    v_out = torch.zeros(9, 8, 2, 16, device=device)
     torch.library.opcheck(torch.ops.kvops.paged_gather_merged.default,
                           (k, v, trains, num_t, k_out, v_out))
 
@@ -175,13 +178,15 @@ def _counting_backend():
     return backend, calls
 
 
-def test_compiled_step_never_recompiles():
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_step_never_recompiles(device):
     """10 steps with new trains values and counts: one compile, zero recompiles."""
     torch._dynamo.reset()
     backend, calls = _counting_backend()
     P, Q, S, Hkv, D = 16, 12, 8, 2, 16
-    k, v = torch.randn(P, S, Hkv, D), torch.randn(P, S, Hkv, D)
-    k_out, v_out = torch.zeros(Q, S, Hkv, D), torch.zeros(Q, S, Hkv, D)
+    k, v = torch.randn(P, S, Hkv, D, device=device), torch.randn(P, S, Hkv, D, device=device)
+    k_out = torch.zeros(Q, S, Hkv, D, device=device)
+    v_out = torch.zeros(Q, S, Hkv, D, device=device)
 
     @torch.compile(backend=backend, fullgraph=True)
     def step(trains, num_t):
@@ -193,10 +198,11 @@ def test_compiled_step_never_recompiles():
         for _ in range(10):
             trains, num = random_trains(P, Q, gen, ignored=0)
             trains = torch.cat([trains, torch.zeros(Q - trains.shape[0], 3, dtype=torch.int32)])
-            k_want, v_want, _ = gather_oracle(k, v, trains, num, k_out, v_out)
-            got = step(trains, torch.tensor([num], dtype=torch.int32))
-            torch.testing.assert_close(got, (k_want.sum(dim=(1, 2, 3))
-                                             + v_want.sum(dim=(1, 2, 3))).float())
+            k_want, v_want, _ = gather_oracle(k.cpu(), v.cpu(), trains, num, k_out.cpu(),
+                                              v_out.cpu())
+            got = step(trains.to(device), torch.tensor([num], dtype=torch.int32, device=device))
+            torch.testing.assert_close(got.cpu(), (k_want.sum(dim=(1, 2, 3))
+                                                   + v_want.sum(dim=(1, 2, 3))).float())
     assert len(calls) == 1
 
 
