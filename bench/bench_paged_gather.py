@@ -19,6 +19,7 @@ Three parts (``--parts``, all by default; ``gather`` needs CUDA and is skipped w
 
     python -m bench.bench_paged_gather                 # everything available here
     python -m bench.bench_paged_gather --quick         # smaller sizes, fewer steps
+    python -m bench.bench_paged_gather --tune          # GPU: kernel launch-knob sweep
     python -m bench.bench_paged_gather --parts dma,control --trace \
         ../shared/data/traces/AzureLLMInferenceTrace_conv.csv
 """
@@ -113,6 +114,45 @@ def bench_gather(quick: bool) -> str:
             f"Hkv={HKV}, D={D}, fp16; bulk moves {(16 if quick else 128)} MiB per tensor, step "
             "moves 64 one-page trains; TB/s = K+V read+write bytes / p50; ceiling = "
             f"{COPY_CEILING / 1e12:.2f} TB/s copy.\n\n" + table(headers, rows) + "\n")
+
+
+def bench_tune() -> str:
+    """Sweep the kernel's launch knobs on one-page trains and one contiguous train (S=16)."""
+    from kvops.kernels._common import sm_count
+    from kvops.kernels.paged_gather_merged import paged_gather_merged_fwd
+
+    gen = torch.Generator().manual_seed(1)
+    S = 16
+    page_bytes = S * HKV * D * 2
+    Q = (128 << 20) // page_bytes
+    P = (1 << 30) // page_bytes
+    k_cache = torch.randn(P, S, HKV, D, device="cuda", dtype=DTYPE)
+    v_cache = torch.randn_like(k_cache)
+    k_out = torch.empty(Q, S, HKV, D, device="cuda", dtype=DTYPE)
+    v_out = torch.empty_like(k_out)
+    nbytes = 4 * Q * page_bytes
+    sms = sm_count(k_cache.device)
+    rows = []
+    for n in (1, None):
+        (trains, src), = _train_sets(P, Q, n, gen, 1)
+        num = torch.tensor([trains.shape[0]], dtype=torch.int32, device="cuda")
+        for per_sm in (4, 8, 16, 32):
+            for block_bytes in (4096, 8192, 16384):
+                for warps in (4, 8):
+                    def run(per_sm=per_sm, block_bytes=block_bytes, warps=warps, trains=trains,
+                            num=num):
+                        paged_gather_merged_fwd(k_cache, v_cache, trains, num, k_out, v_out,
+                                                num_programs=per_sm * sms,
+                                                block=block_bytes // 2, num_warps=warps)
+                    run()
+                    assert torch.equal(k_out, k_cache[src])
+                    _, us, _ = time_graph(run)
+                    rows.append(["all" if n is None else n, per_sm, block_bytes, warps, us,
+                                 tbps(nbytes, us), tbps(nbytes, us) * 1e12 / COPY_CEILING])
+    return ("## Kernel launch sweep (S=16, 128 MiB per tensor)\n\n"
+            "Defaults: 8 programs per SM, 8 KiB blocks, 4 warps.\n\n"
+            + table(["train pages", "programs/SM", "block bytes", "warps", "us p50", "TB/s",
+                     "of ceiling"], rows) + "\n")
 
 
 # -- request streams -------------------------------------------------------------------------
@@ -252,7 +292,13 @@ def main():
     ap.add_argument("--quick", action="store_true", help="small sizes, fewer steps")
     ap.add_argument("--parts", default="gather,dma,control")
     ap.add_argument("--trace", default=None, help="Azure CSV or Mooncake JSONL request trace")
+    ap.add_argument("--tune", action="store_true", help="GPU: sweep the kernel's launch knobs")
     args = ap.parse_args()
+    if args.tune:
+        body = bench_tune()
+        print(f"wrote {write_result('paged_gather-tune', body)}\n")
+        print(body)
+        return
     parts = args.parts.split(",")
     sections = []
     if "control" in parts:
