@@ -251,10 +251,10 @@ def bench_control(quick: bool) -> str:
 
     transport_mod.plan_trains = timed_plan
     try:
-        for sessions in (64, 256):
+        for sessions, copy_tail in ((64, True), (256, True), (64, False), (256, False)):
             L = 512
             pager = Pager(sessions * 300, S, sessions, L, device=device)
-            Transport(pager, W, S * HKV * D * 2)
+            Transport(pager, W, S * HKV * D * 2, copy_tail=copy_tail)
             with pager.frame() as f:
                 for s in range(sessions):
                     f.reserve(s, 1000 + (s * 97) % 3000)
@@ -272,8 +272,9 @@ def bench_control(quick: bool) -> str:
                 edits.append(t1 - t0)
                 commits.append(t2 - t1)
             q = lambda xs, p: float(np.quantile(np.array(xs) * 1e6, p))
-            rows.append([sessions, q(edits, 0.5), q(edits, 0.99), q(commits, 0.5),
-                         q(commits, 0.99), q(plan_times, 0.5), q(plan_times, 0.99),
+            rows.append([sessions, "copy tail" if copy_tail else "write-through",
+                         q(edits, 0.5), q(edits, 0.99), q(commits, 0.5), q(commits, 0.99),
+                         q(plan_times, 0.5), q(plan_times, 0.99),
                          q(np.add(edits, commits), 0.5)])
     finally:
         transport_mod.plan_trains = plan
@@ -283,7 +284,7 @@ def bench_control(quick: bool) -> str:
             f"{device or 'none (host tables only)'}; S={S}, W={W}. The commit includes the "
             "transport hook (moves, planning, window bounds) and the single table upload. "
             f"Host load average during the run: {load[0]:.1f} (1 min), {os.cpu_count()} CPUs.\n\n"
-            + table(["sessions", "verbs us p50", "verbs p99", "commit us p50", "commit p99",
+            + table(["sessions", "transport", "verbs us p50", "verbs p99", "commit us p50", "commit p99",
                      "planning us p50", "planning p99", "verbs+commit p50"], rows) + "\n")
 
 

@@ -68,8 +68,8 @@ def plan_trains(src_pages, dst_pages, page_bytes: int, max_train_bytes: int = 13
                          f"{dst.shape[0]}")
     n = src.shape[0]
     if n == 0:
-        return torch.zeros((0, 3), dtype=torch.int32), {"groups": 0, "bytes": 0,
-                                                         "mean_train_bytes": 0.0}
+        return torch.from_numpy(np.zeros((0, 3), dtype=np.int32)), {
+            "groups": 0, "bytes": 0, "mean_train_bytes": 0.0}
     either = src | dst              # negative iff one is negative, >= 2**31 iff one is
     if either.min() < 0 or either.max() > INT32_MAX:
         raise ValueError(f"src_pages/dst_pages: page ids must lie in [0, 2**31), got "
