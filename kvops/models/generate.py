@@ -75,7 +75,8 @@ def greedy_decode(model: Llama, prompt_ids: list[int], max_new_tokens: int, *,
     out = torch.empty(max_new_tokens, dtype=torch.int64, device=device)
     t0 = time.perf_counter()
     logits = model.prefill(torch.tensor(prompt_ids, device=device), 0)
-    out[0] = logits[-1].argmax()
+    tok = logits[-1:].argmax(-1)                            # [1]: the step's token input
+    out[0] = tok[0]
     _sync(device)
     t1 = time.perf_counter()
     pos = torch.full((1,), T, dtype=torch.int64, device=device)
@@ -83,7 +84,8 @@ def greedy_decode(model: Llama, prompt_ids: list[int], max_new_tokens: int, *,
     for i in range(1, max_new_tokens):
         if device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
-        out[i] = step(out[i - 1:i], pos).argmax(-1)[0]
+        tok = step(tok, pos).argmax(-1)
+        out[i] = tok[0]
         pos += 1
         done = i + 1
         if i == 1:
