@@ -222,3 +222,15 @@ def test_cuda_greedy_decode_reduce_overhead_matches_eager():
     got, timing = greedy_decode(model, prompt, 32, step=step)
     assert got == want
     assert timing["decode_steps"] == 30 and timing["decode_s"] > 0
+
+
+def test_perplexity_through_decode_equals_dense_when_nothing_slides():
+    """examples/perplexity.py: teacher-forced decode (half prefilled) scores every token once,
+    so with W >= N it equals the dense perplexity; with a sliding W it differs."""
+    from examples.perplexity import decode_ppl, dense_ppl
+
+    model = tiny(seed=11)
+    ids = random_prompts([40], TINY.vocab_size, "cpu", seed=11)[0]
+    dense = dense_ppl(model, ids)
+    assert abs(decode_ppl(model, ids, window=48, page_size=8) - dense) < 1e-5 * dense
+    assert abs(decode_ppl(model, ids, window=8, page_size=8) - dense) > 1e-4 * dense
