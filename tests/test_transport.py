@@ -195,3 +195,43 @@ def test_one_captured_gather_follows_every_commit():
         torch.cuda.synchronize()
         h.check_windows()
 
+
+
+def test_window_tables_drive_static_sliding_attention():
+    """Attention over the gathered arena with the committed win_start/win_len equals softmax
+    attention over each session's visible tokens read straight from the pool."""
+    gen = torch.Generator().manual_seed(4)
+    P, B, W, L, Hkv, G, Dh = 40, 3, 32, 12, 2, 2, 16
+    pager = Pager(P, S, B, L, device="cpu")
+    Transport(pager, W, S * Hkv * Dh * 4)
+    k = torch.randn(P, S, Hkv, Dh, generator=gen)
+    v = torch.randn(P, S, Hkv, Dh, generator=gen)
+    k_arena, v_arena = torch.zeros(B, W, Hkv, Dh), torch.zeros(B, W, Hkv, Dh)
+    lengths = {"a": 5, "b": 29, "c": 0}
+    pager.frame().commit()                  # an empty first step fixes the device tables
+    dev = pager.device_tables
+    for step in range(31):
+        with pager.frame() as f:
+            for key in ("a", "b"):
+                f.reserve(key, lengths[key] if step == 0 else 1)
+                lengths[key] += 0 if step == 0 else 1
+            if step == 10:
+                f.alias("c", "b", 36)
+                lengths["c"] = 36
+        torch.ops.kvops.paged_gather_merged(k, v, dev["trains"], dev["num_trains"],
+                                            arena_as_pages(k_arena, S),
+                                            arena_as_pages(v_arena, S))
+        q = torch.randn(B, Hkv * G, Dh, generator=gen)
+        out, _ = torch.ops.kvops.static_sliding_attention(q, k_arena, v_arena,
+                                                          dev["win_start"], dev["win_len"])
+        for key in pager.sessions():
+            slot, n = pager.slot(key), lengths[key]
+            pages = pager.pages(key)
+            first = max(0, -(-n // S) - W // S) * S
+            toks = torch.stack([k[pages[p // S], p % S] for p in range(first, n)])
+            vals = torch.stack([v[pages[p // S], p % S] for p in range(first, n)])
+            qs = q[slot].view(Hkv, G, Dh).double()
+            logits = torch.einsum("hgd,nhd->hgn", qs, toks.double()) * Dh ** -0.5
+            want = torch.einsum("hgn,nhd->hgd", logits.softmax(-1), vals.double())
+            torch.testing.assert_close(out[slot].double(), want.reshape(Hkv * G, Dh),
+                                       atol=1e-5, rtol=1e-5)
