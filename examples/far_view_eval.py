@@ -10,7 +10,10 @@ Configurations (near window W = 512 tokens, 16-token pages, sv_chunk = 128):
 - ``near``: near-only truncation: each token attends to its window alone, the transport's
   window (the last W / S pages: from the first window page's first token to itself);
 - ``far<cap>`` / ``far<cap>-nobias``: the window plus up to ``cap`` far-chunk summaries with
-  ``far_bias = log(128)`` / ``0``.
+  ``far_bias = log(128)`` / ``0``;
+- ``sink<n>`` (a diagnostic, not a kvops path): the window plus the sequence's first ``n``
+  tokens exact (StreamingLLM's attention sink), to tell how much of the near-only loss is the
+  sink alone.
 
 How the far view is evaluated. Every query position runs exactly the attention a decode step
 with :class:`kvops.runtime.FarView` runs at that position: ``torch.ops.kvops.static_sliding_attention``
@@ -48,9 +51,11 @@ WINDOW, PAGE, CHUNK = 512, 16, 128
 
 
 def parse_config(name: str) -> tuple[str, int, bool]:
-    """``"dense" | "near" | "far<cap>[-nobias]"`` -> (mode, cap, log_count_bias)."""
+    """``"dense" | "near" | "sink<n>" | "far<cap>[-nobias]"`` -> (mode, cap or n, log_count_bias)."""
     if name in ("dense", "near"):
         return name, 0, False
+    if name.startswith("sink") and name[4:].isdigit():
+        return "sink", int(name[4:]), False
     if name.startswith("far"):
         cap, _, suffix = name[3:].partition("-")
         if cap.isdigit() and suffix in ("", "nobias"):
@@ -135,6 +140,11 @@ def attention_banded(q, k, v, mode: str, cap: int, bias: bool, q_block: int = 25
         mask = (keys[None, :] >= first[t, None]) & (keys[None, :] <= t[:, None])
         bias_ = torch.where(mask, 0.0, float("-inf"))
         kb, vb = k[lo:t0 + n], v[lo:t0 + n]
+        if mode == "sink":                  # the first `cap` tokens, where not in the window
+            sink = torch.arange(min(cap, T), device=q.device)
+            seen = (sink[None, :] < first[t, None]) & (sink[None, :] <= t[:, None])
+            bias_ = torch.cat([torch.where(seen, 0.0, float("-inf")), bias_], dim=1)
+            kb, vb = torch.cat([k[sink], kb]), torch.cat([v[sink], vb])
         if far is not None:
             c = torch.arange(far[0].shape[0], device=q.device)
             live = c[None, :] < n_far[t, None]
@@ -156,7 +166,7 @@ def check_paths(model: Llama, ids: torch.Tensor, configs: list[str]) -> float:
     worst = 0.0
     for c in configs:
         mode, cap, bias = parse_config(c)
-        if mode == "dense":
+        if mode in ("dense", "sink"):
             continue
         a = attention_banded(q, k, v, mode, cap, bias)
         b = attention_far(q, k, v, mode, cap, bias)
