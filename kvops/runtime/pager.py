@@ -230,6 +230,7 @@ class Frame:
         self._overlay: dict[Hashable, dict[int, int]] = {}
         self._length: dict[Hashable, int] = {}
         self._grown: dict[Hashable, int] = {}          # tail-only growth (the fast path)
+        self._grown_sess: dict[Hashable, _Session] = {}
         self._new: dict[Hashable, int] = {}            # new session -> slot
         self._closed: set[Hashable] = set()
         self._ref: dict[int, int] = {}                 # pending refcount changes
@@ -296,6 +297,7 @@ class Frame:
         """``key`` gets edits beyond tail growth: track it in the general overlay."""
         if key in self._grown:
             self._length[key] = self._grown.pop(key)
+            del self._grown_sess[key]
 
     def _set(self, key, j: int, page: int) -> None:
         over = self._overlay.get(key)
@@ -345,6 +347,7 @@ class Frame:
                         self._length[key] = old + n_tokens
                     else:
                         self._grown[key] = old + n_tokens
+                        self._grown_sess[key] = sess
                     return
         self._slow(key)
         fresh = not self.has(key)
@@ -632,8 +635,8 @@ class Pager:
                     key, 0 if new else sess.length),
                 after_overlay=f._overlay.get(key, {})))
         sl_off = self._layout["seq_lens"][0]
-        grown = f._grown
-        g_slots = np.fromiter((self._sessions[k].slot for k in grown), np.int64, len(grown))
+        grown, grown_sess = f._grown, list(f._grown_sess.values())
+        g_slots = np.array([sess.slot for sess in grown_sess], dtype=np.int64)
         batch = GrownBatch(g_slots, self._master[sl_off + g_slots].astype(np.int64),
                            np.fromiter(grown.values(), np.int64, len(grown)))
         stats: dict = {}
@@ -648,9 +651,8 @@ class Pager:
                 give(page)
         L = self.max_blocks
         bt_off = self._layout["block_table"][0]
-        sessions = self._sessions
-        for key, n in grown.items():
-            sessions[key].length = n
+        for sess, n in zip(grown_sess, grown.values()):
+            sess.length = n
         idx: list[int] = []
         val: list[int] = []
         for dlt in deltas:
