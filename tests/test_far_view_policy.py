@@ -363,3 +363,41 @@ def test_cuda_graph_replays_far_view_layer_across_commits():
         torch.testing.assert_close(out, want, atol=2e-3, rtol=2e-3)
         torch.testing.assert_close(far.scores, twin.scores, atol=1e-4, rtol=1e-4)
     assert len(far.summarized(pager.slot("b"))) >= 8
+
+
+def test_decode_with_far_view_matches_the_block_parallel_evaluation(monkeypatch):
+    """Token by token through Pager + FarView + the ops equals what examples/far_view_eval.py
+    computes for all positions at once (cap holding every far chunk), bias on and off."""
+    ev = pytest.importorskip("examples.far_view_eval")
+    Wt, cap, T = 32, 8, 120
+    monkeypatch.setattr(ev, "WINDOW", Wt)
+    monkeypatch.setattr(ev, "PAGE", S)
+    monkeypatch.setattr(ev, "CHUNK", CHUNK)
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randn(T, HKV * G, D, generator=gen)
+    k = torch.randn(T, HKV, D, generator=gen)
+    v = torch.randn(T, HKV, D, generator=gen)
+    for bias in (True, False):
+        want = ev.attention_banded(q, k, v, "far", cap, bias)
+        pager = Pager(32, S, max_sessions=1, max_blocks=16, device="cpu")
+        far = FarView(pager, window_tokens=Wt, chunk_tokens=CHUNK, cap=cap, num_layers=1,
+                      num_kv_heads=HKV, head_dim=D, dtype=torch.float32, log_count_bias=bias)
+        pool_k, pool_v = torch.zeros(32, S, HKV, D), torch.zeros(32, S, HKV, D)
+        for t in range(T):
+            with pager.frame() as f:
+                f.reserve("a", 1)
+            page = pager.pages("a")[t // S]
+            pool_k[page, t % S], pool_v[page, t % S] = k[t], v[t]
+            far.absorb(0, pool_k, pool_v)
+            first = max(0, -(-(t + 1) // S) - Wt // S) * S          # the transport's window
+            win_k, win_v = torch.zeros(1, Wt, HKV, D), torch.zeros(1, Wt, HKV, D)
+            win_k[0, : t + 1 - first], win_v[0, : t + 1 - first] = k[first:t + 1], v[first:t + 1]
+            far_k, far_v, far_bias = far.view(0)
+            out, lse = torch.ops.kvops.static_sliding_attention(
+                q[t:t + 1], win_k, win_v, torch.zeros(1, dtype=torch.int32),
+                torch.tensor([t + 1 - first], dtype=torch.int32), far_k, far_v, far_bias)
+            far.observe(0, q[t:t + 1], far_k, far_bias, lse)
+            far.pull_scores()
+            torch.testing.assert_close(out[0], want[t], atol=1e-5, rtol=1e-5,
+                                       msg=lambda m, t=t, b=bias: f"position {t}, bias {b}: {m}")
+        assert len(far.summarized(0)) == (T - Wt) // CHUNK
