@@ -17,7 +17,7 @@ L2.
 
     python -m bench.bench_elastic            # full sweep (about 3 minutes), writes bench/results/
     python -m bench.bench_elastic --quick    # a smoke pass
-    python -m bench.bench_elastic --tune     # pack/refine block and warp sweep
+    python -m bench.bench_elastic --tune     # kernel config sweeps (pack/refine, attention)
 """
 
 from __future__ import annotations
@@ -199,6 +199,36 @@ def dense_peers(B, ctx, dtype, n_sets):
     return result
 
 
+def tune_attention(shapes=((16, 4096), (1, 16384)), S=16):
+    """Kernel configs (block_n, num_warps, num_stages) per path on representative shapes."""
+    from kvops.kernels.elastic_attention import elastic_attention_fwd
+
+    rows = []
+    for (B, ctx), (label, share) in itertools.product(
+            shapes, (("native", 0.0), ("struct 50%", 0.5), ("struct 100%", 1.0),
+                     ("general 50%", 0.5))):
+        sets = [attention_set(B, ctx, S, share)
+                for _ in range(rotation(2 * B * ctx * HKV * D * 2))]
+        kws = [path_kwargs(label, span, ctx // S) for _, span, _ in sets]
+        results = []
+        for bn, nw, ns in itertools.product((32, 64, 128), (4, 8), (2, 3)):
+            fns = [lambda s=s, e=e, c=(bn, nw, ns): elastic_attention_fwd(
+                **s[0], **e, block_n=c[0], num_warps=c[1], num_stages=c[2])
+                for s, e in zip(sets, kws)]
+            try:
+                t = time_graph(fns, iters=10)[1]
+            except Exception as e:  # noqa: BLE001 - a config that fails to compile is skipped
+                print("skip", bn, nw, ns, type(e).__name__)
+                continue
+            results.append((t, bn, nw, ns))
+        results.sort()
+        for t, bn, nw, ns in results[:3]:
+            rows.append([B, ctx, label, bn, nw, ns, t, tbps(sets[0][2], t)])
+        del sets
+        torch.cuda.empty_cache()
+    return table(["B", "ctx", "path", "block_n", "warps", "stages", "us", "TB/s"], rows)
+
+
 def attention_rows(shapes, pages, shares):
     rows, goals = [], {"native/static": [], "base100 speedup": [], "general/structured": [],
                        "TB/s spread": []}
@@ -242,11 +272,12 @@ def attention_rows(shapes, pages, shares):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a few shapes (smoke pass)")
-    ap.add_argument("--tune", action="store_true", help="pack/refine block and warp sweep")
+    ap.add_argument("--tune", action="store_true", help="kernel config sweeps")
     args = ap.parse_args()
     if args.tune:
-        body = tune_pack()
-        write_result("elastic-pack-tune", body)
+        body = "\n\n".join(["## pack/refine", tune_pack(), "## elastic_attention (S 16, top 3)",
+                            tune_attention()])
+        write_result("elastic-tune", body)
         print(body)
         return
     torch.manual_seed(0)
