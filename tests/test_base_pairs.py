@@ -214,6 +214,27 @@ def test_cuda_graph_replay_with_new_pairs(dtype, codec):
 
 
 @requires_cuda
+@pytest.mark.parametrize("dtype,codec", CODECS, ids=CODEC_IDS)
+def test_many_in_place_rows_with_default_blocks(dtype, codec):
+    """512 in-place rows of Llama-sized pages with the kernel's default chunking and warps: the
+    barrier and chunk order hold when thousands of warps race (reference bytes must match)."""
+    S, Hkv, D, N = 16, 8, 128, 512
+    cache, _ = make_pool(2 * N, S, Hkv, D, dtype, "cuda", seed=6)
+    orig = cache.clone()
+    a = torch.arange(0, 2 * N, 2, dtype=torch.int32, device="cuda")
+    dst = torch.where(torch.arange(N, device="cuda") % 2 == 0, a, a + 1).int()
+    pairs = torch.stack([a, a + 1, dst], 1)
+    backing, ref_backing = empty_backing(N, cache, codec), empty_backing(N, cache, codec)
+    ref = orig.clone()
+    torch.ops.kvops.pack_base_pairs(cache, pairs, backing, codec)
+    pack_base_pairs_ref(ref, pairs, ref_backing, codec)
+    assert same_bits(cache, ref) and same_bits(backing, ref_backing)
+    refine = torch.stack([a, a + 1, dst], 1)
+    torch.ops.kvops.refine_base_pairs(cache, refine, backing, codec)
+    assert same_bits(cache, orig)
+
+
+@requires_cuda
 def test_large_pool_offsets_do_not_overflow():
     """A pool of more than 2**31 elements: page offsets must be 64-bit."""
     S, Hkv, D = 16, 8, 128
