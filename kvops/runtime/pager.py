@@ -328,7 +328,8 @@ class Frame:
 
     def reserve(self, key: Hashable, n_tokens: int) -> None:
         """Extend ``key`` by ``n_tokens`` tokens (a new key starts a session)."""
-        self._open()
+        if self.result is not None or self.aborted:
+            self._open()
         if not isinstance(n_tokens, int) or n_tokens < 0:
             raise ValueError(f"n_tokens: expected an int >= 0, got {n_tokens!r}")
         pager = self.pager
@@ -341,7 +342,9 @@ class Frame:
             if not slow:
                 old = self._grown.get(key, sess.length)
             if old % S and old % S + n_tokens <= S:
-                tail = self.page(key, old // S)
+                j = old // S
+                over = self._overlay.get(key)
+                tail = over[j] if over is not None and j in over else sess.blocks[j]
                 if tail >= 0 and pager._refs[tail] + self._ref.get(tail, 0) == 1:
                     if slow:
                         self._length[key] = old + n_tokens
