@@ -160,6 +160,22 @@ def test_empty_sequences_give_zero_and_neg_inf(kernel_device, poison, path):
         assert torch.isneginf(lse).all()
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("B,L", [(0, 3), (2, 0)], ids=["B0", "L0"])
+def test_degenerate_shapes(kernel_device, backend, B, L):
+    """No sequences, or a table with no blocks (seq_lens clamp to 0): empty or zero / -inf."""
+    q = torch.randn(B, 4, 32, device=kernel_device).half()
+    k = torch.randn(5, 8, 2, 32, device=kernel_device).half()
+    table = torch.zeros(B, L, dtype=torch.int32, device=kernel_device)
+    seq = torch.ones(B, dtype=torch.int32, device=kernel_device)
+    modes = torch.zeros(B, L, dtype=torch.int8, device=kernel_device)
+    with kvops.backend(backend):
+        for kw in ({}, {"block_mode": modes}):
+            out, lse = torch.ops.kvops.elastic_attention(q, k, k, table, seq, **kw)
+            assert out.shape == (B, 4, 32) and lse.shape == (B, 4)
+            assert bool((out == 0).all()) and bool(torch.isneginf(lse).all())
+
+
 def test_pack_then_attend_reads_the_packed_halves(kernel_device):
     """pack_base_pairs then elastic_attention on the packed page equals attention over the
     decoded BASE values placed as TARGET: the two ops agree on the pair layout."""
@@ -311,6 +327,8 @@ def _bad_inputs():
     P = ok["k_cache"].shape[0]
     yield "cache-strided", dict(ok, k_cache=torch.zeros(P, 8, 4, 32).half()[:, :, :2]), ValueError, \
         "k_cache: expected contiguous pages"
+    yield "seq-strided", dict(ok, seq_lens=torch.zeros(2, 2, dtype=torch.int32)[:, 0]), ValueError, \
+        "seq_lens: expected a contiguous"
     yield "table-strided", dict(ok, block_table=ok["block_table"].t().contiguous().t()), \
         ValueError, "block_table: expected the last dim contiguous"
 

@@ -150,9 +150,11 @@ def elastic_attention_fwd(
     mode = 2 if block_mode is not None else (1 if base_span is not None else 0)
     block_n = block_n or (128 if D <= 128 else 64)
     if num_splits is None:
-        num_splits = default_num_splits(B, Hkv, NB * S, block_n, q.device)
+        num_splits = default_num_splits(max(B, 1), Hkv, NB * S, block_n, q.device)
     out = torch.empty((B, Hq, D), device=q.device, dtype=q.dtype)
     lse = torch.empty((B, Hq), device=q.device, dtype=torch.float32)
+    if B == 0:
+        return out, lse
     if num_splits == 1:
         part_o, part_l, s_os = out, lse, 0
     else:

@@ -56,6 +56,7 @@ def _check(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, sc
     L = block_table.shape[1]
     _checks.tensor("seq_lens", seq_lens, rank=1, dtypes=(torch.int32,), device=dev)
     _checks.shape("seq_lens", seq_lens, (B,), "B")
+    _checks.contiguous("seq_lens", seq_lens)
     if block_mode is not None and base_span is not None:
         raise ValueError("block_mode/base_span: give at most one, got both")
     if block_mode is not None:
