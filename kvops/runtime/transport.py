@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvops.layouts.paged import arena_page
 from kvops.layouts.trains import plan_trains
 from kvops.runtime.pager import Frame, GrownBatch, Pager, SessionDelta
 
@@ -98,13 +99,12 @@ class Transport:
             remapped = [j for j in d.after_overlay if first <= j < old_end]
             if remapped:
                 todo = sorted(remapped) + list(todo)
-        base = d.slot * NW
         src, dst = [], []
         for j in todo:
             page = d.page_after(j)
             if page >= 0 and (d.new or j >= grew_from or page != d.page_before(j)):
                 src.append(page)
-                dst.append(base + j % NW)
+                dst.append(arena_page(d.slot, j, NW))
         return src, dst
 
     def on_commit(self, frame: Frame, deltas: list[SessionDelta], grown: GrownBatch) -> dict:
