@@ -30,7 +30,7 @@ for at the end (chat format). A prompt counts as retrieved when greedy decoding 
 key's digits: each digit is the argmax given the prompt and the key's earlier digits, read from
 one forward over prompt + key.
 
-Writes ``bench/results/<date>-far_view-<task>.md`` (and ``$OUT``). Run from the repo root.
+Writes ``bench/results/<date>-far_view-<task>-<contexts>.md`` (and ``$OUT``). Run from the repo root.
 """
 
 from __future__ import annotations
@@ -265,13 +265,13 @@ def main(argv: list[str] | None = None) -> None:
             ids = kjv_tokens(tok, n)
             for c in args.configs:
                 t = time.perf_counter()
-                rows.append([n, c, perplexity(model, ids, c), time.perf_counter() - t])
+                rows.append([n, c, f"{perplexity(model, ids, c):.3f}", time.perf_counter() - t])
                 print(rows[-1], flush=True)
         else:
             t = time.perf_counter()
             hits = passkey_hits(model, tok, n, args.configs, args.prompts)
             for c in args.configs:
-                rows.append([n, c, args.prompts, hits[c], hits[c] / args.prompts])
+                rows.append([n, c, args.prompts, hits[c], f"{hits[c] / args.prompts:.2f}"])
             print(f"{n}: {time.perf_counter() - t:.0f} s", flush=True)
     head = ["context N", "config", "perplexity", "seconds"] if args.task == "perplexity" else \
         ["context N", "config", "prompts", "retrieved", "accuracy"]
@@ -283,7 +283,8 @@ def main(argv: list[str] | None = None) -> None:
         "",
         table(head, rows),
     ])
-    print(write_result(f"far_view-{args.task}", body))
+    name = f"far_view-{args.task}-" + "-".join(str(n) for n in args.contexts)
+    print(write_result(name, body))
     print(body)
 
 
