@@ -11,9 +11,10 @@ Configurations (near window W = 512 tokens, 16-token pages, sv_chunk = 128):
   window (the last W / S pages: from the first window page's first token to itself);
 - ``far<cap>`` / ``far<cap>-nobias``: the window plus up to ``cap`` far-chunk summaries with
   ``far_bias = log(128)`` / ``0``;
-- ``sink<n>`` (a diagnostic, not a kvops path): the window plus the sequence's first ``n``
-  tokens exact (StreamingLLM's attention sink), to tell how much of the near-only loss is the
-  sink alone.
+- ``sink<n>`` and ``<config>+sink<n>`` (diagnostics, not a kvops path): the window (and far
+  view) plus the sequence's first ``n`` tokens exact (StreamingLLM's attention sink), to tell
+  how much of the near-only loss is the sink alone (in ``far<cap>+sink<n>`` those tokens also
+  stay in chunk 0's summary).
 
 How the far view is evaluated. Every query position runs exactly the attention a decode step
 with :class:`kvops.runtime.FarView` runs at that position: ``torch.ops.kvops.static_sliding_attention``
@@ -50,17 +51,24 @@ from kvops.models import Llama, Tokenizer
 WINDOW, PAGE, CHUNK = 512, 16, 128
 
 
-def parse_config(name: str) -> tuple[str, int, bool]:
-    """``"dense" | "near" | "sink<n>" | "far<cap>[-nobias]"`` -> (mode, cap or n, log_count_bias)."""
-    if name in ("dense", "near"):
-        return name, 0, False
-    if name.startswith("sink") and name[4:].isdigit():
-        return "sink", int(name[4:]), False
-    if name.startswith("far"):
-        cap, _, suffix = name[3:].partition("-")
+def parse_config(name: str) -> tuple[str, int, bool, int]:
+    """``"dense" | "near" | "far<cap>[-nobias]"``, optionally ``+sink<n>`` (``"sink<n>"`` alone
+    is ``near+sink<n>``) -> (mode, cap, log_count_bias, sink tokens)."""
+    base, plus, extra = name.partition("+")
+    sink = int(extra[4:]) if extra.startswith("sink") and extra[4:].isdigit() else -1
+    if base.startswith("sink") and base[4:].isdigit() and not plus:
+        return "near", 0, False, int(base[4:])
+    if plus and sink < 0 or base == "dense" and plus:
+        raise ValueError(f"config: expected +sink<n> after near or far<cap>, got {name!r}")
+    sink = max(sink, 0)
+    if base in ("dense", "near"):
+        return base, 0, False, sink
+    if base.startswith("far"):
+        cap, _, suffix = base[3:].partition("-")
         if cap.isdigit() and suffix in ("", "nobias"):
-            return "far", int(cap), suffix == ""
-    raise ValueError(f"config: expected dense, near, far<cap> or far<cap>-nobias, got {name!r}")
+            return "far", int(cap), suffix == "", sink
+    raise ValueError(f"config: expected dense, near, sink<n>, far<cap> or far<cap>-nobias "
+                     f"(+sink<n>), got {name!r}")
 
 
 def window_geometry(T: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -119,11 +127,12 @@ def far_summaries(k, v):
 
 
 @torch.no_grad()
-def attention_banded(q, k, v, mode: str, cap: int, bias: bool, q_block: int = 256):
+def attention_banded(q, k, v, mode: str, cap: int, bias: bool, sink: int = 0, q_block: int = 256):
     """The same attention as :func:`attention_far` in one SDPA call per block of queries: the
     block's keys are the contiguous band ``[t0 - W, t0 + n)`` (no per-query copies) plus the
     far summaries, with a mask (window bounds, far chunk counts) carrying the far bias. This is
-    what the evaluation runs; ``--check`` compares it with the kvops-op path."""
+    what the evaluation runs; :func:`check_paths` compares it with the kvops-op path at start.
+    ``sink`` (diagnostic) adds the first ``sink`` tokens exact where the window lacks them."""
     T, Hq, D = q.shape
     win_start, win_len, n_far = window_geometry(T, q.device)
     first = torch.arange(T, device=q.device) - win_len + 1                  # first visible key
@@ -140,11 +149,11 @@ def attention_banded(q, k, v, mode: str, cap: int, bias: bool, q_block: int = 25
         mask = (keys[None, :] >= first[t, None]) & (keys[None, :] <= t[:, None])
         bias_ = torch.where(mask, 0.0, float("-inf"))
         kb, vb = k[lo:t0 + n], v[lo:t0 + n]
-        if mode == "sink":                  # the first `cap` tokens, where not in the window
-            sink = torch.arange(min(cap, T), device=q.device)
-            seen = (sink[None, :] < first[t, None]) & (sink[None, :] <= t[:, None])
+        if sink:                            # the first `sink` tokens, where not in the window
+            head = torch.arange(min(sink, T), device=q.device)
+            seen = (head[None, :] < first[t, None]) & (head[None, :] <= t[:, None])
             bias_ = torch.cat([torch.where(seen, 0.0, float("-inf")), bias_], dim=1)
-            kb, vb = torch.cat([k[sink], kb]), torch.cat([v[sink], vb])
+            kb, vb = torch.cat([k[head], kb]), torch.cat([v[head], vb])
         if far is not None:
             c = torch.arange(far[0].shape[0], device=q.device)
             live = c[None, :] < n_far[t, None]
@@ -165,8 +174,8 @@ def check_paths(model: Llama, ids: torch.Tensor, configs: list[str]) -> float:
     q, k, v = model.layers[0].attention._qkv(x, model.rope_cos[:T], model.rope_sin[:T])
     worst = 0.0
     for c in configs:
-        mode, cap, bias = parse_config(c)
-        if mode in ("dense", "sink"):
+        mode, cap, bias, sink = parse_config(c)
+        if mode == "dense" or sink:
             continue
         a = attention_banded(q, k, v, mode, cap, bias)
         b = attention_far(q, k, v, mode, cap, bias)
@@ -177,7 +186,7 @@ def check_paths(model: Llama, ids: torch.Tensor, configs: list[str]) -> float:
 @torch.no_grad()
 def hidden_states(model: Llama, ids: torch.Tensor, config: str) -> torch.Tensor:
     """Final-norm hidden states [T, dim] of ``ids [T]`` under one configuration."""
-    mode, cap, bias = parse_config(config)
+    mode, cap, bias, sink = parse_config(config)
     if mode == "dense":
         return model.hidden_states(ids[None])[0]
     T = ids.shape[0]
@@ -186,7 +195,7 @@ def hidden_states(model: Llama, ids: torch.Tensor, config: str) -> torch.Tensor:
     for block in model.layers:
         att = block.attention
         q, k, v = att._qkv(block.attention_norm(x), cos, sin)
-        x = x + att.wo(attention_banded(q, k, v, mode, cap, bias).flatten(-2))
+        x = x + att.wo(attention_banded(q, k, v, mode, cap, bias, sink).flatten(-2))
         x = x + block.feed_forward(block.ffn_norm(x))
     return model.norm(x)
 
