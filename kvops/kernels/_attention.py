@@ -11,7 +11,8 @@ def dot(a, b, PRECISION: tl.constexpr):
     """``tl.dot`` under a launcher-chosen precision (see ``_common.dot_precision``)."""
     if PRECISION == "upcast":
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision=PRECISION)
+    else:
+        return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit

@@ -35,13 +35,16 @@ from kvops.kernels.static_sliding_attention import default_num_splits
 @triton.jit
 def _decode_base(b_x, CODEC: tl.constexpr):
     """BASE bytes (uint8) -> TARGET values (float16 for CODEC 0, bfloat16 for CODEC 2)."""
+    # Both codecs return from their own branch of the static if: triton 3.6 rejects a function
+    # whose early return and fall-through return differ in type, even under a constexpr test.
     if CODEC == 0:
         return (b_x.to(tl.int16) << 8).to(tl.float16, bitcast=True)
-    # e4m3fn -> float16 bits with the exponent rebias folded into a *256 (exact, subnormals too)
-    b_mag = (b_x & 0x7F).to(tl.int16)
-    b_h = ((b_mag << 7) | ((b_x & 0x80).to(tl.int16) << 8)).to(tl.float16, bitcast=True)
-    b_f = tl.where(b_mag == 0x7F, float("nan"), b_h.to(tl.float32) * 256.0)
-    return b_f.to(tl.bfloat16)
+    else:
+        # e4m3fn -> float16 bits, the exponent rebias folded into a *256 (exact, subnormals too)
+        b_mag = (b_x & 0x7F).to(tl.int16)
+        b_h = ((b_mag << 7) | ((b_x & 0x80).to(tl.int16) << 8)).to(tl.float16, bitcast=True)
+        b_f = tl.where(b_mag == 0x7F, float("nan"), b_h.to(tl.float32) * 256.0)
+        return b_f.to(tl.bfloat16)
 
 
 @triton.jit
