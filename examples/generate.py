@@ -31,7 +31,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--raw", action="store_true", help="no chat template: continue the text")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="compile the decode step (default: on CUDA only)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads for torch (default: torch's); 1 on a shared machine")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     g = generate(args.prompt, args.max_new_tokens, args.device,
                  dtype=DTYPES[args.dtype] if args.dtype else None, window=args.window,
                  chat=not args.raw, compile=args.compile)

@@ -96,7 +96,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--window", type=int, nargs="+", default=None,
                     help="ring windows W for --decode (default: the context itself)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads for torch (default: torch's); 1 on a shared machine")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, tok = Llama.from_gguf(device=args.device), Tokenizer.from_gguf()
     rows = []
     for n in args.contexts:
