@@ -13,8 +13,8 @@ tokens, and the perplexity is exp of the mean next-token NLL over tokens 2..N.
   sliding-window attention, the floor that the far view and fidelity control improve on.
   The first ``min(W, N) / 2`` tokens are prefilled, the rest decoded.
 
-Writes ``bench/results/<date>-smollm2-perplexity[-decode].md`` (and ``$OUT``). Run from the repo
-root.
+Writes ``bench/results/<date>-smollm2-perplexity[-decode][-<contexts>].md`` (and ``$OUT``). Run
+from the repo root.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ import torch.nn.functional as F
 
 from bench.common import table, write_result
 from kvops.models import Llama, ModelUnavailable, Tokenizer
+
+DEFAULT_CONTEXTS = [1024, 2048, 4096]
 
 
 def kjv_text() -> str:
@@ -91,7 +93,7 @@ def decode_ppl(model: Llama, ids: torch.Tensor, window: int, page_size: int = 16
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096])
+    ap.add_argument("--contexts", type=int, nargs="+", default=DEFAULT_CONTEXTS)
     ap.add_argument("--decode", action="store_true", help="also teacher-force through kvops")
     ap.add_argument("--window", type=int, nargs="+", default=None,
                     help="ring windows W for --decode (default: the context itself)")
@@ -121,7 +123,10 @@ def main(argv: list[str] | None = None) -> None:
         table(["context N", "path", "window W", "perplexity", "seconds"], rows),
     ])
     print(body)
-    print(write_result("smollm2-perplexity" + ("-decode" if args.decode else ""), body))
+    name = "smollm2-perplexity" + ("-decode" if args.decode else "")
+    if args.contexts != DEFAULT_CONTEXTS:
+        name += "-" + "-".join(map(str, args.contexts))
+    print(write_result(name, body))
 
 
 if __name__ == "__main__":
