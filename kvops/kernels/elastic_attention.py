@@ -96,12 +96,17 @@ def _elastic_decode_kernel(
     if MODE == 1:
         span_lo = tl.load(BaseSpan + i_b * stride_sb)
         span_hi = tl.load(BaseSpan + i_b * stride_sb + 1)
+    # Page ids of a tile are loaded one iteration ahead (loop-carried), so the K/V loads of a
+    # tile do not wait on a load of the same iteration: the software pipeliner then keeps two
+    # K/V tiles in flight as in the dense kernel (with the page-id load in the same iteration
+    # it kept one, and the native path read at half the dense kernel's bandwidth on an H200).
+    p_table = BlockTable + i_b * stride_tb
+    b_page = tl.load(p_table + (lo + o_n) // S, mask=lo + o_n < hi, other=0).to(tl.int64)
     for start in range(lo, hi, BLOCK_N):
         o_t = start + o_n
         m_n = o_t < hi
         o_j = o_t // S
         o_in = ((o_t % S) * Hkv + i_h) * D            # the row inside its page (and half)
-        b_page = tl.load(BlockTable + i_b * stride_tb + o_j, mask=m_n, other=0).to(tl.int64)
         o_k = b_page * stride_kp + o_in
         o_v = b_page * stride_vp + o_in
         if MODE == 0:
@@ -120,6 +125,8 @@ def _elastic_decode_kernel(
                              o_d, m_d, CODEC)
             b_v = _load_rows(V, o_v, b_page * (2 * stride_vp) + o_half + o_in, b_isb, m_n,
                              o_d, m_d, CODEC)
+        b_page = tl.load(p_table + (o_t + BLOCK_N) // S, mask=o_t + BLOCK_N < hi,
+                         other=0).to(tl.int64)
         b_bias = tl.where(m_n, 0.0, float("-inf"))
         b_m, b_l, b_acc = online_softmax_tile(b_q, b_k, b_v, b_bias, b_m, b_l, b_acc,
                                               scale_log2, PRECISION)
@@ -151,7 +158,9 @@ def elastic_attention_fwd(
     G = Hq // Hkv
     scale = D ** -0.5 if scale is None else scale
     mode = 2 if block_mode is not None else (1 if base_span is not None else 0)
-    block_n = block_n or (128 if D <= 128 else 64)
+    # Two K/V tiles in flight per program (see the kernel's page-id prefetch); the mixed paths
+    # stage a TARGET and a BASE tile each, so they take half the rows to fit shared memory.
+    block_n = block_n or ((128 if D <= 128 else 64) if mode == 0 else (64 if D <= 128 else 32))
     if num_splits is None:
         num_splits = default_num_splits(max(B, 1), Hkv, NB * S, block_n, q.device)
     out = torch.empty((B, Hq, D), device=q.device, dtype=q.dtype)

@@ -6,7 +6,7 @@ Two fixed-shape launches:
    counts ``ends[t + 1] = pages of rows 0..t`` (rows past ``num_trains`` and rows that do not
    lie in the pool / arena count 0 pages), so the work of the step is ``ends[T]`` pages, known
    on the device only.
-2. ``_gather_pages_kernel`` runs a persistent grid sized from shapes (about 8 programs per SM,
+2. ``_gather_pages_kernel`` runs a persistent grid sized from shapes (about 32 programs per SM,
    never more than the arena's pages allow). A page is ``UNITS`` blocks of ``BLOCK`` contiguous
    elements (a power of two dividing ``S * Hkv * D``, so there are no masks and every access is
    a 16-byte vector). The ``ends[T] * UNITS`` blocks of the step are split into equal contiguous
@@ -90,8 +90,10 @@ def _gather_pages_kernel(
 
 
 def default_block(page_elems: int, itemsize: int) -> int:
-    """Elements per block: the largest power of two dividing the page, at most 8 KiB."""
-    return min(page_elems & -page_elems, 8192 // itemsize)
+    """Elements per block: the largest power of two dividing the page, at most 4 KiB (one
+    16-byte vector per thread of 8 warps; best in the H200 sweep,
+    bench/results/2026-11-30-paged_gather-tune.md)."""
+    return min(page_elems & -page_elems, 4096 // itemsize)
 
 
 def paged_gather_merged_fwd(
@@ -118,9 +120,9 @@ def paged_gather_merged_fwd(
     ends = torch.empty(T + 1, dtype=torch.int32, device=trains.device)
     _train_ends_kernel[(1,)](trains, num_trains, ends, T, P, Q,
                              BLOCK_T=min(4096, next_pow2(T)), num_warps=8)
-    grid = num_programs or min(Q * units, 8 * sm_count(k_cache.device))
+    grid = num_programs or min(Q * units, 32 * sm_count(k_cache.device))  # tuned, as above
     _gather_pages_kernel[(grid,)](
         k_cache, v_cache, k_out, v_out, trains, ends, T, max(1, T.bit_length()),
         UNITS=units, BLOCK=block,
-        num_warps=num_warps or 4,
+        num_warps=num_warps or 8,
     )
