@@ -150,7 +150,7 @@ def bench_tune() -> str:
                     rows.append(["all" if n is None else n, per_sm, block_bytes, warps, us,
                                  tbps(nbytes, us), tbps(nbytes, us) * 1e12 / COPY_CEILING])
     return ("## Kernel launch sweep (S=16, 128 MiB per tensor)\n\n"
-            "Defaults: 8 programs per SM, 8 KiB blocks, 4 warps.\n\n"
+            "Defaults: 32 programs per SM, 4 KiB blocks, 8 warps.\n\n"
             + table(["train pages", "programs/SM", "block bytes", "warps", "us p50", "TB/s",
                      "of ceiling"], rows) + "\n")
 
