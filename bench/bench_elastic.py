@@ -273,6 +273,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a few shapes (smoke pass)")
     ap.add_argument("--tune", action="store_true", help="kernel config sweeps")
+    ap.add_argument("--shapes", default="1x16384,16x4096,16x16384,64x4096,128x1024,128x4096",
+                    help="attention shapes as BxCTX, comma separated")
+    ap.add_argument("--pages", default="16,64", help="page sizes, comma separated")
     args = ap.parse_args()
     if args.tune:
         body = "\n\n".join(["## pack/refine", tune_pack(), "## elastic_attention (S 16, top 3)",
@@ -287,9 +290,9 @@ def main():
             ah, arow, goals = attention_rows([(16, 4096)], (16,), (0.0, 0.5, 1.0))
         else:
             ph, prow = pack_rows(2048, (16, 64), quick=False)
-            ah, arow, goals = attention_rows(
-                [(1, 16384), (16, 4096), (16, 16384), (64, 4096), (128, 1024), (128, 4096)],
-                (16, 64), (0.0, 0.25, 0.5, 0.75, 1.0))
+            shapes = [tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(",")]
+            pages = tuple(int(x) for x in args.pages.split(","))
+            ah, arow, goals = attention_rows(shapes, pages, (0.0, 0.25, 0.5, 0.75, 1.0))
     fmt = lambda xs: f"min {min(xs):.2f}, max {max(xs):.2f}" if xs else "n/a"
     goal_lines = [
         f"- native path / static_sliding_attention on the dense window (speed ratio, goal >= 0.95): "

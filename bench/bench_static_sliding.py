@@ -69,7 +69,9 @@ def peers(sets, B, W, flex_cache):
         from torch.nn.attention.flex_attention import flex_attention
 
         if "fn" not in flex_cache:
-            flex_cache["fn"] = torch.compile(flex_attention, dynamic=False)
+            # dynamic shapes: one compile serves every (B, W) of a dtype, so the sweep fits a
+            # device session; flex's own kernels still specialize what they need
+            flex_cache["fn"] = torch.compile(flex_attention, dynamic=True)
         flex = flex_cache["fn"]
         fns = [lambda q=q, k=k, v=v: flex(q, k, v, enable_gqa=True) for q, k, v in dense]
         try:
