@@ -84,7 +84,7 @@ def sweep(batches, caps):
 
 def tune():
     rows = []
-    for B, C in ((1, 64), (16, 128), (64, 128)):
+    for B, C in ((1, 64), (16, 64), (16, 128), (64, 128)):
         nbytes = 2 * B * C * M * S * HKV * D * DTYPE.itemsize
         sets = make_sets(B, C, rotation(nbytes))
         for bt, bf, nw in itertools.product((1, 2, 4, 8), (128, 256, 512, 1024), (4, 8)):
