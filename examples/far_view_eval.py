@@ -3,6 +3,7 @@
     python -m examples.far_view_eval                                  # 2k/4k/8k perplexity
     python -m examples.far_view_eval --task passkey --contexts 2048 --prompts 50
     python -m examples.far_view_eval --contexts 2048 --configs dense near far64 far64-nobias
+    python -m examples.far_view_eval --contexts 2048 --configs far4 far8 --sequential
 
 Configurations (near window W = 512 tokens, 16-token pages, sv_chunk = 128):
 
@@ -16,15 +17,18 @@ Configurations (near window W = 512 tokens, 16-token pages, sv_chunk = 128):
   how much of the near-only loss is the sink alone (in ``far<cap>+sink<n>`` those tokens also
   stay in chunk 0's summary).
 
-How the far view is evaluated. Every query position runs exactly the attention a decode step
-with :class:`kvops.runtime.FarView` runs at that position: ``torch.ops.kvops.static_sliding_attention``
-over its window plus the far slots, and the far slots are ``torch.ops.kvops.far_view_summarize``
-means of every complete 128-token chunk before its window (keys after RoPE, as the pool holds
-them). The queries of a context go through in blocks instead of one token at a time (windows are
-strided views of the layer's keys), which is exact when every far chunk fits the cap, as it does
-here: at most (8192 - 512) / 128 = 60 chunks <= 64. The utility ranking never has to choose at
-these lengths, so cap 64 and cap 128 see the same slots; a cap below the chunk count is refused
-(``--configs far8`` at 2k), because choosing needs the step-by-step policy.
+How the far view is evaluated. By default, block-parallel: every query position gets the
+attention a decode step with :class:`kvops.runtime.FarView` gives it (its window plus the
+``torch.ops.kvops.far_view_summarize`` means of every complete 128-token chunk before the
+window, keys after RoPE as the pool holds them), computed for a block of queries at once with
+one masked SDPA over the contiguous key band plus the summaries. At start the script checks this
+against the same attention through ``torch.ops.kvops.static_sliding_attention`` with per-query
+window views (:func:`check_paths`), and ``tests/test_far_view_policy.py`` checks it against a
+token-by-token Pager + FarView decode. It is exact when every far chunk fits the cap, which at
+SmolLM2's 8192 positions always holds for cap 64 and 128 (at most 60 chunks), so those two caps
+see the same slots; a smaller cap is refused. ``--sequential`` instead decodes token by token
+through Pager + FarView (:func:`sequential_nll`; any cap, the EMA-utility ranking then chooses),
+which is how a cap below the chunk count is measured.
 
 Passkey: a 5-digit key in one sentence hidden at a swept depth of repeated filler text, asked
 for at the end (chat format). A prompt counts as retrieved when greedy decoding would emit the
@@ -168,14 +172,16 @@ def attention_banded(q, k, v, mode: str, cap: int, bias: bool, sink: int = 0, q_
 
 
 def check_paths(model: Llama, ids: torch.Tensor, configs: list[str]) -> float:
-    """Largest difference between the banded and the kvops-op attention on layer 0 of ``ids``."""
+    """Largest difference between the banded and the kvops-op attention on layer 0 of ``ids``,
+    over the configurations' window and far parts (a ``+sink`` diagnostic is checked without
+    its sink tokens, which have no kvops path)."""
     T = ids.shape[0]
     x = model.layers[0].attention_norm(model.tok_embeddings(ids))
     q, k, v = model.layers[0].attention._qkv(x, model.rope_cos[:T], model.rope_sin[:T])
     worst = 0.0
     for c in configs:
-        mode, cap, bias, sink = parse_config(c)
-        if mode == "dense" or sink:
+        mode, cap, bias, _ = parse_config(c)
+        if mode == "dense":
             continue
         a = attention_banded(q, k, v, mode, cap, bias)
         b = attention_far(q, k, v, mode, cap, bias)
@@ -211,6 +217,55 @@ def nll_sum(model: Llama, hidden: torch.Tensor, targets: torch.Tensor, chunk: in
 def perplexity(model, ids, config) -> float:
     hidden = hidden_states(model, ids, config)
     return math.exp(nll_sum(model, hidden[:-1], ids[1:]) / (ids.shape[0] - 1))
+
+
+@torch.no_grad()
+def sequential_nll(model: Llama, ids: torch.Tensor, cap: int, bias: bool, ema: float = 0.9) -> float:
+    """Summed next-token NLL of ``ids`` decoded one token at a time through the runtime: a
+    :class:`kvops.runtime.Pager` maps the sequence's pages, :class:`kvops.runtime.FarView`
+    summarizes chunks as they leave the window and picks ``cap`` of them by EMA utility, and
+    every layer attends through ``torch.ops.kvops.static_sliding_attention`` over its window
+    pages plus the far view. Works for any cap (the utility ranking chooses when chunks
+    outnumber it); costs one decode step per token."""
+    from kvops.runtime import FarView, Pager
+
+    T, cfg = ids.shape[0], model.cfg
+    pages = -(-T // PAGE)
+    pager = Pager(pages, PAGE, max_sessions=1, max_blocks=pages, device="cpu")
+    far = FarView(pager, window_tokens=WINDOW, chunk_tokens=CHUNK, cap=cap,
+                  num_layers=cfg.n_layers, num_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                  dtype=torch.float32, ema=ema, log_count_bias=bias)
+    pool = torch.zeros(cfg.n_layers, 2, pages, PAGE, cfg.n_kv_heads, cfg.head_dim)
+    nw = WINDOW // PAGE
+    nll = 0.0
+    for t in range(T - 1):
+        with pager.frame() as f:
+            f.reserve("s", 1)
+        table_ = pager.pages("s")
+        page, first = table_[t // PAGE], max(0, len(table_) - nw)
+        win = torch.tensor(table_[first:])
+        ws = torch.zeros(1, dtype=torch.int32)
+        wl = torch.tensor([t + 1 - first * PAGE], dtype=torch.int32)
+        cos, sin = model.rope_cos[t:t + 1], model.rope_sin[t:t + 1]
+        x = model.tok_embeddings(ids[t:t + 1])
+        for layer, block in enumerate(model.layers):
+            att = block.attention
+            q, k, v = att._qkv(block.attention_norm(x), cos, sin)
+            kc, vc = pool[layer, 0], pool[layer, 1]
+            kc[page, t % PAGE], vc[page, t % PAGE] = k[0], v[0]
+            far.absorb(layer, kc, vc)
+            far_k, far_v, far_bias = far.view(layer)
+            kw = kc[win].reshape(1, -1, cfg.n_kv_heads, cfg.head_dim)
+            vw = vc[win].reshape(1, -1, cfg.n_kv_heads, cfg.head_dim)
+            out, lse = torch.ops.kvops.static_sliding_attention(q, kw, vw, ws, wl, far_k, far_v,
+                                                                far_bias)
+            far.observe(layer, q, far_k, far_bias, lse)
+            x = x + att.wo(out.flatten(-2))
+            x = x + block.feed_forward(block.ffn_norm(x))
+        far.pull_scores()
+        logits = model.output(model.norm(x)).float()
+        nll += F.cross_entropy(logits, ids[t + 1:t + 2], reduction="sum").item()
+    return nll
 
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -257,6 +312,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--configs", nargs="+",
                     default=["dense", "near", "far64", "far64-nobias", "far128", "far128-nobias"])
     ap.add_argument("--prompts", type=int, default=50)
+    ap.add_argument("--sequential", action="store_true",
+                    help="perplexity of far configs by token-by-token decode through Pager + "
+                         "FarView (any cap; slow)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     args = ap.parse_args(argv)
     for c in args.configs:
@@ -274,7 +332,13 @@ def main(argv: list[str] | None = None) -> None:
             ids = kjv_tokens(tok, n)
             for c in args.configs:
                 t = time.perf_counter()
-                rows.append([n, c, f"{perplexity(model, ids, c):.3f}", time.perf_counter() - t])
+                mode, cap, bias, sink = parse_config(c)
+                if args.sequential and mode == "far" and not sink:
+                    c += " (sequential)"
+                    ppl = math.exp(sequential_nll(model, ids, cap, bias) / (n - 1))
+                else:
+                    ppl = perplexity(model, ids, c)
+                rows.append([n, c, f"{ppl:.3f}", time.perf_counter() - t])
                 print(rows[-1], flush=True)
         else:
             t = time.perf_counter()
