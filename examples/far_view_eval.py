@@ -179,10 +179,12 @@ def check_paths(model: Llama, ids: torch.Tensor, configs: list[str]) -> float:
     x = model.layers[0].attention_norm(model.tok_embeddings(ids))
     q, k, v = model.layers[0].attention._qkv(x, model.rope_cos[:T], model.rope_sin[:T])
     worst = 0.0
+    chunks = int(window_geometry(T, ids.device)[2].max())
     for c in configs:
         mode, cap, bias, _ = parse_config(c)
         if mode == "dense":
             continue
+        cap = max(cap, chunks)            # a --sequential cap may be smaller; check the paths
         a = attention_banded(q, k, v, mode, cap, bias)
         b = attention_far(q, k, v, mode, cap, bias)
         worst = max(worst, (a - b).abs().max().item())
