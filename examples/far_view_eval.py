@@ -358,7 +358,8 @@ def main(argv: list[str] | None = None) -> None:
         "",
         table(head, rows),
     ])
-    name = f"far_view-{args.task}-" + "-".join(str(n) for n in args.contexts)
+    name = f"far_view-{args.task}-" + "-".join(str(n) for n in args.contexts) + \
+        ("-sequential" if args.sequential else "")
     print(write_result(name, body))
     print(body)
 
