@@ -109,7 +109,8 @@ def _commit() -> str:
 
 def write_result(name: str, body: str) -> Path:
     """Write ``bench/results/<date>-<name>.md`` (and a copy under $OUT) with the run's header."""
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
+    gpu = (torch.cuda.get_device_name() if torch.cuda.is_available()
+           else f"none (CPU run, {platform.machine()}, {os.cpu_count()} cores)")
     import triton
 
     header = "\n".join([
