@@ -52,3 +52,17 @@ def poison():
     yield
     torch.use_deterministic_algorithms(was)
     torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+def counting_backend():
+    """A torch.compile backend that counts compilations: ``(backend, calls)``; compile with
+    ``backend`` and assert ``len(calls) == 1`` after many steps to prove zero recompiles."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    inductor, calls = lookup_backend("inductor"), []
+
+    def backend(gm, example_inputs):
+        calls.append(1)
+        return inductor(gm, example_inputs)
+
+    return backend, calls

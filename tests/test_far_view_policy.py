@@ -12,7 +12,7 @@ import torch
 import kvops
 from kvops.ops.static_sliding_attention import static_sliding_attention_ref
 from kvops.runtime import FarView, Pager
-from tests.conftest import requires_cuda
+from tests.conftest import counting_backend, requires_cuda
 
 S, W, CHUNK, HKV, G, D, LAYERS = 8, 16, 16, 2, 2, 16, 2
 M = CHUNK // S
@@ -269,22 +269,10 @@ def test_bad_parameters():
         FarView(pager, **dict(kw, cap=0))
 
 
-def _counting_backend():
-    from torch._dynamo.backends.registry import lookup_backend
-
-    inductor, calls = lookup_backend("inductor"), []
-
-    def backend(gm, example_inputs):
-        calls.append(1)
-        return inductor(gm, example_inputs)
-
-    return backend, calls
-
-
 def test_compiled_far_view_layer_never_recompiles():
     """absorb + view + attention + observe compiled once; tables and values change per step."""
     torch._dynamo.reset()
-    backend, calls = _counting_backend()
+    backend, calls = counting_backend()
     pager, far, k, v = setup(cap=2, max_leave=1, sessions=2)
     ws = torch.zeros(2, dtype=torch.int32)
     wl = torch.full((2,), W, dtype=torch.int32)

@@ -12,7 +12,7 @@ import kvops
 from kvops.kernels.far_view_summarize import far_view_summarize_fwd
 from kvops.ops.far_view_summarize import far_view_summarize_ref
 from kvops.ops.static_sliding_attention import static_sliding_attention_ref
-from tests.conftest import requires_cuda
+from tests.conftest import counting_backend, requires_cuda
 from tests.oracles_far_view import far_view_summarize_oracle
 from tests.tolerances import assert_close
 
@@ -130,22 +130,10 @@ def test_opcheck():
         torch.library.opcheck(torch.ops.kvops.far_view_summarize.default, (), case)
 
 
-def _counting_backend():
-    from torch._dynamo.backends.registry import lookup_backend
-
-    inductor, calls = lookup_backend("inductor"), []
-
-    def backend(gm, example_inputs):
-        calls.append(1)
-        return inductor(gm, example_inputs)
-
-    return backend, calls
-
-
 def test_compiled_far_view_step_never_recompiles():
     """Summaries feeding the decode kernel, the chunk table changing every step: one compile."""
     torch._dynamo.reset()
-    backend, calls = _counting_backend()
+    backend, calls = counting_backend()
     B, C, M, S, Hkv, G, D, W = 2, 3, 2, 8, 2, 2, 32, 24
     case = make_case(B, C, M, S, Hkv, D, torch.float32, "cpu", seed=5)
     k_cache, v_cache = case["k_cache"], case["v_cache"]

@@ -13,7 +13,7 @@ import kvops
 from kvops.kernels.paged_gather_merged import paged_gather_merged_fwd
 from kvops.layouts import arena_as_pages, plan_trains
 from kvops.ops.paged_gather_merged import paged_gather_merged_ref
-from tests.conftest import requires_cuda
+from tests.conftest import counting_backend, requires_cuda
 from tests.oracles_kv_rm import gather_oracle
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -166,23 +166,11 @@ def test_opcheck(device):
                           (k, v, trains, num_t, k_out, v_out))
 
 
-def _counting_backend():
-    from torch._dynamo.backends.registry import lookup_backend
-
-    inductor, calls = lookup_backend("inductor"), []
-
-    def backend(gm, example_inputs):
-        calls.append(1)
-        return inductor(gm, example_inputs)
-
-    return backend, calls
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_compiled_step_never_recompiles(device):
     """10 steps with new trains values and counts: one compile, zero recompiles."""
     torch._dynamo.reset()
-    backend, calls = _counting_backend()
+    backend, calls = counting_backend()
     P, Q, S, Hkv, D = 16, 12, 8, 2, 16
     k, v = torch.randn(P, S, Hkv, D, device=device), torch.randn(P, S, Hkv, D, device=device)
     k_out = torch.zeros(Q, S, Hkv, D, device=device)

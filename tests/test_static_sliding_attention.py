@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import kvops
 from kvops.kernels.static_sliding_attention import static_sliding_attention_fwd
 from kvops.ops.static_sliding_attention import static_sliding_attention_ref
-from tests.conftest import requires_cuda
+from tests.conftest import counting_backend, requires_cuda
 from tests.oracles_attention import sliding_window_oracle
 from tests.tolerances import ATTN_TOL, LSE_TOL, assert_close
 
@@ -141,22 +141,10 @@ def test_opcheck():
                               dict(case, scale=0.1))
 
 
-def _counting_backend():
-    from torch._dynamo.backends.registry import lookup_backend
-
-    inductor, calls = lookup_backend("inductor"), []
-
-    def backend(gm, example_inputs):
-        calls.append(1)
-        return inductor(gm, example_inputs)
-
-    return backend, calls
-
-
 def test_compiled_decode_step_never_recompiles():
     """20 decode steps with moving ring start and length: one compile, zero recompiles."""
     torch._dynamo.reset()
-    backend, calls = _counting_backend()
+    backend, calls = counting_backend()
     B, W, Hkv, G, D = 2, 48, 2, 3, 64
     k = torch.randn(B, W, Hkv, D)
     v = torch.randn(B, W, Hkv, D)
