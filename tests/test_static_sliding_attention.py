@@ -224,6 +224,12 @@ def _bad_inputs():
     yield "k-strided", dict(ok, k=ok["k"].transpose(1, 3).contiguous().transpose(1, 3)), ValueError, \
         "k: expected the last dim"
     yield "not-tensor", dict(ok, q=[1.0]), RuntimeError, "type 'Tensor' for argument 'q'"
+    meta = torch.stack([ok["win_start"], ok["win_len"]], dim=1)       # [B, 2]: columns strided
+    yield "win-strided", dict(ok, win_start=meta[:, 0], win_len=meta[:, 1]), ValueError, \
+        "win_start: expected a contiguous tensor"
+    wide = torch.zeros(2, 6)
+    yield "far-bias-strided", dict(ok, far_bias=wide[:, ::2]), ValueError, \
+        "far_bias: expected the last dim"
 
 
 @pytest.mark.parametrize("name,kwargs,exc,msg", list(_bad_inputs()),

@@ -65,6 +65,12 @@ def _check(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale) -> None:
     for name, t in (("q", q), ("k", k), ("v", v), ("far_k", far_k), ("far_v", far_v)):
         if t is not None and t.numel() and t.stride(-1) != 1:
             raise ValueError(f"{name}: expected the last dim (D) contiguous, got strides {t.stride()}")
+    # the kernel indexes these by row with unit stride
+    _checks.contiguous("win_start", win_start)
+    _checks.contiguous("win_len", win_len)
+    if far_bias is not None and far_bias.numel() and far_bias.stride(-1) != 1:
+        raise ValueError(f"far_bias: expected the last dim (C) contiguous, got strides "
+                         f"{far_bias.stride()}")
 
 
 def static_sliding_attention_ref(
