@@ -2,7 +2,11 @@
 
 Importing kvops registers the ``torch.ops.kvops.*`` ops. Public names:
 
-- ops: :func:`static_sliding_attention` (also ``torch.ops.kvops.static_sliding_attention``);
+- ops (each also ``torch.ops.kvops.<name>``): :func:`static_sliding_attention`,
+  :func:`paged_gather_merged`, :func:`far_view_summarize`, :func:`pack_base_pairs`,
+  :func:`refine_base_pairs`, :func:`elastic_attention`;
+- ``kvops.layouts`` (geometry, train planning, BASE codecs) and ``kvops.runtime`` (pager,
+  transport, far-view policy), imported on demand;
 - settings: :func:`backend` ("auto" | "torch" | "triton") and :func:`validate`;
 - ``kvops.models`` (imported on demand): SmolLM2-135M decoding through these ops,
   ``kvops.models.generate(prompt, max_new_tokens, device)`` (docs/models.md).
