@@ -51,7 +51,7 @@ class PagedGeometry:
     @property
     def page_bytes(self) -> int:
         """Bytes of one page of one of K or V (what ``plan_trains`` takes as ``page_bytes``)."""
-        return self.page_size * self.num_kv_heads * self.head_dim * _itemsize(self.dtype)
+        return self.page_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     def empty_pool(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """Uninitialized ``(k_cache, v_cache)``, each ``[P, S, Hkv, D]``."""
@@ -64,10 +64,6 @@ class PagedGeometry:
         _checks.tensor("cache", cache, rank=4)
         P, S, Hkv, D = cache.shape
         return cls(P, S, Hkv, D, cache.dtype)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def page_bytes(cache: torch.Tensor) -> int:

@@ -30,6 +30,7 @@ from kvops import _checks
 from kvops._config import use_triton, validate
 from kvops.layouts import codecs
 from kvops.layouts.pairs import base_pair_view, page_contiguous
+from kvops.ops._reference import softmax_attend
 
 
 def _check(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, scale) -> None:
@@ -137,11 +138,8 @@ def elastic_attention_ref(
     logits = torch.einsum("bhgd,bnhd->bhgn", qf, k) * scale
     visible = torch.arange(L * S, device=q.device)[None, :] < seq_lens.long()[:, None]
     logits = logits.masked_fill(~visible[:, None, None, :], float("-inf"))
-    lse = torch.logsumexp(logits, dim=-1)                                  # [B, Hkv, G]
-    empty = torch.isneginf(lse)
-    p = torch.exp(logits - torch.where(empty, 0.0, lse)[..., None])
     v = v.masked_fill(~visible[:, :, None, None], 0.0)     # unread rows may hold inf/NaN
-    out = torch.einsum("bhgn,bnhd->bhgd", p, v).masked_fill(empty[..., None], 0.0)
+    out, lse = softmax_attend(logits, v)
     return out.reshape(B, Hq, D).to(q.dtype), lse.reshape(B, Hq)
 
 

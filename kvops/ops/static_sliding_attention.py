@@ -25,6 +25,7 @@ from torch import Tensor
 
 from kvops import _checks
 from kvops._config import use_triton, validate
+from kvops.ops._reference import softmax_attend
 
 
 def _check(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale) -> None:
@@ -94,11 +95,7 @@ def static_sliding_attention_ref(
         far = torch.einsum("bhgd,bchd->bhgc", qf, far_k.float()) * scale
         logits = torch.cat([logits, far + far_bias[:, None, None, :]], dim=-1)
         values = torch.cat([values, far_v.float()], dim=1)
-    lse = torch.logsumexp(logits, dim=-1)                                  # [B, Hkv, G]
-    empty = torch.isneginf(lse)
-    p = torch.exp(logits - torch.where(empty, 0.0, lse)[..., None])
-    out = torch.einsum("bhgw,bwhd->bhgd", p, values)
-    out = out.masked_fill(empty[..., None], 0.0)
+    out, lse = softmax_attend(logits, values)
     return out.reshape(B, Hq, D).to(q.dtype), lse.reshape(B, Hq)
 
 
