@@ -15,7 +15,7 @@ from kvops.layouts import codecs
 from kvops.layouts.pairs import base_pair_view
 from kvops.ops.pack_base_pairs import pack_base_pairs_ref
 from kvops.ops.refine_base_pairs import refine_base_pairs_ref
-from tests.conftest import requires_cuda
+from tests.conftest import counting_backend, requires_cuda
 from tests.oracles_elastic import high_low_bytes
 
 CODECS = [(torch.float16, "hi8"), (torch.float16, "hi8r"), (torch.bfloat16, "e4m3")]
@@ -181,14 +181,8 @@ def test_opcheck():
 
 def test_compiled_demote_promote_never_recompiles():
     """A compiled step that packs and refines different pairs each call: one compile."""
-    from torch._dynamo.backends.registry import lookup_backend
-
     torch._dynamo.reset()
-    inductor, calls = lookup_backend("inductor"), []
-
-    def backend(gm, example_inputs):
-        calls.append(1)
-        return inductor(gm, example_inputs)
+    backend, calls = counting_backend()
 
     @torch.compile(backend=backend, fullgraph=True)
     def step(cache, pack_rows, refine_rows, backing):

@@ -14,7 +14,7 @@ from kvops.kernels.elastic_attention import elastic_attention_fwd
 from kvops.layouts import codecs
 from kvops.layouts.pairs import base_pair_view
 from kvops.ops.elastic_attention import elastic_attention_ref, span_modes
-from tests.conftest import requires_cuda
+from tests.conftest import counting_backend, requires_cuda
 from tests.oracles_elastic import elastic_oracle
 from tests.tolerances import ATTN_TOL, LSE_TOL, assert_close
 
@@ -232,14 +232,8 @@ def test_op_dispatch_and_opcheck(kernel_device, path):
 
 def test_compiled_decode_steps_never_recompile():
     """Steps with new lengths, tables, modes and spans: one compile per path, no recompiles."""
-    from torch._dynamo.backends.registry import lookup_backend
-
     torch._dynamo.reset()
-    inductor, calls = lookup_backend("inductor"), []
-
-    def backend(gm, example_inputs):
-        calls.append(1)
-        return inductor(gm, example_inputs)
+    backend, calls = counting_backend()
 
     @torch.compile(backend=backend, fullgraph=True)
     def step(x, k_cache, v_cache, block_table, seq_lens, block_mode, base_span):
