@@ -68,6 +68,23 @@ def page_size(name: str, s: int) -> None:
         raise ValueError(f"{name}: page size S must be a power of two in [8, 256], got S={s}")
 
 
+def kv_pool(k_cache, v_cache) -> tuple[int, int, int, int]:
+    """A K/V pool pair ``[P, S, Hkv, D]``: same device, dtype and shape, at least one page and one
+    head, a supported page size and head dim. Returns ``(P, S, Hkv, D)``."""
+    tensor("k_cache", k_cache, rank=4, dtypes=KV_DTYPES)
+    P, S, Hkv, D = k_cache.shape
+    if P < 1:
+        raise ValueError(f"k_cache: expected at least one page, got P={P}")
+    if Hkv < 1:
+        raise ValueError(f"k_cache: expected at least one KV head, got Hkv={Hkv}")
+    page_size("k_cache", S)
+    head_dim("k_cache", D)
+    tensor("v_cache", v_cache, rank=4, device=k_cache.device)
+    same_dtype("v_cache", v_cache, "k_cache", k_cache)
+    shape("v_cache", v_cache, (P, S, Hkv, D), "P S Hkv D")
+    return P, S, Hkv, D
+
+
 def contiguous(name: str, t: torch.Tensor) -> None:
     """Mutated and kernel-read buffers must be contiguous: a silent copy would lose writes."""
     if not t.is_contiguous():

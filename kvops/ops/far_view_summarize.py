@@ -31,18 +31,8 @@ from kvops._config import use_triton, validate
 
 
 def _check(k_cache, v_cache, chunk_table) -> None:
-    _checks.tensor("k_cache", k_cache, rank=4, dtypes=_checks.KV_DTYPES)
+    P, S, Hkv, D = _checks.kv_pool(k_cache, v_cache)
     dev = k_cache.device
-    P, S, Hkv, D = k_cache.shape
-    if P < 1:
-        raise ValueError(f"k_cache: expected at least one page, got P={P}")
-    if Hkv < 1:
-        raise ValueError(f"k_cache: expected at least one KV head, got Hkv={Hkv}")
-    _checks.page_size("k_cache", S)
-    _checks.head_dim("k_cache", D)
-    _checks.tensor("v_cache", v_cache, rank=4, device=dev)
-    _checks.same_dtype("v_cache", v_cache, "k_cache", k_cache)
-    _checks.shape("v_cache", v_cache, (P, S, Hkv, D), "P S Hkv D")
     _checks.tensor("chunk_table", chunk_table, rank=3, dtypes=(torch.int32,), device=dev)
     if chunk_table.shape[2] < 1:
         raise ValueError(f"chunk_table: expected at least one page per chunk (M >= 1), got shape "

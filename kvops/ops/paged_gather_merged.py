@@ -31,16 +31,8 @@ from kvops._config import use_triton, validate
 
 
 def _check(k_cache, v_cache, trains, num_trains, k_out, v_out) -> None:
-    _checks.tensor("k_cache", k_cache, rank=4, dtypes=_checks.KV_DTYPES)
+    P, S, Hkv, D = _checks.kv_pool(k_cache, v_cache)
     dev = k_cache.device
-    P, S, Hkv, D = k_cache.shape
-    if P < 1:
-        raise ValueError(f"k_cache: expected at least one page, got P={P}")
-    _checks.page_size("k_cache", S)
-    _checks.head_dim("k_cache", D)
-    _checks.tensor("v_cache", v_cache, rank=4, device=dev)
-    _checks.same_dtype("v_cache", v_cache, "k_cache", k_cache)
-    _checks.shape("v_cache", v_cache, (P, S, Hkv, D), "P S Hkv D")
     _checks.tensor("trains", trains, rank=2, dtypes=(torch.int32,), device=dev)
     _checks.shape("trains", trains, (None, 3), "T 3")
     _checks.tensor("num_trains", num_trains, rank=1, dtypes=(torch.int32,), device=dev)
