@@ -35,11 +35,41 @@ def online_softmax_tile(b_q, b_k, b_v, b_bias, b_m, b_l, b_acc, scale_log2,
 
 
 @triton.jit
-def finish_rows(b_m, b_l, b_acc, p_o, p_l, m_o, m_l):
-    """Normalize and store a block of rows: out = acc / l, lse = ln(sum exp); empty rows 0, -inf."""
+def load_query_group(Q, i_b, i_h, stride_qb, stride_qh, G: tl.constexpr, D: tl.constexpr,
+                     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The G query heads of KV head ``i_h`` of sequence ``i_b`` from q [B, Hq, D]:
+    a [BLOCK_G, BLOCK_D] block, padding rows and columns 0."""
+    o_g = tl.arange(0, BLOCK_G)
+    o_d = tl.arange(0, BLOCK_D)
+    p_q = Q + i_b * stride_qb + (i_h * G + o_g)[:, None] * stride_qh + o_d[None, :]
+    return tl.load(p_q, mask=(o_g < G)[:, None] & (o_d < D)[None, :], other=0.0)
+
+
+@triton.jit
+def split_range(n, i_s, NUM_SPLITS, BLOCK_N: tl.constexpr):
+    """Rows ``[lo, hi)`` of split ``i_s`` when ``n`` rows are cut into ``NUM_SPLITS`` equal
+    BLOCK_N-aligned ranges (computed on the device, so the split count stays a launch constant)."""
+    chunk = tl.cdiv(tl.cdiv(n, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = i_s * chunk
+    return lo, tl.minimum(lo + chunk, n)
+
+
+@triton.jit
+def finish_rows(b_m, b_l, b_acc, O, L, i_b, i_h, i_s, stride_ob, stride_oh, stride_os,
+                stride_lb, stride_lh, G: tl.constexpr, D: tl.constexpr,
+                BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Normalize and store the G rows of a program: out = acc / l at
+    ``O[i_b, i_h*G + g, i_s, :]`` and lse = ln(sum exp) at ``L[i_b, i_h*G + g, i_s]``
+    (``stride_os = 0`` and split 0 for unsplit outputs); empty rows get 0 and -inf."""
+    o_g = tl.arange(0, BLOCK_G)
+    o_d = tl.arange(0, BLOCK_D)
+    m_g = o_g < G
+    o_row = i_h * G + o_g
+    p_o = O + i_b * stride_ob + o_row[:, None] * stride_oh + i_s * stride_os + o_d[None, :]
+    p_l = L + i_b * stride_lb + o_row * stride_lh + i_s
     b_has = b_l > 0
     b_out = b_acc / tl.where(b_has, b_l, 1.0)[:, None]
     b_lse = tl.where(b_has, (b_m + tl.log2(tl.where(b_has, b_l, 1.0))) * 0.6931471805599453,
                      float("-inf"))
-    tl.store(p_o, b_out.to(p_o.dtype.element_ty), mask=m_o)
-    tl.store(p_l, b_lse, mask=m_l)
+    tl.store(p_o, b_out.to(p_o.dtype.element_ty), mask=m_g[:, None] & (o_d < D)[None, :])
+    tl.store(p_l, b_lse, mask=m_g)

@@ -50,6 +50,20 @@ def use_pdl(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def split_outputs(B: int, Hq: int, D: int, nsp: int, dtype: torch.dtype, device: torch.device):
+    """Outputs of a split-K decode launch: ``out [B, Hq, D]`` (``dtype``), ``lse [B, Hq]``
+    float32, and where stage 1 writes: ``out``/``lse`` themselves when ``nsp == 1``, else float32
+    partials ``[B, Hq, nsp, D]`` / ``[B, Hq, nsp]``. Returns (out, lse, part_o, part_l,
+    split_stride) with ``split_stride`` the partials' split stride (0 unsplit)."""
+    out = torch.empty((B, Hq, D), device=device, dtype=dtype)
+    lse = torch.empty((B, Hq), device=device, dtype=torch.float32)
+    if nsp == 1:
+        return out, lse, out, lse, 0
+    part_o = torch.empty((B, Hq, nsp, D), device=device, dtype=torch.float32)
+    part_l = torch.empty((B, Hq, nsp), device=device, dtype=torch.float32)
+    return out, lse, part_o, part_l, part_o.stride(2)
+
+
 def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, pdl: bool = False) -> None:
     """Merge split partials into ``out``/``lse`` in place (``pdl``: see :func:`use_pdl`).

@@ -26,9 +26,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kvops.kernels._attention import finish_rows, online_softmax_tile
+from kvops.kernels._attention import (
+    finish_rows,
+    load_query_group,
+    online_softmax_tile,
+    split_range,
+)
 from kvops.kernels._common import dot_precision, next_pow2
-from kvops.kernels._splitk import merge_splits
+from kvops.kernels._splitk import merge_splits, split_outputs
 from kvops.kernels.static_sliding_attention import default_num_splits
 
 
@@ -77,21 +82,16 @@ def _elastic_decode_kernel(
     i_s = tl.program_id(1)
     i_b = (i_bh // Hkv).to(tl.int64)
     i_h = i_bh % Hkv
-    o_g = tl.arange(0, BLOCK_G)
     o_d = tl.arange(0, BLOCK_D)
     o_n = tl.arange(0, BLOCK_N)
-    m_g = o_g < G
     m_d = o_d < D
-    p_q = Q + i_b * stride_qb + (i_h * G + o_g)[:, None] * stride_qh + o_d[None, :]
-    b_q = tl.load(p_q, mask=m_g[:, None] & m_d[None, :], other=0.0)
+    b_q = load_query_group(Q, i_b, i_h, stride_qb, stride_qh, G, D, BLOCK_G, BLOCK_D)
 
     b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_G], tl.float32)
     b_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     n_tok = tl.minimum(tl.maximum(tl.load(SeqLens + i_b), 0), NB * S)
-    chunk = tl.cdiv(tl.cdiv(n_tok, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = i_s * chunk
-    hi = tl.minimum(lo + chunk, n_tok)
+    lo, hi = split_range(n_tok, i_s, NUM_SPLITS, BLOCK_N)
     E = S * Hkv * D                                   # elements of one page (bytes of one half)
     if MODE == 1:
         span_lo = tl.load(BaseSpan + i_b * stride_sb)
@@ -131,10 +131,8 @@ def _elastic_decode_kernel(
         b_m, b_l, b_acc = online_softmax_tile(b_q, b_k, b_v, b_bias, b_m, b_l, b_acc,
                                               scale_log2, PRECISION)
 
-    o_row = i_h * G + o_g
-    p_o = O + i_b * stride_ob + o_row[:, None] * stride_oh + i_s * stride_os + o_d[None, :]
-    p_l = L + i_b * stride_lb + o_row * stride_lh + i_s
-    finish_rows(b_m, b_l, b_acc, p_o, p_l, m_g[:, None] & m_d[None, :], m_g)
+    finish_rows(b_m, b_l, b_acc, O, L, i_b, i_h, i_s, stride_ob, stride_oh, stride_os,
+                stride_lb, stride_lh, G, D, BLOCK_G, BLOCK_D)
 
 
 def elastic_attention_fwd(
@@ -163,16 +161,9 @@ def elastic_attention_fwd(
     block_n = block_n or ((128 if D <= 128 else 64) if mode == 0 else (64 if D <= 128 else 32))
     if num_splits is None:
         num_splits = default_num_splits(max(B, 1), Hkv, NB * S, block_n, q.device)
-    out = torch.empty((B, Hq, D), device=q.device, dtype=q.dtype)
-    lse = torch.empty((B, Hq), device=q.device, dtype=torch.float32)
+    out, lse, part_o, part_l, s_os = split_outputs(B, Hq, D, num_splits, q.dtype, q.device)
     if B == 0:
         return out, lse
-    if num_splits == 1:
-        part_o, part_l, s_os = out, lse, 0
-    else:
-        part_o = torch.empty((B, Hq, num_splits, D), device=q.device, dtype=torch.float32)
-        part_l = torch.empty((B, Hq, num_splits), device=q.device, dtype=torch.float32)
-        s_os = part_o.stride(2)
     # the kernel never reads the metadata of the other paths; pass valid pointers
     block_mode = block_table if block_mode is None else block_mode
     base_span = block_table if base_span is None else base_span

@@ -14,9 +14,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kvops.kernels._attention import LOG2E, finish_rows, online_softmax_tile
+from kvops.kernels._attention import (
+    LOG2E,
+    finish_rows,
+    load_query_group,
+    online_softmax_tile,
+    split_range,
+)
 from kvops.kernels._common import dot_precision, next_pow2, sm_count
-from kvops.kernels._splitk import merge_splits, use_pdl
+from kvops.kernels._splitk import merge_splits, split_outputs, use_pdl
 
 
 @triton.jit
@@ -42,13 +48,10 @@ def _sliding_window_kernel(
     i_s = tl.program_id(1)
     i_b = (i_bh // Hkv).to(tl.int64)
     i_h = i_bh % Hkv
-    o_g = tl.arange(0, BLOCK_G)
     o_d = tl.arange(0, BLOCK_D)
     o_n = tl.arange(0, BLOCK_N)
-    m_g = o_g < G
     m_d = o_d < D
-    p_q = Q + i_b * stride_qb + (i_h * G + o_g)[:, None] * stride_qh + o_d[None, :]
-    b_q = tl.load(p_q, mask=m_g[:, None] & m_d[None, :], other=0.0)
+    b_q = load_query_group(Q, i_b, i_h, stride_qb, stride_qh, G, D, BLOCK_G, BLOCK_D)
 
     b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_G], tl.float32)
@@ -73,9 +76,7 @@ def _sliding_window_kernel(
         wl = tl.minimum(tl.maximum(tl.load(WinLen + i_b), 0), W)
         ws = tl.load(WinStart + i_b) % W
         ws = tl.where(ws < 0, ws + W, ws)
-        chunk = tl.cdiv(tl.cdiv(wl, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = i_s * chunk
-        hi = tl.minimum(lo + chunk, wl)
+        lo, hi = split_range(wl, i_s, NUM_SPLITS, BLOCK_N)
         for start in range(lo, hi, BLOCK_N):
             m_n = start + o_n < hi
             slot = ws + start + o_n
@@ -89,10 +90,8 @@ def _sliding_window_kernel(
             b_m, b_l, b_acc = online_softmax_tile(b_q, b_k, b_v, b_bias, b_m, b_l, b_acc,
                                                   scale_log2, PRECISION)
 
-    o_row = i_h * G + o_g
-    p_o = O + i_b * stride_ob + o_row[:, None] * stride_oh + i_s * stride_os + o_d[None, :]
-    p_l = L + i_b * stride_lb + o_row * stride_lh + i_s
-    finish_rows(b_m, b_l, b_acc, p_o, p_l, m_g[:, None] & m_d[None, :], m_g)
+    finish_rows(b_m, b_l, b_acc, O, L, i_b, i_h, i_s, stride_ob, stride_oh, stride_os,
+                stride_lb, stride_lh, G, D, BLOCK_G, BLOCK_D)
 
 
 def default_num_splits(B: int, Hkv: int, W: int, block_n: int, device: torch.device) -> int:
@@ -132,14 +131,7 @@ def static_sliding_attention_fwd(
         num_splits = default_num_splits(B, Hkv, W, block_n, q.device)
     nsp = num_splits + int(has_far)
     pdl = nsp > 1 and (use_pdl(q.device) if pdl is None else pdl)
-    out = torch.empty((B, Hq, D), device=q.device, dtype=q.dtype)
-    lse = torch.empty((B, Hq), device=q.device, dtype=torch.float32)
-    if nsp == 1:
-        part_o, part_l, s_os = out, lse, 0
-    else:
-        part_o = torch.empty((B, Hq, nsp, D), device=q.device, dtype=torch.float32)
-        part_l = torch.empty((B, Hq, nsp), device=q.device, dtype=torch.float32)
-        s_os = part_o.stride(2)
+    out, lse, part_o, part_l, s_os = split_outputs(B, Hq, D, nsp, q.dtype, q.device)
     if not has_far:  # the kernel never reads these; pass valid pointers of the right type
         far_k, far_v, far_bias = k, v, lse
     _sliding_window_kernel[(B * Hkv, nsp)](
