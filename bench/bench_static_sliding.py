@@ -7,6 +7,7 @@ decode attention must read once, the fraction is of the 4.65 TB/s streaming-read
     python -m bench.bench_static_sliding            # full sweep, writes bench/results/
     python -m bench.bench_static_sliding --quick    # a few shapes
     python -m bench.bench_static_sliding --tune     # kernel config sweep on representative shapes
+    python -m bench.bench_static_sliding --heads 9,3,64 --quick   # other heads (SmolLM2's here)
 """
 
 from __future__ import annotations
@@ -165,10 +166,14 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--heads", default=f"{HQ},{HKV},{D}", help="Hq,Hkv,D (default Llama-3-8B's)")
     args = ap.parse_args()
+    global HQ, HKV, D
+    HQ, HKV, D = (int(x) for x in args.heads.split(","))
+    suffix = "" if (HQ, HKV, D) == (32, 8, 128) else f"-heads{HQ}-{HKV}-{D}"
     if args.tune:
         body = tune()
-        write_result("static_sliding_attention-tune", body)
+        write_result("static_sliding_attention-tune" + suffix, body)
         print(body)
         return
     if args.quick:
@@ -184,7 +189,7 @@ def main():
     goals.append(f"- B = 1, W = 4096: ratio {min(b1):.2f} (goal 1.5)" if b1 else "")
     goals.append(f"- worst shape: {min(r for _, _, r in ratios):.2f} (goal 0.8)")
     body = table(headers, rows) + "\n\nGoals:\n" + "\n".join(g for g in goals if g) + "\n"
-    write_result("static_sliding_attention" + ("-quick" if args.quick else ""), body)
+    write_result("static_sliding_attention" + suffix + ("-quick" if args.quick else ""), body)
     print(body)
 
 

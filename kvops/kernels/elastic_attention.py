@@ -32,7 +32,7 @@ from kvops.kernels._attention import (
     online_softmax_tile,
     split_range,
 )
-from kvops.kernels._common import dot_precision, next_pow2
+from kvops.kernels._common import dot_precision, kv_block_n, next_pow2
 from kvops.kernels._splitk import merge_splits, split_outputs
 from kvops.kernels.static_sliding_attention import default_num_splits
 
@@ -156,9 +156,8 @@ def elastic_attention_fwd(
     G = Hq // Hkv
     scale = D ** -0.5 if scale is None else scale
     mode = 2 if block_mode is not None else (1 if base_span is not None else 0)
-    # Two K/V tiles in flight per program (see the kernel's page-id prefetch); the mixed paths
-    # stage a TARGET and a BASE tile each, so they take half the rows to fit shared memory.
-    block_n = block_n or ((128 if D <= 128 else 64) if mode == 0 else (64 if D <= 128 else 32))
+    # the mixed paths stage a TARGET and a BASE tile each: half the rows to fit shared memory
+    block_n = block_n or kv_block_n(D, k_cache.dtype, tiles_per_row=1 if mode == 0 else 2)
     if num_splits is None:
         num_splits = default_num_splits(max(B, 1), Hkv, NB * S, block_n, q.device)
     out, lse, part_o, part_l, s_os = split_outputs(B, Hq, D, num_splits, q.dtype, q.device)

@@ -21,7 +21,7 @@ from kvops.kernels._attention import (
     online_softmax_tile,
     split_range,
 )
-from kvops.kernels._common import dot_precision, next_pow2, sm_count
+from kvops.kernels._common import dot_precision, kv_block_n, next_pow2, sm_count
 from kvops.kernels._splitk import merge_splits, split_outputs, use_pdl
 
 
@@ -126,7 +126,7 @@ def static_sliding_attention_fwd(
     scale = D ** -0.5 if scale is None else scale
     has_far = far_k is not None
     C = far_k.shape[1] if has_far else 0
-    block_n = block_n or (128 if D <= 128 else 64)
+    block_n = block_n or kv_block_n(D, k.dtype)
     if num_splits is None:
         num_splits = default_num_splits(B, Hkv, W, block_n, q.device)
     nsp = num_splits + int(has_far)
