@@ -55,20 +55,24 @@ def step_time(model: Llama, batch: int, window: int, compiled: bool) -> tuple[fl
         return time_graph(lambda: step(tok, pos))
 
 
-def profile_step(model: Llama, batch: int, window: int, top: int = 12) -> str:
-    """The ``top`` CUDA kernels of one eager decode step by total GPU time (torch.profiler),
-    as a table: kernel, calls, total us, us per call."""
+def profile_step(model: Llama, batch: int, window: int, compiled: bool, top: int = 12) -> str:
+    """The ``top`` CUDA kernels of one decode step by total GPU time (torch.profiler), as a
+    table: kernel, calls, total us, us per call."""
     from torch.profiler import ProfilerActivity, profile
 
     model.setup_cache(batch_size=batch, window=window, page_size=16)
     tok = torch.randint(0, model.cfg.vocab_size, (batch,), device="cuda")
     pos = torch.full((batch,), window + 7, dtype=torch.int64, device="cuda")
+    step = model.decode_step
+    if compiled:
+        torch._dynamo.reset()
+        step = torch.compile(model.decode_step, fullgraph=True, dynamic=False)
     with torch.no_grad():
         for _ in range(3):
-            model.decode_step(tok, pos)
+            step(tok, pos)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            model.decode_step(tok, pos)
+            step(tok, pos)
             torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     events.sort(key=lambda e: -e.device_time_total)
@@ -100,14 +104,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="only B=16, W=4096")
     ap.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     ap.add_argument("--profile", action="store_true",
-                    help="print the top kernels of one eager B=16, W=4096 step and exit")
+                    help="print the top kernels of one B=16, W=4096 step (eager, compiled) and exit")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_model_decode needs a CUDA device")
     dtype = getattr(torch, args.dtype)
     model = Llama.random(SMOLLM2_135M, seed=0, device="cuda", dtype=dtype)
     if args.profile:
-        print(profile_step(model, 16, 4096))
+        for compiled in (False, True):
+            print("compiled" if compiled else "eager")
+            print(profile_step(model, 16, 4096, compiled))
         return
     rows = []
     for batch, window in [(16, 4096)] if args.quick else CONFIGS:

@@ -130,8 +130,7 @@ def sweep(batches, widths, dtypes, with_flex):
     return headers, rows, ratios
 
 
-def tune():
-    shapes = [(1, 4096), (4, 16384), (16, 4096), (64, 1024), (128, 4096)]
+def tune(shapes):
     configs = [dict(block_n=bn, num_warps=nw, num_stages=ns)
                for bn, nw, ns in itertools.product((32, 64, 128), (4, 8), (2, 3))]
     rows = []
@@ -139,7 +138,7 @@ def tune():
         nbytes = 2 * B * W * HKV * D * 2
         sets = make_sets(B, W, torch.float16, rotation(nbytes))
         base = default_num_splits(B, HKV, W, 64, torch.device("cuda"))
-        split_opts = [None] + sorted({max(1, base // 2), base * 2})
+        split_opts = [None] + sorted({max(1, base // 2), base * 2, base * 4})
         results = []
         for cfg in configs:
             for ns in split_opts:
@@ -162,17 +161,19 @@ def tune():
 
 
 def main():
+    global HQ, HKV, D
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--tune-shapes", default="1x4096,4x16384,16x4096,64x1024,128x4096",
+                    help="BxW list for --tune")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--heads", default=f"{HQ},{HKV},{D}", help="Hq,Hkv,D (default Llama-3-8B's)")
     args = ap.parse_args()
-    global HQ, HKV, D
     HQ, HKV, D = (int(x) for x in args.heads.split(","))
     suffix = "" if (HQ, HKV, D) == (32, 8, 128) else f"-heads{HQ}-{HKV}-{D}"
     if args.tune:
-        body = tune()
+        body = tune([tuple(int(x) for x in s.split("x")) for s in args.tune_shapes.split(",")])
         write_result("static_sliding_attention-tune" + suffix, body)
         print(body)
         return
