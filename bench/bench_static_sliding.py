@@ -22,7 +22,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import kvops
 from bench.common import READ_CEILING, rotation, table, tbps, time_graph, write_result
-from kvops.kernels.static_sliding_attention import default_num_splits, static_sliding_attention_fwd
+from kvops.kernels._common import kv_tile_bytes
+from kvops.kernels._splitk import default_num_splits
+from kvops.kernels.static_sliding_attention import static_sliding_attention_fwd
 
 HQ, HKV, D = 32, 8, 128
 
@@ -137,7 +139,8 @@ def tune(shapes):
     for B, W in shapes:
         nbytes = 2 * B * W * HKV * D * 2
         sets = make_sets(B, W, torch.float16, rotation(nbytes))
-        base = default_num_splits(B, HKV, W, 64, torch.device("cuda"))
+        base = default_num_splits(B * HKV, W, 64, kv_tile_bytes(64, D, torch.float16),
+                                  torch.device("cuda"))
         split_opts = [None] + sorted({max(1, base // 2), base * 2, base * 4})
         results = []
         for cfg in configs:

@@ -210,6 +210,25 @@ def test_cuda_compiled_step_once_and_graph_replay():
 
 
 @requires_cuda
+def test_cuda_compiled_step_writes_the_pool_in_place():
+    """The compiled step writes B slots into the KV pool: no generated kernel walks the whole
+    pool (Inductor copies a pool that is written through a view, and copies it back)."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = tiny("cuda")
+    model.setup_cache(batch_size=2, window=384, page_size=16)
+    step = torch.compile(model.decode_step, fullgraph=True, dynamic=False)
+    tok = torch.tensor([3, 5], device="cuda")
+    pos = torch.tensor([7, 400], device="cuda")
+    with torch.no_grad():
+        _, code = run_and_get_code(step, tok, pos)
+    numel = model.layers[0].attention.k_cache.numel()
+    assert numel == 2 * 384 * TINY.n_kv_heads * TINY.head_dim
+    whole = [c for c in code if f"xnumel = {numel}" in c or f"{numel}L" in c]
+    assert not whole, f"a compiled kernel spans the whole KV pool ({numel} elements)"
+
+
+@requires_cuda
 def test_cuda_greedy_decode_reduce_overhead_matches_eager():
     """generate()'s CUDA path: the step compiled with mode="reduce-overhead" (CUDA graphs)
     produces the eager step's greedy tokens (float32, SmolLM2 shape, random weights)."""

@@ -50,3 +50,8 @@ def kv_block_n(D: int, dtype: torch.dtype, tiles_per_row: int = 1) -> int:
     """
     row_bytes = next_pow2(D) * dtype.itemsize * tiles_per_row
     return max(16, min(128, 32768 // row_bytes))
+
+
+def kv_tile_bytes(block_n: int, D: int, dtype: torch.dtype) -> int:
+    """Bytes of one K tile plus one V tile of ``block_n`` rows as staged in shared memory."""
+    return 2 * block_n * next_pow2(D) * dtype.itemsize

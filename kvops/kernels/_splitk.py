@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvops.kernels._common import next_pow2
+from kvops.kernels._common import next_pow2, sm_count
 
 
 @triton.jit
@@ -41,6 +41,23 @@ def _merge_splits_kernel(
     b_lse_out = tl.where(b_sum > 0, b_safe + tl.log(tl.where(b_sum > 0, b_sum, 1.0)), float("-inf"))
     tl.store(Out + i_r * stride_or + o_d, b_out.to(Out.dtype.element_ty), mask=m_d)
     tl.store(Lse + i_r, b_lse_out)
+
+
+def default_num_splits(pairs: int, n: int, block_n: int, tile_bytes: int,
+                       device: torch.device) -> int:
+    """Splits of each (sequence, KV head) pair's ``n`` rows: enough programs to keep about
+    64 KiB of K/V tiles in flight per SM (one program per SM for 64 KiB tiles, two for 32 KiB),
+    at least 2 tiles per split, at most 64 splits. Depends on shapes only, so a captured graph
+    stays valid.
+
+    Tuned on an H200 (bench/results/*-static_sliding_attention-tune*.md): Llama-3-8B heads
+    (64 KiB tiles) run best with B=16 unsplit, B=4 at W=16384 with 4 splits, B=1 at W=4096 with
+    16; SmolLM2 heads (Hkv=3, D=64: 32 KiB tiles) at B=16, W=4096 take 18 us with 4-8 splits
+    and 28 us with 2.
+    """
+    per_sm = max(1, 65536 // tile_bytes)
+    want = sm_count(device) * per_sm // max(pairs, 1)
+    return max(1, min(want, n // (2 * block_n), 64))
 
 
 def use_pdl(device: torch.device) -> bool:

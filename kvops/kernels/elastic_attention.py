@@ -32,9 +32,8 @@ from kvops.kernels._attention import (
     online_softmax_tile,
     split_range,
 )
-from kvops.kernels._common import dot_precision, kv_block_n, next_pow2
-from kvops.kernels._splitk import merge_splits, split_outputs
-from kvops.kernels.static_sliding_attention import default_num_splits
+from kvops.kernels._common import dot_precision, kv_block_n, kv_tile_bytes, next_pow2
+from kvops.kernels._splitk import default_num_splits, merge_splits, split_outputs
 
 
 @triton.jit
@@ -159,7 +158,8 @@ def elastic_attention_fwd(
     # the mixed paths stage a TARGET and a BASE tile each: half the rows to fit shared memory
     block_n = block_n or kv_block_n(D, k_cache.dtype, tiles_per_row=1 if mode == 0 else 2)
     if num_splits is None:
-        num_splits = default_num_splits(max(B, 1), Hkv, NB * S, block_n, q.device)
+        tile = kv_tile_bytes(block_n, D, k_cache.dtype) * (1 if mode == 0 else 2)
+        num_splits = default_num_splits(max(B, 1) * Hkv, NB * S, block_n, tile, q.device)
     out, lse, part_o, part_l, s_os = split_outputs(B, Hq, D, num_splits, q.dtype, q.device)
     if B == 0:
         return out, lse

@@ -21,8 +21,8 @@ from kvops.kernels._attention import (
     online_softmax_tile,
     split_range,
 )
-from kvops.kernels._common import dot_precision, kv_block_n, next_pow2, sm_count
-from kvops.kernels._splitk import merge_splits, split_outputs, use_pdl
+from kvops.kernels._common import dot_precision, kv_block_n, kv_tile_bytes, next_pow2
+from kvops.kernels._splitk import default_num_splits, merge_splits, split_outputs, use_pdl
 
 
 @triton.jit
@@ -94,17 +94,6 @@ def _sliding_window_kernel(
                 stride_lb, stride_lh, G, D, BLOCK_G, BLOCK_D)
 
 
-def default_num_splits(B: int, Hkv: int, W: int, block_n: int, device: torch.device) -> int:
-    """Splits of the window per (sequence, KV head): about one wave of programs over the SMs,
-    with at least 2 tiles per split. Depends on shapes only, so a captured graph stays valid.
-
-    Tuned on an H200 (bench/results/*-static_sliding_attention-tune.md): B=16 x Hkv=8 runs best
-    unsplit, B=4 at W=16384 with 4 splits, B=1 at W=4096 with 16.
-    """
-    want = sm_count(device) // (B * Hkv)
-    return max(1, min(want, W // (2 * block_n), 64))
-
-
 def static_sliding_attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     win_start: torch.Tensor, win_len: torch.Tensor,
@@ -128,7 +117,8 @@ def static_sliding_attention_fwd(
     C = far_k.shape[1] if has_far else 0
     block_n = block_n or kv_block_n(D, k.dtype)
     if num_splits is None:
-        num_splits = default_num_splits(B, Hkv, W, block_n, q.device)
+        num_splits = default_num_splits(B * Hkv, W, block_n, kv_tile_bytes(block_n, D, k.dtype),
+                                        q.device)
     nsp = num_splits + int(has_far)
     pdl = nsp > 1 and (use_pdl(q.device) if pdl is None else pdl)
     out, lse, part_o, part_l, s_os = split_outputs(B, Hq, D, nsp, q.dtype, q.device)

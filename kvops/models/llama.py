@@ -91,15 +91,19 @@ class Attention(nn.Module):
                                              is_causal=True, enable_gqa=True)
         return self.wo(out.transpose(1, 2).flatten(-2)), k, v
 
-    def decode(self, x: Tensor, cos: Tensor, sin: Tensor, flat_slot: Tensor, win_start: Tensor,
-               win_len: Tensor) -> Tensor:
-        """One token per sequence: ``x [B, dim]``; writes its K/V at ``flat_slot [B]`` of the
-        pool viewed as ``[B * W, Hkv, D]``, then attends over each ring window through kvops."""
+    def decode(self, x: Tensor, cos: Tensor, sin: Tensor, page: Tensor, offset: Tensor,
+               win_start: Tensor, win_len: Tensor) -> Tensor:
+        """One token per sequence: ``x [B, dim]``; writes its K/V at slot ``offset [B]`` of pool
+        page ``page [B]``, then attends over each ring window through kvops.
+
+        The write is ``index_put_`` on the pool tensor itself: Inductor turns an in-place write
+        through a *view* of a graph input into a copy of the whole pool and a copy back (seen on
+        torch 2.11 + CUDA: 2 x 25 MB per layer per step at B=16, W=4096)."""
         q, k, v = self._qkv(x, cos, sin)
         B = x.shape[0]
         P, S, Hkv, D = self.k_cache.shape
-        self.k_cache.view(P * S, Hkv, D).index_copy_(0, flat_slot, k)
-        self.v_cache.view(P * S, Hkv, D).index_copy_(0, flat_slot, v)
+        self.k_cache.index_put_((page, offset), k)
+        self.v_cache.index_put_((page, offset), v)
         arena_k = self.k_cache.view(B, P * S // B, Hkv, D)
         arena_v = self.v_cache.view(B, P * S // B, Hkv, D)
         out, _ = torch.ops.kvops.static_sliding_attention(q, arena_k, arena_v, win_start, win_len)
@@ -270,10 +274,10 @@ class Llama(nn.Module):
         x, kvs = self._dense(tokens[None])
         keep = torch.arange(max(0, T - W), T, device=tokens.device)
         flat = seq * W + keep % W
+        page, offset = flat // self.page_size, flat % self.page_size
         for block, (k, v) in zip(self.layers, kvs):
-            P, S, Hkv, D = block.attention.k_cache.shape
-            block.attention.k_cache.view(P * S, Hkv, D).index_copy_(0, flat, k[0, keep])
-            block.attention.v_cache.view(P * S, Hkv, D).index_copy_(0, flat, v[0, keep])
+            block.attention.k_cache.index_put_((page, offset), k[0, keep])
+            block.attention.v_cache.index_put_((page, offset), v[0, keep])
         return self.output(x[0]).float()
 
     def decode_step(self, tokens: Tensor, pos: Tensor) -> Tensor:
@@ -294,9 +298,10 @@ class Llama(nn.Module):
         win_start = ((n - win_len) % W).to(torch.int32)
         win_len = win_len.to(torch.int32)
         flat_slot = torch.arange(tokens.shape[0], device=tokens.device) * W + pos % W
+        page, offset = flat_slot // self.page_size, flat_slot % self.page_size
         x = self.tok_embeddings(tokens)
         for block in self.layers:
-            x = x + block.attention.decode(block.attention_norm(x), cos, sin, flat_slot,
+            x = x + block.attention.decode(block.attention_norm(x), cos, sin, page, offset,
                                            win_start, win_len)
             x = x + block.feed_forward(block.ffn_norm(x))
         return self.output(self.norm(x)).float()
