@@ -171,6 +171,8 @@ def main():
     ap.add_argument("--tune-shapes", default="1x4096,4x16384,16x4096,64x1024,128x4096",
                     help="BxW list for --tune")
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--batches", default=None, help="B list, comma separated (sweep)")
+    ap.add_argument("--widths", default=None, help="W list, comma separated (sweep)")
     ap.add_argument("--heads", default=f"{HQ},{HKV},{D}", help="Hq,Hkv,D (default Llama-3-8B's)")
     args = ap.parse_args()
     HQ, HKV, D = (int(x) for x in args.heads.split(","))
@@ -185,6 +187,11 @@ def main():
     else:
         batches, widths, dtypes = (1, 4, 16, 64, 128), (512, 1024, 4096, 16384), \
             (torch.float16, torch.bfloat16)
+    if args.batches:
+        batches = tuple(int(x) for x in args.batches.split(","))
+    if args.widths:
+        widths = tuple(int(x) for x in args.widths.split(","))
+    partial = args.quick or args.batches or args.widths
     headers, rows, ratios = sweep(batches, widths, dtypes, not args.no_flex)
     goals = []
     big = [r for b, w, r in ratios if b >= 16]
@@ -193,7 +200,7 @@ def main():
     goals.append(f"- B = 1, W = 4096: ratio {min(b1):.2f} (goal 1.5)" if b1 else "")
     goals.append(f"- worst shape: {min(r for _, _, r in ratios):.2f} (goal 0.8)")
     body = table(headers, rows) + "\n\nGoals:\n" + "\n".join(g for g in goals if g) + "\n"
-    write_result("static_sliding_attention" + suffix + ("-quick" if args.quick else ""), body)
+    write_result("static_sliding_attention" + suffix + ("-partial" if partial else ""), body)
     print(body)
 
 

@@ -94,6 +94,9 @@ def _sliding_window_kernel(
                 stride_lb, stride_lh, G, D, BLOCK_G, BLOCK_D)
 
 
+SHORT_WINDOW = 1024   # unsplit windows up to this many rows take the short-loop tile
+
+
 def static_sliding_attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     win_start: torch.Tensor, win_len: torch.Tensor,
@@ -115,10 +118,16 @@ def static_sliding_attention_fwd(
     scale = D ** -0.5 if scale is None else scale
     has_far = far_k is not None
     C = far_k.shape[1] if has_far else 0
+    tuned_tile = block_n is None and num_stages is None
     block_n = block_n or kv_block_n(D, k.dtype)
     if num_splits is None:
         num_splits = default_num_splits(B * Hkv, W, block_n, kv_tile_bytes(block_n, D, k.dtype),
                                         q.device)
+    if tuned_tile and num_splits == 1 and W <= SHORT_WINDOW:
+        # many short programs: the 3-stage pipeline's fill and drain dominate; halve the tile
+        # and take 2 stages (H200 tune, B=64, W=1024: 64.4 us vs 69.8 us). Split programs at
+        # small batch keep the big tile (B=1, W=4096: 10.3 us with 128 rows, 10.6 with 64).
+        block_n, num_stages = min(block_n, 64), 2
     nsp = num_splits + int(has_far)
     pdl = nsp > 1 and (use_pdl(q.device) if pdl is None else pdl)
     out, lse, part_o, part_l, s_os = split_outputs(B, Hq, D, nsp, q.dtype, q.device)
