@@ -203,8 +203,10 @@ def test_pack_then_attend_reads_the_packed_halves(kernel_device):
             want = torch.ops.kvops.elastic_attention(
                 q, dense_k, dense_v, torch.tensor([[0, 1, 2, 3]], dtype=torch.int32,
                                                   device=kernel_device), seq)
-        torch.testing.assert_close(got[0], want[0], atol=0, rtol=0)
-        torch.testing.assert_close(got[1], want[1], atol=1e-6, rtol=1e-6)
+        # same values, different tiles (the mixed path starts a tile at each run of one form):
+        # equal up to summation order; a wrong half or page would differ at O(1)
+        torch.testing.assert_close(got[0], want[0], atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("path", PATHS)

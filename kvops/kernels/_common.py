@@ -40,15 +40,14 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
-def kv_block_n(D: int, dtype: torch.dtype, tiles_per_row: int = 1) -> int:
+def kv_block_n(D: int, dtype: torch.dtype) -> int:
     """Rows of K/V per tile for the decode kernels: 32 KiB of K per stage, at most 128 rows.
 
     Shared memory holds ``num_stages`` (3) pipelined K and V tiles: 128 rows of 16-bit ``D=128``
     use 3 x 2 x 32 KiB of the H200's 227 KiB, while float32 at that size would need 384 KiB and
-    fail to launch. ``tiles_per_row`` = 2 for kernels that stage two forms of every tile (the
-    elastic mixed paths: TARGET and BASE), which halves the rows.
+    fail to launch.
     """
-    row_bytes = next_pow2(D) * dtype.itemsize * tiles_per_row
+    row_bytes = next_pow2(D) * dtype.itemsize
     return max(16, min(128, 32768 // row_bytes))
 
 

@@ -11,10 +11,12 @@ One kernel family, three paths chosen by the constexpr ``MODE`` (ElasticKV secti
 
 One program handles one (sequence, KV head, split): it loads the ``G`` query heads of the group
 once and streams its share of the sequence's tokens in tiles of ``BLOCK_N`` rows, so each KV row
-is read once for the whole group. A row's page comes from the block table; a TARGET row is read
-as 16-bit values, a BASE row as bytes from its half of the page and decoded in registers (the
-two loads are predicated per row, so a row costs the bytes of its form only). Splits are merged
-by ``_splitk.merge_splits``.
+is read once for the whole group. A row's page comes from the block table. The mixed paths walk
+the split as runs of one form (three at most on the structured path, found by scanning the mode
+table on the general one), and each run is a plain pipelined loop of single-form tiles: TARGET
+tiles read 16-bit values, BASE tiles read bytes from their half of the pair page and decode them
+in registers. So a tile costs the bytes and the instructions of its own form only. Splits are
+merged by ``_splitk.merge_splits``.
 
 ``CODEC``: 0 float16 BASE (hi8/hi8r: the byte is the high byte, low byte zero), 2 bfloat16
 BASE (float8 e4m3fn), as in ``kvops.layouts.codecs``.
@@ -52,15 +54,84 @@ def _decode_base(b_x, CODEC: tl.constexpr):
 
 
 @triton.jit
-def _load_rows(P, o_t, o_b, b_isb, m_n, o_d, m_d, CODEC: tl.constexpr):
-    """Rows of a mixed tile: TARGET rows at element offsets ``o_t`` of ``P``, BASE rows at byte
-    offsets ``o_b``; ``b_isb`` [BLOCK_N] says which. Masked rows read nothing and give 0."""
-    m_t = (m_n & (b_isb == 0))[:, None] & m_d[None, :]
-    m_b = (m_n & (b_isb != 0))[:, None] & m_d[None, :]
-    b_t = tl.load(P + o_t[:, None] + o_d[None, :], mask=m_t, other=0.0)
-    b_x = tl.load(P.to(tl.pointer_type(tl.uint8)) + o_b[:, None] + o_d[None, :], mask=m_b,
-                  other=0)
-    return tl.where(m_b, _decode_base(b_x, CODEC), b_t)
+def _target_run(K, V, p_table, lo, hi, b_q, b_m, b_l, b_acc, scale_log2, i_h,
+                stride_kp, stride_vp, Hkv, o_n, o_d, m_d,
+                D: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """Fold the TARGET rows ``[lo, hi)`` of a sequence into the running softmax, ``BLOCK_N``
+    rows a tile. Page ids are loaded one tile ahead (loop-carried), so a tile's K/V loads do
+    not wait on a load of the same iteration and the pipeliner keeps two tiles in flight
+    (with the page-id load in the same iteration it kept one: half the bandwidth on an H200)."""
+    b_page = tl.load(p_table + (lo + o_n) // S, mask=lo + o_n < hi, other=0).to(tl.int64)
+    for start in range(lo, hi, BLOCK_N):
+        o_t = start + o_n
+        m_n = o_t < hi
+        o_in = ((o_t % S) * Hkv + i_h) * D            # the row inside its page
+        m_kv = m_n[:, None] & m_d[None, :]
+        b_k = tl.load(K + (b_page * stride_kp + o_in)[:, None] + o_d[None, :], mask=m_kv,
+                      other=0.0)
+        b_v = tl.load(V + (b_page * stride_vp + o_in)[:, None] + o_d[None, :], mask=m_kv,
+                      other=0.0)
+        b_page = tl.load(p_table + (o_t + BLOCK_N) // S, mask=o_t + BLOCK_N < hi,
+                         other=0).to(tl.int64)
+        b_bias = tl.where(m_n, 0.0, float("-inf"))
+        b_m, b_l, b_acc = online_softmax_tile(b_q, b_k, b_v, b_bias, b_m, b_l, b_acc,
+                                              scale_log2, PRECISION)
+    return b_m, b_l, b_acc
+
+
+@triton.jit
+def _base_run(K, V, p_table, p_mode, span_lo, lo, hi, b_q, b_m, b_l, b_acc, scale_log2, i_h,
+              stride_kp, stride_vp, Hkv, o_n, o_d, m_d,
+              D: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
+              CODEC: tl.constexpr, PRECISION: tl.constexpr):
+    """Fold the BASE rows ``[lo, hi)`` into the running softmax: bytes read from the row's half
+    of its pair page and decoded in registers. The half of logical block ``j`` is
+    ``(j - span_lo) & 1`` on the structured path (``MODE == 1``) and its mode (1: half 0,
+    2: half 1) from ``p_mode`` on the general path."""
+    E = S * Hkv * D                                   # bytes of one half page
+    K8 = K.to(tl.pointer_type(tl.uint8))
+    V8 = V.to(tl.pointer_type(tl.uint8))
+    b_page = tl.load(p_table + (lo + o_n) // S, mask=lo + o_n < hi, other=0).to(tl.int64)
+    for start in range(lo, hi, BLOCK_N):
+        o_t = start + o_n
+        m_n = o_t < hi
+        o_j = o_t // S
+        if MODE == 1:
+            o_half = ((o_j - span_lo) & 1) * E
+        else:
+            o_half = (tl.load(p_mode + o_j, mask=m_n, other=1) == 2).to(tl.int32) * E
+        o_in = o_half + ((o_t % S) * Hkv + i_h) * D
+        m_kv = m_n[:, None] & m_d[None, :]
+        b_xk = tl.load(K8 + (b_page * (2 * stride_kp) + o_in)[:, None] + o_d[None, :],
+                       mask=m_kv, other=0)
+        b_xv = tl.load(V8 + (b_page * (2 * stride_vp) + o_in)[:, None] + o_d[None, :],
+                       mask=m_kv, other=0)
+        b_page = tl.load(p_table + (o_t + BLOCK_N) // S, mask=o_t + BLOCK_N < hi,
+                         other=0).to(tl.int64)
+        b_bias = tl.where(m_n, 0.0, float("-inf"))
+        b_m, b_l, b_acc = online_softmax_tile(b_q, _decode_base(b_xk, CODEC),
+                                              _decode_base(b_xv, CODEC), b_bias, b_m, b_l,
+                                              b_acc, scale_log2, PRECISION)
+    return b_m, b_l, b_acc
+
+
+@triton.jit
+def _general_run_end(p_mode, j0, j_end, SCAN: tl.constexpr):
+    """First logical block in ``(j0, j_end)`` whose form (TARGET or BASE) differs from block
+    ``j0``'s, or ``j_end``; and block ``j0``'s form (1 BASE, 0 TARGET). Scans ``SCAN`` modes a
+    step, so a long run costs one load per ``SCAN`` blocks."""
+    o_s = tl.arange(0, SCAN)
+    form = (tl.load(p_mode + j0) != 0).to(tl.int32)
+    end = j_end
+    jb = j0 + 1
+    while jb < end:
+        o_j = jb + o_s
+        m_j = o_j < end
+        b_form = (tl.load(p_mode + o_j, mask=m_j, other=0) != 0).to(tl.int32)
+        end = tl.minimum(end, tl.min(tl.where(m_j & (b_form != form), o_j, end), 0))
+        jb += SCAN
+    return end, form
 
 
 @triton.jit
@@ -91,44 +162,43 @@ def _elastic_decode_kernel(
     b_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     n_tok = tl.minimum(tl.maximum(tl.load(SeqLens + i_b), 0), NB * S)
     lo, hi = split_range(n_tok, i_s, NUM_SPLITS, BLOCK_N)
-    E = S * Hkv * D                                   # elements of one page (bytes of one half)
-    if MODE == 1:
-        span_lo = tl.load(BaseSpan + i_b * stride_sb)
-        span_hi = tl.load(BaseSpan + i_b * stride_sb + 1)
-    # Page ids of a tile are loaded one iteration ahead (loop-carried), so the K/V loads of a
-    # tile do not wait on a load of the same iteration: the software pipeliner then keeps two
-    # K/V tiles in flight as in the dense kernel (with the page-id load in the same iteration
-    # it kept one, and the native path read at half the dense kernel's bandwidth on an H200).
     p_table = BlockTable + i_b * stride_tb
-    b_page = tl.load(p_table + (lo + o_n) // S, mask=lo + o_n < hi, other=0).to(tl.int64)
-    for start in range(lo, hi, BLOCK_N):
-        o_t = start + o_n
-        m_n = o_t < hi
-        o_j = o_t // S
-        o_in = ((o_t % S) * Hkv + i_h) * D            # the row inside its page (and half)
-        o_k = b_page * stride_kp + o_in
-        o_v = b_page * stride_vp + o_in
-        if MODE == 0:
-            m_kv = m_n[:, None] & m_d[None, :]
-            b_k = tl.load(K + o_k[:, None] + o_d[None, :], mask=m_kv, other=0.0)
-            b_v = tl.load(V + o_v[:, None] + o_d[None, :], mask=m_kv, other=0.0)
-        else:
+    if MODE == 0:
+        b_m, b_l, b_acc = _target_run(K, V, p_table, lo, hi, b_q, b_m, b_l, b_acc, scale_log2,
+                                      i_h, stride_kp, stride_vp, Hkv, o_n, o_d, m_d,
+                                      D, S, BLOCK_N, PRECISION)
+    else:
+        # Walk the split as runs of one form; each run is a pipelined loop of single-form tiles
+        # starting at the run's first row. Both mixed paths cut the same runs from the same
+        # layout, so they fold the same tiles in the same order: bit-identical results.
+        p_mode = BlockMode + i_b * stride_mb
+        span_lo = 0
+        span_hi = 0
+        if MODE == 1:
+            span_lo = tl.minimum(tl.maximum(tl.load(BaseSpan + i_b * stride_sb), 0), NB)
+            span_hi = tl.minimum(tl.maximum(tl.load(BaseSpan + i_b * stride_sb + 1), span_lo), NB)
+            span_lo = tl.where(span_lo == span_hi, NB, span_lo)   # no BASE: one TARGET run
+            span_hi = tl.where(span_lo == NB, NB, span_hi)
+        pos = lo
+        while pos < hi:
             if MODE == 1:
-                b_isb = ((o_j >= span_lo) & (o_j < span_hi)).to(tl.int32)
-                o_half = ((o_j - span_lo) & 1) * E
+                is_base = ((pos >= span_lo * S) & (pos < span_hi * S)).to(tl.int32)
+                end = tl.where(pos < span_lo * S, span_lo * S,
+                               tl.where(pos < span_hi * S, span_hi * S, hi))
             else:
-                b_mode = tl.load(BlockMode + i_b * stride_mb + o_j, mask=m_n, other=0)
-                b_isb = (b_mode != 0).to(tl.int32)
-                o_half = (b_mode == 2).to(tl.int32) * E
-            b_k = _load_rows(K, o_k, b_page * (2 * stride_kp) + o_half + o_in, b_isb, m_n,
-                             o_d, m_d, CODEC)
-            b_v = _load_rows(V, o_v, b_page * (2 * stride_vp) + o_half + o_in, b_isb, m_n,
-                             o_d, m_d, CODEC)
-        b_page = tl.load(p_table + (o_t + BLOCK_N) // S, mask=o_t + BLOCK_N < hi,
-                         other=0).to(tl.int64)
-        b_bias = tl.where(m_n, 0.0, float("-inf"))
-        b_m, b_l, b_acc = online_softmax_tile(b_q, b_k, b_v, b_bias, b_m, b_l, b_acc,
-                                              scale_log2, PRECISION)
+                end_j, is_base = _general_run_end(p_mode, pos // S, tl.cdiv(hi, S), 16)
+                end = end_j * S
+            end = tl.minimum(end, hi)
+            if is_base != 0:
+                b_m, b_l, b_acc = _base_run(K, V, p_table, p_mode, span_lo, pos, end, b_q, b_m,
+                                            b_l, b_acc, scale_log2, i_h, stride_kp, stride_vp,
+                                            Hkv, o_n, o_d, m_d, D, S, BLOCK_N, MODE, CODEC,
+                                            PRECISION)
+            else:
+                b_m, b_l, b_acc = _target_run(K, V, p_table, pos, end, b_q, b_m, b_l, b_acc,
+                                              scale_log2, i_h, stride_kp, stride_vp, Hkv, o_n,
+                                              o_d, m_d, D, S, BLOCK_N, PRECISION)
+            pos = end
 
     finish_rows(b_m, b_l, b_acc, O, L, i_b, i_h, i_s, stride_ob, stride_oh, stride_os,
                 stride_lb, stride_lh, G, D, BLOCK_G, BLOCK_D)
@@ -155,11 +225,10 @@ def elastic_attention_fwd(
     G = Hq // Hkv
     scale = D ** -0.5 if scale is None else scale
     mode = 2 if block_mode is not None else (1 if base_span is not None else 0)
-    # the mixed paths stage a TARGET and a BASE tile each: half the rows to fit shared memory
-    block_n = block_n or kv_block_n(D, k_cache.dtype, tiles_per_row=1 if mode == 0 else 2)
+    block_n = block_n or kv_block_n(D, k_cache.dtype)
     if num_splits is None:
-        tile = kv_tile_bytes(block_n, D, k_cache.dtype) * (1 if mode == 0 else 2)
-        num_splits = default_num_splits(max(B, 1) * Hkv, NB * S, block_n, tile, q.device)
+        num_splits = default_num_splits(max(B, 1) * Hkv, NB * S, block_n,
+                                        kv_tile_bytes(block_n, D, k_cache.dtype), q.device)
     out, lse, part_o, part_l, s_os = split_outputs(B, Hq, D, num_splits, q.dtype, q.device)
     if B == 0:
         return out, lse
