@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvops._config import interpreting
 from kvops.kernels._common import next_pow2
 
 CODEC_IDS = {"hi8": 0, "hi8r": 1, "e4m3": 2}
@@ -47,11 +48,22 @@ def _encode_e4m3(b_u):
 
 
 @triton.jit
+def _encode_e4m3_hw(b_u):
+    """As :func:`_encode_e4m3`, through the GPU's float8 conversion (sm_89 and newer): clamp to
+    +-448, convert rounding to nearest even, then give NaN its sign back as the codec does.
+    A few instructions instead of the integer encoder's ~30 per value."""
+    b_f = b_u.to(tl.uint16).to(tl.bfloat16, bitcast=True).to(tl.float32)
+    b_f = tl.minimum(tl.maximum(b_f, -448.0), 448.0)
+    b_x = b_f.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    return tl.where((b_u & 0x7FFF) > 0x7F80, ((b_u >> 8) & 0x80) | 0x7F, b_x)
+
+
+@triton.jit
 def _pack_pairs_kernel(
     Cache, Pairs, Backing,
     stride_cp, stride_pn, stride_pc,
     E,
-    CODEC: tl.constexpr, BLOCK: tl.constexpr,
+    CODEC: tl.constexpr, BLOCK: tl.constexpr, HW_FP8: tl.constexpr,
 ):
     i_n = tl.program_id(0).to(tl.int64)
     p_row = Pairs + i_n * stride_pn
@@ -73,7 +85,10 @@ def _pack_pairs_kernel(
         m_x = o_x < E
         b_u = tl.load(Cache + src * stride_cp + o_x, mask=m_x, other=0).to(tl.int32) & 0xFFFF
         if CODEC == 2:
-            b_base = _encode_e4m3(b_u)
+            if HW_FP8:
+                b_base = _encode_e4m3_hw(b_u)
+            else:
+                b_base = _encode_e4m3(b_u)
         else:
             b_hi = b_u >> 8
             b_lo = b_u & 0xFF
@@ -128,7 +143,13 @@ def _refine_pairs_kernel(
         tl.store(Cache + dst * stride_cp + o_x, b_u.to(tl.int16), mask=m_x)
 
 
-def _launch(kernel, cache, pairs, backing, codec, block, num_warps):
+def hw_fp8(device: torch.device) -> bool:
+    """Whether the GPU converts to float8 e4m3 in hardware (sm_89 and newer, compiled code)."""
+    return (device.type == "cuda" and not interpreting()
+            and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
+def _launch(kernel, cache, pairs, backing, codec, block, num_warps, **extra):
     N = pairs.shape[0]
     if N == 0:
         return
@@ -140,18 +161,19 @@ def _launch(kernel, cache, pairs, backing, codec, block, num_warps):
         cache.stride(0), pairs.stride(0), pairs.stride(1),
         E,
         CODEC=CODEC_IDS[codec], BLOCK=block or min(next_pow2(E), 4096),
-        num_warps=num_warps or 8,
+        num_warps=num_warps or 8, **extra,
     )
 
 
 def pack_base_pairs_fwd(cache: torch.Tensor, pairs: torch.Tensor, backing: torch.Tensor,
-                        codec: str, *, block: int | None = None,
-                        num_warps: int | None = None) -> None:
+                        codec: str, *, block: int | None = None, num_warps: int | None = None,
+                        hw: bool | None = None) -> None:
     """Pack pairs in place. cache [P, S, Hkv, D] (16-bit, pages contiguous); pairs int32 [N, 3]
     rows (src_a, src_b, dst); backing [N, 2, S, Hkv, D] contiguous (uint8 for hi8/hi8r, the
     cache dtype for e4m3). Inputs are already checked by the op; ``block``/``num_warps`` override
-    the defaults (benchmarks use them)."""
-    _launch(_pack_pairs_kernel, cache, pairs, backing, codec, block, num_warps)
+    the defaults (benchmarks use them), ``hw`` the e4m3 encoder choice (:func:`hw_fp8`)."""
+    _launch(_pack_pairs_kernel, cache, pairs, backing, codec, block, num_warps,
+            HW_FP8=hw_fp8(cache.device) if hw is None else hw)
 
 
 def refine_base_pairs_fwd(cache: torch.Tensor, pairs: torch.Tensor, backing: torch.Tensor,
