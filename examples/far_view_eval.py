@@ -131,23 +131,28 @@ def far_summaries(k, v):
 
 
 @torch.no_grad()
-def attention_banded(q, k, v, mode: str, cap: int, bias: bool, sink: int = 0, q_block: int = 256):
+def attention_banded(q, k, v, mode: str, cap: int, bias: bool, sink: int = 0, q_block: int = 256,
+                     q0: int = 0):
     """The same attention as :func:`attention_far` in one SDPA call per block of queries: the
     block's keys are the contiguous band ``[t0 - W, t0 + n)`` (no per-query copies) plus the
     far summaries, with a mask (window bounds, far chunk counts) carrying the far bias. This is
     what the evaluation runs; :func:`check_paths` compares it with the kvops-op path at start.
-    ``sink`` (diagnostic) adds the first ``sink`` tokens exact where the window lacks them."""
-    T, Hq, D = q.shape
+    ``sink`` (diagnostic) adds the first ``sink`` tokens exact where the window lacks them.
+    ``mode="dense"``: causal attention over every earlier key. ``q0``: ``q`` holds only the
+    queries of positions ``[q0, T)`` (``k, v`` all ``T``); the output is theirs."""
+    T = k.shape[0]
     win_start, win_len, n_far = window_geometry(T, q.device)
     first = torch.arange(T, device=q.device) - win_len + 1                  # first visible key
+    if mode == "dense":
+        first = torch.zeros_like(first)
     if mode == "far" and int(n_far.max()) > cap:
         raise ValueError(f"far{cap}: {int(n_far.max())} far chunks at T={T} exceed the cap; "
                          f"the block-parallel evaluation needs every chunk to fit")
     far = far_summaries(k, v) if mode == "far" and T >= CHUNK else None
     out = torch.empty_like(q)
-    for t0 in range(0, T, q_block):
+    for t0 in range(q0, T, q_block):
         n = min(q_block, T - t0)
-        lo = max(0, t0 - WINDOW)
+        lo = 0 if mode == "dense" else max(0, t0 - WINDOW)
         keys = torch.arange(lo, t0 + n, device=q.device)
         t = torch.arange(t0, t0 + n, device=q.device)
         mask = (keys[None, :] >= first[t, None]) & (keys[None, :] <= t[:, None])
@@ -164,10 +169,10 @@ def attention_banded(q, k, v, mode: str, cap: int, bias: bool, sink: int = 0, q_
             fb = torch.where(live, math.log(CHUNK) if bias else 0.0, float("-inf"))
             bias_ = torch.cat([bias_, fb], dim=1)
             kb, vb = torch.cat([kb, far[0]]), torch.cat([vb, far[1]])
-        o = F.scaled_dot_product_attention(q[t0:t0 + n].transpose(0, 1), kb.transpose(0, 1),
-                                           vb.transpose(0, 1), attn_mask=bias_.to(q.dtype),
-                                           enable_gqa=True)
-        out[t0:t0 + n] = o.transpose(0, 1)
+        o = F.scaled_dot_product_attention(q[t0 - q0:t0 - q0 + n].transpose(0, 1),
+                                           kb.transpose(0, 1), vb.transpose(0, 1),
+                                           attn_mask=bias_.to(q.dtype), enable_gqa=True)
+        out[t0 - q0:t0 - q0 + n] = o.transpose(0, 1)
     return out
 
 
@@ -206,6 +211,31 @@ def hidden_states(model: Llama, ids: torch.Tensor, config: str) -> torch.Tensor:
         x = x + att.wo(attention_banded(q, k, v, mode, cap, bias, sink).flatten(-2))
         x = x + block.feed_forward(block.ffn_norm(x))
     return model.norm(x)
+
+
+@torch.no_grad()
+def hidden_states_from(model: Llama, ids: torch.Tensor, config: str, start: int = 0,
+                       cache: list | None = None) -> tuple[torch.Tensor, list]:
+    """Final-norm hidden states ``[T - start, dim]`` of positions ``[start, T)`` of ``ids [T]``
+    under one configuration (``dense`` too, through :func:`attention_banded`), and every layer's
+    ``(k, v)`` of all ``T`` positions. Positions before ``start`` are not recomputed: their K/V
+    come from ``cache`` (the second result of a call on a sequence whose first ``start`` tokens
+    are ``ids[:start]``; causal attention makes them independent of what follows)."""
+    mode, cap, bias, sink = parse_config(config)
+    T = ids.shape[0]
+    cos, sin = model.rope_cos[start:T], model.rope_sin[start:T]
+    x = model.tok_embeddings(ids[start:])
+    kvs = []
+    for layer, block in enumerate(model.layers):
+        att = block.attention
+        q, k, v = att._qkv(block.attention_norm(x), cos, sin)
+        if start:
+            k = torch.cat([cache[layer][0][:start], k])
+            v = torch.cat([cache[layer][1][:start], v])
+        kvs.append((k, v))
+        x = x + att.wo(attention_banded(q, k, v, mode, cap, bias, sink, q0=start).flatten(-2))
+        x = x + block.feed_forward(block.ffn_norm(x))
+    return model.norm(x), kvs
 
 
 def nll_sum(model: Llama, hidden: torch.Tensor, targets: torch.Tensor, chunk: int = 512) -> float:
@@ -289,22 +319,83 @@ def passkey_prompt(tok: Tokenizer, n_tokens: int, depth: float, key: str) -> tup
     return head + body + tail, answer
 
 
-def passkey_hits(model, tok, n_tokens, configs, prompts, seed=0) -> dict[str, int]:
+def passkey_cases(tok: Tokenizer, n_tokens: int, prompts: int, seed: int = 0):
+    """The prompts: (depth, prompt ids, answer ids), depths ``0, 1/(prompts-1), ..., 1``."""
     rng = random.Random(seed)
-    hits = dict.fromkeys(configs, 0)
+    cases = []
     for i in range(prompts):
         depth = i / max(1, prompts - 1)
         key = str(rng.randint(10000, 99999))
-        prompt, answer = passkey_prompt(tok, n_tokens, depth, key)
-        ids = torch.tensor(prompt + answer)
-        n = len(answer)
-        for c in configs:
-            hidden = hidden_states(model, ids, c)[-n - 1:-1]
-            got = model.output(hidden).argmax(-1).tolist()
-            hits[c] += int(got == answer)
-        print(f"prompt {i} depth {depth:.2f}: " + " ".join(f"{c}={hits[c]}" for c in configs),
-              flush=True)
-    return hits
+        cases.append((depth, *passkey_prompt(tok, n_tokens, depth, key)))
+    return cases
+
+
+def same_slots(configs: list[str], T: int) -> dict[str, str]:
+    """config -> the first config it computes identically to at length ``T``: ``far<cap>`` and
+    ``far<cap'>`` with the same bias and sink when every far chunk fits both caps (the
+    block-parallel evaluation then sees the same slots; the cap only bounds them)."""
+    chunks = int(window_geometry(T, "cpu")[2].max())
+    seen, alias = {}, {}
+    for c in configs:
+        mode, cap, bias, sink = parse_config(c)
+        key = ("far", bias, sink) if mode == "far" and cap >= chunks else c
+        alias[c] = seen.setdefault(key, c)
+    return alias
+
+
+def passkey_hits(model, tok, n_tokens, configs, prompts, seed=0) -> tuple[dict, dict, dict]:
+    """Per config: the indices of the prompts retrieved, the seconds it took, and which config
+    it was computed as (:func:`same_slots`; an alias is not recomputed).
+
+    The prompts share their beginning (the chat head and the filler before the key sentence),
+    so per config the deepest prompt runs in full and keeps every layer's K/V; each other prompt
+    computes only its positions from where it leaves that prompt, attending to the kept K/V for
+    the positions before (exact: causal attention; float rounding may differ from one full
+    forward at the 1e-6 level)."""
+    cases = passkey_cases(tok, n_tokens, prompts, seed)
+    alias = same_slots(configs, max(len(p) + len(a) for _, p, a in cases))
+    hits, seconds = {}, {}
+    for c in configs:
+        if alias[c] != c:
+            continue
+        t = time.perf_counter()
+        order = sorted(range(prompts), key=lambda i: -cases[i][0])   # deepest first
+        cache, base, hits[c] = None, None, []
+        for i in order:
+            depth, prompt, answer = cases[i]
+            ids = torch.tensor(prompt + answer)
+            n = len(answer)
+            start = 0
+            if cache is not None:
+                m = min(len(base), len(ids) - n - 1)
+                same = (base[:m] == ids[:m]).tolist()
+                start = same.index(False) if False in same else m
+            hidden, kvs = hidden_states_from(model, ids, c, start, cache)
+            if cache is None:
+                cache, base = kvs, ids
+            got = model.output(hidden[-n - 1:-1]).argmax(-1).tolist()
+            if got == answer:
+                hits[c].append(i)
+            print(f"{c} prompt {i} depth {depth:.2f} from {start}/{len(ids)}: "
+                  f"{'hit' if got == answer else 'miss'} (total {len(hits[c])}, "
+                  f"{time.perf_counter() - t:.0f} s)", flush=True)
+        hits[c].sort()
+        seconds[c] = time.perf_counter() - t
+    for c in configs:
+        hits[c], seconds[c] = hits[alias[c]], seconds[alias[c]]
+    return hits, seconds, alias
+
+
+def depth_ranges(indices: list[int], prompts: int) -> str:
+    """Retrieved prompt indices as depth ranges: ``"0.00-0.12, 0.86-1.00"``."""
+    runs = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    d = lambda i: f"{i / max(1, prompts - 1):.2f}"
+    return ", ".join(d(a) if a == b else f"{d(a)}-{d(b)}" for a, b in runs) or "none"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -318,6 +409,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="perplexity of far configs by token-by-token decode through Pager + "
                          "FarView (any cap; slow)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    ap.add_argument("--tag", default="", help="appended to the result file's name")
     args = ap.parse_args(argv)
     for c in args.configs:
         parse_config(c)
@@ -328,7 +420,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"banded vs kvops-op attention, layer 0, 1100 tokens: max abs diff {worst:.2e}")
     if worst > 1e-4:
         raise AssertionError(f"the banded evaluation disagrees with the kvops ops ({worst:.2e})")
-    rows = []
+    rows, notes = [], []
     for n in args.contexts:
         if args.task == "perplexity":
             ids = kjv_tokens(tok, n)
@@ -344,12 +436,19 @@ def main(argv: list[str] | None = None) -> None:
                 print(rows[-1], flush=True)
         else:
             t = time.perf_counter()
-            hits = passkey_hits(model, tok, n, args.configs, args.prompts)
+            hits, seconds, alias = passkey_hits(model, tok, n, args.configs, args.prompts)
             for c in args.configs:
-                rows.append([n, c, args.prompts, hits[c], f"{hits[c] / args.prompts:.2f}"])
+                k = len(hits[c])
+                secs = f"{seconds[c]:.0f}" if alias[c] == c else f"= {alias[c]}"
+                rows.append([n, c, args.prompts, k, f"{k / args.prompts:.2f}",
+                             depth_ranges(hits[c], args.prompts), secs])
+                if alias[c] != c:
+                    notes.append(f"{n}: {c} sees exactly the slots of {alias[c]} (every far chunk "
+                                 f"fits both caps); computed once, counted for both.")
             print(f"{n}: {time.perf_counter() - t:.0f} s", flush=True)
     head = ["context N", "config", "perplexity", "seconds"] if args.task == "perplexity" else \
-        ["context N", "config", "prompts", "retrieved", "accuracy"]
+        ["context N", "config", "prompts", "retrieved", "accuracy", "retrieved at depths",
+         "seconds"]
     body = "\n".join([
         f"SmolLM2-135M-Instruct (GGUF, float32, CPU). Near window W={WINDOW}, pages of {PAGE}, "
         f"sv_chunk {CHUNK}; far<cap> = window + far-chunk summaries (log-count bias unless "
@@ -357,9 +456,10 @@ def main(argv: list[str] | None = None) -> None:
         f"Banded evaluation vs the kvops-op path (layer 0, 1100 tokens): max abs diff {worst:.2e}.",
         "",
         table(head, rows),
+        *(["", *notes] if notes else []),
     ])
     name = f"far_view-{args.task}-" + "-".join(str(n) for n in args.contexts) + \
-        ("-sequential" if args.sequential else "")
+        ("-sequential" if args.sequential else "") + (f"-{args.tag}" if args.tag else "")
     print(write_result(name, body))
     print(body)
 
