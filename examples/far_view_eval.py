@@ -33,9 +33,15 @@ which is how a cap below the chunk count is measured.
 Passkey: a 5-digit key in one sentence hidden at a swept depth of repeated filler text, asked
 for at the end (chat format). A prompt counts as retrieved when greedy decoding would emit the
 key's digits: each digit is the argmax given the prompt and the key's earlier digits, read from
-one forward over prompt + key.
+one forward over prompt + key. The prompts share their beginning (chat head and the filler
+before the key sentence): per configuration the deepest prompt runs in full and keeps every
+layer's K/V, and each other prompt computes only the positions from where it departs from that
+prompt (:func:`hidden_states_from`; ``dense`` then goes through the banded attention too).
+Configurations that see the same slots at the prompt length (``far64`` and ``far128`` up to
+8192 positions) are computed once and reported for both. The result lists the depths retrieved.
 
-Writes ``bench/results/<date>-far_view-<task>-<contexts>.md`` (and ``$OUT``). Run from the repo root.
+Writes ``bench/results/<date>-far_view-<task>-<contexts>[-sequential][-<tag>].md`` (and ``$OUT``).
+Run from the repo root.
 """
 
 from __future__ import annotations
