@@ -36,7 +36,7 @@ key's digits: each digit is the argmax given the prompt and the key's earlier di
 one forward over prompt + key. The prompts share their beginning (chat head and the filler
 before the key sentence): per configuration the deepest prompt runs in full and keeps every
 layer's K/V, and each other prompt computes only the positions from where it departs from that
-prompt (:func:`hidden_states_from`; ``dense`` then goes through the banded attention too).
+prompt (:func:`hidden_states_from`; ``dense`` then goes through :func:`attention_dense`).
 Configurations that see the same slots at the prompt length (``far64`` and ``far128`` up to
 8192 positions) are computed once and reported for both. The result lists the depths retrieved.
 
@@ -182,6 +182,25 @@ def attention_banded(q, k, v, mode: str, cap: int, bias: bool, sink: int = 0, q_
     return out
 
 
+@torch.no_grad()
+def attention_dense(q, k, v, q0: int = 0):
+    """Causal attention of the queries of positions ``[q0, T)`` (``q [T - q0, Hq, D]``) over
+    ``k, v [T, Hkv, D]``: the keys before ``q0`` unmasked and the keys from ``q0`` causal, two
+    calls of PyTorch's CPU flash kernel merged by their log-sum-exp. The same attention as
+    ``attention_banded(..., "dense", q0=q0)``, several times faster on the CPU (a masked SDPA
+    materializes every score)."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    g = q.shape[1] // k.shape[1]
+    qh = q.transpose(0, 1)[None]
+    kh, vh = (t.repeat_interleave(g, 1).transpose(0, 1)[None] for t in (k, v))
+    o, lse = flash(qh, kh[:, :, q0:], vh[:, :, q0:], 0.0, True)[:2]
+    if q0:
+        o_pre, lse_pre = flash(qh, kh[:, :, :q0], vh[:, :, :q0], 0.0, False)[:2]
+        lse_all = torch.logaddexp(lse, lse_pre)
+        o = o * (lse - lse_all).exp()[..., None] + o_pre * (lse_pre - lse_all).exp()[..., None]
+    return o[0].transpose(0, 1)
+
+
 def check_paths(model: Llama, ids: torch.Tensor, configs: list[str]) -> float:
     """Largest difference between the banded and the kvops-op attention on layer 0 of ``ids``,
     over the configurations' window and far parts (a ``+sink`` diagnostic is checked without
@@ -223,7 +242,7 @@ def hidden_states(model: Llama, ids: torch.Tensor, config: str) -> torch.Tensor:
 def hidden_states_from(model: Llama, ids: torch.Tensor, config: str, start: int = 0,
                        cache: list | None = None) -> tuple[torch.Tensor, list]:
     """Final-norm hidden states ``[T - start, dim]`` of positions ``[start, T)`` of ``ids [T]``
-    under one configuration (``dense`` too, through :func:`attention_banded`), and every layer's
+    under one configuration (``dense`` through :func:`attention_dense`), and every layer's
     ``(k, v)`` of all ``T`` positions. Positions before ``start`` are not recomputed: their K/V
     come from ``cache`` (the second result of a call on a sequence whose first ``start`` tokens
     are ``ids[:start]``; causal attention makes them independent of what follows)."""
@@ -239,7 +258,11 @@ def hidden_states_from(model: Llama, ids: torch.Tensor, config: str, start: int 
             k = torch.cat([cache[layer][0][:start], k])
             v = torch.cat([cache[layer][1][:start], v])
         kvs.append((k, v))
-        x = x + att.wo(attention_banded(q, k, v, mode, cap, bias, sink, q0=start).flatten(-2))
+        if mode == "dense":
+            o = attention_dense(q, k, v, start)
+        else:
+            o = attention_banded(q, k, v, mode, cap, bias, sink, q0=start)
+        x = x + att.wo(o.flatten(-2))
         x = x + block.feed_forward(block.ffn_norm(x))
     return model.norm(x), kvs
 
