@@ -42,7 +42,8 @@ class PagerMachine(RuleBasedStateMachine):
             pages = self.pager.pages(key)
             for p in range(old, self.pager.length(key)):
                 self.next_tag += 1
-                self.content[pages[p // S], p % S] = self.next_tag
+                if pages[p // S] >= 0:                 # not trimmed in the same frame
+                    self.content[pages[p // S], p % S] = self.next_tag
                 self.tokens[key].append(self.next_tag)
 
     def _snapshot(self):
@@ -148,6 +149,29 @@ class PagerMachine(RuleBasedStateMachine):
         if victim != src:
             del self.tokens[victim]
         self._write(f.result, old)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), n1=st.integers(0, 9), n2=st.integers(0, 9), trim=st.booleans())
+    def grow_twice_then_trim(self, data, n1, n2, trim):
+        """Growth on the fast path (inside the tail page or into fresh blocks), twice in one
+        frame, then maybe a cold trim, which moves the session to the general overlay with
+        the pages it just took."""
+        key = data.draw(st.sampled_from(sorted(self.tokens)))
+        before = self._snapshot()
+        old = {key: self.pager.length(key)}
+        try:
+            with self.pager.frame() as f:
+                f.reserve(key, n1)
+                f.reserve(key, n2)
+                if trim:
+                    f.trim(key, [0])
+        except (OutOfPages, ValueError):
+            assert self._snapshot() == before
+            return
+        self._write(f.result, old)
+        if trim:
+            for p in range(min(S, self.pager.length(key))):
+                self.tokens[key][p] = None
 
     @rule(n=st.integers(1, 9), blocks=st.booleans())
     def short_lived_session(self, n, blocks):

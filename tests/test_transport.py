@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 
 import kvops
 from kvops.layouts import arena_as_pages, plan_trains
-from kvops.runtime import Pager, Transport, apply_copies
+from kvops.runtime import OutOfPages, Pager, Transport, apply_copies
 from tests.conftest import KERNEL_DEVICES, requires_cuda
 
 S, HKV, D = 8, 1, 16
@@ -235,3 +238,219 @@ def test_window_tables_drive_static_sliding_attention():
             want = torch.einsum("hgn,nhd->hgd", logits.softmax(-1), vals.double())
             torch.testing.assert_close(out[slot].double(), want.reshape(Hkv * G, Dh),
                                        atol=1e-5, rtol=1e-5)
+
+
+# -- the commit's fast paths against a from-scratch model ------------------------------------
+class _Recorder:
+    """A hook without ``grown_appends``: the pager must hand it appended sessions as deltas
+    and only tail-only growth in ``grown``, as before the fast path existed."""
+
+    def tables(self):
+        return {}
+
+    def on_commit(self, frame, deltas, grown):
+        self.seen = ([(d.key, d.slot, d.new, d.closed, d.before_length, d.after_length,
+                       [d.page_after(j) for j in range(-(-d.after_length // FS))])
+                      for d in deltas],
+                     list(zip(grown.keys, grown.slots.tolist(), grown.before.tolist(),
+                              grown.after.tolist(), grown.tails.tolist())))
+        return {}
+
+
+FP, FS, FB, FL, FW = 48, 4, 5, 12, 12        # pages, page size, slots, blocks, window tokens
+FNW = FW // FS
+
+
+class _Boom(Exception):
+    pass
+
+
+class TransportMachine(RuleBasedStateMachine):
+    """Random frames of reserve / alias / trim verbs (several per frame, some failing, some
+    frames aborted) through a Pager with the Transport and a legacy hook attached. After each
+    commit: the trains equal plan_trains over the moves computed from the committed views
+    before and after (the transport's definition, from scratch), the window tables equal
+    their formula, the legacy hook saw what it would have without the fast path, and a model
+    of the arena (page and content version per arena page), updated only by the committed
+    trains (and by the model itself in write-through mode), holds every live session's window
+    blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.copy_tail = True
+        self.started = False
+
+    @initialize(copy_tail=st.booleans())
+    def start(self, copy_tail):
+        self.copy_tail = copy_tail
+        self.pager = Pager(FP, FS, FB, FL, device="cpu")
+        # 2-page trains at most: merging and the cap both happen
+        self.tr = Transport(self.pager, FW, 64, max_train_bytes=128, copy_tail=copy_tail)
+        self.rec = _Recorder()
+        self.pager.attach(self.rec)
+        self.pager.frame().commit()                 # an empty step fixes the tables
+        self.version = [0] * FP
+        self.arena: dict[int, tuple[int, int]] = {}
+        self.next_key = 0
+
+    def _views(self):
+        pg = self.pager
+        return {k: (pg.length(k), pg.pages(k), pg.slot(k)) for k in pg.sessions()}
+
+    def _snapshot(self):
+        pg = self.pager
+        return (pg.epoch, pg.free_pages, pg._alloc.spans(), list(pg._refs), self._views(),
+                pg._master.copy().tolist(), sorted(pg._free_slots), list(self.tr._ones))
+
+    @rule(data=st.data(), abort=st.integers(0, 7))
+    def frame(self, data, abort):
+        pg = self.pager
+        before, snap = self._views(), self._snapshot()
+        alias_len: dict = {}
+        ops = data.draw(st.lists(st.tuples(st.sampled_from("rrrrnatT"), st.integers(0, 99),
+                                           st.integers(0, 14)), max_size=8))
+        try:
+            with pg.frame() as f:
+                for op, pick, n in ops:
+                    live = sorted(k for k in set(pg.sessions()) | set(f._new) if f.has(k))
+                    key = live[pick % len(live)] if live else None
+                    try:
+                        if op == "r" and key is not None:
+                            f.reserve(key, n % 10)
+                        elif op == "n":
+                            f.reserve(self.next_key, n)
+                            self.next_key += 1
+                        elif op == "a" and key is not None:
+                            dst = self.next_key
+                            self.next_key += 1
+                            m = n * f.length(key) // 14
+                            f.alias(dst, key, m)
+                            alias_len[dst] = m
+                        elif op == "t" and key is not None:
+                            nb = -(-f.length(key) // FS)
+                            f.trim(key, [j for j in range(nb) if (n >> (j % 4)) & 1][:2])
+                        elif op == "T" and key is not None:
+                            f.trim(key)
+                    except (OutOfPages, ValueError):
+                        pass
+                if abort == 0:
+                    raise _Boom
+        except _Boom:
+            assert self._snapshot() == snap and f.aborted
+            return
+        after = self._views()
+        self._check_pager(after)
+        self._check_trains(before, after, f.result.stats["transport"])
+        self._check_windows(after)
+        self._check_legacy(before, after)
+        self._model_step(before, after, f.result.copies, alias_len)
+
+    def _check_pager(self, after):
+        """Refcounts equal the mappings, no page is both mapped and free or lost, and the
+        pager's tables equal its views."""
+        pg = self.pager
+        owners = [0] * FP
+        bt, lens = pg.host_tables["block_table"], pg.host_tables["seq_lens"]
+        for n, pages, slot in after.values():
+            assert len(pages) == -(-n // FS) and lens[slot] == n
+            assert bt[slot].tolist() == pages + [-1] * (FL - len(pages))
+            for page in pages:
+                if page >= 0:
+                    owners[page] += 1
+        assert owners == pg._refs
+        assert pg.free_pages + sum(r > 0 for r in owners) == FP
+        for start, n in pg._alloc.spans():
+            assert not any(owners[start: start + n])
+
+    def teardown(self):
+        if hasattr(self, "pager"):
+            with self.pager.frame() as f:
+                for key in self.pager.sessions():
+                    f.trim(key)
+            assert self.pager.free_pages == FP and not any(self.pager._refs)
+
+    def _moves(self, before, after):
+        """The transport's moves, from the committed views before and after the commit."""
+        moves = []
+        for key, (n, pages, slot) in sorted(after.items(), key=lambda kv: kv[1][2]):
+            nb = -(-n // FS)
+            first = max(0, nb - FNW)
+            old = before.get(key)
+            if old is None:
+                todo = [j for j in range(first, nb) if pages[j] >= 0]
+            else:
+                b_len, b_pages, _ = old
+                grew = self.copy_tail and n > b_len
+                grew_from = b_len // FS if grew else nb
+                old_end = min(grew_from, len(b_pages))
+                todo = [j for j in range(first, old_end)
+                        if pages[j] >= 0 and pages[j] != b_pages[j]]
+                todo += [j for j in range(max(first, grew_from), nb) if pages[j] >= 0]
+            moves += [(pages[j], slot * FNW + j % FNW) for j in todo]
+        return moves
+
+    def _check_trains(self, before, after, stats):
+        moves = self._moves(before, after)
+        want, _ = plan_trains([s for s, _ in moves], [d for _, d in moves], 64, 128)
+        host = self.pager.host_tables
+        T = int(host["num_trains"][0])
+        assert host["trains"][:T].tolist() == want.tolist()
+        assert stats["moves"] == len(moves) and stats["groups"] == T
+        assert (host["trains"][: self.tr._ones[0], 2] == 1).all()
+
+    def _check_windows(self, after):
+        host = self.pager.host_tables
+        live = {}
+        for n, _, slot in after.values():
+            first = max(0, -(-n // FS) - FNW) * FS
+            live[slot] = (first % FW, n - first)
+        for slot in range(FB):
+            got = (int(host["win_start"][slot]), int(host["win_len"][slot]))
+            assert got == live.get(slot, (0, 0)), f"slot {slot}"
+
+    def _check_legacy(self, before, after):
+        deltas, grown = self.rec.seen
+        seen = set()
+        for key, slot, new, closed, b_len, a_len, pages in deltas:
+            seen.add(key)
+            assert new == (key not in before) and closed == (key not in after)
+            if not closed:
+                assert (a_len, pages, slot) == after[key]
+            if not new:
+                assert b_len == before[key][0]
+        for key, slot, b_len, a_len, tail in grown:
+            seen.add(key)
+            n, pages, s = after[key]
+            assert (s, a_len) == (slot, n) and b_len == before[key][0] < n
+            assert pages == before[key][1], "a tail-only session's blocks changed"
+            assert tail == pages[(n - 1) // FS]
+        changed = {k for k in set(before) | set(after) if before.get(k) != after.get(k)}
+        assert changed <= seen
+
+    def _model_step(self, before, after, copies, alias_len):
+        for src, dst in copies:
+            self.version[dst] = self.version[src]
+        written = []
+        for key, (n, pages, slot) in after.items():
+            start = before[key][0] if key in before else alias_len.get(key, 0)
+            for j in sorted({p // FS for p in range(start, n)}):
+                if pages[j] >= 0:
+                    self.version[pages[j]] += 1
+                    written.append((slot * FNW + j % FNW, pages[j]))
+        if not self.copy_tail:          # the model writes its new tokens into the arena too
+            for at, page in written:
+                self.arena[at] = (page, self.version[page])
+        host = self.pager.host_tables
+        for src, dst, n in host["trains"][: int(host["num_trains"][0])].tolist():
+            for i in range(n):
+                self.arena[dst + i] = (src + i, self.version[src + i])
+        for key, (n, pages, slot) in after.items():
+            nb = -(-n // FS)
+            for j in range(max(0, nb - FNW), nb):
+                if pages[j] >= 0:
+                    assert self.arena.get(slot * FNW + j % FNW) == \
+                        (pages[j], self.version[pages[j]]), f"{key} block {j}"
+
+
+TestTransportMachine = TransportMachine.TestCase
+TestTransportMachine.settings = settings(max_examples=80, stateful_step_count=25, deadline=None)

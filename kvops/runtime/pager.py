@@ -34,12 +34,16 @@ Frame
     ``with pager.frame() as f: f.reserve(...); ...`` (or ``pager.reserve`` while a frame is
     open). Every edit goes to the frame's shadow descriptor (an overlay of the touched
     sessions' blocks and lengths plus pending reference-count changes); the active descriptor is
-    not touched until commit. Commit (at the end of the ``with``, or ``f.commit()``) applies the
-    overlay in O(edits), bumps the epoch, runs the hooks (the transport plans its trains there),
-    writes the changed table entries and ends in ONE host-to-device copy of the fixed-shape
-    table buffer. Committing the same frame again returns the same :class:`Commit` and changes
-    nothing (idempotent retry). An exception inside the ``with`` aborts the frame: pages it
-    allocated go back, and every session's mapping is as before. Running out of pages raises
+    not touched until commit. A session whose only edit is growth (the decode step: tokens
+    into its unshared tail page or into fresh blocks) takes a fast path that records its new
+    length, slot and tail page in flat dicts, which the commit turns into arrays with no
+    per-session Python (:class:`GrownBatch`). Commit (at the end of the ``with``, or
+    ``f.commit()``) applies the overlay in O(edits), bumps the epoch, runs the hooks (the
+    transport plans its trains there), writes the changed table entries and ends in ONE
+    host-to-device copy of the fixed-shape table buffer. Committing the same frame again
+    returns the same :class:`Commit` and changes nothing (idempotent retry). An exception
+    inside the ``with`` aborts the frame: pages it allocated go back, and every session's
+    mapping is as before. Running out of pages raises
     :class:`OutOfPages` from the verb, before it changes anything.
 
 Tables (one int32 buffer on the device, fixed shapes after the first commit)
@@ -161,10 +165,9 @@ class SpanAllocator:
         return sorted(self._len_at.items())
 
 
-@dataclass
+@dataclass(slots=True)
 class _Session:
     slot: int
-    length: int = 0
     blocks: list[int] = field(default_factory=list)
 
 
@@ -197,15 +200,93 @@ class SessionDelta:
         return self.page_before(j)
 
 
-@dataclass(slots=True)
-class GrownBatch:
-    """Sessions whose only edit in a frame was growth inside their unshared tail page (the
-    common decode step), as arrays for vectorized hooks: ``slots``, ``before`` and ``after``
-    lengths (int64 ``[n]``). Their blocks did not change."""
+_EMPTY = np.zeros(0, dtype=np.int64)
+_EMPTY.flags.writeable = False
+_SLOT_BITS = 24                     # the growth fast path packs (tail page, slot) in one int
+_SLOT_MASK = (1 << _SLOT_BITS) - 1
 
-    slots: np.ndarray
-    before: np.ndarray
-    after: np.ndarray
+
+class GrownBatch:
+    """Sessions whose only edit in a frame was growth, as arrays for vectorized hooks.
+
+    ``slots``, ``before`` and ``after`` lengths, and ``tails`` (the page that holds each
+    session's last token after the growth) are int64 ``[n]``; ``keys`` are the sessions in the
+    same order. By default a hook gets the sessions that grew inside their unshared tail page:
+    their blocks did not change (the common decode step). A hook whose class sets
+    ``grown_appends = True`` (the transport) also gets the sessions that appended fresh blocks
+    (a decode step crossing a page boundary, or a longer append to an unshared tail);
+    ``multi`` then lists the ``(position, key)`` of those whose new tokens landed in more
+    than one block, and ``Frame.page`` reads their new pages. All but ``slots`` and ``after``
+    are computed when first read, from the committed lengths and the frame: read them inside
+    ``on_commit`` (a first read after the commit raises).
+    """
+
+    __slots__ = ("slots", "after", "_before", "_tails", "_keys", "_multi", "_packed",
+                 "_frame", "_lens")
+
+    def __init__(self, slots: np.ndarray, before: np.ndarray, after: np.ndarray,
+                 tails: np.ndarray, keys: list, multi: list | None = None):
+        self.slots, self.after = slots, after
+        self._before, self._tails, self._keys = before, tails, keys
+        self._multi = [] if multi is None else multi
+        self._packed = self._frame = self._lens = None
+
+    @classmethod
+    def _of_frame(cls, frame: Frame, packed: np.ndarray, after: np.ndarray,
+                  seq_lens: np.ndarray) -> GrownBatch:
+        """The frame's growth-only sessions; ``packed`` holds ``tail << SLOT_BITS | slot``."""
+        batch = cls.__new__(cls)
+        batch.slots, batch.after = packed & _SLOT_MASK, after
+        batch._before = batch._tails = batch._keys = batch._multi = None
+        batch._packed, batch._frame, batch._lens = packed, frame, seq_lens
+        return batch
+
+    @property
+    def before(self) -> np.ndarray:
+        if self._before is None:
+            if self._lens is None:
+                raise RuntimeError("GrownBatch: read its lazy fields inside on_commit")
+            self._before = self._lens[self.slots].astype(np.int64)
+        return self._before
+
+    @property
+    def tails(self) -> np.ndarray:
+        if self._tails is None:
+            self._live()
+            self._tails = self._packed >> _SLOT_BITS
+        return self._tails
+
+    @property
+    def keys(self) -> list:
+        if self._keys is None:
+            self._keys = list(self._live()._grown)
+        return self._keys
+
+    @property
+    def multi(self) -> list:
+        if self._multi is None:
+            multi = self._live()._gmulti
+            self._multi = [(i, k) for i, k in enumerate(self._frame._grown) if k in multi] \
+                if multi else []
+        return self._multi
+
+    def _live(self) -> Frame:
+        if self._frame is None:
+            raise RuntimeError("GrownBatch: read its lazy fields inside on_commit")
+        return self._frame
+
+    def _seal(self) -> None:
+        self._lens = self._frame = None
+
+    def _tail_only(self) -> GrownBatch:
+        """The sessions that did not append blocks (what a hook without ``grown_appends``
+        gets)."""
+        app = self._frame._app
+        keep = [i for i, k in enumerate(self._frame._grown) if k not in app]
+        at = np.array(keep, dtype=np.int64)
+        keys = self.keys
+        return GrownBatch(self.slots[at], self.before[at], self.after[at], self.tails[at],
+                          [keys[i] for i in keep])
 
 
 @dataclass
@@ -220,7 +301,18 @@ class Commit:
 
 
 class Frame:
-    """The shadow descriptor of one step; see the module doc. Get one from :meth:`Pager.frame`."""
+    """The shadow descriptor of one step; see the module doc. Get one from :meth:`Pager.frame`.
+
+    Two kinds of shadow state. Sessions with general edits (new, aliased, trimmed, closed,
+    copied on write) are in ``_length`` (their length in this frame) and ``_overlay`` (their
+    remapped blocks). Committed sessions whose only edits are growth into their own unshared
+    tail page or into fresh blocks (the decode step) are in four dicts kept in the same key
+    order, so the commit turns them into arrays without a Python loop: ``_grown`` (length),
+    ``_gst`` (``tail << SLOT_BITS | slot``, tail the page of the last token), plus ``_app``
+    (fresh pages, which continue the committed blocks) and ``_gmulti`` (keys whose tokens
+    landed in more than one block).
+    A growth-only session that gets any other edit moves to the general state (``_slow``).
+    """
 
     def __init__(self, pager: Pager):
         self.pager = pager
@@ -229,14 +321,16 @@ class Frame:
         self.aborted = False
         self._overlay: dict[Hashable, dict[int, int]] = {}
         self._length: dict[Hashable, int] = {}
-        self._grown: dict[Hashable, int] = {}          # tail-only growth (the fast path)
-        self._grown_sess: dict[Hashable, _Session] = {}
         self._new: dict[Hashable, int] = {}            # new session -> slot
         self._closed: set[Hashable] = set()
+        self._grown: dict[Hashable, int] = {}          # growth only (the fast path): length
+        self._gst: dict[Hashable, int] = {}
+        self._app: dict[Hashable, list[int]] = {}
+        self._gmulti: set[Hashable] = set()
         self._ref: dict[int, int] = {}                 # pending refcount changes
         self._allocated: list[int] = []
         self._copies: list[tuple[int, int]] = []
-        self._edits: list[tuple[slice | np.ndarray, np.ndarray]] = []
+        self._edits: list[tuple] = []                  # (view or None, where, values, table)
         self._slots_taken: list[int] = []
 
     # -- reads through the shadow ------------------------------------------------------------
@@ -252,7 +346,9 @@ class Frame:
         got = self._length.get(key)
         if got is None:
             got = self._grown.get(key)
-        return got if got is not None else self.pager._sessions[key].length
+            if got is None:
+                got = self.pager._len[key]
+        return got
 
     def page(self, key: Hashable, j: int) -> int:
         """Page of logical block ``j`` of ``key`` in this frame's view (``-1`` none)."""
@@ -261,7 +357,14 @@ class Frame:
         if over is not None and j in over:
             return over[j]
         sess = self.pager._sessions.get(key)
-        return sess.blocks[j] if sess is not None and j < len(sess.blocks) else -1
+        if sess is None:
+            return -1
+        blocks = sess.blocks
+        if j < len(blocks):
+            return blocks[j]
+        app = self._app.get(key)
+        j -= len(blocks)
+        return app[j] if app is not None and j < len(app) else -1
 
     def pages(self, key: Hashable) -> list[int]:
         """Pages of every logical block of ``key`` in this frame's view."""
@@ -294,10 +397,23 @@ class Frame:
         self._overlay[key] = {}
 
     def _slow(self, key) -> None:
-        """``key`` gets edits beyond tail growth: track it in the general overlay."""
-        if key in self._grown:
-            self._length[key] = self._grown.pop(key)
-            del self._grown_sess[key]
+        """Committed session ``key`` gets edits beyond growth: track it in the general
+        overlay (its fresh pages become overlay entries)."""
+        if key in self._length or key not in self.pager._sessions:
+            return
+        after = self._grown.pop(key, None)
+        if after is None:
+            self._length[key] = self.pager._len[key]
+            return
+        del self._gst[key]
+        self._gmulti.discard(key)
+        app = self._app.pop(key, None)
+        if app:
+            base = len(self.pager._sessions[key].blocks)
+            over = self._overlay.setdefault(key, {})
+            for i, page in enumerate(app):
+                over[base + i] = page
+        self._length[key] = after
 
     def _set(self, key, j: int, page: int) -> None:
         over = self._overlay.get(key)
@@ -322,9 +438,42 @@ class Frame:
             for start, k in alloc.take(n - len(pages), spread=fresh and not pages):
                 pages.extend(range(start, start + k))
         self._allocated.extend(pages)
+        ref = self._ref
         for p in pages:
-            self._ref[p] = self._ref.get(p, 0) + 1
+            ref[p] = ref.get(p, 0) + 1
         return pages
+
+    def _append(self, key, sess: _Session, old: int, n_tokens: int, first: bool) -> bool:
+        """Growth into fresh blocks of a growth-only session (the fast path's second half).
+
+        False, with nothing changed, when the general path must take it: the partly filled
+        tail is shared (copy-on-write) or trimmed, the block table is too short, or the pool
+        is (the general path raises)."""
+        pager = self.pager
+        S = pager.page_size
+        new = old + n_tokens
+        nb_old, nb_new = -(-old // S), -(-new // S)
+        if nb_new > pager.max_blocks or nb_new - nb_old > pager._alloc.free:
+            return False
+        blocks, app = sess.blocks, self._app.get(key)
+        have = len(blocks)
+        if old & (S - 1):                              # the tail page takes tokens too
+            j = old // S
+            tail = blocks[j] if j < have else app[j - have]
+            if tail < 0 or pager._refs[tail] + self._ref.get(tail, 0) != 1:
+                return False
+        j = nb_old - 1
+        last = -1 if j < 0 else blocks[j] if j < have else app[j - have]
+        pages = self._alloc(nb_new - nb_old, last, False)
+        if app is None:
+            self._app[key] = pages
+        else:
+            app.extend(pages)
+        self._grown[key] = new
+        self._gst[key] = pages[-1] << _SLOT_BITS | sess.slot
+        if (new - 1) // S > (old if first else pager._len[key]) // S:
+            self._gmulti.add(key)
+        return True
 
     def reserve(self, key: Hashable, n_tokens: int) -> None:
         """Extend ``key`` by ``n_tokens`` tokens (a new key starts a session)."""
@@ -333,25 +482,28 @@ class Frame:
         if not isinstance(n_tokens, int) or n_tokens < 0:
             raise ValueError(f"n_tokens: expected an int >= 0, got {n_tokens!r}")
         pager = self.pager
-        S, L = pager.page_size, pager.max_blocks
-        # fast path (a decode step): the tokens fit in the session's unshared tail page
+        # fast path (a decode step): a committed session with no other edits in this frame
         sess = pager._sessions.get(key)
-        if sess is not None and key not in self._closed:
-            old = self._length.get(key)
-            slow = old is not None
-            if not slow:
-                old = self._grown.get(key, sess.length)
-            if old % S and old % S + n_tokens <= S:
-                j = old // S
-                over = self._overlay.get(key)
-                tail = over[j] if over is not None and j in over else sess.blocks[j]
+        if sess is not None and key not in self._length:
+            old = self._grown.get(key)
+            first = old is None
+            if first:
+                old = pager._len[key]
+            if not n_tokens:
+                return
+            r = old & (pager.page_size - 1)
+            if r and r + n_tokens <= pager.page_size:      # inside the tail page
+                j = old // pager.page_size
+                blocks = sess.blocks
+                tail = blocks[j] if j < len(blocks) else self._app[key][j - len(blocks)]
                 if tail >= 0 and pager._refs[tail] + self._ref.get(tail, 0) == 1:
-                    if slow:
-                        self._length[key] = old + n_tokens
-                    else:
-                        self._grown[key] = old + n_tokens
-                        self._grown_sess[key] = sess
+                    self._grown[key] = old + n_tokens
+                    if first:
+                        self._gst[key] = tail << _SLOT_BITS | sess.slot
                     return
+            elif self._append(key, sess, old, n_tokens, first):
+                return
+        S, L = pager.page_size, pager.max_blocks
         self._slow(key)
         fresh = not self.has(key)
         old = 0 if fresh else self.length(key)
@@ -446,13 +598,13 @@ class Frame:
         self._open()
         offset, shape = self.pager._layout_of(table)
         vals = np.asarray(values, dtype=np.int32).reshape(-1)
-        width = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+        width = self.pager._width[table]
         if not 0 <= row < shape[0] or start < 0 or row * width + start + vals.size > \
                 shape[0] * width:
             raise ValueError(f"edit: {table}{list(shape)} has no run row={row}, "
                              f"[{start}, {start + vals.size})")
         at = offset + row * width + start
-        self._edits.append((slice(at, at + vals.size), vals))
+        self._edits.append((None, slice(at, at + vals.size), vals, None))
 
     def scatter(self, table: str, rows, values) -> None:
         """Write ``table[rows[i]] = values[i]`` into a 1-D table at commit."""
@@ -467,7 +619,18 @@ class Frame:
                              f"{at.shape} and {vals.shape}")
         if at.size and (at.min() < 0 or at.max() >= shape[0]):
             raise ValueError(f"scatter: rows of {table}[{shape[0]}] out of range")
-        self._edits.append((at + offset, vals))
+        self._edits.append((None, at + offset, vals, None))
+
+    def _put(self, table: str, index, values) -> None:
+        """``pager.host_tables[table][index] = values`` at commit, unchecked: the fast edit
+        for this package's hooks, which compute in-range indices (``index`` a numpy index:
+        an int, a slice along dim 0 or an index array)."""
+        self._edits.append((self.pager.host_tables[table], index, values, table))
+
+    def _put_host(self, array: np.ndarray, index, values) -> None:
+        """``array[index] = values`` at commit, for a hook's own host-side state that must
+        change only when the commit does (nothing is uploaded)."""
+        self._edits.append((array, index, values, None))
 
     # -- commit / abort ----------------------------------------------------------------------
     def commit(self) -> Commit:
@@ -526,6 +689,9 @@ class Pager:
         if num_pages < 1 or max_sessions < 1 or max_blocks < 1:
             raise ValueError(f"Pager: num_pages, max_sessions and max_blocks must be >= 1, got "
                              f"{num_pages}, {max_sessions}, {max_blocks}")
+        if max_sessions > _SLOT_MASK + 1 or num_pages > 2**31:
+            raise ValueError(f"Pager: at most 2**{_SLOT_BITS} sessions and 2**31 pages, got "
+                             f"{max_sessions} and {num_pages}")
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"Pager: page_size must be a power of two, got {page_size}")
         self.num_pages, self.page_size = num_pages, page_size
@@ -535,9 +701,10 @@ class Pager:
         self._alloc = SpanAllocator(num_pages)
         self._refs = [0] * num_pages
         self._sessions: dict[Hashable, _Session] = {}
+        self._len: dict[Hashable, int] = {}            # committed length of each session
         self._free_slots = list(range(max_sessions - 1, -1, -1))
         self._open: Frame | None = None
-        self._hooks: list = []
+        self._hooks: list[tuple[object, bool]] = []    # (hook, takes appends in the batch)
         self._specs: dict[str, tuple[tuple[int, ...], int]] = {}
         self._layout: dict[str, tuple[int, tuple[int, ...]]] = {}
         self._frozen = False
@@ -557,11 +724,14 @@ class Pager:
         """Add a commit hook (e.g. the transport): an object with ``tables()`` -> ``{name:
         (shape, fill)}`` and ``on_commit(frame, deltas, grown) -> stats dict`` (``deltas``: a
         :class:`SessionDelta` per session with general edits; ``grown``: a
-        :class:`GrownBatch` of tail-only growth). It edits its tables through ``frame.edit`` /
-        ``frame.scatter``, before anything is applied. Only before the first frame."""
+        :class:`GrownBatch` of growth-only sessions). It edits its tables through
+        ``frame.edit`` / ``frame.scatter``, before anything is applied. A hook whose class
+        sets ``grown_appends = True`` gets the sessions that appended fresh blocks in
+        ``grown``; any other hook gets them as deltas (and ``grown`` holds tail-only growth).
+        Only before the first frame."""
         for name, (shape, fill) in hook.tables().items():
             self.add_table(name, shape, fill)
-        self._hooks.append(hook)
+        self._hooks.append((hook, bool(getattr(hook, "grown_appends", False))))
 
     def _freeze(self) -> None:
         offset = 0
@@ -588,6 +758,12 @@ class Pager:
                 self.device_tables[name] = self._device_buf[off: off + n].view(shape)
         self.host_tables = {name: master[off: off + int(np.prod(shape))].reshape(shape)
                             for name, (off, shape) in self._layout.items()}
+        self._width = {name: int(np.prod(shape[1:])) for name, (_, shape) in
+                       self._layout.items()}
+        self._region = {name: slice(off, off + int(np.prod(shape))) for name, (off, shape) in
+                        self._layout.items()}
+        self._seq_lens = self.host_tables["seq_lens"]
+        self._block_table = self.host_tables["block_table"]
         self._frozen = True
 
     def _layout_of(self, name: str) -> tuple[int, tuple[int, ...]]:
@@ -623,28 +799,46 @@ class Pager:
         self._current().trim(session, blocks)
 
     def _commit(self, f: Frame) -> Commit:
-        S = self.page_size
-        # 1. deltas (nothing mutated yet, so a failing hook leaves the pager as it was)
+        """Deltas and the growth batch, hooks, then apply; O(edits) Python, and the growth
+        batch (one entry per growing session) as a handful of numpy calls."""
+        S, L = self.page_size, self.max_blocks
+        sessions, lens = self._sessions, self._len
+        # 1. what changed (nothing mutated yet, so a failing hook leaves the pager as it was)
         deltas = []
-        for key in set(self._overlay_keys(f)):
-            sess = self._sessions.get(key)
-            new = key in f._new
-            deltas.append(SessionDelta(
-                key=key, slot=f._new[key] if new else sess.slot, new=new,
-                closed=key in f._closed,
-                before_length=0 if new else sess.length,
-                before_blocks=[] if new else sess.blocks,
-                after_length=0 if key in f._closed else f._length.get(
-                    key, 0 if new else sess.length),
-                after_overlay=f._overlay.get(key, {})))
-        sl_off = self._layout["seq_lens"][0]
-        grown, grown_sess = f._grown, list(f._grown_sess.values())
-        g_slots = np.array([sess.slot for sess in grown_sess], dtype=np.int64)
-        batch = GrownBatch(g_slots, self._master[sl_off + g_slots].astype(np.int64),
-                           np.fromiter(grown.values(), np.int64, len(grown)))
+        if f._length:
+            closed, new_slots, overlay = f._closed, f._new, f._overlay
+            for key, after in f._length.items():
+                slot = new_slots.get(key)
+                if slot is None:
+                    sess = sessions[key]
+                    gone = key in closed
+                    deltas.append(SessionDelta(key, sess.slot, False, gone, lens[key],
+                                               sess.blocks, 0 if gone else after,
+                                               overlay.get(key) or {}))
+                else:
+                    deltas.append(SessionDelta(key, slot, True, False, 0, [], after,
+                                               overlay.get(key) or {}))
+        grown = f._grown
+        n = len(grown)
+        if n:
+            packed = np.fromiter(f._gst.values(), np.int64, n)
+            after = np.fromiter(grown.values(), np.int64, n)
+        else:
+            packed = after = _EMPTY
+        batch = GrownBatch._of_frame(f, packed, after, self._seq_lens)
+        slots = batch.slots
         stats: dict = {}
-        for hook in self._hooks:
-            stats.update(hook.on_commit(f, deltas, batch) or {})
+        legacy = None
+        for hook, appends in self._hooks:
+            if appends:
+                out = hook.on_commit(f, deltas, batch)
+            else:
+                if legacy is None:
+                    legacy = self._tail_only_view(f, deltas, batch)
+                out = hook.on_commit(f, *legacy)
+            if out:
+                stats.update(out)
+        batch._seal()
         # 2. apply: refcounts and free lists, views, table entries
         refs, give = self._refs, self._alloc.give
         for page, d in f._ref.items():
@@ -652,26 +846,49 @@ class Pager:
             refs[page] = r
             if r == 0:                  # last reference gone, or allocated and dropped in-frame
                 give(page)
-        L = self.max_blocks
+        track = self.device is not None
+        changed: list = []
+        if n:
+            if n == len(lens) and not f._length:
+                self._len = lens = grown    # every session grew and nothing else happened
+            else:
+                lens.update(grown)
+            self._seq_lens[slots] = after
+            if track:
+                changed.append(self._region["seq_lens"])
         bt_off = self._layout["block_table"][0]
-        for sess, n in zip(grown_sess, grown.values()):
-            sess.length = n
+        sl_off = self._layout["seq_lens"][0]
         idx: list[int] = []
         val: list[int] = []
+        if f._app:                      # fresh blocks of growth-only sessions
+            bt = self._block_table
+            for key, pages in f._app.items():
+                sess = sessions[key]
+                blocks = sess.blocks
+                base = len(blocks)
+                blocks += pages
+                if len(pages) == 1:
+                    bt[sess.slot, base] = pages[0]
+                else:
+                    bt[sess.slot, base: base + len(pages)] = pages
+                if track:
+                    row = bt_off + sess.slot * L + base
+                    idx.extend(range(row, row + len(pages)))
+                    val.extend(pages)
         for dlt in deltas:
             row = bt_off + dlt.slot * L
             if dlt.closed:
-                sess = self._sessions.pop(dlt.key)
-                n = -(-sess.length // S)
-                idx.extend(range(row, row + n))
-                val.extend([-1] * n)
+                sess = sessions.pop(dlt.key)
+                nb = -(-lens.pop(dlt.key) // S)
+                idx.extend(range(row, row + nb))
+                val.extend([-1] * nb)
                 idx.append(sl_off + dlt.slot)
                 val.append(0)
                 self._free_slots.append(dlt.slot)
                 continue
-            sess = self._sessions.get(dlt.key)
+            sess = sessions.get(dlt.key)
             if sess is None:
-                sess = self._sessions[dlt.key] = _Session(dlt.slot)
+                sess = sessions[dlt.key] = _Session(dlt.slot)
             blocks = sess.blocks
             need = -(-dlt.after_length // S)
             if len(blocks) < need:
@@ -680,39 +897,62 @@ class Pager:
                 blocks[j] = page
                 idx.append(row + j)
                 val.append(page)
-            if sess.length != dlt.after_length or dlt.new:
-                sess.length = dlt.after_length
+            if dlt.new or lens[dlt.key] != dlt.after_length:
+                lens[dlt.key] = dlt.after_length
                 idx.append(sl_off + dlt.slot)
                 val.append(dlt.after_length)
         master = self._master
-        changed: list = []
-        if g_slots.size:
-            master[sl_off + g_slots] = batch.after
-            changed.append(sl_off + g_slots)
         if idx:
             at = np.asarray(idx, dtype=np.int64)
             master[at] = val
-            changed.append(at)
-        for where, vals in f._edits:
-            master[where] = vals
-            changed.append(where)
+            if track:
+                changed.append(at)
+        for view, where, vals, table in f._edits:
+            if view is None:
+                master[where] = vals
+                if track:
+                    changed.append(where)
+            else:
+                view[where] = vals
+                if track and table is not None:
+                    changed.append(self._region_of(table, where))
         self.epoch = f.epoch
         self._open = None
-        self._upload(changed)
-        return Commit(epoch=f.epoch, copies=list(f._copies), sessions=len(self._sessions),
+        if track:
+            self._upload(changed)
+        return Commit(epoch=f.epoch, copies=list(f._copies), sessions=len(sessions),
                       stats=stats)
 
-    @staticmethod
-    def _overlay_keys(f: Frame):
-        yield from f._overlay
-        yield from f._length
-        yield from f._closed
+    def _tail_only_view(self, f: Frame, deltas: list[SessionDelta],
+                        batch: GrownBatch) -> tuple[list[SessionDelta], GrownBatch]:
+        """``(deltas, grown)`` for a hook without ``grown_appends``: sessions that appended
+        fresh blocks become deltas, as they would without the fast path."""
+        if not f._app:
+            return deltas, batch
+        extra = []
+        for key, pages in f._app.items():
+            sess = self._sessions[key]
+            base = len(sess.blocks)
+            extra.append(SessionDelta(key, sess.slot, False, False, self._len[key],
+                                      sess.blocks, f._grown[key],
+                                      {base + i: p for i, p in enumerate(pages)}))
+        return deltas + extra, batch._tail_only()
+
+    def _region_of(self, table: str, where):
+        """The flat range of the master buffer an edit ``host_tables[table][where]`` wrote:
+        the rows of a slice along dim 0, else the whole table (the upload copies it)."""
+        region = self._region[table]
+        if isinstance(where, tuple):
+            where = where[0]
+        if isinstance(where, slice) and where.step is None:
+            width = self._width[table]
+            start, stop, _ = where.indices(self._layout[table][1][0])
+            return slice(region.start + start * width, region.start + stop * width)
+        return region
 
     def _upload(self, changed: list) -> None:
         """Bring the staging buffer up to date (this and the previous commit's changes, as the
         other buffer may still be in flight) and copy it to the device in one transfer."""
-        if self.device is None:
-            return
         i = self.epoch % 2
         stage = self._stage[i]
         if self._events[i] is not None:
@@ -730,7 +970,7 @@ class Pager:
         return list(self._sessions)
 
     def length(self, session: Hashable) -> int:
-        return self._sessions[session].length
+        return self._len[session]
 
     def pages(self, session: Hashable) -> list[int]:
         """Committed pages of every logical block of ``session`` (``-1`` trimmed)."""

@@ -30,11 +30,39 @@ descriptor per page), ``groups`` (trains), ``bytes`` (one of K or V) and ``mean_
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from kvops.layouts.paged import arena_page
 from kvops.layouts.trains import plan_trains
 from kvops.runtime.pager import Frame, GrownBatch, Pager, SessionDelta
+
+_CONTINUES = (1 << 32) + 1      # packed move continuing the previous one in src and dst
+_LITTLE = sys.byteorder == "little"
+
+
+def plan_packed(key: np.ndarray, page_bytes: int, max_train_bytes: int) -> np.ndarray | None:
+    """:func:`plan_trains` for moves packed as int64 ``dst << 32 | src`` (ids in
+    ``[0, 2**31)``, which the transport guarantees): the int32 ``[T, 3]`` trains, or ``None``
+    when no move continues its predecessor, so every move is a train of one page (rows
+    ``(src, dst, 1)`` in move order, which the caller writes without building them).
+
+    A decode step's moves rarely continue one another (tails of different sessions), so the
+    common case is one comparison; otherwise it is :func:`plan_trains` itself, so the trains
+    are always the planner's.
+    """
+    if key.size > 1 and np.count_nonzero((key[1:] - key[:-1]) == _CONTINUES):
+        trains, _ = plan_trains(key & 0xFFFFFFFF, key >> 32, page_bytes, max_train_bytes)
+        return trains.numpy()
+    return None
+
+
+def _src_dst(key: np.ndarray) -> np.ndarray:
+    """``[m, 2]`` int32 ``(src, dst)`` of packed moves (a view on little-endian hosts)."""
+    if _LITTLE:                         # the int64's low word is src, the high word dst
+        return key.view(np.int32).reshape(key.size, 2)
+    return np.stack((key & 0xFFFFFFFF, key >> 32), axis=1).astype(np.int32)
 
 
 class Transport:
@@ -57,6 +85,8 @@ class Transport:
         new sessions and remapped blocks are moved.
     """
 
+    grown_appends = True        # the pager's growth batch includes sessions that appended blocks
+
     def __init__(self, pager: Pager, window_tokens: int, page_bytes: int,
                  max_train_bytes: int = 131072, copy_tail: bool = True):
         S = pager.page_size
@@ -70,6 +100,17 @@ class Transport:
         self.max_train_bytes = max_train_bytes
         self.copy_tail = copy_tail
         self.last: dict = {}
+        self._ones = [0]                # leading rows of the committed trains with n == 1
+        # lookups by block count nb: the window's first token max(nb - NW, 0) * S and its ring
+        # slot; the last block's ring page (nb - 1) % NW, and slot b's first arena page, both
+        # shifted to a packed move's destination
+        NW = self.pages_per_window
+        nb = np.arange(pager.max_blocks + 1, dtype=np.int64)
+        self._first_of = np.maximum(nb - NW, 0) * S
+        self._win_start_of = self._first_of % window_tokens
+        self._ring_key = ((nb - 1) % NW) << 32
+        self._slot_key = (np.arange(pager.max_sessions, dtype=np.int64) * NW) << 32
+        self._log2_page = S.bit_length() - 1
         pager.attach(self)
 
     @property
@@ -108,37 +149,82 @@ class Transport:
         return src, dst
 
     def on_commit(self, frame: Frame, deltas: list[SessionDelta], grown: GrownBatch) -> dict:
-        """Pager hook: plan the step's trains and window bounds into the frame's tables."""
-        S, W, NW = self.pager.page_size, self.window_tokens, self.pages_per_window
-        src: list[int] = []
-        dst: list[int] = []
-        slots: list[int] = []
-        lengths: list[int] = []
+        """Pager hook: plan the step's trains and window bounds into the frame's tables.
+
+        Sessions with general edits go through :meth:`moves` (Python, O(edits)). The
+        growth-only batch costs a few numpy calls whatever its size: with ``copy_tail`` each of
+        its sessions moves the block its last token landed in (``grown.tails``), except the
+        rare ones whose tokens spanned several blocks (``grown.multi``), which move each.
+        """
+        S, NW = self.pager.page_size, self.pages_per_window
+        ex_key: list[int] = []          # moves as dst << 32 | src, and their slots
+        ex_slot: list[int] = []
+        w_slot: list[int] = []
+        w_after: list[int] = []
         for d in deltas:
-            s, t = self.moves(d)
-            src += s
-            dst += t
-            slots.append(d.slot)
-            lengths.append(d.after_length)
-        # tail-only growth, vectorized: one move each, the tail block (always in the window)
-        g_slots = grown.slots if self.copy_tail else grown.slots[:0]
-        tail = grown.before[: g_slots.size] // S
-        all_src = np.concatenate((np.asarray(src, dtype=np.int64), self.pager.host_tables[
-            "block_table"][g_slots, tail].astype(np.int64)))
-        all_dst = np.concatenate((np.asarray(dst, dtype=np.int64), g_slots * NW + tail % NW))
-        order = np.argsort(all_dst // NW, kind="stable")      # slot order, ring order within
-        trains, stats = plan_trains(all_src[order], all_dst[order], self.page_bytes,
-                                    self.max_train_bytes)
-        all_slots = np.concatenate((np.asarray(slots, dtype=np.int64), grown.slots))
-        if all_slots.size:
-            after = np.concatenate((np.asarray(lengths, dtype=np.int64), grown.after))
-            first = np.maximum(-(-after // S) - NW, 0) * S
-            frame.scatter("win_start", all_slots, first % W)
-            frame.scatter("win_len", all_slots, after - first)
-        if stats["groups"]:
-            frame.edit("trains", 0, trains.numpy().reshape(-1))
-        frame.edit("num_trains", 0, [stats["groups"]])
-        self.last = dict(stats, moves=int(all_src.size))
+            src, dst = self.moves(d)
+            if src:
+                ex_key += [t << 32 | s for s, t in zip(src, dst)]
+                ex_slot += [d.slot] * len(src)
+            w_slot.append(d.slot)
+            w_after.append(d.after_length)
+        slots, after = grown.slots, grown.after
+        nb = (after + (S - 1)) >> self._log2_page     # blocks after the growth
+        key = None
+        if self.copy_tail and slots.size:
+            # the last block's arena page (slot's ring, block nb - 1) and pool page, packed
+            key = self._slot_key[slots] + self._ring_key[nb] | grown.tails
+            kslot = slots
+            multi = grown.multi
+            if multi:                       # tokens in several blocks: each of them moves
+                before = grown.before
+                for i, k in multi:
+                    slot, n = int(slots[i]), int(nb[i])
+                    for j in range(max(n - NW, int(before[i]) // S), n):
+                        page = frame.page(k, j)
+                        if page >= 0:
+                            ex_key.append(arena_page(slot, j, NW) << 32 | page)
+                            ex_slot.append(slot)
+                keep = np.ones(slots.size, dtype=bool)
+                keep[[i for i, _ in multi]] = False
+                key, kslot = key[keep], slots[keep]
+        if ex_key:
+            more = np.array(ex_key, dtype=np.int64)
+            if key is None:
+                key, kslot = more, np.array(ex_slot, dtype=np.int64)
+            else:
+                key = np.concatenate((key, more))
+                kslot = np.concatenate((kslot, np.array(ex_slot, dtype=np.int64)))
+            key = key[np.argsort(kslot, kind="stable")]     # slot order, ring order within
+        elif key is not None:
+            key.sort()                      # one move per slot: destination order is slot order
+        m = 0 if key is None else int(key.size)
+        groups = 0
+        if m:
+            trains = plan_packed(key, self.page_bytes, self.max_train_bytes)
+            ones = self._ones[0]
+            if trains is None:              # one-page trains: (src, dst) columns, n = 1
+                groups = m
+                frame._put("trains", (slice(0, m), slice(0, 2)), _src_dst(key))
+                if m > ones:
+                    frame._put("trains", (slice(ones, m), 2), 1)
+                    frame._put_host(self._ones, 0, m)
+            else:
+                groups = len(trains)
+                frame._put("trains", slice(0, groups), trains)
+                if ones:
+                    frame._put_host(self._ones, 0, 0)
+        frame._put("num_trains", 0, groups)
+        if w_slot:
+            slots = np.concatenate((slots, np.array(w_slot, dtype=np.int64)))
+            after = np.concatenate((after, np.array(w_after, dtype=np.int64)))
+            nb = (after + (S - 1)) >> self._log2_page
+        if slots.size:                      # the window: the last NW blocks
+            frame._put("win_start", slots, self._win_start_of[nb])
+            frame._put("win_len", slots, after - self._first_of[nb])
+        nbytes = m * self.page_bytes
+        self.last = {"groups": groups, "bytes": nbytes,
+                     "mean_train_bytes": nbytes / groups if groups else 0.0, "moves": m}
         return {"transport": self.last}
 
     def window_of(self, session) -> tuple[int, int]:
