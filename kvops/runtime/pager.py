@@ -202,23 +202,23 @@ class SessionDelta:
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _EMPTY.flags.writeable = False
-_SLOT_BITS = 24                     # the growth fast path packs (tail page, slot) in one int
-_SLOT_MASK = (1 << _SLOT_BITS) - 1
+_HIGH = np.int64(32)                # the growth fast path packs slot << 32 | tail page
+_LOW = np.int64(0xFFFFFFFF)
 
 
 class GrownBatch:
     """Sessions whose only edit in a frame was growth, as arrays for vectorized hooks.
 
-    ``slots``, ``before`` and ``after`` lengths, and ``tails`` (the page that holds each
-    session's last token after the growth) are int64 ``[n]``; ``keys`` are the sessions in the
-    same order. By default a hook gets the sessions that grew inside their unshared tail page:
-    their blocks did not change (the common decode step). A hook whose class sets
-    ``grown_appends = True`` (the transport) also gets the sessions that appended fresh blocks
-    (a decode step crossing a page boundary, or a longer append to an unshared tail);
-    ``multi`` then lists the ``(position, key)`` of those whose new tokens landed in more
-    than one block, and ``Frame.page`` reads their new pages. All but ``slots`` and ``after``
-    are computed when first read, from the committed lengths and the frame: read them inside
-    ``on_commit`` (a first read after the commit raises).
+    ``slots``, ``before`` and ``after`` lengths, ``tails`` (the page that holds each
+    session's last token after the growth) and ``packed`` (``slots << 32 | tails``) are int64
+    ``[n]``; ``keys`` are the sessions in the same order. By default a hook gets the sessions
+    that grew inside their unshared tail page: their blocks did not change (the common decode
+    step). A hook whose class sets ``grown_appends = True`` (the transport) also gets the
+    sessions that appended fresh blocks (a decode step crossing a page boundary, or a longer
+    append to an unshared tail); ``multi`` then lists the ``(position, key)`` of those whose
+    new tokens landed in more than one block, and ``Frame.page`` reads their new pages. All
+    but ``slots`` and ``after`` are computed when first read, from the committed lengths and
+    the frame: read them inside ``on_commit`` (a first read after the commit raises).
     """
 
     __slots__ = ("slots", "after", "_before", "_tails", "_keys", "_multi", "_packed",
@@ -234,9 +234,9 @@ class GrownBatch:
     @classmethod
     def _of_frame(cls, frame: Frame, packed: np.ndarray, after: np.ndarray,
                   seq_lens: np.ndarray) -> GrownBatch:
-        """The frame's growth-only sessions; ``packed`` holds ``tail << SLOT_BITS | slot``."""
+        """The frame's growth-only sessions; ``packed`` holds ``slot << 32 | tail``."""
         batch = cls.__new__(cls)
-        batch.slots, batch.after = packed & _SLOT_MASK, after
+        batch.slots, batch.after = packed >> _HIGH, after
         batch._before = batch._tails = batch._keys = batch._multi = None
         batch._packed, batch._frame, batch._lens = packed, frame, seq_lens
         return batch
@@ -253,8 +253,15 @@ class GrownBatch:
     def tails(self) -> np.ndarray:
         if self._tails is None:
             self._live()
-            self._tails = self._packed >> _SLOT_BITS
+            self._tails = self._packed & _LOW
         return self._tails
+
+    @property
+    def packed(self) -> np.ndarray:
+        """``slots << 32 | tails`` (int64), the form the transport builds its moves from."""
+        if self._packed is None:
+            self._packed = self.slots << _HIGH | self.tails
+        return self._packed
 
     @property
     def keys(self) -> list:
@@ -308,7 +315,7 @@ class Frame:
     remapped blocks). Committed sessions whose only edits are growth into their own unshared
     tail page or into fresh blocks (the decode step) are in four dicts kept in the same key
     order, so the commit turns them into arrays without a Python loop: ``_grown`` (length),
-    ``_gst`` (``tail << SLOT_BITS | slot``, tail the page of the last token), plus ``_app``
+    ``_gst`` (``slot << 32 | tail``, tail the page of the last token), plus ``_app``
     (fresh pages, which continue the committed blocks) and ``_gmulti`` (keys whose tokens
     landed in more than one block).
     A growth-only session that gets any other edit moves to the general state (``_slow``).
@@ -330,7 +337,7 @@ class Frame:
         self._ref: dict[int, int] = {}                 # pending refcount changes
         self._allocated: list[int] = []
         self._copies: list[tuple[int, int]] = []
-        self._edits: list[tuple] = []                  # (view or None, where, values, table)
+        self._edits: list[tuple] = []                  # (setter, where, values, region)
         self._slots_taken: list[int] = []
 
     # -- reads through the shadow ------------------------------------------------------------
@@ -470,7 +477,7 @@ class Frame:
         else:
             app.extend(pages)
         self._grown[key] = new
-        self._gst[key] = pages[-1] << _SLOT_BITS | sess.slot
+        self._gst[key] = sess.slot << 32 | pages[-1]
         if (new - 1) // S > (old if first else pager._len[key]) // S:
             self._gmulti.add(key)
         return True
@@ -491,15 +498,16 @@ class Frame:
                 old = pager._len[key]
             if not n_tokens:
                 return
-            r = old & (pager.page_size - 1)
-            if r and r + n_tokens <= pager.page_size:      # inside the tail page
-                j = old // pager.page_size
+            S = pager.page_size
+            r = old & (S - 1)
+            if r and r + n_tokens <= S:                    # inside the tail page
+                j = old // S
                 blocks = sess.blocks
                 tail = blocks[j] if j < len(blocks) else self._app[key][j - len(blocks)]
                 if tail >= 0 and pager._refs[tail] + self._ref.get(tail, 0) == 1:
                     self._grown[key] = old + n_tokens
                     if first:
-                        self._gst[key] = tail << _SLOT_BITS | sess.slot
+                        self._gst[key] = sess.slot << 32 | tail
                     return
             elif self._append(key, sess, old, n_tokens, first):
                 return
@@ -604,7 +612,8 @@ class Frame:
             raise ValueError(f"edit: {table}{list(shape)} has no run row={row}, "
                              f"[{start}, {start + vals.size})")
         at = offset + row * width + start
-        self._edits.append((None, slice(at, at + vals.size), vals, None))
+        where = slice(at, at + vals.size)
+        self._edits.append((self.pager._master.__setitem__, where, vals, where))
 
     def scatter(self, table: str, rows, values) -> None:
         """Write ``table[rows[i]] = values[i]`` into a 1-D table at commit."""
@@ -619,18 +628,24 @@ class Frame:
                              f"{at.shape} and {vals.shape}")
         if at.size and (at.min() < 0 or at.max() >= shape[0]):
             raise ValueError(f"scatter: rows of {table}[{shape[0]}] out of range")
-        self._edits.append((None, at + offset, vals, None))
+        at += offset
+        self._edits.append((self.pager._master.__setitem__, at, vals, at))
 
     def _put(self, table: str, index, values) -> None:
         """``pager.host_tables[table][index] = values`` at commit, unchecked: the fast edit
         for this package's hooks, which compute in-range indices (``index`` a numpy index:
-        an int, a slice along dim 0 or an index array)."""
-        self._edits.append((self.pager.host_tables[table], index, values, table))
+        an int, or a slice along dim 0, alone or in a tuple)."""
+        self._edits.append((self.pager.host_tables[table].__setitem__, index, values, table))
 
-    def _put_host(self, array: np.ndarray, index, values) -> None:
+    def _put_rows(self, table: str, rows: np.ndarray, values) -> None:
+        """``pager.host_tables[table][rows] = values`` at commit for a 1-D table and an int64
+        index array, unchecked (``ndarray.put``, the cheapest scatter)."""
+        self._edits.append((self.pager.host_tables[table].put, rows, values, table))
+
+    def _put_host(self, array, index, values) -> None:
         """``array[index] = values`` at commit, for a hook's own host-side state that must
         change only when the commit does (nothing is uploaded)."""
-        self._edits.append((array, index, values, None))
+        self._edits.append((array.__setitem__, index, values, None))
 
     # -- commit / abort ----------------------------------------------------------------------
     def commit(self) -> Commit:
@@ -689,9 +704,9 @@ class Pager:
         if num_pages < 1 or max_sessions < 1 or max_blocks < 1:
             raise ValueError(f"Pager: num_pages, max_sessions and max_blocks must be >= 1, got "
                              f"{num_pages}, {max_sessions}, {max_blocks}")
-        if max_sessions > _SLOT_MASK + 1 or num_pages > 2**31:
-            raise ValueError(f"Pager: at most 2**{_SLOT_BITS} sessions and 2**31 pages, got "
-                             f"{max_sessions} and {num_pages}")
+        if num_pages > 2**31 or max_sessions > 2**31:
+            raise ValueError(f"Pager: page ids and slots are int32, got {num_pages} pages and "
+                             f"{max_sessions} sessions")
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"Pager: page_size must be a power of two, got {page_size}")
         self.num_pages, self.page_size = num_pages, page_size
@@ -853,11 +868,10 @@ class Pager:
                 self._len = lens = grown    # every session grew and nothing else happened
             else:
                 lens.update(grown)
-            self._seq_lens[slots] = after
+            self._seq_lens.put(slots, after)
             if track:
                 changed.append(self._region["seq_lens"])
-        bt_off = self._layout["block_table"][0]
-        sl_off = self._layout["seq_lens"][0]
+        bt_off, sl_off = self._region["block_table"].start, self._region["seq_lens"].start
         idx: list[int] = []
         val: list[int] = []
         if f._app:                      # fresh blocks of growth-only sessions
@@ -907,15 +921,11 @@ class Pager:
             master[at] = val
             if track:
                 changed.append(at)
-        for view, where, vals, table in f._edits:
-            if view is None:
-                master[where] = vals
-                if track:
-                    changed.append(where)
-            else:
-                view[where] = vals
-                if track and table is not None:
-                    changed.append(self._region_of(table, where))
+        for setter, where, vals, region in f._edits:
+            setter(where, vals)
+            if track and region is not None:
+                changed.append(self._region_of(region, where) if region.__class__ is str
+                               else region)
         self.epoch = f.epoch
         self._open = None
         if track:

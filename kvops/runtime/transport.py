@@ -38,7 +38,7 @@ from kvops.layouts.paged import arena_page
 from kvops.layouts.trains import plan_trains
 from kvops.runtime.pager import Frame, GrownBatch, Pager, SessionDelta
 
-_CONTINUES = (1 << 32) + 1      # packed move continuing the previous one in src and dst
+_CONTINUES = np.int64((1 << 32) + 1)    # packed move continuing the previous one
 _LITTLE = sys.byteorder == "little"
 
 
@@ -59,9 +59,8 @@ def plan_packed(key: np.ndarray, page_bytes: int, max_train_bytes: int) -> np.nd
 
 
 def _src_dst(key: np.ndarray) -> np.ndarray:
-    """``[m, 2]`` int32 ``(src, dst)`` of packed moves (a view on little-endian hosts)."""
-    if _LITTLE:                         # the int64's low word is src, the high word dst
-        return key.view(np.int32).reshape(key.size, 2)
+    """``[m, 2]`` int32 ``(src, dst)`` of packed moves; on little-endian hosts this is
+    ``key.view(np.int32).reshape(m, 2)`` (the int64's low word is src, the high word dst)."""
     return np.stack((key & 0xFFFFFFFF, key >> 32), axis=1).astype(np.int32)
 
 
@@ -102,15 +101,16 @@ class Transport:
         self.last: dict = {}
         self._ones = [0]                # leading rows of the committed trains with n == 1
         # lookups by block count nb: the window's first token max(nb - NW, 0) * S and its ring
-        # slot; the last block's ring page (nb - 1) % NW, and slot b's first arena page, both
-        # shifted to a packed move's destination
+        # slot; the last block's ring page (nb - 1) % NW, shifted to a packed move's
+        # destination, and what slot b adds to slot << 32 to make b * NW << 32
         NW = self.pages_per_window
         nb = np.arange(pager.max_blocks + 1, dtype=np.int64)
         self._first_of = np.maximum(nb - NW, 0) * S
         self._win_start_of = self._first_of % window_tokens
         self._ring_key = ((nb - 1) % NW) << 32
-        self._slot_key = (np.arange(pager.max_sessions, dtype=np.int64) * NW) << 32
-        self._log2_page = S.bit_length() - 1
+        self._slot_key = (np.arange(pager.max_sessions, dtype=np.int64) * (NW - 1)) << 32
+        self._log2_page = np.int64(S.bit_length() - 1)
+        self._page_less1 = np.int64(S - 1)
         pager.attach(self)
 
     @property
@@ -169,11 +169,12 @@ class Transport:
             w_slot.append(d.slot)
             w_after.append(d.after_length)
         slots, after = grown.slots, grown.after
-        nb = (after + (S - 1)) >> self._log2_page     # blocks after the growth
+        nb = (after + self._page_less1) >> self._log2_page     # blocks after the growth
         key = None
         if self.copy_tail and slots.size:
-            # the last block's arena page (slot's ring, block nb - 1) and pool page, packed
-            key = self._slot_key[slots] + self._ring_key[nb] | grown.tails
+            # the last block's arena page (slot's ring, block nb - 1) and pool page, packed:
+            # grown.packed is slot << 32 | tail, the tables add the rest of the destination
+            key = grown.packed + self._slot_key[slots] + self._ring_key[nb]
             kslot = slots
             multi = grown.multi
             if multi:                       # tokens in several blocks: each of them moves
@@ -205,7 +206,8 @@ class Transport:
             ones = self._ones[0]
             if trains is None:              # one-page trains: (src, dst) columns, n = 1
                 groups = m
-                frame._put("trains", (slice(0, m), slice(0, 2)), _src_dst(key))
+                frame._put("trains", (slice(0, m), slice(0, 2)),
+                           key.view(np.int32).reshape(m, 2) if _LITTLE else _src_dst(key))
                 if m > ones:
                     frame._put("trains", (slice(ones, m), 2), 1)
                     frame._put_host(self._ones, 0, m)
@@ -218,10 +220,10 @@ class Transport:
         if w_slot:
             slots = np.concatenate((slots, np.array(w_slot, dtype=np.int64)))
             after = np.concatenate((after, np.array(w_after, dtype=np.int64)))
-            nb = (after + (S - 1)) >> self._log2_page
+            nb = (after + self._page_less1) >> self._log2_page
         if slots.size:                      # the window: the last NW blocks
-            frame._put("win_start", slots, self._win_start_of[nb])
-            frame._put("win_len", slots, after - self._first_of[nb])
+            frame._put_rows("win_start", slots, self._win_start_of[nb])
+            frame._put_rows("win_len", slots, after - self._first_of[nb])
         nbytes = m * self.page_bytes
         self.last = {"groups": groups, "bytes": nbytes,
                      "mean_train_bytes": nbytes / groups if groups else 0.0, "moves": m}
