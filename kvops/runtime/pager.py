@@ -225,7 +225,8 @@ class GrownBatch:
                  "_frame", "_lens")
 
     def __init__(self, slots: np.ndarray, before: np.ndarray, after: np.ndarray,
-                 tails: np.ndarray, keys: list, multi: list | None = None):
+                 tails: np.ndarray | None = None, keys: list | None = None,
+                 multi: list | None = None):
         self.slots, self.after = slots, after
         self._before, self._tails, self._keys = before, tails, keys
         self._multi = [] if multi is None else multi
@@ -279,7 +280,8 @@ class GrownBatch:
 
     def _live(self) -> Frame:
         if self._frame is None:
-            raise RuntimeError("GrownBatch: read its lazy fields inside on_commit")
+            raise RuntimeError("GrownBatch: this field was not given, or is read after the "
+                               "commit (read the pager's batch inside on_commit)")
         return self._frame
 
     def _seal(self) -> None:
