@@ -81,54 +81,38 @@ def _target_run(K, V, p_table, lo, hi, b_q, b_m, b_l, b_acc, scale_log2, i_h,
 
 
 @triton.jit
-def _base_offsets(p_table, p_mode, span_lo, o_t, hi, stride_p, Hkv, i_h,
-                  D: tl.constexpr, S: tl.constexpr, MODE: tl.constexpr):
-    """Byte offsets (from the cache's base) of BASE rows ``o_t`` [BLOCK_N]: the row's page
-    (from the block table), the half of the pair page its logical block lives in (structured:
-    ``(j - span_lo) & 1``; general: mode 2 is half 1), and the row inside the half."""
-    m_n = o_t < hi
-    o_j = o_t // S
-    b_page = tl.load(p_table + o_j, mask=m_n, other=0).to(tl.int64)
-    if MODE == 1:
-        b_half = (o_j - span_lo) & 1
-    else:
-        b_half = (tl.load(p_mode + o_j, mask=m_n, other=1) == 2).to(tl.int32)
-    return b_page * (2 * stride_p) + b_half * (S * Hkv * D) + ((o_t % S) * Hkv + i_h) * D
-
-
-@triton.jit
 def _base_run(K, V, p_table, p_mode, span_lo, lo, hi, b_q, b_m, b_l, b_acc, scale_log2, i_h,
               stride_kp, stride_vp, Hkv, o_n, o_d, m_d,
               D: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
               CODEC: tl.constexpr, PRECISION: tl.constexpr):
     """Fold the BASE rows ``[lo, hi)`` into the running softmax: bytes read from the row's half
-    of its pair page (:func:`_base_offsets`) and decoded in registers.
-
-    Pipelined by hand: the bytes of tile ``t + 1`` are loaded (loop-carried) before tile ``t``
-    is decoded and folded. Triton's pipeliner only stages loads that feed a dot directly, and
-    the decode sits between these loads and the dot, so without this a BASE run kept one tile in
-    flight and read half the bytes in the time a TARGET run took for all of them (H200)."""
+    of its pair page and decoded in registers. The half of logical block ``j`` is
+    ``(j - span_lo) & 1`` on the structured path (``MODE == 1``) and its mode (1: half 0,
+    2: half 1) from ``p_mode`` on the general path."""
+    E = S * Hkv * D                                   # bytes of one half page
     K8 = K.to(tl.pointer_type(tl.uint8))
     V8 = V.to(tl.pointer_type(tl.uint8))
-    o_t = lo + o_n
-    m_kv = (o_t < hi)[:, None] & m_d[None, :]
-    o_k = _base_offsets(p_table, p_mode, span_lo, o_t, hi, stride_kp, Hkv, i_h, D, S, MODE)
-    o_v = _base_offsets(p_table, p_mode, span_lo, o_t, hi, stride_vp, Hkv, i_h, D, S, MODE)
-    b_xk = tl.load(K8 + o_k[:, None] + o_d[None, :], mask=m_kv, other=0)
-    b_xv = tl.load(V8 + o_v[:, None] + o_d[None, :], mask=m_kv, other=0)
+    b_page = tl.load(p_table + (lo + o_n) // S, mask=lo + o_n < hi, other=0).to(tl.int64)
     for start in range(lo, hi, BLOCK_N):
-        m_n = start + o_n < hi
-        o_t = start + BLOCK_N + o_n                   # the next tile: issue its loads first
-        m_kv = (o_t < hi)[:, None] & m_d[None, :]
-        o_k = _base_offsets(p_table, p_mode, span_lo, o_t, hi, stride_kp, Hkv, i_h, D, S, MODE)
-        o_v = _base_offsets(p_table, p_mode, span_lo, o_t, hi, stride_vp, Hkv, i_h, D, S, MODE)
-        b_nk = tl.load(K8 + o_k[:, None] + o_d[None, :], mask=m_kv, other=0)
-        b_nv = tl.load(V8 + o_v[:, None] + o_d[None, :], mask=m_kv, other=0)
+        o_t = start + o_n
+        m_n = o_t < hi
+        o_j = o_t // S
+        if MODE == 1:
+            o_half = ((o_j - span_lo) & 1) * E
+        else:
+            o_half = (tl.load(p_mode + o_j, mask=m_n, other=1) == 2).to(tl.int32) * E
+        o_in = o_half + ((o_t % S) * Hkv + i_h) * D
+        m_kv = m_n[:, None] & m_d[None, :]
+        b_xk = tl.load(K8 + (b_page * (2 * stride_kp) + o_in)[:, None] + o_d[None, :],
+                       mask=m_kv, other=0)
+        b_xv = tl.load(V8 + (b_page * (2 * stride_vp) + o_in)[:, None] + o_d[None, :],
+                       mask=m_kv, other=0)
+        b_page = tl.load(p_table + (o_t + BLOCK_N) // S, mask=o_t + BLOCK_N < hi,
+                         other=0).to(tl.int64)
         b_bias = tl.where(m_n, 0.0, float("-inf"))
         b_m, b_l, b_acc = online_softmax_tile(b_q, _decode_base(b_xk, CODEC),
                                               _decode_base(b_xv, CODEC), b_bias, b_m, b_l,
                                               b_acc, scale_log2, PRECISION)
-        b_xk, b_xv = b_nk, b_nv
     return b_m, b_l, b_acc
 
 
