@@ -36,9 +36,9 @@ import numpy as np
 
 from kvops.layouts.paged import arena_page
 from kvops.layouts.trains import plan_trains
-from kvops.runtime.pager import Frame, GrownBatch, Pager, SessionDelta
+from kvops.runtime.pager import Frame, GrownBatch, Pager, SessionDelta, _const
 
-_CONTINUES = np.int64((1 << 32) + 1)    # packed move continuing the previous one
+_CONTINUES = _const((1 << 32) + 1)      # packed move continuing the previous one
 _LITTLE = sys.byteorder == "little"
 
 
@@ -100,17 +100,22 @@ class Transport:
         self.copy_tail = copy_tail
         self.last: dict = {}
         self._ones = [0]                # leading rows of the committed trains with n == 1
-        # lookups by block count nb: the window's first token max(nb - NW, 0) * S and its ring
-        # slot; the last block's ring page (nb - 1) % NW, shifted to a packed move's
-        # destination, and what slot b adds to slot << 32 to make b * NW << 32
+        self._num = [0]                 # the committed num_trains
+        self._pairs = None              # writes packed moves into the host trains table
+        # lookups by session length n (tokens, at most L * S), so a step's window bounds and
+        # move destinations cost one fancy index each and no arithmetic: with nb = ceil(n / S)
+        # blocks, the window's ring slot win_start = first % W and win_len = n - first, first
+        # = max(nb - NW, 0) * S its first token; the last block's ring page (nb - 1) % NW,
+        # shifted to a packed move's destination (16 bytes per token of the longest session).
+        # And what slot b adds to slot << 32 to make b * NW << 32.
         NW = self.pages_per_window
-        nb = np.arange(pager.max_blocks + 1, dtype=np.int64)
-        self._first_of = np.maximum(nb - NW, 0) * S
-        self._win_start_of = self._first_of % window_tokens
-        self._ring_key = ((nb - 1) % NW) << 32
+        n = np.arange(pager.max_blocks * S + 1, dtype=np.int64)
+        nb = -(-n // S)
+        first = np.maximum(nb - NW, 0) * S
+        self._win_start_at = (first % window_tokens).astype(np.int32)
+        self._win_len_at = (n - first).astype(np.int32)
+        self._ring_key_at = ((nb - 1) % NW) << 32
         self._slot_key = (np.arange(pager.max_sessions, dtype=np.int64) * (NW - 1)) << 32
-        self._log2_page = np.int64(S.bit_length() - 1)
-        self._page_less1 = np.int64(S - 1)
         pager.attach(self)
 
     @property
@@ -156,31 +161,31 @@ class Transport:
         its sessions moves the block its last token landed in (``grown.tails``), except the
         rare ones whose tokens spanned several blocks (``grown.multi``), which move each.
         """
-        S, NW = self.pager.page_size, self.pages_per_window
         ex_key: list[int] = []          # moves as dst << 32 | src, and their slots
         ex_slot: list[int] = []
-        w_slot: list[int] = []
-        w_after: list[int] = []
-        for d in deltas:
-            src, dst = self.moves(d)
-            if src:
-                ex_key += [t << 32 | s for s, t in zip(src, dst)]
-                ex_slot += [d.slot] * len(src)
-            w_slot.append(d.slot)
-            w_after.append(d.after_length)
+        if deltas:
+            w_slot, w_after = [], []
+            for d in deltas:
+                src, dst = self.moves(d)
+                if src:
+                    ex_key += [t << 32 | s for s, t in zip(src, dst)]
+                    ex_slot += [d.slot] * len(src)
+                w_slot.append(d.slot)
+                w_after.append(d.after_length)
         slots, after = grown.slots, grown.after
-        nb = (after + self._page_less1) >> self._log2_page     # blocks after the growth
         key = None
         if self.copy_tail and slots.size:
             # the last block's arena page (slot's ring, block nb - 1) and pool page, packed:
             # grown.packed is slot << 32 | tail, the tables add the rest of the destination
-            key = grown.packed + self._slot_key[slots] + self._ring_key[nb]
+            key = grown.packed + self._slot_key[slots]
+            key += self._ring_key_at[after]
             kslot = slots
             multi = grown.multi
             if multi:                       # tokens in several blocks: each of them moves
+                S, NW = self.pager.page_size, self.pages_per_window
                 before = grown.before
                 for i, k in multi:
-                    slot, n = int(slots[i]), int(nb[i])
+                    slot, n = int(slots[i]), -(-int(after[i]) // S)
                     for j in range(max(n - NW, int(before[i]) // S), n):
                         page = frame.page(k, j)
                         if page >= 0:
@@ -206,8 +211,8 @@ class Transport:
             ones = self._ones[0]
             if trains is None:              # one-page trains: (src, dst) columns, n = 1
                 groups = m
-                frame._put("trains", (slice(0, m), slice(0, 2)),
-                           key.view(np.int32).reshape(m, 2) if _LITTLE else _src_dst(key))
+                pairs = self._pairs or self._pair_setter()
+                frame._put_with(pairs, "trains", slice(0, m), key)
                 if m > ones:
                     frame._put("trains", (slice(ones, m), 2), 1)
                     frame._put_host(self._ones, 0, m)
@@ -216,18 +221,33 @@ class Transport:
                 frame._put("trains", slice(0, groups), trains)
                 if ones:
                     frame._put_host(self._ones, 0, 0)
-        frame._put("num_trains", 0, groups)
-        if w_slot:
+        if groups != self._num[0]:          # a decode step's count rarely changes
+            frame._put("num_trains", 0, groups)
+            frame._put_host(self._num, 0, groups)
+        if deltas:
             slots = np.concatenate((slots, np.array(w_slot, dtype=np.int64)))
             after = np.concatenate((after, np.array(w_after, dtype=np.int64)))
-            nb = (after + self._page_less1) >> self._log2_page
         if slots.size:                      # the window: the last NW blocks
-            frame._put_rows("win_start", slots, self._win_start_of[nb])
-            frame._put_rows("win_len", slots, after - self._first_of[nb])
+            frame._put_rows("win_start", slots, self._win_start_at[after])
+            frame._put_rows("win_len", slots, self._win_len_at[after])
         nbytes = m * self.page_bytes
         self.last = {"groups": groups, "bytes": nbytes,
                      "mean_train_bytes": nbytes / groups if groups else 0.0, "moves": m}
         return {"transport": self.last}
+
+    def _pair_setter(self):
+        """``set(rows, key)``: write packed moves into the ``(src, dst)`` columns of ``rows`` of
+        the host trains table. On little-endian hosts an int64 at a row's start is ``dst << 32
+        | src``, so a (strided, unaligned) int64 view of the first two columns takes the keys in
+        one copy."""
+        host = self.pager.host_tables["trains"]
+        if _LITTLE:
+            rows = host.view(np.dtype([("sd", "<i8"), ("n", "<i4")])).reshape(-1)["sd"]
+            self._pairs = rows.__setitem__
+        else:
+            cols = host[:, :2]
+            self._pairs = lambda where, key: cols.__setitem__(where, _src_dst(key))
+        return self._pairs
 
     def window_of(self, session) -> tuple[int, int]:
         """Committed ``(win_start, win_len)`` of ``session`` (host side, for tests)."""
