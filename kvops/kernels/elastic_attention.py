@@ -54,65 +54,49 @@ def _decode_base(b_x, CODEC: tl.constexpr):
 
 
 @triton.jit
-def _target_run(K, V, p_table, lo, hi, b_q, b_m, b_l, b_acc, scale_log2, i_h,
-                stride_kp, stride_vp, Hkv, o_n, o_d, m_d,
-                D: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr,
-                PRECISION: tl.constexpr):
-    """Fold the TARGET rows ``[lo, hi)`` of a sequence into the running softmax, ``BLOCK_N``
-    rows a tile. Page ids are loaded one tile ahead (loop-carried), so a tile's K/V loads do
-    not wait on a load of the same iteration and the pipeliner keeps two tiles in flight
+def _run(K, V, p_table, p_mode, span_lo, lo, hi, b_q, b_m, b_l, b_acc, scale_log2, i_h,
+         stride_kp, stride_vp, Hkv, o_n, o_d, m_d,
+         D: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr, BASE: tl.constexpr,
+         MODE: tl.constexpr, CODEC: tl.constexpr, PRECISION: tl.constexpr):
+    """Fold rows ``[lo, hi)`` of one form into the running softmax, ``BLOCK_N`` rows a tile.
+
+    TARGET (``BASE`` false): 16-bit rows of their pages. BASE: bytes from the row's half of its
+    pair page, decoded in registers; the half of logical block ``j`` is ``(j - span_lo) & 1`` on
+    the structured path (``MODE == 1``) and its mode (1: half 0, 2: half 1) from ``p_mode`` on
+    the general path. Page ids are loaded one tile ahead (loop-carried), so a tile's K/V loads
+    do not wait on a load of the same iteration and the pipeliner keeps two tiles in flight
     (with the page-id load in the same iteration it kept one: half the bandwidth on an H200)."""
     b_page = tl.load(p_table + (lo + o_n) // S, mask=lo + o_n < hi, other=0).to(tl.int64)
     for start in range(lo, hi, BLOCK_N):
         o_t = start + o_n
         m_n = o_t < hi
-        o_in = ((o_t % S) * Hkv + i_h) * D            # the row inside its page
+        o_in = ((o_t % S) * Hkv + i_h) * D            # the row inside its page (or half)
         m_kv = m_n[:, None] & m_d[None, :]
-        b_k = tl.load(K + (b_page * stride_kp + o_in)[:, None] + o_d[None, :], mask=m_kv,
-                      other=0.0)
-        b_v = tl.load(V + (b_page * stride_vp + o_in)[:, None] + o_d[None, :], mask=m_kv,
-                      other=0.0)
+        if BASE:
+            o_j = o_t // S
+            if MODE == 1:
+                o_half = ((o_j - span_lo) & 1) * (S * Hkv * D)
+            else:
+                o_half = (tl.load(p_mode + o_j, mask=m_n, other=1) == 2).to(tl.int32) \
+                    * (S * Hkv * D)
+            b_xk = tl.load(K.to(tl.pointer_type(tl.uint8))
+                           + (b_page * (2 * stride_kp) + (o_half + o_in))[:, None] + o_d[None, :],
+                           mask=m_kv, other=0)
+            b_xv = tl.load(V.to(tl.pointer_type(tl.uint8))
+                           + (b_page * (2 * stride_vp) + (o_half + o_in))[:, None] + o_d[None, :],
+                           mask=m_kv, other=0)
+            b_k = _decode_base(b_xk, CODEC)
+            b_v = _decode_base(b_xv, CODEC)
+        else:
+            b_k = tl.load(K + (b_page * stride_kp + o_in)[:, None] + o_d[None, :], mask=m_kv,
+                          other=0.0)
+            b_v = tl.load(V + (b_page * stride_vp + o_in)[:, None] + o_d[None, :], mask=m_kv,
+                          other=0.0)
         b_page = tl.load(p_table + (o_t + BLOCK_N) // S, mask=o_t + BLOCK_N < hi,
                          other=0).to(tl.int64)
         b_bias = tl.where(m_n, 0.0, float("-inf"))
         b_m, b_l, b_acc = online_softmax_tile(b_q, b_k, b_v, b_bias, b_m, b_l, b_acc,
                                               scale_log2, PRECISION)
-    return b_m, b_l, b_acc
-
-
-@triton.jit
-def _base_run(K, V, p_table, p_mode, span_lo, lo, hi, b_q, b_m, b_l, b_acc, scale_log2, i_h,
-              stride_kp, stride_vp, Hkv, o_n, o_d, m_d,
-              D: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
-              CODEC: tl.constexpr, PRECISION: tl.constexpr):
-    """Fold the BASE rows ``[lo, hi)`` into the running softmax: bytes read from the row's half
-    of its pair page and decoded in registers. The half of logical block ``j`` is
-    ``(j - span_lo) & 1`` on the structured path (``MODE == 1``) and its mode (1: half 0,
-    2: half 1) from ``p_mode`` on the general path."""
-    E = S * Hkv * D                                   # bytes of one half page
-    K8 = K.to(tl.pointer_type(tl.uint8))
-    V8 = V.to(tl.pointer_type(tl.uint8))
-    b_page = tl.load(p_table + (lo + o_n) // S, mask=lo + o_n < hi, other=0).to(tl.int64)
-    for start in range(lo, hi, BLOCK_N):
-        o_t = start + o_n
-        m_n = o_t < hi
-        o_j = o_t // S
-        if MODE == 1:
-            o_half = ((o_j - span_lo) & 1) * E
-        else:
-            o_half = (tl.load(p_mode + o_j, mask=m_n, other=1) == 2).to(tl.int32) * E
-        o_in = o_half + ((o_t % S) * Hkv + i_h) * D
-        m_kv = m_n[:, None] & m_d[None, :]
-        b_xk = tl.load(K8 + (b_page * (2 * stride_kp) + o_in)[:, None] + o_d[None, :],
-                       mask=m_kv, other=0)
-        b_xv = tl.load(V8 + (b_page * (2 * stride_vp) + o_in)[:, None] + o_d[None, :],
-                       mask=m_kv, other=0)
-        b_page = tl.load(p_table + (o_t + BLOCK_N) // S, mask=o_t + BLOCK_N < hi,
-                         other=0).to(tl.int64)
-        b_bias = tl.where(m_n, 0.0, float("-inf"))
-        b_m, b_l, b_acc = online_softmax_tile(b_q, _decode_base(b_xk, CODEC),
-                                              _decode_base(b_xv, CODEC), b_bias, b_m, b_l,
-                                              b_acc, scale_log2, PRECISION)
     return b_m, b_l, b_acc
 
 
@@ -164,9 +148,9 @@ def _elastic_decode_kernel(
     lo, hi = split_range(n_tok, i_s, NUM_SPLITS, BLOCK_N)
     p_table = BlockTable + i_b * stride_tb
     if MODE == 0:
-        b_m, b_l, b_acc = _target_run(K, V, p_table, lo, hi, b_q, b_m, b_l, b_acc, scale_log2,
-                                      i_h, stride_kp, stride_vp, Hkv, o_n, o_d, m_d,
-                                      D, S, BLOCK_N, PRECISION)
+        b_m, b_l, b_acc = _run(K, V, p_table, BlockMode, 0, lo, hi, b_q, b_m, b_l, b_acc,
+                               scale_log2, i_h, stride_kp, stride_vp, Hkv, o_n, o_d, m_d,
+                               D, S, BLOCK_N, False, MODE, CODEC, PRECISION)
     else:
         # Walk the split as runs of one form; each run is a pipelined loop of single-form tiles
         # starting at the run's first row. Both mixed paths cut the same runs from the same
@@ -190,14 +174,13 @@ def _elastic_decode_kernel(
                 end = end_j * S
             end = tl.minimum(end, hi)
             if is_base != 0:
-                b_m, b_l, b_acc = _base_run(K, V, p_table, p_mode, span_lo, pos, end, b_q, b_m,
-                                            b_l, b_acc, scale_log2, i_h, stride_kp, stride_vp,
-                                            Hkv, o_n, o_d, m_d, D, S, BLOCK_N, MODE, CODEC,
-                                            PRECISION)
+                b_m, b_l, b_acc = _run(K, V, p_table, p_mode, span_lo, pos, end, b_q, b_m, b_l,
+                                       b_acc, scale_log2, i_h, stride_kp, stride_vp, Hkv, o_n,
+                                       o_d, m_d, D, S, BLOCK_N, True, MODE, CODEC, PRECISION)
             else:
-                b_m, b_l, b_acc = _target_run(K, V, p_table, pos, end, b_q, b_m, b_l, b_acc,
-                                              scale_log2, i_h, stride_kp, stride_vp, Hkv, o_n,
-                                              o_d, m_d, D, S, BLOCK_N, PRECISION)
+                b_m, b_l, b_acc = _run(K, V, p_table, p_mode, span_lo, pos, end, b_q, b_m, b_l,
+                                       b_acc, scale_log2, i_h, stride_kp, stride_vp, Hkv, o_n,
+                                       o_d, m_d, D, S, BLOCK_N, False, MODE, CODEC, PRECISION)
             pos = end
 
     finish_rows(b_m, b_l, b_acc, O, L, i_b, i_h, i_s, stride_ob, stride_oh, stride_os,
