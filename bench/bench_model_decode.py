@@ -38,8 +38,9 @@ from kvops.models.reference import (
 CONFIGS = [(1, 4096), (16, 1024), (16, 4096), (64, 4096)]
 
 
-def step_time(model: Llama, batch: int, window: int, compiled: bool) -> tuple[float, float, float]:
-    """p20/p50/p80 microseconds of one decode step with every window full (win_len = W)."""
+def full_window_step(model: Llama, batch: int, window: int, compiled: bool):
+    """A decode step with every window full (win_len = W): random caches, tokens at position
+    ``W + 7``; returns ``run()``, the (optionally compiled) step on those inputs."""
     model.setup_cache(batch_size=batch, window=window, page_size=16)
     for blk in model.layers:
         blk.attention.k_cache.normal_()
@@ -50,9 +51,15 @@ def step_time(model: Llama, batch: int, window: int, compiled: bool) -> tuple[fl
     if compiled:
         torch._dynamo.reset()
         step = torch.compile(model.decode_step, fullgraph=True, dynamic=False)
+    return lambda: step(tok, pos)
+
+
+def step_time(model: Llama, batch: int, window: int, compiled: bool) -> tuple[float, float, float]:
+    """p20/p50/p80 microseconds of one decode step with every window full."""
+    run = full_window_step(model, batch, window, compiled)
     with torch.no_grad():
-        step(tok, pos)
-        return time_graph(lambda: step(tok, pos))
+        run()
+        return time_graph(run)
 
 
 def profile_step(model: Llama, batch: int, window: int, compiled: bool, top: int = 12) -> str:
@@ -60,19 +67,13 @@ def profile_step(model: Llama, batch: int, window: int, compiled: bool, top: int
     table: kernel, calls, total us, us per call."""
     from torch.profiler import ProfilerActivity, profile
 
-    model.setup_cache(batch_size=batch, window=window, page_size=16)
-    tok = torch.randint(0, model.cfg.vocab_size, (batch,), device="cuda")
-    pos = torch.full((batch,), window + 7, dtype=torch.int64, device="cuda")
-    step = model.decode_step
-    if compiled:
-        torch._dynamo.reset()
-        step = torch.compile(model.decode_step, fullgraph=True, dynamic=False)
+    run = full_window_step(model, batch, window, compiled)
     with torch.no_grad():
         for _ in range(3):
-            step(tok, pos)
+            run()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            step(tok, pos)
+            run()
             torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     events.sort(key=lambda e: -e.device_time_total)

@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import table, write_result
-from examples.perplexity import kjv_tokens
+from examples.perplexity import kjv_tokens, nll_sum
 from kvops.models import Llama, Tokenizer
 
 WINDOW, PAGE, CHUNK = 512, 16, 128
@@ -265,14 +265,6 @@ def hidden_states_from(model: Llama, ids: torch.Tensor, config: str, start: int 
         x = x + att.wo(o.flatten(-2))
         x = x + block.feed_forward(block.ffn_norm(x))
     return model.norm(x), kvs
-
-
-def nll_sum(model: Llama, hidden: torch.Tensor, targets: torch.Tensor, chunk: int = 512) -> float:
-    total = 0.0
-    for i in range(0, hidden.shape[0], chunk):
-        logits = model.output(hidden[i:i + chunk]).float()
-        total += F.cross_entropy(logits, targets[i:i + chunk], reduction="sum").item()
-    return total
 
 
 def perplexity(model, ids, config) -> float:

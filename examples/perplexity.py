@@ -60,7 +60,7 @@ def kjv_tokens(tok: Tokenizer, n: int) -> torch.Tensor:
     return torch.tensor(ids[:n])
 
 
-def _nll(model: Llama, hidden: torch.Tensor, targets: torch.Tensor, chunk: int = 512) -> float:
+def nll_sum(model: Llama, hidden: torch.Tensor, targets: torch.Tensor, chunk: int = 512) -> float:
     """Summed NLL of ``targets [T]`` under ``hidden [T, dim]``, projecting a chunk at a time."""
     total = 0.0
     for i in range(0, hidden.shape[0], chunk):
@@ -72,7 +72,7 @@ def _nll(model: Llama, hidden: torch.Tensor, targets: torch.Tensor, chunk: int =
 @torch.no_grad()
 def dense_ppl(model: Llama, ids: torch.Tensor) -> float:
     hidden = model.hidden_states(ids[None])[0]
-    return math.exp(_nll(model, hidden[:-1], ids[1:]) / (ids.shape[0] - 1))
+    return math.exp(nll_sum(model, hidden[:-1], ids[1:]) / (ids.shape[0] - 1))
 
 
 @torch.no_grad()
