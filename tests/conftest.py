@@ -54,6 +54,22 @@ def poison():
     torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
+def capture_graph(fn):
+    """Run ``fn`` once on a side stream (capture needs its kernels compiled and the allocator
+    warm), then capture one call of it in a CUDA graph. Returns ``(graph, the captured call's
+    output)``; replaying the graph reruns ``fn`` on whatever its input buffers hold then."""
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def counting_backend():
     """A torch.compile backend that counts compilations: ``(backend, calls)``; compile with
     ``backend`` and assert ``len(calls) == 1`` after many steps to prove zero recompiles."""

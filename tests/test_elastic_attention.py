@@ -14,7 +14,7 @@ from kvops.kernels.elastic_attention import elastic_attention_fwd
 from kvops.layouts import codecs
 from kvops.layouts.pairs import base_pair_view
 from kvops.ops.elastic_attention import elastic_attention_ref, span_modes
-from tests.conftest import counting_backend, requires_cuda
+from tests.conftest import capture_graph, counting_backend, requires_cuda
 from tests.oracles_elastic import elastic_oracle
 from tests.tolerances import ATTN_TOL, LSE_TOL, assert_close
 
@@ -269,14 +269,7 @@ def test_cuda_graph_replay_with_new_tables(path):
     dims = (8, 32, 16, 8, 4, 128, torch.float16, path)
     case = make_case(*dims, "cuda", seed=11, pool_pages=8 * 32 + 2)
     static = {n: t.clone() for n, t in case.items()}
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        torch.ops.kvops.elastic_attention(**static)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = torch.ops.kvops.elastic_attention(**static)
+    graph, (out, lse) = capture_graph(lambda: torch.ops.kvops.elastic_attention(**static))
     for seed in range(12, 15):
         fresh = make_case(*dims, "cuda", seed=seed, pool_pages=8 * 32 + 2)
         for n, t in fresh.items():

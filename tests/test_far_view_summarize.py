@@ -12,7 +12,7 @@ import kvops
 from kvops.kernels.far_view_summarize import far_view_summarize_fwd
 from kvops.ops.far_view_summarize import far_view_summarize_ref
 from kvops.ops.static_sliding_attention import static_sliding_attention_ref
-from tests.conftest import counting_backend, requires_cuda
+from tests.conftest import capture_graph, counting_backend, requires_cuda
 from tests.oracles_far_view import far_view_summarize_oracle
 from tests.tolerances import assert_close
 
@@ -171,15 +171,7 @@ def test_cuda_graph_replay_with_new_tables():
     B, C, M, S, Hkv, D = 3, 16, 8, 16, 8, 128
     case = make_case(B, C, M, S, Hkv, D, torch.float16, "cuda", seed=7)
     static = {n: t.clone() for n, t in case.items()}
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        torch.ops.kvops.far_view_summarize(**static)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        k_sum, v_sum = torch.ops.kvops.far_view_summarize(**static)
+    graph, (k_sum, v_sum) = capture_graph(lambda: torch.ops.kvops.far_view_summarize(**static))
     for seed in range(8, 11):
         fresh = make_case(B, C, M, S, Hkv, D, torch.float16, "cuda", seed=seed)
         for n, t in fresh.items():

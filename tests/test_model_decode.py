@@ -24,7 +24,7 @@ from kvops.models.reference import (
     run_decode,
     window_logits,
 )
-from tests.conftest import requires_cuda
+from tests.conftest import capture_graph, requires_cuda
 from tests.tolerances import assert_close
 
 TINY = LlamaConfig(vocab_size=97, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
@@ -189,14 +189,8 @@ def test_cuda_compiled_step_once_and_graph_replay():
     _, got = run_decode(compiled, prompts, steps=4, forced=[f[:4] for f in forced], step=step)
     # the remaining steps replay one captured graph of the compiled step
     tok, pos = torch.stack([f[4] for f in forced]), torch.tensor([21, 34], device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.no_grad():
-        step(tok, pos)      # warm-up on a side stream, as capture requires (writes the same KV)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.no_grad():
-        out = step(tok, pos)
+    with torch.no_grad():   # the warm-up call writes the same KV as the captured one
+        graph, out = capture_graph(lambda: step(tok, pos))
     replayed = []
     for i in range(4, 12):
         tok.copy_(torch.stack([f[i] for f in forced]))

@@ -13,7 +13,7 @@ import kvops
 from kvops.kernels.paged_gather_merged import paged_gather_merged_fwd
 from kvops.layouts import arena_as_pages, plan_trains
 from kvops.ops.paged_gather_merged import paged_gather_merged_ref
-from tests.conftest import counting_backend, requires_cuda
+from tests.conftest import capture_graph, counting_backend, requires_cuda
 from tests.oracles_kv_rm import gather_oracle
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -204,14 +204,8 @@ def test_cuda_graph_replay_with_new_count():
     trains = torch.zeros(Q, 3, dtype=torch.int32, device="cuda")
     num_t = torch.zeros(1, dtype=torch.int32, device="cuda")
     k_out, v_out = poisoned(Q, S, Hkv, D, torch.float16, "cuda")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        torch.ops.kvops.paged_gather_merged(k, v, trains, num_t, k_out, v_out)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        torch.ops.kvops.paged_gather_merged(k, v, trains, num_t, k_out, v_out)
+    graph, _ = capture_graph(
+        lambda: torch.ops.kvops.paged_gather_merged(k, v, trains, num_t, k_out, v_out))
     for max_len in (1, 4, 64):
         new, num = random_trains(P, Q, gen, max_len=max_len, ignored=0)
         trains.zero_()

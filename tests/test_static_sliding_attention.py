@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import kvops
 from kvops.kernels.static_sliding_attention import static_sliding_attention_fwd
 from kvops.ops.static_sliding_attention import static_sliding_attention_ref
-from tests.conftest import counting_backend, requires_cuda
+from tests.conftest import capture_graph, counting_backend, requires_cuda
 from tests.oracles_attention import sliding_window_oracle
 from tests.tolerances import ATTN_TOL, LSE_TOL, assert_close
 
@@ -174,15 +174,7 @@ def test_cuda_graph_replay_with_new_values(far):
     B, W, Hkv, G, D, C = 4, 1000, 8, 4, 128, (16 if far else 0)
     case = make_case(B, W, Hkv, G, D, C, torch.float16, "cuda", seed=6)
     static = {n: t.clone() for n, t in case.items()}
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        torch.ops.kvops.static_sliding_attention(**static)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = torch.ops.kvops.static_sliding_attention(**static)
+    graph, (out, lse) = capture_graph(lambda: torch.ops.kvops.static_sliding_attention(**static))
     for seed in range(7, 10):
         fresh = make_case(B, W, Hkv, G, D, C, torch.float16, "cuda", seed=seed)
         for n, t in fresh.items():

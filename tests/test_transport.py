@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 import kvops
 from kvops.layouts import arena_as_pages, plan_trains
 from kvops.runtime import OutOfPages, Pager, Transport, apply_copies
-from tests.conftest import KERNEL_DEVICES, requires_cuda
+from tests.conftest import KERNEL_DEVICES, capture_graph, requires_cuda
 
 S, HKV, D = 8, 1, 16
 
@@ -180,14 +180,7 @@ def test_one_captured_gather_follows_every_commit():
     frame (one upload) and replays the graph, and the arena follows the moving mappings."""
     h = Harness(torch.device("cuda"), P=64, B=3, W=24, L=16)
     h.step(lambda f: (f.reserve("a", 9), f.reserve("b", 2)))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        h.gather()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        h.gather()
+    graph, _ = capture_graph(h.gather)
     h.gather = graph.replay
     h.alias_src, h.alias_len = {"c": "a"}, {"c": 30}
     for t in range(40):
