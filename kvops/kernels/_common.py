@@ -15,15 +15,28 @@ def next_pow2(n: int) -> int:
 
 
 @functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _props(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+def _cuda_props(device: torch.device):
+    """Properties of CUDA ``device``, queried once per device (launchers ask on every call)."""
+    return _props(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of ``device``; 4 for CPU (interpreter) so split-K is exercised."""
     if device.type != "cuda":
         return 4
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _cuda_props(device).multi_processor_count
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    """``(major, minor)`` compute capability of ``device``; ``(0, 0)`` for a CPU device."""
+    if device.type != "cuda":
+        return (0, 0)
+    p = _cuda_props(device)
+    return (p.major, p.minor)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvops.kernels._common import next_pow2, sm_count
+from kvops.kernels._common import cuda_capability, next_pow2, sm_count
 
 
 @triton.jit
@@ -64,7 +64,7 @@ def use_pdl(device: torch.device) -> bool:
     """Programmatic dependent launch (Hopper and newer): the merge launches while stage 1 is
     still running and waits on-device, hiding one launch latency. Stage 1 kernels take it as
     their ``USE_PDL`` constexpr and call ``gdc_launch_dependents``."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return cuda_capability(device)[0] >= 9
 
 
 def split_outputs(B: int, Hq: int, D: int, nsp: int, dtype: torch.dtype, device: torch.device):

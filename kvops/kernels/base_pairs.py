@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from kvops._config import interpreting
-from kvops.kernels._common import next_pow2
+from kvops.kernels._common import cuda_capability, next_pow2
 
 CODEC_IDS = {"hi8": 0, "hi8r": 1, "e4m3": 2}
 
@@ -145,8 +145,7 @@ def _refine_pairs_kernel(
 
 def hw_fp8(device: torch.device) -> bool:
     """Whether the GPU converts to float8 e4m3 in hardware (sm_89 and newer, compiled code)."""
-    return (device.type == "cuda" and not interpreting()
-            and torch.cuda.get_device_capability(device) >= (8, 9))
+    return not interpreting() and cuda_capability(device) >= (8, 9)
 
 
 def _launch(kernel, cache, pairs, backing, codec, block, num_warps, **extra):
