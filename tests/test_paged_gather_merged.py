@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvops
-from kvops.kernels.paged_gather_merged import paged_gather_merged_fwd
+from kvops.kernels.paged_gather_merged import FUSE_MAX_TRAINS, paged_gather_merged_fwd
 from kvops.layouts import arena_as_pages, plan_trains
 from kvops.ops.paged_gather_merged import paged_gather_merged_ref
 from tests.conftest import capture_graph, counting_backend, requires_cuda
@@ -18,6 +18,13 @@ from tests.oracles_kv_rm import gather_oracle
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=[FUSE_MAX_TRAINS, 0], ids=["one-launch", "two-launch"])
+def launch(request):
+    """Kernel keyword arguments for each way of finding a program's first train: the rows summed
+    in every program (few trains) or the train-ends kernel and its search (many)."""
+    return {"fuse_max_trains": request.param}
 
 
 def random_trains(P, Q, gen, *, max_len=5, ignored=2):
@@ -78,11 +85,11 @@ shapes = st.tuples(
 
 
 @given(shapes)
-def test_kernel_matches_oracle(kernel_device, shape):
+def test_kernel_matches_oracle(kernel_device, launch, shape):
     P, Q, S, Hkv, D, dtype, seed = shape
     (k, v, trains, num_t), num = make_case(P, Q, S, Hkv, D, dtype, kernel_device, seed)
     k_out, v_out = poisoned(Q, S, Hkv, D, dtype, kernel_device)
-    paged_gather_merged_fwd(k, v, trains, num_t, k_out, v_out)
+    paged_gather_merged_fwd(k, v, trains, num_t, k_out, v_out, **launch)
     check(k_out, v_out, k, v, trains, num, case_id(P, Q, S, Hkv, D, dtype))
 
 
@@ -98,7 +105,7 @@ def test_reference_matches_oracle(shape, drop):
 
 
 @pytest.mark.parametrize("layout", ["one-train", "one-page-trains", "mixed"])
-def test_long_and_short_trains(kernel_device, layout):
+def test_long_and_short_trains(kernel_device, launch, layout):
     """One train spanning the whole arena, one train per page, and both in one call."""
     P, Q, S, Hkv, D = 40, 30, 16, 2, 32
     gen = torch.Generator().manual_seed(3)
@@ -112,12 +119,32 @@ def test_long_and_short_trains(kernel_device, layout):
     num = trains.shape[0]
     k_out, v_out = poisoned(Q, S, Hkv, D, torch.float16, kernel_device)
     paged_gather_merged_fwd(k, v, trains, torch.tensor([num], dtype=torch.int32,
-                                                       device=kernel_device), k_out, v_out)
+                                                       device=kernel_device), k_out, v_out,
+                            **launch)
     check(k_out, v_out, k, v, trains, num, layout)
 
 
+@pytest.mark.parametrize("num", [1, 64, 65, 299, 300], ids=lambda n: f"num{n}")
+def test_many_trains_search(kernel_device, launch, num):
+    """300 rows (one-page trains, every fifth row moving nothing) under few programs: the search
+    over the train ends takes several 64-wide rounds, and programs start mid-range."""
+    P, Q, S, Hkv, D, T = 320, 300, 8, 1, 16, 300
+    gen = torch.Generator().manual_seed(num)
+    k = torch.randn(P, S, Hkv, D, generator=gen).to(kernel_device)
+    v = torch.randn(P, S, Hkv, D, generator=gen).to(kernel_device)
+    src = torch.randperm(P, generator=gen)[:T]
+    n = torch.ones(T, dtype=torch.int64)
+    n[::5] = 0
+    trains = torch.stack([src, torch.arange(T), n], 1).int().to(kernel_device)
+    k_out, v_out = poisoned(Q, S, Hkv, D, torch.float32, kernel_device)
+    paged_gather_merged_fwd(k, v, trains, torch.tensor([num], dtype=torch.int32,
+                                                       device=kernel_device), k_out, v_out,
+                            num_programs=7, block=32, **launch)
+    check(k_out, v_out, k, v, trains, num, f"num{num}")
+
+
 @pytest.mark.parametrize("num", [0, 1, 3, 7, 99], ids=lambda n: f"num{n}")
-def test_num_trains_clamped_and_bad_rows_skipped(kernel_device, num):
+def test_num_trains_clamped_and_bad_rows_skipped(kernel_device, launch, num):
     """Counts beyond [0, T] clamp; rows outside the pool or arena, or with n < 1, copy nothing."""
     P, Q, S, Hkv, D = 10, 8, 8, 1, 16
     k = torch.randn(P, S, Hkv, D).to(kernel_device)
@@ -125,7 +152,8 @@ def test_num_trains_clamped_and_bad_rows_skipped(kernel_device, num):
     rows = [[0, 0, 2], [9, 2, 2], [3, 2, 0], [-1, 3, 1], [2, 7, 2], [1, 4, 1], [4, 5, 3]]
     trains = torch.tensor(rows, dtype=torch.int32, device=kernel_device)
     num_t = torch.tensor([num], dtype=torch.int32, device=kernel_device)
-    for fn, label in ((paged_gather_merged_fwd, "kernel"), (paged_gather_merged_ref, "ref")):
+    for fn, label in ((lambda *a: paged_gather_merged_fwd(*a, **launch), "kernel"),
+                      (paged_gather_merged_ref, "ref")):
         k_out, v_out = poisoned(Q, S, Hkv, D, torch.float32, kernel_device)
         fn(k, v, trains, num_t, k_out, v_out)
         check(k_out, v_out, k, v, trains, num, f"{label}-num{num}")

@@ -1,19 +1,23 @@
 """Triton kernels for ``kvops.paged_gather_merged``: copy trains of pages, graph-replayable.
 
-Two fixed-shape launches:
+The work of a step is the pages of the first ``num_trains`` rows of ``trains`` (rows that do not
+lie in the pool / arena count 0 pages), known on the device only. A persistent grid sized from
+shapes (about 64 programs per SM, never more than the arena's pages allow) splits it: a page is
+``UNITS`` blocks of ``BLOCK`` contiguous elements (a power of two dividing ``S * Hkv * D``, so
+there are no masks and every access is a 16-byte vector), and the blocks of the step are cut into
+equal contiguous ranges, one per program. A program finds the train holding its first block,
+then walks forward through its range, stepping to the next train when it crosses one's end (the
+next train's row is loaded one train ahead, so a step waits on no load). One long train is spread
+over every program, and many one-page trains are packed several to a program, so both fill the
+GPU.
 
-1. ``_train_ends_kernel`` (one program) turns the used rows of ``trains`` into running page
-   counts ``ends[t + 1] = pages of rows 0..t`` (rows past ``num_trains`` and rows that do not
-   lie in the pool / arena count 0 pages), so the work of the step is ``ends[T]`` pages, known
-   on the device only.
-2. ``_gather_pages_kernel`` runs a persistent grid sized from shapes (about 32 programs per SM,
-   never more than the arena's pages allow). A page is ``UNITS`` blocks of ``BLOCK`` contiguous
-   elements (a power of two dividing ``S * Hkv * D``, so there are no masks and every access is
-   a 16-byte vector). The ``ends[T] * UNITS`` blocks of the step are split into equal contiguous
-   ranges, one per program: a program binary-searches ``ends`` once for the train holding its
-   first block, then walks forward through its range, stepping to the next train when it
-   crosses one's end. One long train is spread over every program, and many one-page trains
-   are packed several to a program, so both fill the GPU.
+Finding the first train, two ways (``FUSED``):
+
+- few trains (``T <= FUSE_MAX_TRAINS``, a decode step's moves): one launch; every program loads
+  the used rows, and a cumulative sum of their pages in registers gives the train directly;
+- many trains: ``_train_ends_kernel`` (one program) first writes the running page counts
+  ``ends[t + 1] = pages of rows 0..t``, and each program searches ``ends`` ``FANOUT`` entries a
+  round (two dependent rounds for 4,096 trains, where a binary search takes 13).
 
 ``num_trains`` is read on the device, so one captured graph serves any count up to ``T``.
 """
@@ -26,6 +30,27 @@ import triton.language as tl
 
 from kvops.kernels._common import next_pow2, sm_count
 
+FUSE_MAX_TRAINS = 512     # up to this many rows, one launch (the rows are re-read per program)
+
+
+@triton.jit
+def _row_pages(b_src, b_dst, b_n, P, Q):
+    """Pages a train row moves: ``n`` when ``[src, src+n)`` lies in the pool and ``[dst, dst+n)``
+    in the arena, else 0."""
+    m_ok = (b_n >= 1) & (b_src >= 0) & (b_src <= P - b_n) & (b_dst >= 0) & (b_dst <= Q - b_n)
+    return tl.where(m_ok, b_n, 0)
+
+
+@triton.jit
+def _load_row(Trains, t, num, P, Q):
+    """(src, dst, pages) of row ``t``; a row at or past ``num`` moves 0 pages."""
+    m = t < num
+    p_row = Trains + t.to(tl.int64) * 3
+    b_src = tl.load(p_row, mask=m, other=0)
+    b_dst = tl.load(p_row + 1, mask=m, other=0)
+    b_n = tl.load(p_row + 2, mask=m, other=0)
+    return b_src, b_dst, _row_pages(b_src, b_dst, b_n, P, Q)
+
 
 @triton.jit
 def _train_ends_kernel(Trains, NumTrains, Ends, T, P, Q, BLOCK_T: tl.constexpr):
@@ -34,52 +59,72 @@ def _train_ends_kernel(Trains, NumTrains, Ends, T, P, Q, BLOCK_T: tl.constexpr):
     carry = tl.full([], 0, tl.int32)
     for start in range(0, T, BLOCK_T):
         o_t = start + tl.arange(0, BLOCK_T)
-        m_t = o_t < num
-        p_row = Trains + o_t.to(tl.int64) * 3
-        b_src = tl.load(p_row, mask=m_t, other=0)
-        b_dst = tl.load(p_row + 1, mask=m_t, other=0)
-        b_n = tl.load(p_row + 2, mask=m_t, other=0)
-        m_ok = m_t & (b_n >= 1) & (b_src >= 0) & (b_src <= P - b_n) & (b_dst >= 0) \
-            & (b_dst <= Q - b_n)
-        b_n = tl.where(m_ok, b_n, 0)
+        b_n = _load_row(Trains, o_t, num, P, Q)[2]
         tl.store(Ends + 1 + o_t, tl.cumsum(b_n, 0) + carry, mask=o_t < T)
         carry += tl.sum(b_n, 0)
 
 
 @triton.jit
+def _search_ends(Ends, T, g, FANOUT: tl.constexpr):
+    """The last ``t`` in ``[0, T]`` with ``ends[t] <= g`` (``ends`` is non-decreasing, ``ends[0]
+    = 0 <= g < ends[T]``): each round loads ``FANOUT`` evenly spaced entries of the range left."""
+    o_f = tl.arange(0, FANOUT)
+    t = tl.full([], 0, tl.int32)
+    width = tl.full([], 0, tl.int32) + T + 1
+    while width > 1:
+        step = tl.cdiv(width, FANOUT)
+        o_t = t + o_f * step
+        m_t = (o_f * step < width) & (o_t <= T)
+        b_le = (tl.load(Ends + o_t, mask=m_t, other=0) <= g) & m_t
+        t += (tl.sum(b_le.to(tl.int32), 0) - 1) * step
+        width = step
+    return t
+
+
+@triton.jit
 def _gather_pages_kernel(
-    K, V, KOut, VOut, Trains, Ends, T, log_t,
-    UNITS: tl.constexpr, BLOCK: tl.constexpr,
+    K, V, KOut, VOut, Trains, NumTrains, Ends, T, P, Q,
+    UNITS: tl.constexpr, BLOCK: tl.constexpr, FUSED: tl.constexpr, BLOCK_T: tl.constexpr,
+    FANOUT: tl.constexpr,
 ):
     i_p = tl.program_id(0)
-    total = tl.load(Ends + T) * UNITS
+    num = tl.minimum(tl.maximum(tl.load(NumTrains), 0), T)
+    if FUSED:
+        o_t = tl.arange(0, BLOCK_T)
+        b_n = _load_row(Trains, o_t, num, P, Q)[2]
+        b_end = tl.cumsum(b_n, 0)                       # pages of rows 0..t
+        pages = tl.sum(b_n, 0)
+    else:
+        pages = tl.load(Ends + T)
+    total = pages * UNITS
     per = tl.cdiv(total, tl.num_programs(0))
     lo = i_p * per
     hi = tl.minimum(lo + per, total)
     if lo < hi:
-        # the train t of the first block: ends[t] <= page < ends[t + 1]
+        # the train t of the first block: first <= page < nxt, its first and end pages
         g = lo // UNITS
-        t_lo = tl.full([], 0, tl.int32)
-        t_hi = tl.full([], 0, tl.int32) + T
-        for _ in range(log_t):
-            mid = (t_lo + t_hi) // 2
-            m_up = tl.load(Ends + mid) <= g
-            t_lo = tl.where(m_up, mid, t_lo)
-            t_hi = tl.where(m_up, t_hi, mid)
-        t = t_lo
-        first = tl.load(Ends + t)
-        nxt = tl.load(Ends + t + 1)
-        src = tl.load(Trains + t.to(tl.int64) * 3)
-        dst = tl.load(Trains + t.to(tl.int64) * 3 + 1)
+        if FUSED:
+            t = tl.sum((b_end <= g).to(tl.int32), 0)
+            nxt = tl.min(tl.where(b_end > g, b_end, pages), 0)
+            first = nxt - tl.sum(tl.where(o_t == t, b_n, 0), 0)
+        else:
+            t = _search_ends(Ends, T, g, FANOUT)
+            first = tl.load(Ends + t)
+            nxt = tl.load(Ends + t + 1)
+        row = _load_row(Trains, t, num, P, Q)
+        src = row[0]
+        dst = row[1]
+        src1, dst1, n1 = _load_row(Trains, t + 1, num, P, Q)
         o_e = tl.arange(0, BLOCK)
         for w in range(lo, hi):
             g = w // UNITS
             while g >= nxt:
                 t += 1
                 first = nxt
-                nxt = tl.load(Ends + t + 1)
-                src = tl.load(Trains + t.to(tl.int64) * 3)
-                dst = tl.load(Trains + t.to(tl.int64) * 3 + 1)
+                nxt = first + n1
+                src = src1
+                dst = dst1
+                src1, dst1, n1 = _load_row(Trains, t + 1, num, P, Q)
             o_blk = (w % UNITS) * BLOCK
             o_src = (src + g - first).to(tl.int64) * (UNITS * BLOCK) + o_blk
             o_dst = (dst + g - first).to(tl.int64) * (UNITS * BLOCK) + o_blk
@@ -100,8 +145,9 @@ def paged_gather_merged_fwd(
     k_cache: torch.Tensor, v_cache: torch.Tensor, trains: torch.Tensor, num_trains: torch.Tensor,
     k_out: torch.Tensor, v_out: torch.Tensor,
     *, num_programs: int | None = None, block: int | None = None, num_warps: int | None = None,
+    fuse_max_trains: int = FUSE_MAX_TRAINS,
 ) -> None:
-    """Launch the two kernels. Inputs are already checked by the op (contiguous, same shapes).
+    """Launch the kernel(s). Inputs are already checked by the op (contiguous, same shapes).
 
     k_cache, v_cache [P, S, Hkv, D]; trains int32 [T, 3]; num_trains int32 [1];
     k_out, v_out [Q, S, Hkv, D] (written in place). The keyword-only knobs override the tuned
@@ -117,12 +163,18 @@ def paged_gather_merged_fwd(
         raise ValueError(f"block: expected a power of two dividing S*Hkv*D={page_elems}, "
                          f"got {block}")
     units = page_elems // block
-    ends = torch.empty(T + 1, dtype=torch.int32, device=trains.device)
-    _train_ends_kernel[(1,)](trains, num_trains, ends, T, P, Q,
-                             BLOCK_T=min(4096, next_pow2(T)), num_warps=8)
-    grid = num_programs or min(Q * units, 32 * sm_count(k_cache.device))  # tuned, as above
+    fused = T <= fuse_max_trains
+    if fused:
+        ends = trains             # not read
+    else:
+        ends = torch.empty(T + 1, dtype=torch.int32, device=trains.device)
+        _train_ends_kernel[(1,)](trains, num_trains, ends, T, P, Q,
+                                 BLOCK_T=min(4096, next_pow2(T)), num_warps=8)
+    # 64 programs an SM: 3.89-4.08 TB/s against 3.82-4.01 at 32 (the 2026-11-30 sweep, see
+    # bench/results/2026-11-30-paged_gather-variants.md)
+    grid = num_programs or min(Q * units, 64 * sm_count(k_cache.device))
     _gather_pages_kernel[(grid,)](
-        k_cache, v_cache, k_out, v_out, trains, ends, T, max(1, T.bit_length()),
-        UNITS=units, BLOCK=block,
+        k_cache, v_cache, k_out, v_out, trains, num_trains, ends, T, P, Q,
+        UNITS=units, BLOCK=block, FUSED=fused, BLOCK_T=next_pow2(T) if fused else 1, FANOUT=64,
         num_warps=num_warps or 8,
     )
