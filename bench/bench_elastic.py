@@ -211,7 +211,7 @@ def tune_attention(shapes=((16, 4096), (1, 16384)), S=16):
                 for _ in range(rotation(2 * B * ctx * HKV * D * 2))]
         kws = [path_kwargs(label, span, ctx // S) for _, span, _ in sets]
         results = []
-        for bn, nw, ns in itertools.product((32, 64, 128), (4, 8), (2, 3)):
+        for bn, nw, ns in itertools.product((16, 32, 64), (1, 2, 4), (3, 4, 5)):
             fns = [lambda s=s, e=e, c=(bn, nw, ns): elastic_attention_fwd(
                 **s[0], **e, block_n=c[0], num_warps=c[1], num_stages=c[2])
                 for s, e in zip(sets, kws)]

@@ -123,7 +123,7 @@ def _draw(shape):
     return dims, seed
 
 
-@given(shape=shapes, num_splits=st.sampled_from([None, 1, 3]), block_n=st.sampled_from([None, 16]))
+@given(shape=shapes, num_splits=st.sampled_from([None, 1, 3]), block_n=st.sampled_from([None, 32, 64]))
 def test_kernel_matches_oracle(kernel_device, poison, shape, num_splits, block_n):
     dims, seed = _draw(shape)
     case = make_case(*dims, device=kernel_device, seed=seed, zero_row=seed % 3 == 0)

@@ -14,9 +14,16 @@ once and streams its share of the sequence's tokens in tiles of ``BLOCK_N`` rows
 is read once for the whole group. A row's page comes from the block table. The mixed paths walk
 the split as runs of one form (three at most on the structured path, found by scanning the mode
 table on the general one), and each run is a plain pipelined loop of single-form tiles: TARGET
-tiles read 16-bit values, BASE tiles read bytes from their half of the pair page and decode them
-in registers. So a tile costs the bytes and the instructions of its own form only. Splits are
-merged by ``_splitk.merge_splits``.
+tiles read 16-bit values, BASE tiles read their half of the pair page as 32-bit words of four
+bytes and decode them in registers. So a tile costs the bytes and the instructions of its own
+form only. Splits are merged by ``_splitk.merge_splits``.
+
+Launch shape (H200 sweeps, bench/results/2026-11-30-elastic-variants.md): one warp a program,
+16-row tiles on the native path and 32-row tiles on the mixed paths. A one-warp program keeps a
+tile's scores, softmax and ``P`` in its own registers (no cross-warp reductions or barriers),
+and many small programs per SM hide each other's latency; that is what lets a BASE tile, half
+the bytes of a TARGET tile, also take less time. With 4-warp, 128-row programs a BASE tile took
+as long as a TARGET tile.
 
 ``CODEC``: 0 float16 BASE (hi8/hi8r: the byte is the high byte, low byte zero), 2 bfloat16
 BASE (float8 e4m3fn), as in ``kvops.layouts.codecs``.
@@ -28,13 +35,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kvops._config import interpreting
 from kvops.kernels._attention import (
     finish_rows,
     load_query_group,
     online_softmax_tile,
     split_range,
 )
-from kvops.kernels._common import dot_precision, kv_block_n, kv_tile_bytes, next_pow2
+from kvops.kernels._common import dot_precision, kv_tile_bytes, next_pow2
 from kvops.kernels._splitk import default_num_splits, merge_splits, split_outputs
 
 
@@ -54,24 +62,53 @@ def _decode_base(b_x, CODEC: tl.constexpr):
 
 
 @triton.jit
+def _decode_words(b_w, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CODEC: tl.constexpr,
+                  PRMT: tl.constexpr):
+    """int32 words of BASE bytes [BLOCK_N, BLOCK_D // 4] (little endian: byte k of word j is
+    element 4j + k) -> TARGET values [BLOCK_N, BLOCK_D].
+
+    ``PRMT`` (compiled CUDA, CODEC 0): two byte permutes a word, each placing two bytes as the
+    high bytes of a float16 pair, which is the whole hi8 decode (the generic path spends about
+    three instructions an element extracting, shifting and repacking bytes)."""
+    if PRMT and CODEC == 0:
+        b_0, b_1, b_2, b_3 = tl.inline_asm_elementwise(
+            "{ .reg .b32 t0, t1; prmt.b32 t0, $4, 0, 0x1404; prmt.b32 t1, $4, 0, 0x3424; "
+            "mov.b32 {$0, $1}, t0; mov.b32 {$2, $3}, t1; }",
+            "=h,=h,=h,=h,r", [b_w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True, pack=1)
+    else:
+        b_0 = _decode_base((b_w & 0xFF).to(tl.uint8), CODEC)
+        b_1 = _decode_base(((b_w >> 8) & 0xFF).to(tl.uint8), CODEC)
+        b_2 = _decode_base(((b_w >> 16) & 0xFF).to(tl.uint8), CODEC)
+        b_3 = _decode_base(((b_w >> 24) & 0xFF).to(tl.uint8), CODEC)
+    # element 4j + 2m + a is (b_0, b_1, b_2, b_3)[2m + a] of word j
+    return tl.reshape(tl.join(tl.join(b_0, b_2), tl.join(b_1, b_3)), (BLOCK_N, BLOCK_D))
+
+
+@triton.jit
 def _run(K, V, p_table, p_mode, span_lo, lo, hi, b_q, b_m, b_l, b_acc, scale_log2, i_h,
          stride_kp, stride_vp, Hkv, o_n, o_d, m_d,
          D: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr, BASE: tl.constexpr,
-         MODE: tl.constexpr, CODEC: tl.constexpr, PRECISION: tl.constexpr):
+         MODE: tl.constexpr, CODEC: tl.constexpr, PRECISION: tl.constexpr,
+         PRMT: tl.constexpr):
     """Fold rows ``[lo, hi)`` of one form into the running softmax, ``BLOCK_N`` rows a tile.
 
-    TARGET (``BASE`` false): 16-bit rows of their pages. BASE: bytes from the row's half of its
-    pair page, decoded in registers; the half of logical block ``j`` is ``(j - span_lo) & 1`` on
-    the structured path (``MODE == 1``) and its mode (1: half 0, 2: half 1) from ``p_mode`` on
-    the general path. Page ids are loaded one tile ahead (loop-carried), so a tile's K/V loads
-    do not wait on a load of the same iteration and the pipeliner keeps two tiles in flight
-    (with the page-id load in the same iteration it kept one: half the bandwidth on an H200)."""
-    b_page = tl.load(p_table + (lo + o_n) // S, mask=lo + o_n < hi, other=0).to(tl.int64)
+    TARGET (``BASE`` false): 16-bit rows of their pages. BASE: the row's half of its pair page,
+    loaded as 32-bit words (a byte-typed tile is moved through shared memory a byte at a time)
+    and decoded in registers; the half of logical block ``j`` is ``(j - span_lo) & 1`` on the
+    structured path (``MODE == 1``) and its mode (1: half 0, 2: half 1) from ``p_mode`` on the
+    general path. A tile's page ids are loaded in its own iteration: with 5 stages the pipeliner
+    copies them to shared memory one tile ahead of the tile's K/V copies, which stay two tiles
+    ahead of the math, so no load waits on another (with the ids carried in registers instead,
+    the pipeliner issued each tile's K/V copies right behind a blocking id load: 0.80-0.90x the
+    dense kernel, bench/results/2026-11-30-elastic-variants.md)."""
+    BLOCK_D: tl.constexpr = o_d.shape[0]
+    o_w = tl.arange(0, BLOCK_D // 4)
     for start in range(lo, hi, BLOCK_N):
         o_t = start + o_n
         m_n = o_t < hi
+        b_page = tl.load(p_table + o_t // S, mask=m_n, other=0).to(tl.int64)
         o_in = ((o_t % S) * Hkv + i_h) * D            # the row inside its page (or half)
-        m_kv = m_n[:, None] & m_d[None, :]
         if BASE:
             o_j = o_t // S
             if MODE == 1:
@@ -79,21 +116,22 @@ def _run(K, V, p_table, p_mode, span_lo, lo, hi, b_q, b_m, b_l, b_acc, scale_log
             else:
                 o_half = (tl.load(p_mode + o_j, mask=m_n, other=1) == 2).to(tl.int32) \
                     * (S * Hkv * D)
-            b_xk = tl.load(K.to(tl.pointer_type(tl.uint8))
-                           + (b_page * (2 * stride_kp) + (o_half + o_in))[:, None] + o_d[None, :],
-                           mask=m_kv, other=0)
-            b_xv = tl.load(V.to(tl.pointer_type(tl.uint8))
-                           + (b_page * (2 * stride_vp) + (o_half + o_in))[:, None] + o_d[None, :],
-                           mask=m_kv, other=0)
-            b_k = _decode_base(b_xk, CODEC)
-            b_v = _decode_base(b_xv, CODEC)
+            # byte offsets are multiples of 4 (D % 16 == 0, even page strides, aligned pools)
+            m_w = m_n[:, None] & (o_w < D // 4)[None, :]
+            o_kw = (b_page * (2 * stride_kp) + (o_half + o_in)) // 4
+            o_vw = (b_page * (2 * stride_vp) + (o_half + o_in)) // 4
+            b_wk = tl.load(K.to(tl.pointer_type(tl.int32)) + o_kw[:, None] + o_w[None, :],
+                           mask=m_w, other=0)
+            b_wv = tl.load(V.to(tl.pointer_type(tl.int32)) + o_vw[:, None] + o_w[None, :],
+                           mask=m_w, other=0)
+            b_k = _decode_words(b_wk, BLOCK_N, BLOCK_D, CODEC, PRMT)
+            b_v = _decode_words(b_wv, BLOCK_N, BLOCK_D, CODEC, PRMT)
         else:
+            m_kv = m_n[:, None] & m_d[None, :]
             b_k = tl.load(K + (b_page * stride_kp + o_in)[:, None] + o_d[None, :], mask=m_kv,
                           other=0.0)
             b_v = tl.load(V + (b_page * stride_vp + o_in)[:, None] + o_d[None, :], mask=m_kv,
                           other=0.0)
-        b_page = tl.load(p_table + (o_t + BLOCK_N) // S, mask=o_t + BLOCK_N < hi,
-                         other=0).to(tl.int64)
         b_bias = tl.where(m_n, 0.0, float("-inf"))
         b_m, b_l, b_acc = online_softmax_tile(b_q, b_k, b_v, b_bias, b_m, b_l, b_acc,
                                               scale_log2, PRECISION)
@@ -131,6 +169,7 @@ def _elastic_decode_kernel(
     G: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MODE: tl.constexpr, CODEC: tl.constexpr, PRECISION: tl.constexpr,
+    SAME_STRIDE: tl.constexpr, PRMT: tl.constexpr,
 ):
     i_bh = tl.program_id(0)
     i_s = tl.program_id(1)
@@ -147,10 +186,12 @@ def _elastic_decode_kernel(
     n_tok = tl.minimum(tl.maximum(tl.load(SeqLens + i_b), 0), NB * S)
     lo, hi = split_range(n_tok, i_s, NUM_SPLITS, BLOCK_N)
     p_table = BlockTable + i_b * stride_tb
+    if SAME_STRIDE:       # one row offset serves K and V: a third fewer address instructions
+        stride_vp = stride_kp
     if MODE == 0:
         b_m, b_l, b_acc = _run(K, V, p_table, BlockMode, 0, lo, hi, b_q, b_m, b_l, b_acc,
                                scale_log2, i_h, stride_kp, stride_vp, Hkv, o_n, o_d, m_d,
-                               D, S, BLOCK_N, False, MODE, CODEC, PRECISION)
+                               D, S, BLOCK_N, False, MODE, CODEC, PRECISION, PRMT)
     else:
         # Walk the split as runs of one form; each run is a pipelined loop of single-form tiles
         # starting at the run's first row. Both mixed paths cut the same runs from the same
@@ -176,15 +217,33 @@ def _elastic_decode_kernel(
             if is_base != 0:
                 b_m, b_l, b_acc = _run(K, V, p_table, p_mode, span_lo, pos, end, b_q, b_m, b_l,
                                        b_acc, scale_log2, i_h, stride_kp, stride_vp, Hkv, o_n,
-                                       o_d, m_d, D, S, BLOCK_N, True, MODE, CODEC, PRECISION)
+                                       o_d, m_d, D, S, BLOCK_N, True, MODE, CODEC, PRECISION, PRMT)
             else:
                 b_m, b_l, b_acc = _run(K, V, p_table, p_mode, span_lo, pos, end, b_q, b_m, b_l,
                                        b_acc, scale_log2, i_h, stride_kp, stride_vp, Hkv, o_n,
-                                       o_d, m_d, D, S, BLOCK_N, False, MODE, CODEC, PRECISION)
+                                       o_d, m_d, D, S, BLOCK_N, False, MODE, CODEC, PRECISION, PRMT)
             pos = end
 
     finish_rows(b_m, b_l, b_acc, O, L, i_b, i_h, i_s, stride_ob, stride_oh, stride_os,
                 stride_lb, stride_lh, G, D, BLOCK_G, BLOCK_D)
+
+
+BLOCK_N = 16            # native path: rows a tile, one warp a program (module docstring)
+BLOCK_N_MIXED = 32      # structured and general paths (the general path is wrong at 16 on CUDA)
+
+
+def default_num_stages(mode: int, num_splits: int) -> int:
+    """Pipeline depth. 5 keeps a tile's page ids one tile ahead of its K/V copies and those two
+    tiles ahead of the math; the mixed paths' 32-row tiles take 4 when unsplit (more programs
+    fit an SM: 349 vs 422 us all-BASE at B 128, 4k) and 5 when split (210 vs 258 us at B 16,
+    16k; bench/results/2026-11-30-elastic-variants.md)."""
+    return 4 if mode != 0 and num_splits == 1 else 5
+
+
+def default_num_warps(D: int, dtype: torch.dtype) -> int:
+    """One warp a program while a row is at most 256 bytes (D <= 128 at 16 bits); wider rows
+    take 4 warps, so a 16-row tile's operands stay in registers."""
+    return 1 if D * torch.empty((), dtype=dtype).element_size() <= 256 else 4
 
 
 def elastic_attention_fwd(
@@ -193,14 +252,16 @@ def elastic_attention_fwd(
     block_mode: torch.Tensor | None = None, base_span: torch.Tensor | None = None,
     scale: float | None = None,
     *, num_splits: int | None = None, block_n: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None, prmt: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the elastic paged decode kernel. Inputs are already checked by the op.
+    """Launch the elastic paged decode kernel. Inputs are already checked by the op (BASE
+    paths: 4-byte aligned pools with even page strides, as ``kvops.layouts.pairs`` requires).
 
     q [B, Hq, D]; k_cache, v_cache [P, S, Hkv, D] (pages contiguous); block_table int32 [B, L];
     seq_lens int32 [B]; block_mode int8 [B, L] or base_span int32 [B, 2] or neither (native).
     Returns out [B, Hq, D] (q.dtype) and lse float32 [B, Hq]. The keyword-only knobs override
-    the defaults (benchmarks and tests use them).
+    the defaults (benchmarks and tests use them); ``prmt`` picks the hi8 decode (inline PTX byte
+    permutes; default on compiled CUDA, off under the interpreter).
     """
     B, Hq, D = q.shape
     _, S, Hkv, _ = k_cache.shape
@@ -208,7 +269,13 @@ def elastic_attention_fwd(
     G = Hq // Hkv
     scale = D ** -0.5 if scale is None else scale
     mode = 2 if block_mode is not None else (1 if base_span is not None else 0)
-    block_n = block_n or kv_block_n(D, k_cache.dtype)
+    block_n = block_n or (BLOCK_N if mode == 0 else BLOCK_N_MIXED)
+    if mode == 2 and block_n < 32 and not interpreting():
+        # seen on the H200 with triton 3.6: 16-row general-path tiles give wrong outputs
+        # (max error 0.1-0.5 on the benchmark layouts) while 32-row tiles and the structured
+        # path on the same layout are exact; not reproduced under the interpreter
+        raise ValueError(f"block_n: the general path needs at least 32 rows a tile on CUDA, "
+                         f"got {block_n}")
     if num_splits is None:
         num_splits = default_num_splits(max(B, 1) * Hkv, NB * S, block_n,
                                         kv_tile_bytes(block_n, D, k_cache.dtype), q.device)
@@ -230,7 +297,10 @@ def elastic_attention_fwd(
         G=G, D=D, S=S, BLOCK_G=max(16, next_pow2(G)), BLOCK_D=next_pow2(D), BLOCK_N=block_n,
         MODE=mode, CODEC=2 if k_cache.dtype == torch.bfloat16 else 0,
         PRECISION=dot_precision(q.dtype),
-        num_warps=num_warps or 4, num_stages=num_stages or 3,
+        SAME_STRIDE=k_cache.stride(0) == v_cache.stride(0),
+        PRMT=not interpreting() if prmt is None else prmt,
+        num_warps=num_warps or default_num_warps(D, k_cache.dtype),
+        num_stages=num_stages or default_num_stages(mode, num_splits),
     )
     if num_splits > 1:
         merge_splits(part_o.view(B * Hq, num_splits, D), part_l.view(B * Hq, num_splits),

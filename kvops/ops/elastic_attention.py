@@ -73,6 +73,11 @@ def _check(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, sc
     if (block_mode is not None or base_span is not None) and q.dtype == torch.float32:
         raise TypeError("k_cache: BASE blocks need a float16 or bfloat16 cache, got float32 "
                         "(float32 runs the native path only)")
+    if block_mode is not None or base_span is not None:
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if c.stride(0) % 2:
+                raise ValueError(f"{name}: BASE rows are read as 32-bit words: expected an even "
+                                 f"page stride, got {c.stride(0)}")
     if scale is not None and not isinstance(scale, float):
         raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
 
@@ -155,6 +160,12 @@ def elastic_attention(
         _validate(k_cache, block_table, seq_lens, block_mode, base_span)
     if use_triton(q.device):
         from kvops.kernels.elastic_attention import elastic_attention_fwd
+
+        if block_mode is not None or base_span is not None:
+            for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+                if c.numel() and c.data_ptr() % 4:
+                    raise ValueError(f"{name}: BASE rows are read as 32-bit words: expected a "
+                                     f"4-byte aligned pool, got address % 4 = {c.data_ptr() % 4}")
 
         return elastic_attention_fwd(q, k_cache, v_cache, block_table, seq_lens, block_mode,
                                      base_span, scale)
