@@ -86,7 +86,7 @@ def _decode_words(b_w, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CODEC: tl.c
 
 
 @triton.jit
-def _run(K, V, p_table, p_mode, span_lo, lo, hi, b_q, b_m, b_l, b_acc, scale_log2, i_h,
+def _run(K, V, p_table, span_lo, lo, hi, b_q, b_m, b_l, b_acc, scale_log2, i_h,
          stride_kp, stride_vp, Hkv, o_n, o_d, m_d,
          D: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr, BASE: tl.constexpr,
          MODE: tl.constexpr, CODEC: tl.constexpr, PRECISION: tl.constexpr,
@@ -95,27 +95,29 @@ def _run(K, V, p_table, p_mode, span_lo, lo, hi, b_q, b_m, b_l, b_acc, scale_log
 
     TARGET (``BASE`` false): 16-bit rows of their pages. BASE: the row's half of its pair page,
     loaded as 32-bit words (a byte-typed tile is moved through shared memory a byte at a time)
-    and decoded in registers; the half of logical block ``j`` is ``(j - span_lo) & 1`` on the
-    structured path (``MODE == 1``) and its mode (1: half 0, 2: half 1) from ``p_mode`` on the
-    general path. A tile's page ids are loaded in its own iteration: with 5 stages the pipeliner
-    copies them to shared memory one tile ahead of the tile's K/V copies, which stay two tiles
-    ahead of the math, so no load waits on another (with the ids carried in registers instead,
-    the pipeliner issued each tile's K/V copies right behind a blocking id load: 0.80-0.90x the
-    dense kernel, bench/results/2026-11-30-elastic-variants.md)."""
+    and decoded in registers. The half of logical block ``j`` is ``(j - span_lo) & 1`` on the
+    structured path (``MODE == 1``); on the general path ``p_table`` holds ``2 * page + half``
+    (``_half_pages_kernel``), so the half arrives with the page id and no per-row mode byte is
+    loaded (an int8 load is too narrow for the pipeliner's async copies, so every tile waited
+    on one: general-path BASE rows ran no faster than TARGET rows). A tile's page ids are loaded
+    in its own iteration: with 5 stages the pipeliner copies them to shared memory one tile
+    ahead of the tile's K/V copies, which stay two tiles ahead of the math, so no load waits on
+    another (with the ids carried in registers instead, the pipeliner issued each tile's K/V
+    copies right behind a blocking id load: 0.80-0.90x the dense kernel,
+    bench/results/2026-11-30-elastic-variants.md)."""
     BLOCK_D: tl.constexpr = o_d.shape[0]
     o_w = tl.arange(0, BLOCK_D // 4)
     for start in range(lo, hi, BLOCK_N):
         o_t = start + o_n
         m_n = o_t < hi
-        b_page = tl.load(p_table + o_t // S, mask=m_n, other=0).to(tl.int64)
+        b_id = tl.load(p_table + o_t // S, mask=m_n, other=0)
+        b_page = (b_id >> 1 if MODE == 2 else b_id).to(tl.int64)
         o_in = ((o_t % S) * Hkv + i_h) * D            # the row inside its page (or half)
         if BASE:
-            o_j = o_t // S
             if MODE == 1:
-                o_half = ((o_j - span_lo) & 1) * (S * Hkv * D)
+                o_half = (((o_t // S) - span_lo) & 1) * (S * Hkv * D)
             else:
-                o_half = (tl.load(p_mode + o_j, mask=m_n, other=1) == 2).to(tl.int32) \
-                    * (S * Hkv * D)
+                o_half = (b_id & 1) * (S * Hkv * D)
             # byte offsets are multiples of 4 (D % 16 == 0, even page strides, aligned pools)
             m_w = m_n[:, None] & (o_w < D // 4)[None, :]
             o_kw = (b_page * (2 * stride_kp) + (o_half + o_in)) // 4
@@ -136,6 +138,19 @@ def _run(K, V, p_table, p_mode, span_lo, lo, hi, b_q, b_m, b_l, b_acc, scale_log
         b_m, b_l, b_acc = online_softmax_tile(b_q, b_k, b_v, b_bias, b_m, b_l, b_acc,
                                               scale_log2, PRECISION)
     return b_m, b_l, b_acc
+
+
+@triton.jit
+def _half_pages_kernel(Table, Mode, Out, n, L, stride_tb, stride_mb, BLOCK: tl.constexpr):
+    """``out[b, j] = 2 * block_table[b, j] + (block_mode[b, j] == 2)``, out contiguous [B, L]:
+    the general path's page ids with the BASE half in bit 0."""
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    i_b = (o // L).to(tl.int64)
+    j = o % L
+    b_page = tl.load(Table + i_b * stride_tb + j, mask=m, other=0)
+    b_mode = tl.load(Mode + i_b * stride_mb + j, mask=m, other=0)
+    tl.store(Out + o, b_page * 2 + (b_mode == 2).to(tl.int32), mask=m)
 
 
 @triton.jit
@@ -189,7 +204,7 @@ def _elastic_decode_kernel(
     if SAME_STRIDE:       # one row offset serves K and V: a third fewer address instructions
         stride_vp = stride_kp
     if MODE == 0:
-        b_m, b_l, b_acc = _run(K, V, p_table, BlockMode, 0, lo, hi, b_q, b_m, b_l, b_acc,
+        b_m, b_l, b_acc = _run(K, V, p_table, 0, lo, hi, b_q, b_m, b_l, b_acc,
                                scale_log2, i_h, stride_kp, stride_vp, Hkv, o_n, o_d, m_d,
                                D, S, BLOCK_N, False, MODE, CODEC, PRECISION, PRMT)
     else:
@@ -215,11 +230,11 @@ def _elastic_decode_kernel(
                 end = end_j * S
             end = tl.minimum(end, hi)
             if is_base != 0:
-                b_m, b_l, b_acc = _run(K, V, p_table, p_mode, span_lo, pos, end, b_q, b_m, b_l,
+                b_m, b_l, b_acc = _run(K, V, p_table, span_lo, pos, end, b_q, b_m, b_l,
                                        b_acc, scale_log2, i_h, stride_kp, stride_vp, Hkv, o_n,
                                        o_d, m_d, D, S, BLOCK_N, True, MODE, CODEC, PRECISION, PRMT)
             else:
-                b_m, b_l, b_acc = _run(K, V, p_table, p_mode, span_lo, pos, end, b_q, b_m, b_l,
+                b_m, b_l, b_acc = _run(K, V, p_table, span_lo, pos, end, b_q, b_m, b_l,
                                        b_acc, scale_log2, i_h, stride_kp, stride_vp, Hkv, o_n,
                                        o_d, m_d, D, S, BLOCK_N, False, MODE, CODEC, PRECISION, PRMT)
             pos = end
@@ -282,15 +297,25 @@ def elastic_attention_fwd(
     out, lse, part_o, part_l, s_os = split_outputs(B, Hq, D, num_splits, q.dtype, q.device)
     if B == 0:
         return out, lse
+    table = block_table
+    if mode == 2:
+        if k_cache.shape[0] >= 2**30:
+            raise ValueError(f"k_cache: the general path packs 2 * page + half into int32: "
+                             f"expected fewer than 2**30 pages, got {k_cache.shape[0]}")
+        table = torch.empty(block_table.shape, dtype=torch.int32, device=block_table.device)
+        if table.numel():
+            _half_pages_kernel[(triton.cdiv(table.numel(), 1024),)](
+                block_table, block_mode, table, table.numel(), NB, block_table.stride(0),
+                block_mode.stride(0), BLOCK=1024, num_warps=4)
     # the kernel never reads the metadata of the other paths; pass valid pointers
     block_mode = block_table if block_mode is None else block_mode
     base_span = block_table if base_span is None else base_span
     _elastic_decode_kernel[(B * Hkv, num_splits)](
-        q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, part_o, part_l,
+        q, k_cache, v_cache, table, seq_lens, block_mode, base_span, part_o, part_l,
         scale * 1.4426950408889634,
         q.stride(0), q.stride(1),
         k_cache.stride(0), v_cache.stride(0),
-        block_table.stride(0), block_mode.stride(0), base_span.stride(0),
+        table.stride(0), block_mode.stride(0), base_span.stride(0),
         part_o.stride(0), part_o.stride(1), s_os,
         part_l.stride(0), part_l.stride(1),
         NB, Hkv, num_splits,
