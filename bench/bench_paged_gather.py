@@ -136,7 +136,7 @@ def bench_tune() -> str:
     for n in (1, None):
         (trains, src), = _train_sets(P, Q, n, gen, 1)
         num = torch.tensor([trains.shape[0]], dtype=torch.int32, device="cuda")
-        for per_sm in (4, 8, 16, 32):
+        for per_sm in (8, 16, 32, 64):
             for block_bytes in (4096, 8192, 16384):
                 for warps in (4, 8):
                     def run(per_sm=per_sm, block_bytes=block_bytes, warps=warps, trains=trains,
@@ -150,7 +150,7 @@ def bench_tune() -> str:
                     rows.append(["all" if n is None else n, per_sm, block_bytes, warps, us,
                                  tbps(nbytes, us), tbps(nbytes, us) * 1e12 / COPY_CEILING])
     return ("## Kernel launch sweep (S=16, 128 MiB per tensor)\n\n"
-            "Defaults: 32 programs per SM, 4 KiB blocks, 8 warps.\n\n"
+            "Defaults: 64 programs per SM, 4 KiB blocks, 8 warps.\n\n"
             + table(["train pages", "programs/SM", "block bytes", "warps", "us p50", "TB/s",
                      "of ceiling"], rows) + "\n")
 

@@ -54,7 +54,8 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def kv_block_n(D: int, dtype: torch.dtype) -> int:
-    """Rows of K/V per tile for the decode kernels: 32 KiB of K per stage, at most 128 rows.
+    """Rows of K/V per tile for ``static_sliding_attention``: 32 KiB of K per stage, at most 128
+    rows (``elastic_attention`` uses its own one-warp tiles).
 
     Shared memory holds ``num_stages`` (3) pipelined K and V tiles: 128 rows of 16-bit ``D=128``
     use 3 x 2 x 32 KiB of the H200's 227 KiB, while float32 at that size would need 384 KiB and

@@ -6,12 +6,13 @@ One kernel family, three paths chosen by the constexpr ``MODE`` (ElasticKV secti
   compiled in, so it pays nothing for the elastic machinery.
 - ``MODE == 1`` structured: ``base_span [B, 2]`` gives the BASE blocks ``[first, end)``; a block's
   mode and half follow from its index, so no per-block metadata is loaded.
-- ``MODE == 2`` general: a per-block mode (0 TARGET, 1 half 0, 2 half 1) read from
-  ``block_mode [B, L]`` beside the block table.
+- ``MODE == 2`` general: a per-block mode (0 TARGET, 1 half 0, 2 half 1) in ``block_mode
+  [B, L]``. ``_half_pages_kernel`` first folds it into the page ids (``2 * page + half``), so
+  the loop loads page and half together; the modes are read again only to cut runs.
 
 One program handles one (sequence, KV head, split): it loads the ``G`` query heads of the group
 once and streams its share of the sequence's tokens in tiles of ``BLOCK_N`` rows, so each KV row
-is read once for the whole group. A row's page comes from the block table. The mixed paths walk
+is read once for the whole group. A row's page comes from the page table. The mixed paths walk
 the split as runs of one form (three at most on the structured path, found by scanning the mode
 table on the general one), and each run is a plain pipelined loop of single-form tiles: TARGET
 tiles read 16-bit values, BASE tiles read their half of the pair page as 32-bit words of four
@@ -19,7 +20,8 @@ bytes and decode them in registers. So a tile costs the bytes and the instructio
 form only. Splits are merged by ``_splitk.merge_splits``.
 
 Launch shape (H200 sweeps, bench/results/2026-11-30-elastic-variants.md): one warp a program,
-16-row tiles on the native path and 32-row tiles on the mixed paths. A one-warp program keeps a
+16-row tiles on the native path and 32-row tiles on the mixed paths, 4-5 pipeline stages
+(fewer where a stage's tiles would not fit shared memory). A one-warp program keeps a
 tile's scores, softmax and ``P`` in its own registers (no cross-warp reductions or barriers),
 and many small programs per SM hide each other's latency; that is what lets a BASE tile, half
 the bytes of a TARGET tile, also take less time. With 4-warp, 128-row programs a BASE tile took
@@ -100,11 +102,11 @@ def _run(K, V, p_table, span_lo, lo, hi, b_q, b_m, b_l, b_acc, scale_log2, i_h,
     (``_half_pages_kernel``), so the half arrives with the page id and no per-row mode byte is
     loaded (an int8 load is too narrow for the pipeliner's async copies, so every tile waited
     on one: general-path BASE rows ran no faster than TARGET rows). A tile's page ids are loaded
-    in its own iteration: with 5 stages the pipeliner copies them to shared memory one tile
-    ahead of the tile's K/V copies, which stay two tiles ahead of the math, so no load waits on
-    another (with the ids carried in registers instead, the pipeliner issued each tile's K/V
-    copies right behind a blocking id load: 0.80-0.90x the dense kernel,
-    bench/results/2026-11-30-elastic-variants.md)."""
+    in its own iteration: with 4-5 stages the pipeliner copies them to shared memory ahead of
+    the tile's K/V copies, which run ahead of the math, so no load waits on another (with the
+    ids carried in registers instead, the pipeliner issued each tile's K/V copies right behind
+    a blocking id load: 0.76-0.93x the dense kernel in c51f4fc's benchmark,
+    bench/results/2026-11-30-elastic.md)."""
     BLOCK_D: tl.constexpr = o_d.shape[0]
     o_w = tl.arange(0, BLOCK_D // 4)
     for start in range(lo, hi, BLOCK_N):
@@ -201,7 +203,7 @@ def _elastic_decode_kernel(
     n_tok = tl.minimum(tl.maximum(tl.load(SeqLens + i_b), 0), NB * S)
     lo, hi = split_range(n_tok, i_s, NUM_SPLITS, BLOCK_N)
     p_table = BlockTable + i_b * stride_tb
-    if SAME_STRIDE:       # one row offset serves K and V: a third fewer address instructions
+    if SAME_STRIDE:       # one row offset serves K and V: 15 % fewer loop instructions
         stride_vp = stride_kp
     if MODE == 0:
         b_m, b_l, b_acc = _run(K, V, p_table, 0, lo, hi, b_q, b_m, b_l, b_acc,
@@ -244,21 +246,25 @@ def _elastic_decode_kernel(
 
 
 BLOCK_N = 16            # native path: rows a tile, one warp a program (module docstring)
-BLOCK_N_MIXED = 32      # structured and general paths (the general path is wrong at 16 on CUDA)
+BLOCK_N_MIXED = 32      # structured and general paths (see the block_n check in the launcher)
+SMEM_BUDGET = 160 * 1024    # bytes of K/V stages a program may hold (the H200 allows 227 KiB)
 
 
-def default_num_stages(mode: int, num_splits: int) -> int:
+def default_num_stages(mode: int, num_splits: int, tile_bytes: int) -> int:
     """Pipeline depth. 5 keeps a tile's page ids one tile ahead of its K/V copies and those two
     tiles ahead of the math; the mixed paths' 32-row tiles take 4 when unsplit (more programs
     fit an SM: 349 vs 422 us all-BASE at B 128, 4k) and 5 when split (210 vs 258 us at B 16,
-    16k; bench/results/2026-11-30-elastic-variants.md)."""
-    return 4 if mode != 0 and num_splits == 1 else 5
+    16k; bench/results/2026-11-30-elastic-variants.md). ``tile_bytes`` (K and V of one tile)
+    caps it so the ``stages - 1`` buffered tiles fit ``SMEM_BUDGET`` (large forced tiles, e.g.
+    64 float32 rows of D 128)."""
+    stages = 4 if mode != 0 and num_splits == 1 else 5
+    return max(2, min(stages, 1 + SMEM_BUDGET // tile_bytes))
 
 
 def default_num_warps(D: int, dtype: torch.dtype) -> int:
     """One warp a program while a row is at most 256 bytes (D <= 128 at 16 bits); wider rows
     take 4 warps, so a 16-row tile's operands stay in registers."""
-    return 1 if D * torch.empty((), dtype=dtype).element_size() <= 256 else 4
+    return 1 if D * dtype.itemsize <= 256 else 4
 
 
 def elastic_attention_fwd(
@@ -270,13 +276,13 @@ def elastic_attention_fwd(
     num_warps: int | None = None, num_stages: int | None = None, prmt: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the elastic paged decode kernel. Inputs are already checked by the op (BASE
-    paths: 4-byte aligned pools with even page strides, as ``kvops.layouts.pairs`` requires).
+    paths: 4-byte aligned pools with even page strides; general path: fewer than 2**30 pages).
 
     q [B, Hq, D]; k_cache, v_cache [P, S, Hkv, D] (pages contiguous); block_table int32 [B, L];
     seq_lens int32 [B]; block_mode int8 [B, L] or base_span int32 [B, 2] or neither (native).
     Returns out [B, Hq, D] (q.dtype) and lse float32 [B, Hq]. The keyword-only knobs override
     the defaults (benchmarks and tests use them); ``prmt`` picks the hi8 decode (inline PTX byte
-    permutes; default on compiled CUDA, off under the interpreter).
+    permutes; default on compiled NVIDIA CUDA, off under the interpreter and on ROCm).
     """
     B, Hq, D = q.shape
     _, S, Hkv, _ = k_cache.shape
@@ -286,9 +292,10 @@ def elastic_attention_fwd(
     mode = 2 if block_mode is not None else (1 if base_span is not None else 0)
     block_n = block_n or (BLOCK_N if mode == 0 else BLOCK_N_MIXED)
     if mode == 2 and block_n < 32 and not interpreting():
-        # seen on the H200 with triton 3.6: 16-row general-path tiles give wrong outputs
-        # (max error 0.1-0.5 on the benchmark layouts) while 32-row tiles and the structured
-        # path on the same layout are exact; not reproduced under the interpreter
+        # seen on the H200 with triton 3.6 at 953a96a, when the general path still loaded a
+        # mode byte per row: 16-row tiles gave wrong outputs (max error 0.09-0.24) while 32-row
+        # tiles and the structured path on the same layouts were exact; exact under the
+        # interpreter; not retried since the page table carries the half
         raise ValueError(f"block_n: the general path needs at least 32 rows a tile on CUDA, "
                          f"got {block_n}")
     if num_splits is None:
@@ -299,9 +306,6 @@ def elastic_attention_fwd(
         return out, lse
     table = block_table
     if mode == 2:
-        if k_cache.shape[0] >= 2**30:
-            raise ValueError(f"k_cache: the general path packs 2 * page + half into int32: "
-                             f"expected fewer than 2**30 pages, got {k_cache.shape[0]}")
         table = torch.empty(block_table.shape, dtype=torch.int32, device=block_table.device)
         if table.numel():
             _half_pages_kernel[(triton.cdiv(table.numel(), 1024),)](
@@ -323,9 +327,10 @@ def elastic_attention_fwd(
         MODE=mode, CODEC=2 if k_cache.dtype == torch.bfloat16 else 0,
         PRECISION=dot_precision(q.dtype),
         SAME_STRIDE=k_cache.stride(0) == v_cache.stride(0),
-        PRMT=not interpreting() if prmt is None else prmt,
+        PRMT=(not interpreting() and torch.version.hip is None) if prmt is None else prmt,
         num_warps=num_warps or default_num_warps(D, k_cache.dtype),
-        num_stages=num_stages or default_num_stages(mode, num_splits),
+        num_stages=num_stages or default_num_stages(
+            mode, num_splits, kv_tile_bytes(block_n, D, k_cache.dtype)),
     )
     if num_splits > 1:
         merge_splits(part_o.view(B * Hq, num_splits, D), part_l.view(B * Hq, num_splits),

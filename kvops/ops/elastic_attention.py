@@ -2,8 +2,10 @@
 
 - q [B, Hq, D]; k_cache, v_cache [P, S, Hkv, D] as TARGET (float16 or bfloat16; float32 on the
   native path only), each page contiguous (the page stride is free, e.g. halves of a
-  [P, 2, S, Hkv, D] pool); block_table int32 [B, L]: logical block j of sequence b holds tokens
-  [j*S, (j+1)*S) in page block_table[b, j]; seq_lens int32 [B].
+  [P, 2, S, Hkv, D] pool, but even on the BASE paths, which read BASE rows as 32-bit words from
+  a 4-byte aligned pool; the general path needs fewer than 2**30 pages); block_table int32
+  [B, L]: logical block j of sequence b holds tokens [j*S, (j+1)*S) in page
+  block_table[b, j]; seq_lens int32 [B].
 - Native path (block_mode and base_span None): every block TARGET.
 - General path: block_mode int8 [B, L], 0 TARGET, 1 BASE in half 0, 2 BASE in half 1 of page
   block_table[b, j] (the page viewed as uint8 [2, S, Hkv, D]).
@@ -73,6 +75,9 @@ def _check(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, sc
     if (block_mode is not None or base_span is not None) and q.dtype == torch.float32:
         raise TypeError("k_cache: BASE blocks need a float16 or bfloat16 cache, got float32 "
                         "(float32 runs the native path only)")
+    if block_mode is not None and P >= 2**30:
+        raise ValueError(f"k_cache: the general path packs 2 * page + half into int32: expected "
+                         f"fewer than 2**30 pages, got {P}")
     if block_mode is not None or base_span is not None:
         for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
             if c.stride(0) % 2:
