@@ -41,6 +41,7 @@ import kvops  # noqa: F401  (registers torch.ops.kvops.*)
 import kvops.runtime.transport as transport_mod
 from bench.common import COPY_CEILING, rotation, table, tbps, time_graph, write_result
 from kvops.runtime import Pager, Transport
+from kvops.runtime.far_view import FarView
 
 HKV, D = 8, 128
 DTYPE = torch.float16
@@ -270,10 +271,14 @@ def bench_control(quick: bool) -> str:
             commits.append(t2 - t1)
             commits_cpu.append(c2 - c1)
 
-    for sessions, copy_tail in ((64, True), (256, True), (64, False), (256, False)):
+    for sessions, copy_tail, far in ((64, True, False), (256, True, False), (64, False, False),
+                                     (256, False, False), (64, False, True), (256, False, True)):
         L = 512
         pager = Pager(sessions * 300, S, sessions, L, device=device)
         Transport(pager, W, S * HKV * D * 2, copy_tail=copy_tail)
+        if far:                 # its hook edits new far chunks and 32 layers' selections
+            FarView(pager, window_tokens=W, chunk_tokens=8 * S, cap=8, num_layers=32,
+                    num_kv_heads=HKV, head_dim=D, device=device or "cpu")
         with pager.frame() as f:
             for s in range(sessions):
                 f.reserve(s, 1000 + (s * 97) % 3000)
@@ -286,7 +291,8 @@ def bench_control(quick: bool) -> str:
             run(pager, sessions, [], [], [])
         finally:
             transport_mod.plan_packed = plan
-        rows.append([sessions, "copy tail" if copy_tail else "write-through",
+        rows.append([sessions, ("copy tail" if copy_tail else "write-through")
+                     + (" + far view" if far else ""),
                      q(verbs, 0.5), q(commits, 0.5), q(commits, 0.99),
                      q(commits_cpu, 0.5), q(commits_cpu, 0.99),
                      q(plan_times, 0.5), q(plan_times, 0.99)])
@@ -298,6 +304,7 @@ def bench_control(quick: bool) -> str:
             "Planning is the transport's plan_packed (a merge check; plan_trains when moves "
             "continue one another), thread CPU time measured in a second run of as many "
             "steps; '-' when no step had moves to plan (write-through decode moves nothing). "
+            "'+ far view': a FarView hook (32 layers, chunks of 8 pages, cap 8) attached. "
             f"Host load average at the end: {load[0]:.1f} (1 min) on {os.cpu_count()} CPUs; "
             "wall p99 shows preemption.\n\n"
             + table(["sessions", "transport", "verbs wall us p50", "commit wall p50",

@@ -201,27 +201,49 @@ class FarView:
         for r in set(self._leave_rows) - set(rows):   # last commit's rows: nothing to summarize
             frame.edit("far_leave_pages", r, [-1] * M)
             frame.edit("far_leave_ids", r, [J])
-        # selection, edited only where it changes
-        committed = self.pager.host_tables["far_select"]
-        changed = 0
+        # selection, edited only where it changes. A session with at most C summaries shows
+        # all of them, so its rows change only when its summaries do (new ones, or the slot
+        # reset); above C, utilities order them: those sessions are ranked together, all layers
+        # at once (padded to the longest list), so a commit costs a fixed number of array ops
+        committed = self.pager.host_tables["far_select"].reshape(L, B, C)
+        reset = {d.slot for d in deltas if d.new or d.closed}
+        few, many = [], []
         for b in range(B):
             st = slots.get(b) or self._slots[b]
-            if b not in slots and not st.summarized:
-                continue
-            new = set(fresh.get(b, ()))
-            ids = np.asarray(st.summarized, dtype=np.int64)
-            for layer in range(L):
-                if ids.size <= C:
-                    pick = ids
-                else:
-                    util = np.where(np.isin(ids, list(new)), np.inf, self.host_scores[layer, b, ids])
-                    order = np.lexsort((-ids, -util))      # utility descending, then newer first
-                    pick = ids[order[:C]]
-                row = np.full(C, -1, dtype=np.int32)
-                row[: pick.size] = np.sort(pick)
-                if not np.array_equal(committed[layer * B + b], row):
-                    frame.edit("far_select", layer * B + b, row)
-                    changed += 1
+            if len(st.summarized) > C:
+                many.append((b, st.summarized))
+            elif fresh.get(b) or b in reset:
+                few.append((b, st.summarized))
+        want, cols = [], []
+        for b, ids in few:                                 # every summary fits: one row, all layers
+            row = np.full(C, -1, dtype=np.int32)
+            row[: len(ids)] = np.sort(ids)
+            want.append(np.broadcast_to(row, (L, C)))
+            cols.append(b)
+        if many:
+            n = max(len(ids) for _, ids in many)
+            bs = np.array([b for b, _ in many])
+            ids = np.full((len(many), n), -1, dtype=np.int64)
+            new = np.zeros((len(many), n), dtype=bool)
+            for i, (b, got) in enumerate(many):
+                ids[i, : len(got)] = got
+                if fresh.get(b):
+                    new[i, : len(got)] = np.isin(got, fresh[b])
+            util = self.host_scores[:, bs[:, None], np.maximum(ids, 0)]      # [L, m, n]
+            util[:, ids < 0] = -np.inf                     # padding ranks last
+            util[:, new] = np.inf                          # a summary made this commit: shown
+            keys = np.broadcast_to(-ids, util.shape)
+            order = np.lexsort((keys, -util), axis=-1)     # utility descending, then newer first
+            top = np.take_along_axis(np.broadcast_to(ids, util.shape), order[..., :C], axis=-1)
+            want.extend(np.sort(top, axis=-1).astype(np.int32).transpose(1, 0, 2))
+            cols.extend(bs.tolist())
+        changed = 0
+        if cols:
+            want = np.stack(want, axis=1)                  # [L, sessions, C]
+            layers, which = np.nonzero((committed[:, cols] != want).any(axis=-1))
+            for layer, i in zip(layers.tolist(), which.tolist()):
+                frame.edit("far_select", layer * B + cols[i], want[layer, i])
+            changed = layers.size
         self._staged = (frame.epoch, slots, rows)
         self.last = {"summaries": len(rows), "select_rows_changed": changed,
                      "pending": sum(len(st.pending) for st in slots.values())}
