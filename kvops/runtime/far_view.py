@@ -214,32 +214,29 @@ class FarView:
                 many.append((b, st.summarized))
             elif fresh.get(b) or b in reset:
                 few.append((b, st.summarized))
-        want, cols = [], []
-        for b, ids in few:                                 # every summary fits: one row, all layers
-            row = np.full(C, -1, dtype=np.int32)
-            row[: len(ids)] = np.sort(ids)
-            want.append(np.broadcast_to(row, (L, C)))
-            cols.append(b)
+        cols = [b for b, _ in few] + [b for b, _ in many]
+        want = np.full((L, len(cols), C), -1, dtype=np.int32)
+        for i, (_, ids) in enumerate(few):                 # every summary fits: all layers alike
+            want[:, i, : len(ids)] = np.sort(ids)
         if many:
+            # each session's chunks newest first, so a stable sort by utility breaks ties
+            # toward the newer chunk; padding (-1) ranks last, this commit's summaries first
             n = max(len(ids) for _, ids in many)
             bs = np.array([b for b, _ in many])
             ids = np.full((len(many), n), -1, dtype=np.int64)
             new = np.zeros((len(many), n), dtype=bool)
             for i, (b, got) in enumerate(many):
-                ids[i, : len(got)] = got
+                ids[i, : len(got)] = got[::-1]
                 if fresh.get(b):
-                    new[i, : len(got)] = np.isin(got, fresh[b])
+                    new[i, : len(got)] = np.isin(got[::-1], fresh[b])
             util = self.host_scores[:, bs[:, None], np.maximum(ids, 0)]      # [L, m, n]
-            util[:, ids < 0] = -np.inf                     # padding ranks last
-            util[:, new] = np.inf                          # a summary made this commit: shown
-            keys = np.broadcast_to(-ids, util.shape)
-            order = np.lexsort((keys, -util), axis=-1)     # utility descending, then newer first
-            top = np.take_along_axis(np.broadcast_to(ids, util.shape), order[..., :C], axis=-1)
-            want.extend(np.sort(top, axis=-1).astype(np.int32).transpose(1, 0, 2))
-            cols.extend(bs.tolist())
+            util[:, ids < 0] = -np.inf
+            util[:, new] = np.inf
+            order = np.argsort(-util, axis=-1, kind="stable")[..., :C]
+            top = np.take_along_axis(np.broadcast_to(ids, util.shape), order, axis=-1)
+            want[:, len(few):] = np.sort(top, axis=-1)
         changed = 0
         if cols:
-            want = np.stack(want, axis=1)                  # [L, sessions, C]
             layers, which = np.nonzero((committed[:, cols] != want).any(axis=-1))
             for layer, i in zip(layers.tolist(), which.tolist()):
                 frame.edit("far_select", layer * B + cols[i], want[layer, i])
