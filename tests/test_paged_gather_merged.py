@@ -128,38 +128,34 @@ def test_long_and_short_trains(kernel_device, launch, layout):
 def test_many_trains_search(kernel_device, launch, num):
     """300 rows (one-page trains, every fifth row moving nothing) under few programs: the search
     over the train ends takes more than one 64-wide round, and programs start mid-range."""
-    P, Q, S, Hkv, D, T = 320, 300, 8, 1, 16, 300
-    gen = torch.Generator().manual_seed(num)
-    k = torch.randn(P, S, Hkv, D, generator=gen).to(kernel_device)
-    v = torch.randn(P, S, Hkv, D, generator=gen).to(kernel_device)
-    src = torch.randperm(P, generator=gen)[:T]
-    n = torch.ones(T, dtype=torch.int64)
+    n = torch.ones(300, dtype=torch.int64)
     n[::5] = 0
-    trains = torch.stack([src, torch.arange(T), n], 1).int().to(kernel_device)
-    k_out, v_out = poisoned(Q, S, Hkv, D, torch.float32, kernel_device)
-    paged_gather_merged_fwd(k, v, trains, torch.tensor([num], dtype=torch.int32,
-                                                       device=kernel_device), k_out, v_out,
-                            num_programs=7, block=32, **launch)
-    check(k_out, v_out, k, v, trains, num, f"num{num}")
+    gather_one_page_trains(kernel_device, n, num, seed=num, num_programs=7, block=32, **launch)
 
 
 def test_train_ends_over_several_scan_chunks(kernel_device):
     """4,500 rows (more than the 4,096 the train-ends scan sums at once), with a run of 100 rows
     that move nothing: the scan carries across chunks and the search (three rounds) lands on
     the right train around the empty run."""
-    P, Q, S, Hkv, D, T = 4600, 4500, 8, 1, 16, 4500
-    gen = torch.Generator().manual_seed(11)
-    k = torch.randn(P, S, Hkv, D, generator=gen).to(kernel_device)
-    v = torch.randn(P, S, Hkv, D, generator=gen).to(kernel_device)
-    n = torch.ones(T, dtype=torch.int64)
+    n = torch.ones(4500, dtype=torch.int64)
     n[4000:4100] = 0
+    gather_one_page_trains(kernel_device, n, 4500, seed=11, num_programs=13, fuse_max_trains=0)
+
+
+def gather_one_page_trains(device, n, num, seed, **kw):
+    """Row t moves ``n[t]`` (0 or 1) pages from a random distinct page to arena page t; the
+    kernel runs the first ``num`` rows with knobs ``kw`` and is checked against the oracle."""
+    T = n.numel()
+    P, S, Hkv, D = T + 20, 8, 1, 16
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(P, S, Hkv, D, generator=gen).to(device)
+    v = torch.randn(P, S, Hkv, D, generator=gen).to(device)
     trains = torch.stack([torch.randperm(P, generator=gen)[:T], torch.arange(T), n], 1).int()
-    trains = trains.to(kernel_device)
-    k_out, v_out = poisoned(Q, S, Hkv, D, torch.float32, kernel_device)
-    paged_gather_merged_fwd(k, v, trains, torch.tensor([T], dtype=torch.int32,
-                                                       device=kernel_device), k_out, v_out,
-                            num_programs=13, fuse_max_trains=0)
-    check(k_out, v_out, k, v, trains, T, "T4500")
+    trains = trains.to(device)
+    k_out, v_out = poisoned(T, S, Hkv, D, torch.float32, device)
+    paged_gather_merged_fwd(k, v, trains, torch.tensor([num], dtype=torch.int32, device=device),
+                            k_out, v_out, **kw)
+    check(k_out, v_out, k, v, trains, num, f"T{T}-num{num}")
 
 
 @pytest.mark.parametrize("num", [0, 1, 3, 7, 99], ids=lambda n: f"num{n}")

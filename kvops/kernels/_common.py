@@ -53,18 +53,6 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
-def kv_block_n(D: int, dtype: torch.dtype) -> int:
-    """Rows of K/V per tile for ``static_sliding_attention``: 32 KiB of K per stage, at most 128
-    rows (``elastic_attention`` uses its own one-warp tiles).
-
-    Shared memory holds ``num_stages`` (3) pipelined K and V tiles: 128 rows of 16-bit ``D=128``
-    use 3 x 2 x 32 KiB of the H200's 227 KiB, while float32 at that size would need 384 KiB and
-    fail to launch.
-    """
-    row_bytes = next_pow2(D) * dtype.itemsize
-    return max(16, min(128, 32768 // row_bytes))
-
-
 def kv_tile_bytes(block_n: int, D: int, dtype: torch.dtype) -> int:
     """Bytes of one K tile plus one V tile of ``block_n`` rows as staged in shared memory."""
     return 2 * block_n * next_pow2(D) * dtype.itemsize

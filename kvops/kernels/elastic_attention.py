@@ -298,9 +298,9 @@ def elastic_attention_fwd(
         # interpreter; not retried since the page table carries the half
         raise ValueError(f"block_n: the general path needs at least 32 rows a tile on CUDA, "
                          f"got {block_n}")
+    tile_bytes = kv_tile_bytes(block_n, D, k_cache.dtype)
     if num_splits is None:
-        num_splits = default_num_splits(max(B, 1) * Hkv, NB * S, block_n,
-                                        kv_tile_bytes(block_n, D, k_cache.dtype), q.device)
+        num_splits = default_num_splits(max(B, 1) * Hkv, NB * S, block_n, tile_bytes, q.device)
     out, lse, part_o, part_l, s_os = split_outputs(B, Hq, D, num_splits, q.dtype, q.device)
     if B == 0:
         return out, lse
@@ -329,8 +329,7 @@ def elastic_attention_fwd(
         SAME_STRIDE=k_cache.stride(0) == v_cache.stride(0),
         PRMT=(not interpreting() and torch.version.hip is None) if prmt is None else prmt,
         num_warps=num_warps or default_num_warps(D, k_cache.dtype),
-        num_stages=num_stages or default_num_stages(
-            mode, num_splits, kv_tile_bytes(block_n, D, k_cache.dtype)),
+        num_stages=num_stages or default_num_stages(mode, num_splits, tile_bytes),
     )
     if num_splits > 1:
         merge_splits(part_o.view(B * Hq, num_splits, D), part_l.view(B * Hq, num_splits),
