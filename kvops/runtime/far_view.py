@@ -238,8 +238,9 @@ class FarView:
         changed = 0
         if cols:
             layers, which = np.nonzero((committed[:, cols] != want).any(axis=-1))
-            for layer, i in zip(layers.tolist(), which.tolist()):
-                frame.edit("far_select", layer * B + cols[i], want[layer, i])
+            if layers.size:                                # one write for every changed row
+                frame._put("far_select", layers * B + np.asarray(cols)[which],
+                           want[layers, which])
             changed = layers.size
         self._staged = (frame.epoch, slots, rows)
         self.last = {"summaries": len(rows), "select_rows_changed": changed,

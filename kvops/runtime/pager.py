@@ -462,7 +462,7 @@ class Frame:
             ref[p] = ref.get(p, 0) + 1
         return pages
 
-    def _append(self, key, sess: _Session, old: int, n_tokens: int, first: bool) -> bool:
+    def _append(self, key, sess: _Session, old: int, n_tokens: int) -> bool:
         """Growth into fresh blocks of a growth-only session (the fast path's second half).
 
         False, with nothing changed, when the general path must take it: the partly filled
@@ -490,7 +490,7 @@ class Frame:
             app.extend(pages)
         self._grown[key] = new
         self._gst[key] = sess.slot << 32 | pages[-1]
-        if (new - 1) // S > (old if first else pager._len[key]) // S:
+        if (new - 1) // S > pager._len[key] // S:     # past the committed tail page
             self._gmulti.add(key)
         return True
 
@@ -521,7 +521,7 @@ class Frame:
                     if first:
                         self._gst[key] = sess.slot << 32 | tail
                     return
-            elif self._append(key, sess, old, n_tokens, first):
+            elif self._append(key, sess, old, n_tokens):
                 return
         S, L = pager.page_size, pager.max_blocks
         self._slow(key)
@@ -969,16 +969,25 @@ class Pager:
         return deltas + extra, batch._tail_only()
 
     def _region_of(self, table: str, where):
-        """The flat range of the master buffer an edit ``host_tables[table][where]`` wrote:
-        the rows of a slice along dim 0, else the whole table (the upload copies it)."""
+        """The flat range of the master buffer an edit ``host_tables[table][where]`` wrote: the
+        rows of an int, a slice or a 1-D integer array (lowest to highest) along dim 0, alone or
+        first in a tuple; else the whole table (the upload copies it)."""
         region = self._region[table]
         if isinstance(where, tuple):
             where = where[0]
-        if isinstance(where, slice) and where.step is None:
-            width = self._width[table]
+        if isinstance(where, (int, np.integer)):
+            start, stop = int(where), int(where) + 1
+        elif isinstance(where, slice) and where.step is None:
             start, stop, _ = where.indices(self._layout[table][1][0])
-            return slice(region.start + start * width, region.start + stop * width)
-        return region
+        elif isinstance(where, np.ndarray) and where.ndim == 1 and where.dtype.kind in "iu" \
+                and where.size:
+            start, stop = int(where.min()), int(where.max()) + 1
+        else:
+            return region
+        if start < 0:
+            return region
+        width = self._width[table]
+        return slice(region.start + start * width, region.start + stop * width)
 
     def _upload(self, changed: list) -> None:
         """Bring the staging buffer up to date (this and the previous commit's changes, as the
