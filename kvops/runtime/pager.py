@@ -906,10 +906,9 @@ class Pager:
                     bt[sess.slot, base] = pages[0]
                 else:
                     bt[sess.slot, base: base + len(pages)] = pages
-                if track:
+                if track:               # written above; only the upload needs to know
                     row = bt_off + sess.slot * L + base
-                    idx.extend(range(row, row + len(pages)))
-                    val.extend(pages)
+                    changed.append(slice(row, row + len(pages)))
         for dlt in deltas:
             row = bt_off + dlt.slot * L
             if dlt.closed:
