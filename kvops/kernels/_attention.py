@@ -24,14 +24,24 @@ def online_softmax_tile(b_q, b_k, b_v, b_bias, b_m, b_l, b_acc, scale_log2,
     (0 for a visible slot, -inf for a masked one); b_m, b_l [BLOCK_G] running max and sum,
     b_acc [BLOCK_G, BLOCK_D] float32. A tile with nothing visible leaves the state unchanged.
     """
-    b_s = dot(b_q, tl.trans(b_k), PRECISION) * scale_log2 + b_bias[None, :]
+    b_s = dot(b_q, tl.trans(b_k), PRECISION)
+    b_m, b_l, b_alpha, b_p = softmax_step(b_s, b_bias, b_m, b_l, scale_log2)
+    b_acc = b_acc * b_alpha[:, None] + dot(b_p.to(b_v.dtype), b_v, PRECISION)
+    return b_m, b_l, b_acc
+
+
+@triton.jit
+def softmax_step(b_s, b_bias, b_m, b_l, scale_log2):
+    """The softmax half of a tile: raw scores b_s [BLOCK_G, BLOCK_N] -> the new running max and
+    sum, the factor ``alpha`` [BLOCK_G] that rescales the accumulator, and the tile's
+    probabilities ``p`` [BLOCK_G, BLOCK_N] (float32)."""
+    b_s = b_s * scale_log2 + b_bias[None, :]
     b_mn = tl.maximum(b_m, tl.max(b_s, 1))
     b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)
     b_alpha = tl.exp2(b_m - b_ms)
     b_p = tl.exp2(b_s - b_ms[:, None])
     b_l = b_l * b_alpha + tl.sum(b_p, 1)
-    b_acc = b_acc * b_alpha[:, None] + dot(b_p.to(b_v.dtype), b_v, PRECISION)
-    return b_mn, b_l, b_acc
+    return b_mn, b_l, b_alpha, b_p
 
 
 @triton.jit

@@ -39,9 +39,11 @@ import triton.language as tl
 
 from kvops._config import interpreting
 from kvops.kernels._attention import (
+    dot,
     finish_rows,
     load_query_group,
     online_softmax_tile,
+    softmax_step,
     split_range,
 )
 from kvops.kernels._common import dot_precision, kv_tile_bytes, next_pow2
@@ -64,27 +66,50 @@ def _decode_base(b_x, CODEC: tl.constexpr):
 
 
 @triton.jit
-def _decode_words(b_w, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CODEC: tl.constexpr,
-                  PRMT: tl.constexpr):
-    """int32 words of BASE bytes [BLOCK_N, BLOCK_D // 4] (little endian: byte k of word j is
-    element 4j + k) -> TARGET values [BLOCK_N, BLOCK_D].
+def _planes(b_w, CODEC: tl.constexpr, PRMT: tl.constexpr):
+    """int32 words of BASE bytes [R, C] -> four TARGET tiles [R, C]: plane k holds byte k of
+    every word (element ``4j + k`` of a row whose words are ``j``), decoded.
 
-    ``PRMT`` (compiled CUDA, CODEC 0): two byte permutes a word, each placing two bytes as the
-    high bytes of a float16 pair, which is the whole hi8 decode (the generic path spends about
-    three instructions an element extracting, shifting and repacking bytes)."""
+    Planes are how a BASE tile reaches the tensor cores without moving data between threads:
+    a dot operand register holds two neighbours along the reduced axis, and the two words of
+    those neighbours (adjacent words of a row for K, the same word of adjacent rows for V) both
+    sit in one thread, so every plane register is built from two words by one byte permute.
+    ``PRMT`` (compiled CUDA, CODEC 0) does exactly that, with the low bytes zeroed (four
+    ``prmt`` and two ``and`` a word pair); otherwise each byte is decoded arithmetically. The
+    one-tensor decode this replaced (four values a word, joined back into rows) made ptxas
+    shuffle registers and stage V through shared memory: 948 instructions a 32-row BASE tile
+    against 875 with planes, and 1.38x against 1.70x the all-TARGET speed (B 128, 4k, S 64)."""
     if PRMT and CODEC == 0:
-        b_0, b_1, b_2, b_3 = tl.inline_asm_elementwise(
-            "{ .reg .b32 t0, t1; prmt.b32 t0, $4, 0, 0x1404; prmt.b32 t1, $4, 0, 0x3424; "
-            "mov.b32 {$0, $1}, t0; mov.b32 {$2, $3}, t1; }",
-            "=h,=h,=h,=h,r", [b_w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-            is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 z, y; and.b32 z, $4, 0xFFFFFF00; and.b32 y, $5, 0x00FFFFFF; "
+            "prmt.b32 $0, $4, y, 0x4707; prmt.b32 $1, z, $5, 0x5010; "
+            "prmt.b32 $2, z, $5, 0x6020; prmt.b32 $3, z, $5, 0x7030; }",
+            "=r,=r,=r,=r,r,r", [b_w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True, pack=2)
     else:
-        b_0 = _decode_base((b_w & 0xFF).to(tl.uint8), CODEC)
-        b_1 = _decode_base(((b_w >> 8) & 0xFF).to(tl.uint8), CODEC)
-        b_2 = _decode_base(((b_w >> 16) & 0xFF).to(tl.uint8), CODEC)
-        b_3 = _decode_base(((b_w >> 24) & 0xFF).to(tl.uint8), CODEC)
-    # element 4j + 2m + a is (b_0, b_1, b_2, b_3)[2m + a] of word j
-    return tl.reshape(tl.join(tl.join(b_0, b_2), tl.join(b_1, b_3)), (BLOCK_N, BLOCK_D))
+        return (_decode_base((b_w & 0xFF).to(tl.uint8), CODEC),
+                _decode_base(((b_w >> 8) & 0xFF).to(tl.uint8), CODEC),
+                _decode_base(((b_w >> 16) & 0xFF).to(tl.uint8), CODEC),
+                _decode_base(((b_w >> 24) & 0xFF).to(tl.uint8), CODEC))
+
+
+@triton.jit
+def _split4(x):
+    """[R, C] -> the four planes [R, C // 4] of its columns: plane k holds columns 4j + k."""
+    R: tl.constexpr = x.shape[0]
+    C: tl.constexpr = x.shape[1]
+    x01, x23 = tl.split(tl.reshape(x, (R, C // 4, 2, 2)))   # column 4j + 2m + a: x{a}[j, m]
+    x0, x2 = tl.split(x01)
+    x1, x3 = tl.split(x23)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _join4(x0, x1, x2, x3):
+    """The inverse of ``_split4``: four planes [R, C] -> [R, 4 * C]."""
+    R: tl.constexpr = x0.shape[0]
+    C: tl.constexpr = x0.shape[1]
+    return tl.reshape(tl.join(tl.join(x0, x2), tl.join(x1, x3)), (R, 4 * C))
 
 
 @triton.jit
@@ -97,48 +122,87 @@ def _run(K, V, p_table, span_lo, lo, hi, b_q, b_m, b_l, b_acc, scale_log2, i_h,
 
     TARGET (``BASE`` false): 16-bit rows of their pages. BASE: the row's half of its pair page,
     loaded as 32-bit words (a byte-typed tile is moved through shared memory a byte at a time)
-    and decoded in registers. The half of logical block ``j`` is ``(j - span_lo) & 1`` on the
-    structured path (``MODE == 1``); on the general path ``p_table`` holds ``2 * page + half``
-    (``_half_pages_kernel``), so the half arrives with the page id and no per-row mode byte is
-    loaded (an int8 load is too narrow for the pipeliner's async copies, so every tile waited
-    on one: general-path BASE rows ran no faster than TARGET rows). A tile's page ids are loaded
-    in its own iteration: with 4-5 stages the pipeliner copies them to shared memory ahead of
-    the tile's K/V copies, which run ahead of the math, so no load waits on another (with the
-    ids carried in registers instead, the pipeliner issued each tile's K/V copies right behind
-    a blocking id load: 0.76-0.93x the dense kernel in c51f4fc's benchmark,
-    bench/results/2026-11-30-elastic.md)."""
+    and decoded into four planes (``_planes``); the query group and the accumulator are split
+    into the same planes for the run, so ``q k^T`` is the sum of four plane dots and ``p v``
+    fills four plane accumulators.
+
+    Page ids: when ``S`` is a multiple of ``BLOCK_N`` every tile lies in one page (tiles start
+    at multiples of ``BLOCK_N``), so a tile loads one id and its row offsets are fixed; this
+    cut the loop by 20-35 % (native 525 -> 342 instructions a 16-row tile at S 64). Otherwise
+    each row loads its page id, in the tile's own iteration: with 4-5 stages the pipeliner
+    copies them to shared memory ahead of the tile's K/V copies, so no load waits on another
+    (a 2-id load per 32-row tile at S 16 was not copied ahead and ran 13 % slower).
+
+    The half of logical block ``j`` is ``(j - span_lo) & 1`` on the structured path (``MODE ==
+    1``); on the general path the page table holds ``2 * page + half`` (``_half_pages_kernel``),
+    so the half arrives with the page id and no per-row mode byte is loaded."""
     BLOCK_D: tl.constexpr = o_d.shape[0]
+    ONE_PAGE: tl.constexpr = S % BLOCK_N == 0
     o_w = tl.arange(0, BLOCK_D // 4)
+    if BASE:
+        q0, q1, q2, q3 = _split4(b_q)
+        a0, a1, a2, a3 = _split4(b_acc)
     for start in range(lo, hi, BLOCK_N):
         o_t = start + o_n
         m_n = o_t < hi
-        b_id = tl.load(p_table + o_t // S, mask=m_n, other=0)
+        if ONE_PAGE:
+            b_id = tl.load(p_table + start // S)
+            o_in = (((start % S) + o_n) * Hkv + i_h) * D      # rows inside the page (or half)
+            j = start // S
+        else:
+            b_id = tl.load(p_table + o_t // S, mask=m_n, other=0)
+            o_in = ((o_t % S) * Hkv + i_h) * D
+            j = o_t // S
         b_page = (b_id >> 1 if MODE == 2 else b_id).to(tl.int64)
-        o_in = ((o_t % S) * Hkv + i_h) * D            # the row inside its page (or half)
+        b_bias = tl.where(m_n, 0.0, float("-inf"))
         if BASE:
             if MODE == 1:
-                o_half = (((o_t // S) - span_lo) & 1) * (S * Hkv * D)
+                o_half = ((j - span_lo) & 1) * (S * Hkv * D)
             else:
                 o_half = (b_id & 1) * (S * Hkv * D)
-            # byte offsets are multiples of 4 (D % 16 == 0, even page strides, aligned pools)
+            # word offsets: every term is a multiple of 4 bytes (D % 16 == 0, even page
+            # strides, aligned pools). Offsets are added to the pointer page first, then rows:
+            # a scalar page offset then stays a scalar (about 40 fewer instructions a tile than
+            # adding it to every element's offset).
+            p_kw = K.to(tl.pointer_type(tl.int32))
+            p_vw = V.to(tl.pointer_type(tl.int32))
             m_w = m_n[:, None] & (o_w < D // 4)[None, :]
-            o_kw = (b_page * (2 * stride_kp) + (o_half + o_in)) // 4
-            o_vw = (b_page * (2 * stride_vp) + (o_half + o_in)) // 4
-            b_wk = tl.load(K.to(tl.pointer_type(tl.int32)) + o_kw[:, None] + o_w[None, :],
-                           mask=m_w, other=0)
-            b_wv = tl.load(V.to(tl.pointer_type(tl.int32)) + o_vw[:, None] + o_w[None, :],
-                           mask=m_w, other=0)
-            b_k = _decode_words(b_wk, BLOCK_N, BLOCK_D, CODEC, PRMT)
-            b_v = _decode_words(b_wv, BLOCK_N, BLOCK_D, CODEC, PRMT)
+            if ONE_PAGE:
+                o_r = (o_in // 4)[:, None] + o_w[None, :]
+                b_wk = tl.load(p_kw + (b_page * (2 * stride_kp) + o_half) // 4 + o_r, mask=m_w,
+                               other=0)
+                b_wv = tl.load(p_vw + (b_page * (2 * stride_vp) + o_half) // 4 + o_r, mask=m_w,
+                               other=0)
+            else:
+                o_kw = (b_page * (2 * stride_kp) + (o_half + o_in)) // 4
+                o_vw = (b_page * (2 * stride_vp) + (o_half + o_in)) // 4
+                b_wk = tl.load(p_kw + o_kw[:, None] + o_w[None, :], mask=m_w, other=0)
+                b_wv = tl.load(p_vw + o_vw[:, None] + o_w[None, :], mask=m_w, other=0)
+            k0, k1, k2, k3 = _planes(b_wk, CODEC, PRMT)
+            v0, v1, v2, v3 = _planes(b_wv, CODEC, PRMT)
+            b_s = (dot(q0, tl.trans(k0), PRECISION) + dot(q1, tl.trans(k1), PRECISION)
+                   + dot(q2, tl.trans(k2), PRECISION) + dot(q3, tl.trans(k3), PRECISION))
+            b_m, b_l, b_alpha, b_p = softmax_step(b_s, b_bias, b_m, b_l, scale_log2)
+            b_p = b_p.to(v0.dtype)
+            a0 = a0 * b_alpha[:, None] + dot(b_p, v0, PRECISION)
+            a1 = a1 * b_alpha[:, None] + dot(b_p, v1, PRECISION)
+            a2 = a2 * b_alpha[:, None] + dot(b_p, v2, PRECISION)
+            a3 = a3 * b_alpha[:, None] + dot(b_p, v3, PRECISION)
         else:
             m_kv = m_n[:, None] & m_d[None, :]
-            b_k = tl.load(K + (b_page * stride_kp + o_in)[:, None] + o_d[None, :], mask=m_kv,
-                          other=0.0)
-            b_v = tl.load(V + (b_page * stride_vp + o_in)[:, None] + o_d[None, :], mask=m_kv,
-                          other=0.0)
-        b_bias = tl.where(m_n, 0.0, float("-inf"))
-        b_m, b_l, b_acc = online_softmax_tile(b_q, b_k, b_v, b_bias, b_m, b_l, b_acc,
-                                              scale_log2, PRECISION)
+            if ONE_PAGE:
+                o_r = o_in[:, None] + o_d[None, :]
+                b_k = tl.load(K + b_page * stride_kp + o_r, mask=m_kv, other=0.0)
+                b_v = tl.load(V + b_page * stride_vp + o_r, mask=m_kv, other=0.0)
+            else:
+                b_k = tl.load(K + (b_page * stride_kp + o_in)[:, None] + o_d[None, :],
+                              mask=m_kv, other=0.0)
+                b_v = tl.load(V + (b_page * stride_vp + o_in)[:, None] + o_d[None, :],
+                              mask=m_kv, other=0.0)
+            b_m, b_l, b_acc = online_softmax_tile(b_q, b_k, b_v, b_bias, b_m, b_l, b_acc,
+                                                  scale_log2, PRECISION)
+    if BASE:
+        b_acc = _join4(a0, a1, a2, a3)
     return b_m, b_l, b_acc
 
 
