@@ -117,16 +117,14 @@ def bench_gather(quick: bool) -> str:
             f"{COPY_CEILING / 1e12:.2f} TB/s copy.\n\n" + table(headers, rows) + "\n")
 
 
-def bench_tune() -> str:
-    """Sweep the kernel's launch knobs on one-page trains and one contiguous train (S=16)."""
+def _tune_rows(S: int, ns: tuple, gen: torch.Generator) -> list[list]:
     from kvops.kernels._common import sm_count
     from kvops.kernels.paged_gather_merged import paged_gather_merged_fwd
 
-    gen = torch.Generator().manual_seed(1)
-    S = 16
     page_bytes = S * HKV * D * 2
     Q = (128 << 20) // page_bytes
     P = (1 << 30) // page_bytes
+    units = page_bytes // 4096
     k_cache = torch.randn(P, S, HKV, D, device="cuda", dtype=DTYPE)
     v_cache = torch.randn_like(k_cache)
     k_out = torch.empty(Q, S, HKV, D, device="cuda", dtype=DTYPE)
@@ -134,25 +132,36 @@ def bench_tune() -> str:
     nbytes = 4 * Q * page_bytes
     sms = sm_count(k_cache.device)
     rows = []
-    for n in (1, None):
-        (trains, src), = _train_sets(P, Q, n, gen, 1)
-        num = torch.tensor([trains.shape[0]], dtype=torch.int32, device="cuda")
-        for per_sm in (8, 16, 32, 64):
-            for block_bytes in (4096, 8192, 16384):
-                for warps in (4, 8):
-                    def run(per_sm=per_sm, block_bytes=block_bytes, warps=warps, trains=trains,
-                            num=num):
-                        paged_gather_merged_fwd(k_cache, v_cache, trains, num, k_out, v_out,
-                                                num_programs=per_sm * sms,
-                                                block=block_bytes // 2, num_warps=warps)
-                    run()
-                    assert torch.equal(k_out, k_cache[src])
-                    _, us, _ = time_graph(run)
-                    rows.append(["all" if n is None else n, per_sm, block_bytes, warps, us,
-                                 tbps(nbytes, us), tbps(nbytes, us) * 1e12 / COPY_CEILING])
-    return ("## Kernel launch sweep (S=16, 128 MiB per tensor)\n\n"
-            "Defaults: 64 programs per SM, 4 KiB blocks, 8 warps.\n\n"
-            + table(["train pages", "programs/SM", "block bytes", "warps", "us p50", "TB/s",
+    for n in ns:
+        sets = _train_sets(P, Q, n, gen, rotation(2 * Q * page_bytes))
+        num = torch.tensor([sets[0][0].shape[0]], dtype=torch.int32, device="cuda")
+        for per_sm in (64, 128, 256):
+            for fuse in (True, False):
+                kw = dict(num_programs=min(Q * units, per_sm * sms),
+                          fuse_max_trains=1 << 30 if fuse else 0)
+                fns = [lambda t=t, kw=kw, num=num: paged_gather_merged_fwd(
+                    k_cache, v_cache, t, num, k_out, v_out, **kw) for t, _ in sets]
+                fns[0]()
+                assert torch.equal(k_out, k_cache[sets[0][1]])
+                _, us, _ = time_graph(fns)
+                rows.append([S, "all" if n is None else n, sets[0][0].shape[0], per_sm,
+                             "one" if fuse else "two", us, tbps(nbytes, us),
+                             tbps(nbytes, us) * 1e12 / COPY_CEILING])
+    return rows
+
+
+def bench_tune() -> str:
+    """Sweep programs per SM and one launch vs two (fuse_max_trains) on 128 MiB of one-page,
+    4-page (128 KiB at S 16) and one contiguous train; 4 KiB blocks and 8 warps (the settings
+    of bench/results/2026-11-30-paged_gather-tune.md)."""
+    gen = torch.Generator().manual_seed(1)
+    rows = _tune_rows(16, (1, 4, None), gen)
+    torch.cuda.empty_cache()
+    rows += _tune_rows(64, (1, None), gen)
+    return ("## Launch sweep (128 MiB per tensor, 4 KiB blocks, 8 warps)\n\n"
+            "Defaults (default_programs_per_sm): one launch up to 1,024 trains, with 256 "
+            "programs an SM up to 512 trains and 128 at 1,024; two launches with 64 beyond.\n\n"
+            + table(["S", "train pages", "trains", "programs/SM", "launches", "us p50", "TB/s",
                      "of ceiling"], rows) + "\n")
 
 

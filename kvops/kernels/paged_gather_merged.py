@@ -1,15 +1,15 @@
 """Triton kernels for ``kvops.paged_gather_merged``: copy trains of pages, graph-replayable.
 
 The work of a step is the pages of the first ``num_trains`` rows of ``trains`` (rows that do not
-lie in the pool / arena count 0 pages), known on the device only. A persistent grid sized from
-shapes (about 64 programs per SM, never more than the arena's pages allow) splits it: a page is
-``UNITS`` blocks of ``BLOCK`` contiguous elements (a power of two dividing ``S * Hkv * D``, so
-there are no masks and every access is a 16-byte vector), and the blocks of the step are cut into
-equal contiguous ranges, one per program. A program finds the train holding its first block,
-then walks forward through its range, stepping to the next train when it crosses one's end (the
-next train's row is loaded one train ahead, so a step waits on no load). One long train is spread
-over every program, and many one-page trains are packed several to a program, so both fill the
-GPU.
+lie in the pool / arena count 0 pages), known on the device only. A grid sized from shapes (64-256
+programs per SM by ``default_programs_per_sm``, never more than the arena's pages allow) splits
+it: a page is ``UNITS`` blocks of ``BLOCK`` contiguous elements (a power of two dividing ``S * Hkv
+* D``, so there are no masks and every access is a 16-byte vector), and the blocks of the step
+are cut into equal contiguous ranges, one per program. A program finds the train holding its
+first block, then walks forward through its range, stepping to the next train when it crosses
+one's end (the next train's row is loaded one train ahead, so a step waits on no load). One long
+train is spread over every program, and many one-page trains are packed several to a program, so
+both fill the GPU.
 
 Finding the first train, two ways (``FUSED``):
 
@@ -30,9 +30,12 @@ import triton.language as tl
 
 from kvops.kernels._common import next_pow2, sm_count
 
-# Up to this many rows, one launch (every program re-reads the rows: 6 KiB at 512). Not tuned:
-# measured at T = 64 (one launch) and T >= 1024 (two launches) only.
-FUSE_MAX_TRAINS = 512
+# Up to this many rows, one launch (every program re-reads the rows: 12 KiB at 1024). On the
+# H200 one launch beat two at T = 1024 (134.1 vs 137.4 us for 128 MiB of 128 KiB trains) and
+# lost at T = 4096 (153.6 vs 138.3 us); bench/results/2026-11-30-paged_gather-grid-sweep.md.
+FUSE_MAX_TRAINS = 1024
+# Rows times programs an SM that one launch may re-read (see default_programs_per_sm).
+FUSED_ROW_READS_PER_SM = 131072
 
 
 @triton.jit
@@ -143,6 +146,19 @@ def default_block(page_elems: int, itemsize: int) -> int:
     return min(page_elems & -page_elems, 4096 // itemsize)
 
 
+def default_programs_per_sm(T: int, fused: bool) -> int:
+    """Programs an SM. Small programs balance best (the hardware hands the next block range to
+    whichever SM frees first): one 128 MiB train copies at 4.19 TB/s with 256 an SM against
+    4.06 with 64. But in one launch every program first sums all ``T`` rows, so the count
+    falls as ``T`` grows (``FUSED_ROW_READS_PER_SM``): 256 up to 512 rows, 128 at 1,024 (4.00
+    TB/s; 3.22 with 256). Two launches search the train ends instead, best at 64 (3.88 TB/s at
+    4,096 one-page trains; 3.46 with 256). bench/results/2026-11-30-paged_gather-grid-sweep.md.
+    """
+    if not fused:
+        return 64
+    return max(64, min(256, FUSED_ROW_READS_PER_SM // next_pow2(T)))
+
+
 def paged_gather_merged_fwd(
     k_cache: torch.Tensor, v_cache: torch.Tensor, trains: torch.Tensor, num_trains: torch.Tensor,
     k_out: torch.Tensor, v_out: torch.Tensor,
@@ -172,9 +188,8 @@ def paged_gather_merged_fwd(
         ends = torch.empty(T + 1, dtype=torch.int32, device=trains.device)
         _train_ends_kernel[(1,)](trains, num_trains, ends, T, P, Q,
                                  BLOCK_T=min(4096, next_pow2(T)), num_warps=8)
-    # 64 programs an SM: 3.89-4.08 TB/s against 3.82-4.01 at 32 (the 2026-11-30 sweep, see
-    # bench/results/2026-11-30-paged_gather-variants.md)
-    grid = num_programs or min(Q * units, 64 * sm_count(k_cache.device))
+    per_sm = default_programs_per_sm(T, fused)
+    grid = num_programs or min(Q * units, per_sm * sm_count(k_cache.device))
     _gather_pages_kernel[(grid,)](
         k_cache, v_cache, k_out, v_out, trains, num_trains, ends, T, P, Q,
         UNITS=units, BLOCK=block, FUSED=fused, BLOCK_T=next_pow2(T) if fused else 1, FANOUT=64,
