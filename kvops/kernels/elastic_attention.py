@@ -12,20 +12,22 @@ One kernel family, three paths chosen by the constexpr ``MODE`` (ElasticKV secti
 
 One program handles one (sequence, KV head, split): it loads the ``G`` query heads of the group
 once and streams its share of the sequence's tokens in tiles of ``BLOCK_N`` rows, so each KV row
-is read once for the whole group. A row's page comes from the page table. The mixed paths walk
-the split as runs of one form (three at most on the structured path, found by scanning the mode
-table on the general one), and each run is a plain pipelined loop of single-form tiles: TARGET
-tiles read 16-bit values, BASE tiles read their half of the pair page as 32-bit words of four
-bytes and decode them in registers. So a tile costs the bytes and the instructions of its own
-form only. Splits are merged by ``_splitk.merge_splits``.
+is read once for the whole group. A tile's page comes from the page table: one id a tile when
+``S`` is a multiple of ``BLOCK_N``, else one a row. The mixed paths walk the split as runs of one
+form (three at most on the structured path, found by scanning the mode table on the general
+one), and each run is a plain pipelined loop of single-form tiles: TARGET tiles read 16-bit
+values, BASE tiles read their half of the pair page as 32-bit words of four bytes and decode
+them into four byte planes (``_planes``), against which the query group and the accumulator are
+split the same way for the run. So a tile costs the bytes and the instructions of its own form
+only. Splits are merged by ``_splitk.merge_splits``.
 
 Launch shape (H200 sweeps, bench/results/2026-11-30-elastic-variants.md): one warp a program,
-16-row tiles on the native path and 32-row tiles on the mixed paths, 4-5 pipeline stages
-(fewer where a stage's tiles would not fit shared memory). A one-warp program keeps a
-tile's scores, softmax and ``P`` in its own registers (no cross-warp reductions or barriers),
-and many small programs per SM hide each other's latency; that is what lets a BASE tile, half
-the bytes of a TARGET tile, also take less time. With 4-warp, 128-row programs a BASE tile took
-as long as a TARGET tile.
+16-row tiles on the native path and 32-row tiles on the mixed paths (at S 64 a 32-row BASE tile
+takes 758 instructions, two 16-row ones 958), 4-5 pipeline stages (fewer where a stage's tiles would
+not fit shared memory). A one-warp program keeps a tile's scores, softmax and ``P`` in its own
+registers (no cross-warp reductions or barriers), and many small programs per SM hide each
+other's latency; with 4-warp, 128-row programs a BASE tile took as long as a TARGET tile.
+Instruction counts here are of the loop bodies in SASS (ptxas sm_90a, triton 3.6, D 128).
 
 ``CODEC``: 0 float16 BASE (hi8/hi8r: the byte is the high byte, low byte zero), 2 bfloat16
 BASE (float8 e4m3fn), as in ``kvops.layouts.codecs``.
@@ -180,8 +182,11 @@ def _run(K, V, p_table, span_lo, lo, hi, b_q, b_m, b_l, b_acc, scale_log2, i_h,
                 b_wv = tl.load(p_vw + o_vw[:, None] + o_w[None, :], mask=m_w, other=0)
             k0, k1, k2, k3 = _planes(b_wk, CODEC, PRMT)
             v0, v1, v2, v3 = _planes(b_wv, CODEC, PRMT)
-            b_s = (dot(q0, tl.trans(k0), PRECISION) + dot(q1, tl.trans(k1), PRECISION)
-                   + dot(q2, tl.trans(k2), PRECISION) + dot(q3, tl.trans(k3), PRECISION))
+            if BLOCK_D >= 64:
+                b_s = (dot(q0, tl.trans(k0), PRECISION) + dot(q1, tl.trans(k1), PRECISION)
+                       + dot(q2, tl.trans(k2), PRECISION) + dot(q3, tl.trans(k3), PRECISION))
+            else:   # a plane dot would reduce fewer than 16 columns, tl.dot's least
+                b_s = dot(b_q, tl.trans(_join4(k0, k1, k2, k3)), PRECISION)
             b_m, b_l, b_alpha, b_p = softmax_step(b_s, b_bias, b_m, b_l, scale_log2)
             b_p = b_p.to(v0.dtype)
             a0 = a0 * b_alpha[:, None] + dot(b_p, v0, PRECISION)
@@ -310,7 +315,7 @@ def _elastic_decode_kernel(
 
 
 BLOCK_N = 16            # native path: rows a tile, one warp a program (module docstring)
-BLOCK_N_MIXED = 32      # structured and general paths (see the block_n check in the launcher)
+BLOCK_N_MIXED = 32      # structured and general paths (module docstring)
 SMEM_BUDGET = 160 * 1024    # bytes of K/V stages a program may hold (the H200 allows 227 KiB)
 
 
@@ -355,13 +360,6 @@ def elastic_attention_fwd(
     scale = D ** -0.5 if scale is None else scale
     mode = 2 if block_mode is not None else (1 if base_span is not None else 0)
     block_n = block_n or (BLOCK_N if mode == 0 else BLOCK_N_MIXED)
-    if mode == 2 and block_n < 32 and not interpreting():
-        # seen on the H200 with triton 3.6 at 953a96a, when the general path still loaded a
-        # mode byte per row: 16-row tiles gave wrong outputs (max error 0.09-0.24) while 32-row
-        # tiles and the structured path on the same layouts were exact; exact under the
-        # interpreter; not retried since the page table carries the half
-        raise ValueError(f"block_n: the general path needs at least 32 rows a tile on CUDA, "
-                         f"got {block_n}")
     tile_bytes = kv_tile_bytes(block_n, D, k_cache.dtype)
     if num_splits is None:
         num_splits = default_num_splits(max(B, 1) * Hkv, NB * S, block_n, tile_bytes, q.device)
