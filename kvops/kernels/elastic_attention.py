@@ -49,7 +49,7 @@ from kvops.kernels._attention import (
     split_range,
 )
 from kvops.kernels._common import dot_precision, kv_tile_bytes, next_pow2
-from kvops.kernels._splitk import default_num_splits, merge_splits, split_outputs
+from kvops.kernels._splitk import default_num_splits, merge_splits, split_outputs, use_pdl
 
 
 @triton.jit
@@ -115,6 +115,100 @@ def _join4(x0, x1, x2, x3):
 
 
 @triton.jit
+def _page_rows(p_table, start, hi, o_n, S: tl.constexpr, Hkv, i_h, D: tl.constexpr,
+               MODE: tl.constexpr, ONE_PAGE: tl.constexpr):
+    """Rows ``start + o_n`` of a sequence: (page id as stored, page, row offsets inside the
+    page or half, row mask, logical block). ``ONE_PAGE``: the rows lie in one page, so the id,
+    page and block are scalars and the row offsets do not depend on the ids (past ``hi`` the id
+    is not read: the second half of a PAIR tile may start past the table's end)."""
+    o_t = start + o_n
+    m_n = o_t < hi
+    if ONE_PAGE:
+        b_id = tl.load(p_table + start // S, mask=start < hi, other=0)
+        o_in = (((start % S) + o_n) * Hkv + i_h) * D
+        j = start // S
+    else:
+        b_id = tl.load(p_table + o_t // S, mask=m_n, other=0)
+        o_in = ((o_t % S) * Hkv + i_h) * D
+        j = o_t // S
+    return b_id, (b_id >> 1 if MODE == 2 else b_id).to(tl.int64), o_in, m_n, j
+
+
+@triton.jit
+def _target_tile(K, V, b_page, o_in, m_n, o_d, m_d, stride_kp, stride_vp,
+                 ONE_PAGE: tl.constexpr):
+    """K and V rows of a TARGET tile. Offsets are added to the pointer page first, then rows:
+    a scalar page offset then stays a scalar (about 40 fewer instructions a tile than adding it
+    to every element's offset)."""
+    m_kv = m_n[:, None] & m_d[None, :]
+    if ONE_PAGE:
+        o_r = o_in[:, None] + o_d[None, :]
+        b_k = tl.load(K + b_page * stride_kp + o_r, mask=m_kv, other=0.0)
+        b_v = tl.load(V + b_page * stride_vp + o_r, mask=m_kv, other=0.0)
+    else:
+        b_k = tl.load(K + (b_page * stride_kp + o_in)[:, None] + o_d[None, :], mask=m_kv,
+                      other=0.0)
+        b_v = tl.load(V + (b_page * stride_vp + o_in)[:, None] + o_d[None, :], mask=m_kv,
+                      other=0.0)
+    return b_k, b_v
+
+
+@triton.jit
+def _base_tile(K, V, b_id, b_page, j, span_lo, o_in, m_n, o_w, stride_kp, stride_vp,
+               S: tl.constexpr, Hkv, D: tl.constexpr, MODE: tl.constexpr, CODEC: tl.constexpr,
+               PRMT: tl.constexpr, ONE_PAGE: tl.constexpr):
+    """The K and V planes (``_planes``) of a BASE tile: its rows' half of their pair pages,
+    read as 32-bit words. The half of logical block ``j`` is ``(j - span_lo) & 1`` on the
+    structured path; on the general path the id is ``2 * page + half``."""
+    if MODE == 1:
+        o_half = ((j - span_lo) & 1) * (S * Hkv * D)
+    else:
+        o_half = (b_id & 1) * (S * Hkv * D)
+    # word offsets: every term is a multiple of 4 bytes (D % 16 == 0, even page strides,
+    # aligned pools); page first, as in _target_tile
+    p_kw = K.to(tl.pointer_type(tl.int32))
+    p_vw = V.to(tl.pointer_type(tl.int32))
+    m_w = m_n[:, None] & (o_w < D // 4)[None, :]
+    if ONE_PAGE:
+        o_r = (o_in // 4)[:, None] + o_w[None, :]
+        b_wk = tl.load(p_kw + (b_page * (2 * stride_kp) + o_half) // 4 + o_r, mask=m_w, other=0)
+        b_wv = tl.load(p_vw + (b_page * (2 * stride_vp) + o_half) // 4 + o_r, mask=m_w, other=0)
+    else:
+        o_kw = (b_page * (2 * stride_kp) + (o_half + o_in)) // 4
+        o_vw = (b_page * (2 * stride_vp) + (o_half + o_in)) // 4
+        b_wk = tl.load(p_kw + o_kw[:, None] + o_w[None, :], mask=m_w, other=0)
+        b_wv = tl.load(p_vw + o_vw[:, None] + o_w[None, :], mask=m_w, other=0)
+    k0, k1, k2, k3 = _planes(b_wk, CODEC, PRMT)
+    v0, v1, v2, v3 = _planes(b_wv, CODEC, PRMT)
+    return k0, k1, k2, k3, v0, v1, v2, v3
+
+
+@triton.jit
+def _base_scores(b_q, q0, q1, q2, q3, k0, k1, k2, k3, PRECISION: tl.constexpr):
+    """Raw scores [BLOCK_G, rows] of the query group against a BASE tile's K planes."""
+    if q0.shape[1] >= 16:
+        return (dot(q0, tl.trans(k0), PRECISION) + dot(q1, tl.trans(k1), PRECISION)
+                + dot(q2, tl.trans(k2), PRECISION) + dot(q3, tl.trans(k3), PRECISION))
+    else:   # a plane dot would reduce fewer than 16 columns, tl.dot's least
+        return dot(b_q, tl.trans(_join4(k0, k1, k2, k3)), PRECISION)
+
+
+@triton.jit
+def _softmax_step2(b_sa, b_biasa, b_sb, b_biasb, b_m, b_l, scale_log2):
+    """``softmax_step`` over a tile given as two row halves (scores, biases): the new max and
+    sum, ``alpha``, and both halves' probabilities."""
+    b_sa = b_sa * scale_log2 + b_biasa[None, :]
+    b_sb = b_sb * scale_log2 + b_biasb[None, :]
+    b_mn = tl.maximum(b_m, tl.maximum(tl.max(b_sa, 1), tl.max(b_sb, 1)))
+    b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)
+    b_alpha = tl.exp2(b_m - b_ms)
+    b_pa = tl.exp2(b_sa - b_ms[:, None])
+    b_pb = tl.exp2(b_sb - b_ms[:, None])
+    b_l = b_l * b_alpha + tl.sum(b_pa, 1) + tl.sum(b_pb, 1)
+    return b_mn, b_l, b_alpha, b_pa, b_pb
+
+
+@triton.jit
 def _run(K, V, p_table, span_lo, lo, hi, b_q, b_m, b_l, b_acc, scale_log2, i_h,
          stride_kp, stride_vp, Hkv, o_n, o_d, m_d,
          D: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr, BASE: tl.constexpr,
@@ -128,93 +222,93 @@ def _run(K, V, p_table, span_lo, lo, hi, b_q, b_m, b_l, b_acc, scale_log2, i_h,
     into the same planes for the run, so ``q k^T`` is the sum of four plane dots and ``p v``
     fills four plane accumulators.
 
-    Page ids: when ``S`` is a multiple of ``BLOCK_N`` every tile lies in one page (tiles start
-    at multiples of ``BLOCK_N``), so a tile loads one id and its row offsets are fixed; this
-    cut the loop by 20-35 % (native 525 -> 342 instructions a 16-row tile at S 64). Otherwise
-    each row loads its page id, in the tile's own iteration: with 4-5 stages the pipeliner
-    copies them to shared memory ahead of the tile's K/V copies, so no load waits on another
-    (a 2-id load per 32-row tile at S 16 was not copied ahead and ran 13 % slower).
+    Page ids, by how a tile meets pages (tiles start at multiples of ``BLOCK_N``):
 
-    The half of logical block ``j`` is ``(j - span_lo) & 1`` on the structured path (``MODE ==
-    1``); on the general path the page table holds ``2 * page + half`` (``_half_pages_kernel``),
-    so the half arrives with the page id and no per-row mode byte is loaded."""
+    - ``S`` a multiple of ``BLOCK_N`` (``ONE_PAGE``): a tile lies in one page, so it loads one
+      id and its row offsets are fixed (native 16-row tiles at S 64: 359 instructions against
+      525 with an id a row);
+    - ``BLOCK_N == 2 * S >= 32`` (``PAIR``, 32-row mixed tiles at S 16): the two halves of a
+      tile are loaded as two one-page tiles, and the softmax still spans the 32 rows (BASE 875
+      -> 814 instructions, TARGET 886 -> 707);
+    - otherwise each row loads its page id, in the tile's own iteration: with 4-5 stages the
+      pipeliner copies them to shared memory ahead of the tile's K/V copies, so no load waits
+      on another."""
     BLOCK_D: tl.constexpr = o_d.shape[0]
     ONE_PAGE: tl.constexpr = S % BLOCK_N == 0
+    PAIR: tl.constexpr = (BLOCK_N == 2 * S) and (S >= 16)     # a half is a whole dot operand
     o_w = tl.arange(0, BLOCK_D // 4)
+    o_h = tl.arange(0, BLOCK_N // 2)
     if BASE:
         q0, q1, q2, q3 = _split4(b_q)
         a0, a1, a2, a3 = _split4(b_acc)
     for start in range(lo, hi, BLOCK_N):
-        o_t = start + o_n
-        m_n = o_t < hi
-        if ONE_PAGE:
-            b_id = tl.load(p_table + start // S)
-            o_in = (((start % S) + o_n) * Hkv + i_h) * D      # rows inside the page (or half)
-            j = start // S
+        if PAIR:
+            id_a, page_a, in_a, m_a, j_a = _page_rows(p_table, start, hi, o_h, S, Hkv, i_h, D,
+                                                      MODE, True)
+            id_b, page_b, in_b, m_b, j_b = _page_rows(p_table, start + S, hi, o_h, S, Hkv, i_h,
+                                                      D, MODE, True)
+            bias_a = tl.where(m_a, 0.0, float("-inf"))
+            bias_b = tl.where(m_b, 0.0, float("-inf"))
+            if BASE:
+                ka0, ka1, ka2, ka3, va0, va1, va2, va3 = _base_tile(
+                    K, V, id_a, page_a, j_a, span_lo, in_a, m_a, o_w, stride_kp, stride_vp, S,
+                    Hkv, D, MODE, CODEC, PRMT, True)
+                kb0, kb1, kb2, kb3, vb0, vb1, vb2, vb3 = _base_tile(
+                    K, V, id_b, page_b, j_b, span_lo, in_b, m_b, o_w, stride_kp, stride_vp, S,
+                    Hkv, D, MODE, CODEC, PRMT, True)
+                b_m, b_l, b_alpha, b_pa, b_pb = _softmax_step2(
+                    _base_scores(b_q, q0, q1, q2, q3, ka0, ka1, ka2, ka3, PRECISION), bias_a,
+                    _base_scores(b_q, q0, q1, q2, q3, kb0, kb1, kb2, kb3, PRECISION), bias_b,
+                    b_m, b_l, scale_log2)
+                b_pa = b_pa.to(va0.dtype)
+                b_pb = b_pb.to(va0.dtype)
+                a0 = a0 * b_alpha[:, None] + dot(b_pa, va0, PRECISION) + dot(b_pb, vb0, PRECISION)
+                a1 = a1 * b_alpha[:, None] + dot(b_pa, va1, PRECISION) + dot(b_pb, vb1, PRECISION)
+                a2 = a2 * b_alpha[:, None] + dot(b_pa, va2, PRECISION) + dot(b_pb, vb2, PRECISION)
+                a3 = a3 * b_alpha[:, None] + dot(b_pa, va3, PRECISION) + dot(b_pb, vb3, PRECISION)
+            else:
+                b_ka, b_va = _target_tile(K, V, page_a, in_a, m_a, o_d, m_d, stride_kp,
+                                          stride_vp, True)
+                b_kb, b_vb = _target_tile(K, V, page_b, in_b, m_b, o_d, m_d, stride_kp,
+                                          stride_vp, True)
+                b_m, b_l, b_alpha, b_pa, b_pb = _softmax_step2(
+                    dot(b_q, tl.trans(b_ka), PRECISION), bias_a,
+                    dot(b_q, tl.trans(b_kb), PRECISION), bias_b, b_m, b_l, scale_log2)
+                b_acc = (b_acc * b_alpha[:, None] + dot(b_pa.to(b_va.dtype), b_va, PRECISION)
+                         + dot(b_pb.to(b_vb.dtype), b_vb, PRECISION))
         else:
-            b_id = tl.load(p_table + o_t // S, mask=m_n, other=0)
-            o_in = ((o_t % S) * Hkv + i_h) * D
-            j = o_t // S
-        b_page = (b_id >> 1 if MODE == 2 else b_id).to(tl.int64)
-        b_bias = tl.where(m_n, 0.0, float("-inf"))
-        if BASE:
-            if MODE == 1:
-                o_half = ((j - span_lo) & 1) * (S * Hkv * D)
+            b_id, b_page, o_in, m_n, j = _page_rows(p_table, start, hi, o_n, S, Hkv, i_h, D,
+                                                    MODE, ONE_PAGE)
+            b_bias = tl.where(m_n, 0.0, float("-inf"))
+            if BASE:
+                k0, k1, k2, k3, v0, v1, v2, v3 = _base_tile(
+                    K, V, b_id, b_page, j, span_lo, o_in, m_n, o_w, stride_kp, stride_vp, S,
+                    Hkv, D, MODE, CODEC, PRMT, ONE_PAGE)
+                b_m, b_l, b_alpha, b_p = softmax_step(
+                    _base_scores(b_q, q0, q1, q2, q3, k0, k1, k2, k3, PRECISION), b_bias, b_m,
+                    b_l, scale_log2)
+                b_p = b_p.to(v0.dtype)
+                a0 = a0 * b_alpha[:, None] + dot(b_p, v0, PRECISION)
+                a1 = a1 * b_alpha[:, None] + dot(b_p, v1, PRECISION)
+                a2 = a2 * b_alpha[:, None] + dot(b_p, v2, PRECISION)
+                a3 = a3 * b_alpha[:, None] + dot(b_p, v3, PRECISION)
             else:
-                o_half = (b_id & 1) * (S * Hkv * D)
-            # word offsets: every term is a multiple of 4 bytes (D % 16 == 0, even page
-            # strides, aligned pools). Offsets are added to the pointer page first, then rows:
-            # a scalar page offset then stays a scalar (about 40 fewer instructions a tile than
-            # adding it to every element's offset).
-            p_kw = K.to(tl.pointer_type(tl.int32))
-            p_vw = V.to(tl.pointer_type(tl.int32))
-            m_w = m_n[:, None] & (o_w < D // 4)[None, :]
-            if ONE_PAGE:
-                o_r = (o_in // 4)[:, None] + o_w[None, :]
-                b_wk = tl.load(p_kw + (b_page * (2 * stride_kp) + o_half) // 4 + o_r, mask=m_w,
-                               other=0)
-                b_wv = tl.load(p_vw + (b_page * (2 * stride_vp) + o_half) // 4 + o_r, mask=m_w,
-                               other=0)
-            else:
-                o_kw = (b_page * (2 * stride_kp) + (o_half + o_in)) // 4
-                o_vw = (b_page * (2 * stride_vp) + (o_half + o_in)) // 4
-                b_wk = tl.load(p_kw + o_kw[:, None] + o_w[None, :], mask=m_w, other=0)
-                b_wv = tl.load(p_vw + o_vw[:, None] + o_w[None, :], mask=m_w, other=0)
-            k0, k1, k2, k3 = _planes(b_wk, CODEC, PRMT)
-            v0, v1, v2, v3 = _planes(b_wv, CODEC, PRMT)
-            if BLOCK_D >= 64:
-                b_s = (dot(q0, tl.trans(k0), PRECISION) + dot(q1, tl.trans(k1), PRECISION)
-                       + dot(q2, tl.trans(k2), PRECISION) + dot(q3, tl.trans(k3), PRECISION))
-            else:   # a plane dot would reduce fewer than 16 columns, tl.dot's least
-                b_s = dot(b_q, tl.trans(_join4(k0, k1, k2, k3)), PRECISION)
-            b_m, b_l, b_alpha, b_p = softmax_step(b_s, b_bias, b_m, b_l, scale_log2)
-            b_p = b_p.to(v0.dtype)
-            a0 = a0 * b_alpha[:, None] + dot(b_p, v0, PRECISION)
-            a1 = a1 * b_alpha[:, None] + dot(b_p, v1, PRECISION)
-            a2 = a2 * b_alpha[:, None] + dot(b_p, v2, PRECISION)
-            a3 = a3 * b_alpha[:, None] + dot(b_p, v3, PRECISION)
-        else:
-            m_kv = m_n[:, None] & m_d[None, :]
-            if ONE_PAGE:
-                o_r = o_in[:, None] + o_d[None, :]
-                b_k = tl.load(K + b_page * stride_kp + o_r, mask=m_kv, other=0.0)
-                b_v = tl.load(V + b_page * stride_vp + o_r, mask=m_kv, other=0.0)
-            else:
-                b_k = tl.load(K + (b_page * stride_kp + o_in)[:, None] + o_d[None, :],
-                              mask=m_kv, other=0.0)
-                b_v = tl.load(V + (b_page * stride_vp + o_in)[:, None] + o_d[None, :],
-                              mask=m_kv, other=0.0)
-            b_m, b_l, b_acc = online_softmax_tile(b_q, b_k, b_v, b_bias, b_m, b_l, b_acc,
-                                                  scale_log2, PRECISION)
+                b_k, b_v = _target_tile(K, V, b_page, o_in, m_n, o_d, m_d, stride_kp, stride_vp,
+                                        ONE_PAGE)
+                b_m, b_l, b_acc = online_softmax_tile(b_q, b_k, b_v, b_bias, b_m, b_l, b_acc,
+                                                      scale_log2, PRECISION)
     if BASE:
         b_acc = _join4(a0, a1, a2, a3)
     return b_m, b_l, b_acc
 
 
 @triton.jit
-def _half_pages_kernel(Table, Mode, Out, n, L, stride_tb, stride_mb, BLOCK: tl.constexpr):
+def _half_pages_kernel(Table, Mode, Out, n, L, stride_tb, stride_mb, BLOCK: tl.constexpr,
+                       USE_PDL: tl.constexpr):
     """``out[b, j] = 2 * block_table[b, j] + (block_mode[b, j] == 2)``, out contiguous [B, L]:
     the general path's page ids with the BASE half in bit 0."""
+    if USE_PDL:  # the attention kernel may launch now; it waits for this grid on-device
+        tl.extra.cuda.gdc_launch_dependents()
     o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = o < n
     i_b = (o // L).to(tl.int64)
@@ -255,8 +349,11 @@ def _elastic_decode_kernel(
     G: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MODE: tl.constexpr, CODEC: tl.constexpr, PRECISION: tl.constexpr,
-    SAME_STRIDE: tl.constexpr, PRMT: tl.constexpr,
+    SAME_STRIDE: tl.constexpr, PRMT: tl.constexpr, PDL_TRIGGER: tl.constexpr,
+    PDL_WAIT: tl.constexpr,
 ):
+    if PDL_TRIGGER:  # let the split merge launch now; it waits for this grid on-device
+        tl.extra.cuda.gdc_launch_dependents()
     i_bh = tl.program_id(0)
     i_s = tl.program_id(1)
     i_b = (i_bh // Hkv).to(tl.int64)
@@ -265,6 +362,8 @@ def _elastic_decode_kernel(
     o_n = tl.arange(0, BLOCK_N)
     m_d = o_d < D
     b_q = load_query_group(Q, i_b, i_h, stride_qb, stride_qh, G, D, BLOCK_G, BLOCK_D)
+    if PDL_WAIT:   # launched early behind _half_pages_kernel: wait for its table
+        tl.extra.cuda.gdc_wait()
 
     b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_G], tl.float32)
@@ -343,6 +442,7 @@ def elastic_attention_fwd(
     scale: float | None = None,
     *, num_splits: int | None = None, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, prmt: bool | None = None,
+    pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the elastic paged decode kernel. Inputs are already checked by the op (BASE
     paths: 4-byte aligned pools with even page strides; general path: fewer than 2**30 pages).
@@ -351,7 +451,8 @@ def elastic_attention_fwd(
     seq_lens int32 [B]; block_mode int8 [B, L] or base_span int32 [B, 2] or neither (native).
     Returns out [B, Hq, D] (q.dtype) and lse float32 [B, Hq]. The keyword-only knobs override
     the defaults (benchmarks and tests use them); ``prmt`` picks the hi8 decode (inline PTX byte
-    permutes; default on compiled NVIDIA CUDA, off under the interpreter and on ROCm).
+    permutes; default on compiled NVIDIA CUDA, off under the interpreter and on ROCm), ``pdl``
+    programmatic dependent launch (default on Hopper and newer, see ``_splitk.use_pdl``).
     """
     B, Hq, D = q.shape
     _, S, Hkv, _ = k_cache.shape
@@ -364,6 +465,10 @@ def elastic_attention_fwd(
     if num_splits is None:
         num_splits = default_num_splits(max(B, 1) * Hkv, NB * S, block_n, tile_bytes, q.device)
     out, lse, part_o, part_l, s_os = split_outputs(B, Hq, D, num_splits, q.dtype, q.device)
+    # programmatic dependent launch hides the launch gap before each kernel that follows
+    # another of this op (the table kernel -> this kernel -> the merge)
+    pdl = use_pdl(q.device) if pdl is None else pdl
+    pdl_wait = pdl and mode == 2 and block_table.numel() > 0
     if B == 0:
         return out, lse
     table = block_table
@@ -372,7 +477,7 @@ def elastic_attention_fwd(
         if table.numel():
             _half_pages_kernel[(triton.cdiv(table.numel(), 1024),)](
                 block_table, block_mode, table, table.numel(), NB, block_table.stride(0),
-                block_mode.stride(0), BLOCK=1024, num_warps=4)
+                block_mode.stride(0), BLOCK=1024, USE_PDL=pdl_wait, num_warps=4)
     # the kernel never reads the metadata of the other paths; pass valid pointers
     block_mode = block_table if block_mode is None else block_mode
     base_span = block_table if base_span is None else base_span
@@ -392,8 +497,10 @@ def elastic_attention_fwd(
         PRMT=(not interpreting() and torch.version.hip is None) if prmt is None else prmt,
         num_warps=num_warps or default_num_warps(D, k_cache.dtype),
         num_stages=num_stages or default_num_stages(mode, num_splits, tile_bytes),
+        PDL_TRIGGER=pdl and num_splits > 1, PDL_WAIT=pdl_wait,
+        **({"launch_pdl": True} if pdl_wait else {}),
     )
     if num_splits > 1:
         merge_splits(part_o.view(B * Hq, num_splits, D), part_l.view(B * Hq, num_splits),
-                     out.view(B * Hq, D), lse.view(B * Hq))
+                     out.view(B * Hq, D), lse.view(B * Hq), pdl=pdl)
     return out, lse
