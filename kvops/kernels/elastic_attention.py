@@ -115,16 +115,20 @@ def _join4(x0, x1, x2, x3):
 
 
 @triton.jit
-def _page_rows(p_table, start, hi, o_n, S: tl.constexpr, Hkv, i_h, D: tl.constexpr,
+def _page_rows(p_table, p_mode, start, hi, o_n, S: tl.constexpr, Hkv, i_h, D: tl.constexpr,
                MODE: tl.constexpr, ONE_PAGE: tl.constexpr):
     """Rows ``start + o_n`` of a sequence: (page id as stored, page, row offsets inside the
     page or half, row mask, logical block). ``ONE_PAGE``: the rows lie in one page, so the id,
     page and block are scalars and the row offsets do not depend on the ids (past ``hi`` the id
-    is not read: the second half of a PAIR tile may start past the table's end)."""
+    is not read: the second half of a pair tile may start past the table's end). On the general
+    path (``MODE == 2``) the id is ``2 * page + half``: per-row ids come so from
+    ``_half_pages_kernel``'s table, a one-page id from the page and its mode byte."""
     o_t = start + o_n
     m_n = o_t < hi
     if ONE_PAGE:
         b_id = tl.load(p_table + start // S, mask=start < hi, other=0)
+        if MODE == 2:   # the block table itself: fold the mode byte's half in
+            b_id = 2 * b_id + (tl.load(p_mode + start // S, mask=start < hi, other=0) == 2)
         o_in = (((start % S) + o_n) * Hkv + i_h) * D
         j = start // S
     else:
@@ -209,11 +213,11 @@ def _softmax_step2(b_sa, b_biasa, b_sb, b_biasb, b_m, b_l, scale_log2):
 
 
 @triton.jit
-def _run(K, V, p_table, span_lo, lo, hi, b_q, b_m, b_l, b_acc, scale_log2, i_h,
+def _run(K, V, p_table, p_mode, span_lo, lo, hi, b_q, b_m, b_l, b_acc, scale_log2, i_h,
          stride_kp, stride_vp, Hkv, o_n, o_d, m_d,
          D: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr, BASE: tl.constexpr,
          MODE: tl.constexpr, CODEC: tl.constexpr, PRECISION: tl.constexpr,
-         PRMT: tl.constexpr):
+         PRMT: tl.constexpr, TILE: tl.constexpr):
     """Fold rows ``[lo, hi)`` of one form into the running softmax, ``BLOCK_N`` rows a tile.
 
     TARGET (``BASE`` false): 16-bit rows of their pages. BASE: the row's half of its pair page,
@@ -222,7 +226,8 @@ def _run(K, V, p_table, span_lo, lo, hi, b_q, b_m, b_l, b_acc, scale_log2, i_h,
     into the same planes for the run, so ``q k^T`` is the sum of four plane dots and ``p v``
     fills four plane accumulators.
 
-    Page ids, by how a tile meets pages (tiles start at multiples of ``BLOCK_N``):
+    Page ids, by how a tile meets pages (``TILE``, from ``tile_pages``; a tile starts where a
+    split or a run starts, a multiple of ``BLOCK_N`` or of ``S``, or ``BLOCK_N`` after the last):
 
     - ``S`` a multiple of ``BLOCK_N`` (``ONE_PAGE``): a tile lies in one page, so it loads one
       id and its row offsets are fixed (native 16-row tiles at S 64: 359 instructions against
@@ -232,10 +237,11 @@ def _run(K, V, p_table, span_lo, lo, hi, b_q, b_m, b_l, b_acc, scale_log2, i_h,
       -> 814 instructions, TARGET 886 -> 707);
     - otherwise each row loads its page id, in the tile's own iteration: with 4-5 stages the
       pipeliner copies them to shared memory ahead of the tile's K/V copies, so no load waits
-      on another."""
+      on another. The general path then reads ids from ``_half_pages_kernel``'s table, because
+      a mode byte a row is too narrow for those copies."""
     BLOCK_D: tl.constexpr = o_d.shape[0]
-    ONE_PAGE: tl.constexpr = S % BLOCK_N == 0
-    PAIR: tl.constexpr = (BLOCK_N == 2 * S) and (S >= 16)     # a half is a whole dot operand
+    ONE_PAGE: tl.constexpr = TILE == 1        # TILE_ONE_PAGE (tile_pages)
+    PAIR: tl.constexpr = TILE == 2            # TILE_PAIR
     o_w = tl.arange(0, BLOCK_D // 4)
     o_h = tl.arange(0, BLOCK_N // 2)
     if BASE:
@@ -243,10 +249,10 @@ def _run(K, V, p_table, span_lo, lo, hi, b_q, b_m, b_l, b_acc, scale_log2, i_h,
         a0, a1, a2, a3 = _split4(b_acc)
     for start in range(lo, hi, BLOCK_N):
         if PAIR:
-            id_a, page_a, in_a, m_a, j_a = _page_rows(p_table, start, hi, o_h, S, Hkv, i_h, D,
-                                                      MODE, True)
-            id_b, page_b, in_b, m_b, j_b = _page_rows(p_table, start + S, hi, o_h, S, Hkv, i_h,
-                                                      D, MODE, True)
+            id_a, page_a, in_a, m_a, j_a = _page_rows(p_table, p_mode, start, hi, o_h, S, Hkv,
+                                                      i_h, D, MODE, True)
+            id_b, page_b, in_b, m_b, j_b = _page_rows(p_table, p_mode, start + S, hi, o_h, S,
+                                                      Hkv, i_h, D, MODE, True)
             bias_a = tl.where(m_a, 0.0, float("-inf"))
             bias_b = tl.where(m_b, 0.0, float("-inf"))
             if BASE:
@@ -277,8 +283,8 @@ def _run(K, V, p_table, span_lo, lo, hi, b_q, b_m, b_l, b_acc, scale_log2, i_h,
                 b_acc = (b_acc * b_alpha[:, None] + dot(b_pa.to(b_va.dtype), b_va, PRECISION)
                          + dot(b_pb.to(b_vb.dtype), b_vb, PRECISION))
         else:
-            b_id, b_page, o_in, m_n, j = _page_rows(p_table, start, hi, o_n, S, Hkv, i_h, D,
-                                                    MODE, ONE_PAGE)
+            b_id, b_page, o_in, m_n, j = _page_rows(p_table, p_mode, start, hi, o_n, S, Hkv, i_h,
+                                                    D, MODE, ONE_PAGE)
             b_bias = tl.where(m_n, 0.0, float("-inf"))
             if BASE:
                 k0, k1, k2, k3, v0, v1, v2, v3 = _base_tile(
@@ -349,8 +355,8 @@ def _elastic_decode_kernel(
     G: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MODE: tl.constexpr, CODEC: tl.constexpr, PRECISION: tl.constexpr,
-    SAME_STRIDE: tl.constexpr, PRMT: tl.constexpr, PDL_TRIGGER: tl.constexpr,
-    PDL_WAIT: tl.constexpr,
+    SAME_STRIDE: tl.constexpr, PRMT: tl.constexpr, TILE: tl.constexpr,
+    PDL_TRIGGER: tl.constexpr, PDL_WAIT: tl.constexpr,
 ):
     if PDL_TRIGGER:  # let the split merge launch now; it waits for this grid on-device
         tl.extra.cuda.gdc_launch_dependents()
@@ -373,15 +379,15 @@ def _elastic_decode_kernel(
     p_table = BlockTable + i_b * stride_tb
     if SAME_STRIDE:       # one row offset serves K and V: 15 % fewer loop instructions
         stride_vp = stride_kp
+    p_mode = BlockMode + i_b * stride_mb
     if MODE == 0:
-        b_m, b_l, b_acc = _run(K, V, p_table, 0, lo, hi, b_q, b_m, b_l, b_acc,
+        b_m, b_l, b_acc = _run(K, V, p_table, p_mode, 0, lo, hi, b_q, b_m, b_l, b_acc,
                                scale_log2, i_h, stride_kp, stride_vp, Hkv, o_n, o_d, m_d,
-                               D, S, BLOCK_N, False, MODE, CODEC, PRECISION, PRMT)
+                               D, S, BLOCK_N, False, MODE, CODEC, PRECISION, PRMT, TILE)
     else:
         # Walk the split as runs of one form; each run is a pipelined loop of single-form tiles
         # starting at the run's first row. Both mixed paths cut the same runs from the same
         # layout, so they fold the same tiles in the same order: bit-identical results.
-        p_mode = BlockMode + i_b * stride_mb
         span_lo = 0
         span_hi = 0
         if MODE == 1:
@@ -400,17 +406,30 @@ def _elastic_decode_kernel(
                 end = end_j * S
             end = tl.minimum(end, hi)
             if is_base != 0:
-                b_m, b_l, b_acc = _run(K, V, p_table, span_lo, pos, end, b_q, b_m, b_l,
+                b_m, b_l, b_acc = _run(K, V, p_table, p_mode, span_lo, pos, end, b_q, b_m, b_l,
                                        b_acc, scale_log2, i_h, stride_kp, stride_vp, Hkv, o_n,
-                                       o_d, m_d, D, S, BLOCK_N, True, MODE, CODEC, PRECISION, PRMT)
+                                       o_d, m_d, D, S, BLOCK_N, True, MODE, CODEC, PRECISION,
+                                       PRMT, TILE)
             else:
-                b_m, b_l, b_acc = _run(K, V, p_table, span_lo, pos, end, b_q, b_m, b_l,
+                b_m, b_l, b_acc = _run(K, V, p_table, p_mode, span_lo, pos, end, b_q, b_m, b_l,
                                        b_acc, scale_log2, i_h, stride_kp, stride_vp, Hkv, o_n,
-                                       o_d, m_d, D, S, BLOCK_N, False, MODE, CODEC, PRECISION, PRMT)
+                                       o_d, m_d, D, S, BLOCK_N, False, MODE, CODEC, PRECISION,
+                                       PRMT, TILE)
             pos = end
 
     finish_rows(b_m, b_l, b_acc, O, L, i_b, i_h, i_s, stride_ob, stride_oh, stride_os,
                 stride_lb, stride_lh, G, D, BLOCK_G, BLOCK_D)
+
+
+TILE_ROWS, TILE_ONE_PAGE, TILE_PAIR = 0, 1, 2     # how a tile meets pages (see ``_run``)
+
+
+def tile_pages(S: int, block_n: int) -> int:
+    """``TILE_ONE_PAGE`` when every tile lies in one page, ``TILE_PAIR`` when it is two whole
+    pages of at least 16 rows (a dot operand each), else ``TILE_ROWS`` (a page id a row)."""
+    if S % block_n == 0:
+        return TILE_ONE_PAGE
+    return TILE_PAIR if block_n == 2 * S and S >= 16 else TILE_ROWS
 
 
 BLOCK_N = 16            # native path: rows a tile, one warp a program (module docstring)
@@ -468,11 +487,13 @@ def elastic_attention_fwd(
     # programmatic dependent launch hides the launch gap before each kernel that follows
     # another of this op (the table kernel -> this kernel -> the merge)
     pdl = use_pdl(q.device) if pdl is None else pdl
-    pdl_wait = pdl and mode == 2 and block_table.numel() > 0
+    tile = tile_pages(S, block_n)
+    halves_table = mode == 2 and tile == TILE_ROWS        # per-row ids: 2 * page + half
+    pdl_wait = pdl and halves_table and block_table.numel() > 0
     if B == 0:
         return out, lse
     table = block_table
-    if mode == 2:
+    if halves_table:
         table = torch.empty(block_table.shape, dtype=torch.int32, device=block_table.device)
         if table.numel():
             _half_pages_kernel[(triton.cdiv(table.numel(), 1024),)](
@@ -493,7 +514,7 @@ def elastic_attention_fwd(
         G=G, D=D, S=S, BLOCK_G=max(16, next_pow2(G)), BLOCK_D=next_pow2(D), BLOCK_N=block_n,
         MODE=mode, CODEC=2 if k_cache.dtype == torch.bfloat16 else 0,
         PRECISION=dot_precision(q.dtype),
-        SAME_STRIDE=k_cache.stride(0) == v_cache.stride(0),
+        SAME_STRIDE=k_cache.stride(0) == v_cache.stride(0), TILE=tile,
         PRMT=(not interpreting() and torch.version.hip is None) if prmt is None else prmt,
         num_warps=num_warps or default_num_warps(D, k_cache.dtype),
         num_stages=num_stages or default_num_stages(mode, num_splits, tile_bytes),
