@@ -44,11 +44,11 @@ def _merge_splits_kernel(
 
 
 def default_num_splits(pairs: int, n: int, block_n: int, tile_bytes: int,
-                       device: torch.device, max_splits: int = 64) -> int:
+                       device: torch.device) -> int:
     """Splits of each (sequence, KV head) pair's ``n`` rows: enough programs to keep about
     64 KiB of K/V tiles in flight per SM (one program per SM for 64 KiB tiles, two for 32 KiB),
-    at least 2 tiles per split, at most ``max_splits``. Depends on shapes only, so a captured
-    graph stays valid.
+    at least 2 tiles per split, at most 64 splits. Depends on shapes only, so a captured graph
+    stays valid.
 
     Tuned on an H200 (bench/results/*-static_sliding_attention-tune*.md): Llama-3-8B heads
     (64 KiB tiles) run best with B=16 unsplit, B=4 at W=16384 with 4 splits, B=1 at W=4096 with
@@ -57,7 +57,7 @@ def default_num_splits(pairs: int, n: int, block_n: int, tile_bytes: int,
     """
     per_sm = max(1, 65536 // tile_bytes)
     want = sm_count(device) * per_sm // max(pairs, 1)
-    return max(1, min(want, n // (2 * block_n), max_splits))
+    return max(1, min(want, n // (2 * block_n), 64))
 
 
 def use_pdl(device: torch.device) -> bool:

@@ -482,15 +482,7 @@ def elastic_attention_fwd(
     block_n = block_n or (BLOCK_N if mode == 0 else BLOCK_N_MIXED)
     tile_bytes = kv_tile_bytes(block_n, D, k_cache.dtype)
     if num_splits is None:
-        # the mixed paths size the grid for their BASE tiles (half the bytes of a TARGET tile
-        # of as many rows), which are bound by instruction latency, not bytes: with 8 KiB
-        # counted, B 64 at 4k runs 2 splits (8 one-warp programs an SM) instead of 1
-        # (3.9), and B 1 128 splits (all-BASE was 1.29-1.36x all-TARGET at B 64 and 1.5x at
-        # B 1 before, bench/results/2026-11-30-elastic-planes.md)
-        mixed = mode != 0
-        num_splits = default_num_splits(max(B, 1) * Hkv, NB * S, block_n,
-                                        tile_bytes // 2 if mixed else tile_bytes, q.device,
-                                        max_splits=128 if mixed else 64)
+        num_splits = default_num_splits(max(B, 1) * Hkv, NB * S, block_n, tile_bytes, q.device)
     out, lse, part_o, part_l, s_os = split_outputs(B, Hq, D, num_splits, q.dtype, q.device)
     # programmatic dependent launch hides the launch gap before each kernel that follows
     # another of this op (the table kernel -> this kernel -> the merge)
