@@ -48,7 +48,7 @@ from kvops.kernels._attention import (
     softmax_step,
     split_range,
 )
-from kvops.kernels._common import dot_precision, kv_tile_bytes, next_pow2
+from kvops.kernels._common import dot_precision, kv_tile_bytes, next_pow2, sm_count
 from kvops.kernels._splitk import default_num_splits, merge_splits, split_outputs, use_pdl
 
 
@@ -437,14 +437,15 @@ BLOCK_N_MIXED = 32      # structured and general paths (module docstring)
 SMEM_BUDGET = 160 * 1024    # bytes of K/V stages a program may hold (the H200 allows 227 KiB)
 
 
-def default_num_stages(mode: int, num_splits: int, tile_bytes: int) -> int:
+def default_num_stages(mode: int, programs_per_sm: float, tile_bytes: int) -> int:
     """Pipeline depth. 5 keeps a tile's page ids one tile ahead of its K/V copies and those two
-    tiles ahead of the math; the mixed paths' 32-row tiles take 4 when unsplit (more programs
-    fit an SM: 349 vs 422 us all-BASE at B 128, 4k) and 5 when split (210 vs 258 us at B 16,
-    16k; bench/results/2026-11-30-elastic-variants.md). ``tile_bytes`` (K and V of one tile)
-    caps it so the ``stages - 1`` buffered tiles fit ``SMEM_BUDGET`` (large forced tiles, e.g.
-    64 float32 rows of D 128)."""
-    stages = 4 if mode != 0 and num_splits == 1 else 5
+    tiles ahead of the math. The mixed paths take 4 when the grid has at least 6 programs an
+    SM (B 128 at 4k: 7.8), where more stages only cost registers, and 5 below, where fewer
+    programs must each keep more copies in flight (B 64 at 4k, 3.9 an SM: all-BASE 199 us
+    with 4 stages, 1.29x all-TARGET; bench/results/2026-11-30-elastic-planes.md). ``tile_bytes``
+    (K and V of one tile) caps it so the ``stages - 1`` buffered tiles fit ``SMEM_BUDGET``
+    (large forced tiles, e.g. 64 float32 rows of D 128)."""
+    stages = 4 if mode != 0 and programs_per_sm >= 6 else 5
     return max(2, min(stages, 1 + SMEM_BUDGET // tile_bytes))
 
 
@@ -517,7 +518,8 @@ def elastic_attention_fwd(
         SAME_STRIDE=k_cache.stride(0) == v_cache.stride(0), TILE=tile,
         PRMT=(not interpreting() and torch.version.hip is None) if prmt is None else prmt,
         num_warps=num_warps or default_num_warps(D, k_cache.dtype),
-        num_stages=num_stages or default_num_stages(mode, num_splits, tile_bytes),
+        num_stages=num_stages or default_num_stages(
+            mode, B * Hkv * num_splits / sm_count(q.device), tile_bytes),
         PDL_TRIGGER=pdl and num_splits > 1, PDL_WAIT=pdl_wait,
         **({"launch_pdl": True} if pdl_wait else {}),
     )
