@@ -5,8 +5,7 @@ compacts two pages into the bytes of one, and refinement expands one into two, s
 destination is also a source (``dst == src_a`` in a pack, ``dst_a == base_page`` in a refine)
 a chunk's stores land on bytes that other chunks still have to read. The chunk order is chosen
 per row so every store lands on bytes already read, and a CTA barrier between a chunk's loads
-and its stores keeps warps from overtaking each other (the next chunk is loaded before the
-current one is stored, which only reads earlier):
+and its stores keeps warps from overtaking each other:
 
 - pack, ``dst == src_a``: page a first, ascending (BASE byte ``i`` overwrites value ``i / 2``,
   already read), then page b. ``dst == src_b``: page b first, descending (byte ``E + i``
@@ -60,18 +59,6 @@ def _encode_e4m3_hw(b_u):
 
 
 @triton.jit
-def _chunk(t, n_ch, b_first, REVERSE_B: tl.constexpr):
-    """Step ``t`` of a row's ``2 * n_ch`` chunk steps -> (chunk index, which page or half: 1
-    for b). ``b_first``: b's chunks come first; they run descending when b is first in a pack
-    (``REVERSE_B``), a's run descending when b is first in a refine."""
-    second = t >= n_ch
-    k = tl.where(second, t - n_ch, t)
-    use_b = second != b_first
-    rev = (use_b if REVERSE_B else ~use_b) & b_first
-    return tl.where(rev, n_ch - 1 - k, k), use_b.to(tl.int64)
-
-
-@triton.jit
 def _pack_pairs_kernel(
     Cache, Pairs, Backing,
     stride_cp, stride_pn, stride_pc,
@@ -87,23 +74,16 @@ def _pack_pairs_kernel(
     b_first = (dst == src_b) & (dst != src_a)
     n_ch = tl.cdiv(E, BLOCK)
     o_e = tl.arange(0, BLOCK)
-    # the next chunk is loaded before this one is stored (reading earlier is always safe: the
-    # order only promises that stores land on bytes already read), so its latency overlaps
-    chunk, half = _chunk(0, n_ch, b_first, True)
-    o_x = chunk * BLOCK + o_e
-    b_next = tl.load(Cache + (src_a + half * (src_b - src_a)) * stride_cp + o_x, mask=o_x < E,
-                     other=0)
     for t in range(0, 2 * n_ch):
+        second = t >= n_ch
+        k = tl.where(second, t - n_ch, t)
+        use_b = second != b_first
+        chunk = tl.where(use_b & b_first, n_ch - 1 - k, k)
+        src = tl.where(use_b, src_b, src_a)
+        half = use_b.to(tl.int64)
         o_x = chunk * BLOCK + o_e
         m_x = o_x < E
-        b_u = b_next.to(tl.int32) & 0xFFFF
-        h = half
-        # after the last step this reloads step 0's chunk (in bounds, unused): an unmasked
-        # tail keeps the loads 16-byte vectors
-        chunk, half = _chunk((t + 1) % (2 * n_ch), n_ch, b_first, True)
-        o_n = chunk * BLOCK + o_e
-        b_next = tl.load(Cache + (src_a + half * (src_b - src_a)) * stride_cp + o_n,
-                         mask=o_n < E, other=0)
+        b_u = tl.load(Cache + src * stride_cp + o_x, mask=m_x, other=0).to(tl.int32) & 0xFFFF
         if CODEC == 2:
             if HW_FP8:
                 b_base = _encode_e4m3_hw(b_u)
@@ -116,31 +96,12 @@ def _pack_pairs_kernel(
                 b_hi = (b_hi & 0x80) | ((b_hi + (b_lo >> 7)) & 0x7F)
             b_base = b_hi
         tl.debug_barrier()
-        tl.store(p_c8 + dst * 2 * stride_cp + h * E + o_x, b_base.to(tl.uint8), mask=m_x)
-        p_back = Backing + (i_n * 2 + h) * E + o_x
+        tl.store(p_c8 + dst * 2 * stride_cp + half * E + o_x, b_base.to(tl.uint8), mask=m_x)
+        p_back = Backing + (i_n * 2 + half) * E + o_x
         if CODEC == 2:
             tl.store(p_back, b_u.to(tl.int16), mask=m_x)
         else:
             tl.store(p_back, b_lo.to(tl.uint8), mask=m_x)
-
-
-@triton.jit
-def _refine_load(Cache, p_c8, Backing, i_n, base, stride_cp, E, chunk, half,
-                 CODEC: tl.constexpr, BLOCK: tl.constexpr):
-    """The 16-bit values of one chunk of a refine (int32), from backing (e4m3) or from the BASE
-    byte and the backing low byte."""
-    o_x = chunk * BLOCK + tl.arange(0, BLOCK)
-    m_x = o_x < E
-    p_back = Backing + (i_n * 2 + half) * E + o_x
-    if CODEC == 2:
-        return tl.load(p_back, mask=m_x, other=0).to(tl.int32)
-    else:
-        b_hi = tl.load(p_c8 + base * 2 * stride_cp + half * E + o_x, mask=m_x,
-                       other=0).to(tl.int32)
-        b_lo = tl.load(p_back, mask=m_x, other=0).to(tl.int32)
-        if CODEC == 1:
-            b_hi = (b_hi & 0x80) | ((b_hi - (b_lo >> 7)) & 0x7F)
-        return (b_hi << 8) | b_lo
 
 
 @triton.jit
@@ -159,18 +120,27 @@ def _refine_pairs_kernel(
     b_first = (dst_a == base) & (dst_b != base)
     n_ch = tl.cdiv(E, BLOCK)
     o_e = tl.arange(0, BLOCK)
-    chunk, half = _chunk(0, n_ch, b_first, False)
-    b_next = _refine_load(Cache, p_c8, Backing, i_n, base, stride_cp, E, chunk, half, CODEC,
-                          BLOCK)
-    for t in range(0, 2 * n_ch):               # as in the pack: one chunk loaded ahead
+    for t in range(0, 2 * n_ch):
+        second = t >= n_ch
+        k = tl.where(second, t - n_ch, t)
+        use_b = second != b_first
+        chunk = tl.where(~use_b & b_first, n_ch - 1 - k, k)
+        dst = tl.where(use_b, dst_b, dst_a)
+        half = use_b.to(tl.int64)
         o_x = chunk * BLOCK + o_e
-        b_u = b_next
-        dst = dst_a + half * (dst_b - dst_a)
-        chunk, half = _chunk((t + 1) % (2 * n_ch), n_ch, b_first, False)
-        b_next = _refine_load(Cache, p_c8, Backing, i_n, base, stride_cp, E, chunk, half, CODEC,
-                              BLOCK)
+        m_x = o_x < E
+        p_back = Backing + (i_n * 2 + half) * E + o_x
+        if CODEC == 2:
+            b_u = tl.load(p_back, mask=m_x, other=0).to(tl.int32)
+        else:
+            b_hi = tl.load(p_c8 + base * 2 * stride_cp + half * E + o_x, mask=m_x,
+                           other=0).to(tl.int32)
+            b_lo = tl.load(p_back, mask=m_x, other=0).to(tl.int32)
+            if CODEC == 1:
+                b_hi = (b_hi & 0x80) | ((b_hi - (b_lo >> 7)) & 0x7F)
+            b_u = (b_hi << 8) | b_lo
         tl.debug_barrier()
-        tl.store(Cache + dst * stride_cp + o_x, b_u.to(tl.int16), mask=o_x < E)
+        tl.store(Cache + dst * stride_cp + o_x, b_u.to(tl.int16), mask=m_x)
 
 
 def hw_fp8(device: torch.device) -> bool:
