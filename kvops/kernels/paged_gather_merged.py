@@ -31,8 +31,9 @@ import triton.language as tl
 from kvops.kernels._common import next_pow2, sm_count
 
 # Up to this many rows, one launch (every program re-reads the rows: 12 KiB at 1024). On the
-# H200 one launch beat two at T = 1024 (134.1 vs 137.4 us for 128 MiB of 128 KiB trains) and
-# lost at T = 4096 (153.6 vs 138.3 us); bench/results/2026-11-30-paged_gather-grid-sweep.md.
+# H200 one launch beat two at T = 1024 (134.8 vs 137.7 us for 128 MiB of 128 KiB trains, 128
+# programs an SM) and lost at T = 4096 (153.2 vs 138.9 us, 64 an SM);
+# bench/results/2026-11-30-paged_gather-grid-sweep.md.
 FUSE_MAX_TRAINS = 1024
 # Rows times programs an SM that one launch may re-read (see default_programs_per_sm).
 FUSED_ROW_READS_PER_SM = 131072
@@ -148,11 +149,11 @@ def default_block(page_elems: int, itemsize: int) -> int:
 
 def default_programs_per_sm(T: int, fused: bool) -> int:
     """Programs an SM. Small programs balance best (the hardware hands the next block range to
-    whichever SM frees first): one 128 MiB train copies at 4.19 TB/s with 256 an SM against
-    4.06 with 64. But in one launch every program first sums all ``T`` rows, so the count
-    falls as ``T`` grows (``FUSED_ROW_READS_PER_SM``): 256 up to 512 rows, 128 at 1,024 (4.00
-    TB/s; 3.22 with 256). Two launches search the train ends instead, best at 64 (3.88 TB/s at
-    4,096 one-page trains; 3.46 with 256). bench/results/2026-11-30-paged_gather-grid-sweep.md.
+    whichever SM frees first): one 128 MiB train copies at 4.16 TB/s with 256 an SM against
+    4.05 with 64. But in one launch every program first sums all ``T`` rows, so the count
+    falls as ``T`` grows (``FUSED_ROW_READS_PER_SM``): 256 up to 512 rows, 128 at 1,024 (3.98
+    TB/s; 3.20 with 256). Two launches search the train ends instead, best at 64 (3.87 TB/s at
+    4,096 one-page trains; 3.43 with 256). bench/results/2026-11-30-paged_gather-grid-sweep.md.
     """
     if not fused:
         return 64
