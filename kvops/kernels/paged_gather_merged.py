@@ -59,6 +59,11 @@ def _load_row(Trains, t, num, P, Q):
 
 
 @triton.jit
+def _add2(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
 def _train_ends_kernel(Trains, NumTrains, Ends, T, P, Q, BLOCK_T: tl.constexpr):
     num = tl.minimum(tl.maximum(tl.load(NumTrains), 0), T)
     tl.store(Ends, 0)
@@ -110,16 +115,17 @@ def _gather_pages_kernel(
         # the train t of the first block: first <= page < nxt, its first and end pages
         g = lo // UNITS
         if FUSED:
-            t = tl.sum((b_end <= g).to(tl.int32), 0)
-            nxt = tl.min(tl.where(b_end > g, b_end, pages), 0)
-            first = nxt - tl.sum(tl.where(o_t == t, b_n, 0), 0)
+            # rows ending at or before page g are the rows before t: one reduction gives their
+            # count (t) and their pages (first)
+            b_before = b_end <= g
+            t, first = tl.reduce((b_before.to(tl.int32), tl.where(b_before, b_n, 0)), 0, _add2)
+            src, dst, n_t = _load_row(Trains, t, num, P, Q)
+            nxt = first + n_t
         else:
             t = _search_ends(Ends, T, g, FANOUT)
             first = tl.load(Ends + t)
             nxt = tl.load(Ends + t + 1)
-        row = _load_row(Trains, t, num, P, Q)
-        src = row[0]
-        dst = row[1]
+            src, dst, _ = _load_row(Trains, t, num, P, Q)
         src1, dst1, n1 = _load_row(Trains, t + 1, num, P, Q)
         o_e = tl.arange(0, BLOCK)
         for w in range(lo, hi):
