@@ -32,9 +32,10 @@ def online_softmax_tile(b_q, b_k, b_v, b_bias, b_m, b_l, b_acc, scale_log2,
 
 @triton.jit
 def softmax_step(b_s, b_bias, b_m, b_l, scale_log2):
-    """The softmax half of a tile: raw scores b_s [BLOCK_G, BLOCK_N] -> the new running max and
-    sum, the factor ``alpha`` [BLOCK_G] that rescales the accumulator, and the tile's
-    probabilities ``p`` [BLOCK_G, BLOCK_N] (float32)."""
+    """The softmax half of a tile: raw scores b_s [BLOCK_G, BLOCK_N] and b_bias [BLOCK_N]
+    (log2 units: 0 visible, -inf masked) -> the new running max and sum, the factor ``alpha``
+    [BLOCK_G] that rescales the accumulator, and the tile's probabilities ``p`` [BLOCK_G,
+    BLOCK_N] (float32)."""
     b_s = b_s * scale_log2 + b_bias[None, :]
     b_mn = tl.maximum(b_m, tl.max(b_s, 1))
     b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvops._config import interpreting
 from kvops.kernels._common import cuda_capability, next_pow2, sm_count
 
 
@@ -61,10 +62,13 @@ def default_num_splits(pairs: int, n: int, block_n: int, tile_bytes: int,
 
 
 def use_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch (Hopper and newer): the merge launches while stage 1 is
-    still running and waits on-device, hiding one launch latency. Stage 1 kernels take it as
-    their ``USE_PDL`` constexpr and call ``gdc_launch_dependents``."""
-    return cuda_capability(device)[0] >= 9
+    """Programmatic dependent launch (NVIDIA Hopper and newer, compiled): the merge launches
+    while stage 1 is still running and waits on-device, hiding one launch latency. Stage 1
+    kernels take it as a constexpr (``USE_PDL`` or ``PDL_TRIGGER``) and call
+    ``gdc_launch_dependents``. Off under the interpreter and on ROCm (whose gfx9 parts also
+    report capability 9), where the ``gdc_*`` instructions do not exist."""
+    return (not interpreting() and torch.version.hip is None
+            and cuda_capability(device)[0] >= 9)
 
 
 def split_outputs(B: int, Hq: int, D: int, nsp: int, dtype: torch.dtype, device: torch.device):

@@ -7,13 +7,15 @@ One kernel family, three paths chosen by the constexpr ``MODE`` (ElasticKV secti
 - ``MODE == 1`` structured: ``base_span [B, 2]`` gives the BASE blocks ``[first, end)``; a block's
   mode and half follow from its index, so no per-block metadata is loaded.
 - ``MODE == 2`` general: a per-block mode (0 TARGET, 1 half 0, 2 half 1) in ``block_mode
-  [B, L]``. ``_half_pages_kernel`` first folds it into the page ids (``2 * page + half``), so
-  the loop loads page and half together; the modes are read again only to cut runs.
+  [B, L]``, scanned to cut runs. A tile that loads one page id a page also loads the page's
+  mode byte; for tiles that load an id a row, ``_half_pages_kernel`` first folds the modes into
+  the page ids (``2 * page + half``), so the loop loads page and half together.
 
 One program handles one (sequence, KV head, split): it loads the ``G`` query heads of the group
 once and streams its share of the sequence's tokens in tiles of ``BLOCK_N`` rows, so each KV row
 is read once for the whole group. A tile's page comes from the page table: one id a tile when
-``S`` is a multiple of ``BLOCK_N``, else one a row. The mixed paths walk the split as runs of one
+``S`` is a multiple of ``BLOCK_N``, one for each half of a tile of two whole pages, else one a
+row (``tile_pages``). The mixed paths walk the split as runs of one
 form (three at most on the structured path, found by scanning the mode table on the general
 one), and each run is a plain pipelined loop of single-form tiles: TARGET tiles read 16-bit
 values, BASE tiles read their half of the pair page as 32-bit words of four bytes and decode
@@ -21,10 +23,11 @@ them into four byte planes (``_planes``), against which the query group and the 
 split the same way for the run. So a tile costs the bytes and the instructions of its own form
 only. Splits are merged by ``_splitk.merge_splits``.
 
-Launch shape (H200 sweeps, bench/results/2026-11-30-elastic-variants.md): one warp a program,
-16-row tiles on the native path and 32-row tiles on the mixed paths (at S 64 a 32-row BASE tile
-takes 758 instructions, two 16-row ones 958), 4-5 pipeline stages (fewer where a stage's tiles would
-not fit shared memory). A one-warp program keeps a tile's scores, softmax and ``P`` in its own
+Launch shape (H200 sweeps, bench/results/2026-11-30-elastic-variants.md and
+-variants-session4.md): one warp a program, 16-row tiles on the native path and 32-row tiles on
+the mixed paths (at S 64 a 32-row BASE tile took 758 instructions in the scratch variant that
+introduced one-page tiles, two 16-row ones 958), 4-5 pipeline stages (fewer where a stage's
+tiles would not fit shared memory). A one-warp program keeps a tile's scores, softmax and ``P`` in its own
 registers (no cross-warp reductions or barriers), and many small programs per SM hide each
 other's latency; with 4-warp, 128-row programs a BASE tile took as long as a TARGET tile.
 Instruction counts here are of the loop bodies in SASS (ptxas sm_90a, triton 3.6, D 128).
@@ -80,7 +83,9 @@ def _planes(b_w, CODEC: tl.constexpr, PRMT: tl.constexpr):
     ``prmt`` and two ``and`` a word pair); otherwise each byte is decoded arithmetically. The
     one-tensor decode this replaced (four values a word, joined back into rows) made ptxas
     shuffle registers and stage V through shared memory: 948 instructions a 32-row BASE tile
-    against 875 with planes, and 1.38x against 1.70x the all-TARGET speed (B 128, 4k, S 64)."""
+    against 875 with planes (both loading a page id a row), and all-BASE 1.38x against 1.70x
+    the all-TARGET speed (B 128, 4k, S 64; bench/results/2026-11-30-elastic-variants-session4.md).
+    """
     if PRMT and CODEC == 0:
         return tl.inline_asm_elementwise(
             "{ .reg .b32 z, y; and.b32 z, $4, 0xFFFFFF00; and.b32 y, $5, 0x00FFFFFF; "
@@ -100,9 +105,9 @@ def _split4(x):
     """[R, C] -> the four planes [R, C // 4] of its columns: plane k holds columns 4j + k."""
     R: tl.constexpr = x.shape[0]
     C: tl.constexpr = x.shape[1]
-    x01, x23 = tl.split(tl.reshape(x, (R, C // 4, 2, 2)))   # column 4j + 2m + a: x{a}[j, m]
-    x0, x2 = tl.split(x01)
-    x1, x3 = tl.split(x23)
+    xa0, xa1 = tl.split(tl.reshape(x, (R, C // 4, 2, 2)))   # column 4j + 2m + a: xa{a}[j, m]
+    x0, x2 = tl.split(xa0)
+    x1, x3 = tl.split(xa1)
     return x0, x1, x2, x3
 
 
@@ -193,7 +198,7 @@ def _base_scores(b_q, q0, q1, q2, q3, k0, k1, k2, k3, PRECISION: tl.constexpr):
     if q0.shape[1] >= 16:
         return (dot(q0, tl.trans(k0), PRECISION) + dot(q1, tl.trans(k1), PRECISION)
                 + dot(q2, tl.trans(k2), PRECISION) + dot(q3, tl.trans(k3), PRECISION))
-    else:   # a plane dot would reduce fewer than 16 columns, tl.dot's least
+    else:   # BLOCK_D < 64 (D <= 32): a plane dot would reduce fewer than 16 columns, tl.dot's least
         return dot(b_q, tl.trans(_join4(k0, k1, k2, k3)), PRECISION)
 
 
@@ -310,10 +315,10 @@ def _run(K, V, p_table, p_mode, span_lo, lo, hi, b_q, b_m, b_l, b_acc, scale_log
 
 @triton.jit
 def _half_pages_kernel(Table, Mode, Out, n, L, stride_tb, stride_mb, BLOCK: tl.constexpr,
-                       USE_PDL: tl.constexpr):
+                       PDL_TRIGGER: tl.constexpr):
     """``out[b, j] = 2 * block_table[b, j] + (block_mode[b, j] == 2)``, out contiguous [B, L]:
     the general path's page ids with the BASE half in bit 0."""
-    if USE_PDL:  # the attention kernel may launch now; it waits for this grid on-device
+    if PDL_TRIGGER:  # the attention kernel may launch now; it waits for this grid on-device
         tl.extra.cuda.gdc_launch_dependents()
     o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = o < n
@@ -438,11 +443,12 @@ SMEM_BUDGET = 160 * 1024    # bytes of K/V stages a program may hold (the H200 a
 
 
 def default_num_stages(mode: int, programs_per_sm: float, tile_bytes: int) -> int:
-    """Pipeline depth. 5 keeps a tile's page ids one tile ahead of its K/V copies and those two
-    tiles ahead of the math. The mixed paths take 4 when the grid has at least 6 programs an
-    SM (B 128 at 4k: 7.8), where more stages only cost registers, and 5 below, where fewer
-    programs must each keep more copies in flight (B 64 at 4k, 3.9 an SM: all-BASE 199 us
-    with 4 stages, 1.29x all-TARGET; bench/results/2026-11-30-elastic-planes.md). ``tile_bytes``
+    """Pipeline depth. 5 keeps per-row page ids one tile ahead of their K/V copies and those two
+    tiles ahead of the math, and lets few programs an SM keep enough copies in flight. The
+    mixed paths take 4 when the grid has at least 6 programs an SM (B 128 at 4k: 7.8; 5 stages
+    were 4-10 % slower there) and 5 below (B 64 at 4k, 3.9 an SM: all-BASE 199 us with 4
+    stages, 1.29x all-TARGET, 134 us with 5; bench/results/2026-11-30-elastic-planes.md and
+    -variants-session4.md). ``tile_bytes``
     (K and V of one tile) caps it so the ``stages - 1`` buffered tiles fit ``SMEM_BUDGET``
     (large forced tiles, e.g. 64 float32 rows of D 128)."""
     stages = 4 if mode != 0 and programs_per_sm >= 6 else 5
@@ -499,7 +505,7 @@ def elastic_attention_fwd(
         if table.numel():
             _half_pages_kernel[(triton.cdiv(table.numel(), 1024),)](
                 block_table, block_mode, table, table.numel(), NB, block_table.stride(0),
-                block_mode.stride(0), BLOCK=1024, USE_PDL=pdl_wait, num_warps=4)
+                block_mode.stride(0), BLOCK=1024, PDL_TRIGGER=pdl_wait, num_warps=4)
     # the kernel never reads the metadata of the other paths; pass valid pointers
     block_mode = block_table if block_mode is None else block_mode
     base_span = block_table if base_span is None else base_span

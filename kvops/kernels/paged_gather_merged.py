@@ -60,6 +60,7 @@ def _load_row(Trains, t, num, P, Q):
 
 @triton.jit
 def _add2(a0, a1, b0, b1):
+    """Combine of a two-value sum reduction (``tl.reduce`` over a pair of tensors)."""
     return a0 + b0, a1 + b1
 
 
@@ -159,7 +160,9 @@ def default_programs_per_sm(T: int, fused: bool) -> int:
     4.05 with 64. But in one launch every program first sums all ``T`` rows, so the count
     falls as ``T`` grows (``FUSED_ROW_READS_PER_SM``): 256 up to 512 rows, 128 at 1,024 (3.98
     TB/s; 3.20 with 256). Two launches search the train ends instead, best at 64 (3.87 TB/s at
-    4,096 one-page trains; 3.43 with 256). bench/results/2026-11-30-paged_gather-grid-sweep.md.
+    4,096 one-page trains; 3.43 with 256). bench/results/2026-11-30-paged_gather-grid-sweep.md;
+    measured before a07cbbc cut the one-launch search from three reductions to one, which makes
+    a program's start cheaper: the 128-vs-256 cut at 1,024 rows was not measured again.
     """
     if not fused:
         return 64
