@@ -100,7 +100,6 @@ class Transport:
         self.copy_tail = copy_tail
         self.last: dict = {}
         self._ones = [0]                # leading rows of the committed trains with n == 1
-        self._num = [0]                 # the committed num_trains
         self._pairs = None              # writes packed moves into the host trains table
         # lookups by session length n (tokens, at most L * S), so a step's window bounds and
         # move destinations cost one fancy index each and no arithmetic: with nb = ceil(n / S)
@@ -221,9 +220,8 @@ class Transport:
                 frame._put("trains", slice(0, groups), trains)
                 if ones:
                     frame._put_host(self._ones, 0, 0)
-        if groups != self._num[0]:          # a decode step's count rarely changes
+        if groups != self.pager.host_tables["num_trains"][0]:   # committed; rarely changes
             frame._put("num_trains", 0, groups)
-            frame._put_host(self._num, 0, groups)
         if deltas:
             slots = np.concatenate((slots, np.array(w_slot, dtype=np.int64)))
             after = np.concatenate((after, np.array(w_after, dtype=np.int64)))
