@@ -37,12 +37,20 @@ def softmax_step(b_s, b_bias, b_m, b_l, scale_log2):
     [BLOCK_G] that rescales the accumulator, and the tile's probabilities ``p`` [BLOCK_G,
     BLOCK_N] (float32)."""
     b_s = b_s * scale_log2 + b_bias[None, :]
-    b_mn = tl.maximum(b_m, tl.max(b_s, 1))
-    b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)
-    b_alpha = tl.exp2(b_m - b_ms)
+    b_mn, b_ms, b_alpha = raise_max(b_m, tl.max(b_s, 1))
     b_p = tl.exp2(b_s - b_ms[:, None])
     b_l = b_l * b_alpha + tl.sum(b_p, 1)
     return b_mn, b_l, b_alpha, b_p
+
+
+@triton.jit
+def raise_max(b_m, b_tile_max):
+    """The running max [BLOCK_G] after a tile whose row maxima are ``b_tile_max``: the new max,
+    the one to subtract (0 for a row that has seen nothing: -inf - -inf is NaN), and ``alpha``,
+    the factor that rescales what was accumulated under the old max."""
+    b_mn = tl.maximum(b_m, b_tile_max)
+    b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)
+    return b_mn, b_ms, tl.exp2(b_m - b_ms)
 
 
 @triton.jit

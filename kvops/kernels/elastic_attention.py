@@ -48,6 +48,7 @@ from kvops.kernels._attention import (
     finish_rows,
     load_query_group,
     online_softmax_tile,
+    raise_max,
     softmax_step,
     split_range,
 )
@@ -208,9 +209,7 @@ def _softmax_step2(b_sa, b_biasa, b_sb, b_biasb, b_m, b_l, scale_log2):
     sum, ``alpha``, and both halves' probabilities."""
     b_sa = b_sa * scale_log2 + b_biasa[None, :]
     b_sb = b_sb * scale_log2 + b_biasb[None, :]
-    b_mn = tl.maximum(b_m, tl.maximum(tl.max(b_sa, 1), tl.max(b_sb, 1)))
-    b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)
-    b_alpha = tl.exp2(b_m - b_ms)
+    b_mn, b_ms, b_alpha = raise_max(b_m, tl.maximum(tl.max(b_sa, 1), tl.max(b_sb, 1)))
     b_pa = tl.exp2(b_sa - b_ms[:, None])
     b_pb = tl.exp2(b_sb - b_ms[:, None])
     b_l = b_l * b_alpha + tl.sum(b_pa, 1) + tl.sum(b_pb, 1)
