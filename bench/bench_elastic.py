@@ -6,7 +6,8 @@ Part 1, pack/refine: N pairs of Llama-3-8B pages (Hkv 8, D 128; S 16 and 64), in
 pack reads two TARGET pages and writes one page plus the backing; refine reads the BASE page and
 the backing and writes two pages. Fraction of the 4.25 TB/s copy ceiling.
 
-Part 2, elastic_attention: Llama-3-8B heads (Hq 32, Hkv 8, D 128), fp16, random block tables,
+Part 2, elastic_attention: Llama-3-8B heads (Hq 32, Hkv 8, D 128), fp16 (``--dtype bfloat16``:
+bf16 with e4m3 BASE), random block tables,
 full-length sequences, S 16 and 64. Native path; structured path with a centered BASE span of
 0/25/50/75/100 % of the blocks (packed by pack_base_pairs, two blocks per page); general path on
 the 50 % layout. Beside it, static_sliding_attention over the same tokens as a dense window
@@ -18,6 +19,7 @@ L2.
     python -m bench.bench_elastic            # full sweep (about 3 minutes), writes bench/results/
     python -m bench.bench_elastic --quick    # a smoke pass
     python -m bench.bench_elastic --tune     # kernel config sweeps (pack/refine, attention)
+    python -m bench.bench_elastic --dtype bfloat16 --no-pack   # bf16 attention only
 """
 
 from __future__ import annotations
@@ -234,12 +236,12 @@ def tune_attention(shapes=((16, 4096), (1, 16384)), S=16):
     return table(["B", "ctx", "path", "block_n", "warps", "stages", "us", "TB/s"], rows)
 
 
-def attention_rows(shapes, pages, shares):
+def attention_rows(shapes, pages, shares, dtype=torch.float16):
     rows, goals = [], {"native/static": [], "base100 speedup": [], "general/structured": [],
                        "TB/s spread": []}
     for B, ctx in shapes:
         dense_bytes = 2 * B * ctx * HKV * D * 2
-        peers = dense_peers(B, ctx, torch.float16, rotation(dense_bytes))
+        peers = dense_peers(B, ctx, dtype, rotation(dense_bytes))
         t_static = peers["static"]
         sdpa_name, t_sdpa = peers["sdpa"] or ("n/a", float("nan"))
         for S in pages:
@@ -247,7 +249,7 @@ def attention_rows(shapes, pages, shares):
             for label, share in [("native", 0.0)] + [(f"struct {int(s * 100)}%", s) for s in shares] \
                     + [("general 50%", 0.5)]:
                 n_sets = rotation(dense_bytes)
-                sets = [attention_set(B, ctx, S, share) for _ in range(n_sets)]
+                sets = [attention_set(B, ctx, S, share, dtype) for _ in range(n_sets)]
                 nbytes = sets[0][2]
                 kws = [path_kwargs(label, span, ctx // S) for _, span, _ in sets]
                 check_attention(sets[0][0], **kws[0])
@@ -281,6 +283,9 @@ def main():
     ap.add_argument("--shapes", default="1x16384,16x4096,16x16384,64x4096,128x1024,128x4096",
                     help="attention shapes as BxCTX, comma separated")
     ap.add_argument("--pages", default="16,64", help="page sizes, comma separated")
+    ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"],
+                    help="attention cache dtype (bfloat16: e4m3 BASE); pack/refine run all codecs")
+    ap.add_argument("--no-pack", action="store_true", help="skip pack/refine")
     args = ap.parse_args()
     if args.tune:
         body = "\n\n".join(["## pack/refine", tune_pack(), "## elastic_attention (S 16, top 3)",
@@ -289,15 +294,19 @@ def main():
         print(body)
         return
     torch.manual_seed(0)
+    dtype = getattr(torch, args.dtype)
     with kvops.validate(False):
-        if args.quick:
-            ph, prow = pack_rows(512, (16,), quick=True)
-            ah, arow, goals = attention_rows([(16, 4096)], (16,), (0.0, 0.5, 1.0))
+        if args.no_pack:
+            ph, prow = None, []
         else:
-            ph, prow = pack_rows(2048, (16, 64), quick=False)
+            ph, prow = pack_rows(512 if args.quick else 2048, (16,) if args.quick else (16, 64),
+                                 quick=args.quick)
+        if args.quick:
+            ah, arow, goals = attention_rows([(16, 4096)], (16,), (0.0, 0.5, 1.0), dtype)
+        else:
             shapes = [tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(",")]
             pages = tuple(int(x) for x in args.pages.split(","))
-            ah, arow, goals = attention_rows(shapes, pages, (0.0, 0.25, 0.5, 0.75, 1.0))
+            ah, arow, goals = attention_rows(shapes, pages, (0.0, 0.25, 0.5, 0.75, 1.0), dtype)
     fmt = lambda xs: f"min {min(xs):.2f}, max {max(xs):.2f}" if xs else "n/a"
     goal_lines = [
         f"- native path / static_sliding_attention on the dense window (speed ratio, goal >= 0.95): "
@@ -307,17 +316,19 @@ def main():
         f"- general / structured time at 50 % BASE (goal <= 1.10): {fmt(goals['general/structured'])}",
         f"- TB/s spread across BASE shares, max/min - 1 (goal <= 0.10): {fmt(goals['TB/s spread'])}",
     ]
-    pack_goal = [r[6] for r in prow]
-    body = "\n".join([
+    pack = [] if ph is None else [
         "## pack_base_pairs / refine_base_pairs (in place, Hkv 8, D 128)", "",
         table(ph, prow), "",
-        f"Pack/refine TB/s (read + written): {fmt(pack_goal)} (goal >= 3.6).", "",
-        "## elastic_attention (Hq 32, Hkv 8, D 128, fp16, full sequences)", "",
+        f"Pack/refine TB/s (read + written): {fmt([r[6] for r in prow])} (goal >= 3.6).", ""]
+    body = "\n".join([
+        *pack,
+        f"## elastic_attention (Hq 32, Hkv 8, D 128, {args.dtype}, full sequences)", "",
         "TB/s: bytes the kernel must read (TARGET 2 B a value, BASE 1 B); static: dense window of "
         "the same tokens; sdpa: best backend on gathered dense K/V; x sdpa = sdpa us / ours.", "",
         table(ah, arow), "", "Goals:", *goal_lines,
     ])
-    write_result("elastic" + ("-quick" if args.quick else ""), body)
+    name = "elastic" + ("-bf16" if dtype == torch.bfloat16 else "") + ("-quick" if args.quick else "")
+    write_result(name, body)
     print(body)
 
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import given
 from hypothesis import strategies as st
 
 import kvops
-from kvops.kernels.elastic_attention import elastic_attention_fwd
+from kvops.kernels.elastic_attention import _planes, elastic_attention_fwd
 from kvops.layouts import codecs
 from kvops.layouts.pairs import base_pair_view
 from kvops.ops.elastic_attention import elastic_attention_ref, span_modes
@@ -368,6 +370,45 @@ def test_general_path_16_row_tiles_on_cuda(S):
     want = elastic_attention_fwd(**case, base_span=span, block_n=16)
     assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
     check_against_oracle(out, lse, dict(case, base_span=span), f"general-S{S}-bn16")
+
+
+@triton.jit
+def _planes_kernel(W, Out, R: tl.constexpr, C: tl.constexpr, CODEC: tl.constexpr,
+                   PTX: tl.constexpr):
+    """Decode words ``W [R, C]`` into planes and store them back in byte order: ``Out[r, 4j + k]``
+    is plane ``k`` at ``[r, j]``, so ``Out`` is the decode of ``W``'s bytes as they lie."""
+    o_r = tl.arange(0, R)[:, None]
+    o_c = tl.arange(0, C)[None, :]
+    p0, p1, p2, p3 = _planes(tl.load(W + o_r * C + o_c), CODEC, PTX)
+    o = o_r * (4 * C) + 4 * o_c
+    tl.store(Out + o, p0)
+    tl.store(Out + o + 1, p1)
+    tl.store(Out + o + 2, p2)
+    tl.store(Out + o + 3, p3)
+
+
+@pytest.mark.parametrize("ptx", [False, pytest.param(True, marks=requires_cuda)],
+                         ids=["integer", "ptx"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["hi8", "e4m3"])
+def test_planes_decode_every_byte_in_every_position(kernel_device, dtype, ptx):
+    """Both BASE decodes (integer, and inline PTX: byte permutes, for e4m3 the sm_89 float8
+    conversion) give the codec's value of every byte value in every byte of a word and for
+    both words of a register pair (32 x 32 words = 4096 bytes, each value 16 times)."""
+    device = torch.device("cuda") if ptx else kernel_device
+    if dtype == torch.bfloat16 and ptx and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("the e4m3 PTX decode needs sm_89+")
+    gen = torch.Generator().manual_seed(0)
+    b = torch.cat([torch.randperm(256, generator=gen) for _ in range(16)]).to(torch.uint8)
+    w = b.to(device).view(torch.int32).view(32, 32)
+    out = torch.empty(32, 128, dtype=dtype, device=device)
+    _planes_kernel[(1,)](w, out, R=32, C=32, CODEC=0 if dtype == torch.float16 else 2, PTX=ptx)
+    if dtype == torch.float16:
+        want = (b.to(torch.int16) << 8).view(torch.float16)
+    else:
+        want = b.view(torch.float8_e4m3fn).to(torch.bfloat16)
+    got = out.flatten().cpu()
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(0.0).view(torch.int16), want.nan_to_num(0.0).view(torch.int16))
 
 
 def test_validation_mode_raises_on_out_of_range():

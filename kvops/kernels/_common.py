@@ -39,6 +39,17 @@ def cuda_capability(device: torch.device) -> tuple[int, int]:
     return (p.major, p.minor)
 
 
+def nvidia_ptx(device: torch.device) -> bool:
+    """Whether kernels on ``device`` are compiled NVIDIA code, so inline PTX may be used (not
+    under the interpreter, not on ROCm)."""
+    return device.type == "cuda" and not interpreting() and torch.version.hip is None
+
+
+def hw_fp8(device: torch.device) -> bool:
+    """Whether ``device`` converts float8 e4m3 in hardware (NVIDIA sm_89 and newer, compiled)."""
+    return nvidia_ptx(device) and cuda_capability(device) >= (8, 9)
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """How decode kernels run ``tl.dot``, passed as their ``PRECISION`` constexpr.
 

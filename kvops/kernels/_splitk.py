@@ -12,8 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvops._config import interpreting
-from kvops.kernels._common import cuda_capability, next_pow2, sm_count
+from kvops.kernels._common import cuda_capability, next_pow2, nvidia_ptx, sm_count
 
 
 @triton.jit
@@ -67,8 +66,7 @@ def use_pdl(device: torch.device) -> bool:
     kernels take it as a constexpr (``USE_PDL`` or ``PDL_TRIGGER``) and call
     ``gdc_launch_dependents``. Off under the interpreter and on ROCm (whose gfx9 parts also
     report capability 9), where the ``gdc_*`` instructions do not exist."""
-    return (not interpreting() and torch.version.hip is None
-            and cuda_capability(device)[0] >= 9)
+    return nvidia_ptx(device) and cuda_capability(device)[0] >= 9
 
 
 def split_outputs(B: int, Hq: int, D: int, nsp: int, dtype: torch.dtype, device: torch.device):

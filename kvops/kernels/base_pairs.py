@@ -23,8 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvops._config import interpreting
-from kvops.kernels._common import cuda_capability, next_pow2
+from kvops.kernels._common import hw_fp8, next_pow2
 
 CODEC_IDS = {"hi8": 0, "hi8r": 1, "e4m3": 2}
 
@@ -141,11 +140,6 @@ def _refine_pairs_kernel(
             b_u = (b_hi << 8) | b_lo
         tl.debug_barrier()
         tl.store(Cache + dst * stride_cp + o_x, b_u.to(tl.int16), mask=m_x)
-
-
-def hw_fp8(device: torch.device) -> bool:
-    """Whether the GPU converts to float8 e4m3 in hardware (sm_89 and newer, compiled code)."""
-    return not interpreting() and cuda_capability(device) >= (8, 9)
 
 
 def _launch(kernel, cache, pairs, backing, codec, block, num_warps, **extra):

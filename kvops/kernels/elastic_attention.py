@@ -7,8 +7,8 @@ One kernel family, three paths chosen by the constexpr ``MODE`` (ElasticKV secti
 - ``MODE == 1`` structured: ``base_span [B, 2]`` gives the BASE blocks ``[first, end)``; a block's
   mode and half follow from its index, so no per-block metadata is loaded.
 - ``MODE == 2`` general: a per-block mode (0 TARGET, 1 half 0, 2 half 1) in ``block_mode
-  [B, L]``, scanned to cut runs. A tile that loads one page id a page also loads the page's
-  mode byte; for tiles that load an id a row, ``_half_pages_kernel`` first folds the modes into
+  [B, L]``, scanned to cut runs. A BASE tile that loads one page id a page also loads the
+  page's mode byte (its half); for tiles that load an id a row, ``_half_pages_kernel`` first folds the modes into
   the page ids (``2 * page + half``), so the loop loads page and half together.
 
 One program handles one (sequence, KV head, split): it loads the ``G`` query heads of the group
@@ -42,7 +42,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kvops._config import interpreting
 from kvops.kernels._attention import (
     dot,
     finish_rows,
@@ -52,7 +51,7 @@ from kvops.kernels._attention import (
     softmax_step,
     split_range,
 )
-from kvops.kernels._common import dot_precision, kv_tile_bytes, next_pow2, sm_count
+from kvops.kernels._common import dot_precision, hw_fp8, kv_tile_bytes, next_pow2, nvidia_ptx, sm_count
 from kvops.kernels._splitk import default_num_splits, merge_splits, split_outputs, use_pdl
 
 
@@ -71,8 +70,25 @@ def _decode_base(b_x, CODEC: tl.constexpr):
         return b_f.to(tl.bfloat16)
 
 
+def _e4m3_plane_asm(k: int) -> str:
+    """PTX of plane ``k`` of an e4m3 word pair: byte ``k`` of both words, converted by the GPU
+    (sm_89+) to float16 and through float32 (exact) to a bfloat16 pair."""
+    return (f"prmt.b32 t, $4, $5, 0x00{4 + k}{k}; mov.b32 {{lo, hi}}, t; "
+            f"cvt.rn.f16x2.e4m3x2 h, lo; mov.b32 {{ha, hb}}, h; cvt.f32.f16 fa, ha; "
+            f"cvt.f32.f16 fb, hb; cvt.rn.bf16x2.f32 ${k}, fb, fa; ")
+
+
+_HI8_PLANES = tl.constexpr(
+    "{ .reg .b32 z, y; and.b32 z, $4, 0xFFFFFF00; and.b32 y, $5, 0x00FFFFFF; "
+    "prmt.b32 $0, $4, y, 0x4707; prmt.b32 $1, z, $5, 0x5010; "
+    "prmt.b32 $2, z, $5, 0x6020; prmt.b32 $3, z, $5, 0x7030; }")
+_E4M3_PLANES = tl.constexpr(
+    "{ .reg .b32 t, h; .reg .b16 lo, hi, ha, hb; .reg .f32 fa, fb; "
+    + "".join(_e4m3_plane_asm(k) for k in range(4)) + "}")
+
+
 @triton.jit
-def _planes(b_w, CODEC: tl.constexpr, PRMT: tl.constexpr):
+def _planes(b_w, CODEC: tl.constexpr, PTX: tl.constexpr):
     """int32 words of BASE bytes [R, C] -> four TARGET tiles [R, C]: plane k holds byte k of
     every word (element ``4j + k`` of a row whose words are ``j``), decoded.
 
@@ -80,20 +96,23 @@ def _planes(b_w, CODEC: tl.constexpr, PRMT: tl.constexpr):
     a dot operand register holds two neighbours along the reduced axis, and the two words of
     those neighbours (adjacent words of a row for K, the same word of adjacent rows for V) both
     sit in one thread, so every plane register is built from two words by one byte permute.
-    ``PRMT`` (compiled CUDA, CODEC 0) does exactly that, with the low bytes zeroed (four
-    ``prmt`` and two ``and`` a word pair); otherwise each byte is decoded arithmetically. The
+    ``PTX`` (compiled NVIDIA code) does exactly that in inline PTX: for hi8 with the low bytes
+    zeroed (four ``prmt`` and two ``and`` a word pair); for e4m3 (sm_89+) each permute is
+    followed by the GPU's float8 -> float16 conversion and float16 -> float32 -> bfloat16 (four
+    conversions a plane register). Otherwise each byte is decoded arithmetically. The
     one-tensor decode this replaced (four values a word, joined back into rows) made ptxas
     shuffle registers and stage V through shared memory: 948 instructions a 32-row BASE tile
     against 875 with planes (both loading a page id a row), and all-BASE 1.38x against 1.70x
     the all-TARGET speed (B 128, 4k, S 64; bench/results/2026-11-30-elastic-variants-session4.md).
     """
-    if PRMT and CODEC == 0:
+    if PTX and CODEC == 0:
         return tl.inline_asm_elementwise(
-            "{ .reg .b32 z, y; and.b32 z, $4, 0xFFFFFF00; and.b32 y, $5, 0x00FFFFFF; "
-            "prmt.b32 $0, $4, y, 0x4707; prmt.b32 $1, z, $5, 0x5010; "
-            "prmt.b32 $2, z, $5, 0x6020; prmt.b32 $3, z, $5, 0x7030; }",
-            "=r,=r,=r,=r,r,r", [b_w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-            is_pure=True, pack=2)
+            _HI8_PLANES, "=r,=r,=r,=r,r,r", [b_w],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
+    elif PTX:
+        return tl.inline_asm_elementwise(
+            _E4M3_PLANES, "=r,=r,=r,=r,r,r", [b_w],
+            dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
     else:
         return (_decode_base((b_w & 0xFF).to(tl.uint8), CODEC),
                 _decode_base(((b_w >> 8) & 0xFF).to(tl.uint8), CODEC),
@@ -122,26 +141,29 @@ def _join4(x0, x1, x2, x3):
 
 @triton.jit
 def _page_rows(p_table, p_mode, start, hi, o_n, S: tl.constexpr, Hkv, i_h, D: tl.constexpr,
-               MODE: tl.constexpr, ONE_PAGE: tl.constexpr):
-    """Rows ``start + o_n`` of a sequence: (page id as stored, page, row offsets inside the
-    page or half, row mask, logical block). ``ONE_PAGE``: the rows lie in one page, so the id,
-    page and block are scalars and the row offsets do not depend on the ids (past ``hi`` the id
-    is not read: the second half of a pair tile may start past the table's end). On the general
-    path (``MODE == 2``) the id is ``2 * page + half``: per-row ids come so from
-    ``_half_pages_kernel``'s table, a one-page id from the page and its mode byte."""
+               MODE: tl.constexpr, BASE: tl.constexpr, ONE_PAGE: tl.constexpr):
+    """Rows ``start + o_n`` of a sequence: (page id, page, row offsets inside the page or half,
+    row mask, logical block). ``ONE_PAGE``: the rows lie in one page, so the id, page and block
+    are scalars and the row offsets do not depend on the ids (past ``hi`` the id is not read:
+    the second half of a pair tile may start past the table's end). On the general path
+    (``MODE == 2``) a BASE tile's id is ``2 * page + half``: per-row ids come so from
+    ``_half_pages_kernel``'s table (for TARGET rows too), a one-page id from the block table
+    and the page's mode byte, which a one-page TARGET tile does not read."""
     o_t = start + o_n
     m_n = o_t < hi
     if ONE_PAGE:
-        b_id = tl.load(p_table + start // S, mask=start < hi, other=0)
-        if MODE == 2:   # the block table itself: fold the mode byte's half in
-            b_id = 2 * b_id + (tl.load(p_mode + start // S, mask=start < hi, other=0) == 2)
+        b_page = tl.load(p_table + start // S, mask=start < hi, other=0)
+        b_id = b_page
+        if MODE == 2 and BASE:
+            b_id = 2 * b_page + (tl.load(p_mode + start // S, mask=start < hi, other=0) == 2)
         o_in = (((start % S) + o_n) * Hkv + i_h) * D
         j = start // S
     else:
         b_id = tl.load(p_table + o_t // S, mask=m_n, other=0)
+        b_page = b_id >> 1 if MODE == 2 else b_id
         o_in = ((o_t % S) * Hkv + i_h) * D
         j = o_t // S
-    return b_id, (b_id >> 1 if MODE == 2 else b_id).to(tl.int64), o_in, m_n, j
+    return b_id, b_page.to(tl.int64), o_in, m_n, j
 
 
 @triton.jit
@@ -166,7 +188,7 @@ def _target_tile(K, V, b_page, o_in, m_n, o_d, m_d, stride_kp, stride_vp,
 @triton.jit
 def _base_tile(K, V, b_id, b_page, j, span_lo, o_in, m_n, o_w, stride_kp, stride_vp,
                S: tl.constexpr, Hkv, D: tl.constexpr, MODE: tl.constexpr, CODEC: tl.constexpr,
-               PRMT: tl.constexpr, ONE_PAGE: tl.constexpr):
+               PTX_DECODE: tl.constexpr, ONE_PAGE: tl.constexpr):
     """The K and V planes (``_planes``) of a BASE tile: its rows' half of their pair pages,
     read as 32-bit words. The half of logical block ``j`` is ``(j - span_lo) & 1`` on the
     structured path; on the general path the id is ``2 * page + half``."""
@@ -188,8 +210,8 @@ def _base_tile(K, V, b_id, b_page, j, span_lo, o_in, m_n, o_w, stride_kp, stride
         o_vw = (b_page * (2 * stride_vp) + (o_half + o_in)) // 4
         b_wk = tl.load(p_kw + o_kw[:, None] + o_w[None, :], mask=m_w, other=0)
         b_wv = tl.load(p_vw + o_vw[:, None] + o_w[None, :], mask=m_w, other=0)
-    k0, k1, k2, k3 = _planes(b_wk, CODEC, PRMT)
-    v0, v1, v2, v3 = _planes(b_wv, CODEC, PRMT)
+    k0, k1, k2, k3 = _planes(b_wk, CODEC, PTX_DECODE)
+    v0, v1, v2, v3 = _planes(b_wv, CODEC, PTX_DECODE)
     return k0, k1, k2, k3, v0, v1, v2, v3
 
 
@@ -221,7 +243,7 @@ def _run(K, V, p_table, p_mode, span_lo, lo, hi, b_q, b_m, b_l, b_acc, scale_log
          stride_kp, stride_vp, Hkv, o_n, o_d, m_d,
          D: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr, BASE: tl.constexpr,
          MODE: tl.constexpr, CODEC: tl.constexpr, PRECISION: tl.constexpr,
-         PRMT: tl.constexpr, TILE: tl.constexpr):
+         PTX_DECODE: tl.constexpr, TILE: tl.constexpr):
     """Fold rows ``[lo, hi)`` of one form into the running softmax, ``BLOCK_N`` rows a tile.
 
     TARGET (``BASE`` false): 16-bit rows of their pages. BASE: the row's half of its pair page,
@@ -254,18 +276,18 @@ def _run(K, V, p_table, p_mode, span_lo, lo, hi, b_q, b_m, b_l, b_acc, scale_log
     for start in range(lo, hi, BLOCK_N):
         if PAIR:
             id_a, page_a, in_a, m_a, j_a = _page_rows(p_table, p_mode, start, hi, o_h, S, Hkv,
-                                                      i_h, D, MODE, True)
+                                                      i_h, D, MODE, BASE, True)
             id_b, page_b, in_b, m_b, j_b = _page_rows(p_table, p_mode, start + S, hi, o_h, S,
-                                                      Hkv, i_h, D, MODE, True)
+                                                      Hkv, i_h, D, MODE, BASE, True)
             bias_a = tl.where(m_a, 0.0, float("-inf"))
             bias_b = tl.where(m_b, 0.0, float("-inf"))
             if BASE:
                 ka0, ka1, ka2, ka3, va0, va1, va2, va3 = _base_tile(
                     K, V, id_a, page_a, j_a, span_lo, in_a, m_a, o_w, stride_kp, stride_vp, S,
-                    Hkv, D, MODE, CODEC, PRMT, True)
+                    Hkv, D, MODE, CODEC, PTX_DECODE, True)
                 kb0, kb1, kb2, kb3, vb0, vb1, vb2, vb3 = _base_tile(
                     K, V, id_b, page_b, j_b, span_lo, in_b, m_b, o_w, stride_kp, stride_vp, S,
-                    Hkv, D, MODE, CODEC, PRMT, True)
+                    Hkv, D, MODE, CODEC, PTX_DECODE, True)
                 b_m, b_l, b_alpha, b_pa, b_pb = _softmax_step2(
                     _base_scores(b_q, q0, q1, q2, q3, ka0, ka1, ka2, ka3, PRECISION), bias_a,
                     _base_scores(b_q, q0, q1, q2, q3, kb0, kb1, kb2, kb3, PRECISION), bias_b,
@@ -288,12 +310,12 @@ def _run(K, V, p_table, p_mode, span_lo, lo, hi, b_q, b_m, b_l, b_acc, scale_log
                          + dot(b_pb.to(b_vb.dtype), b_vb, PRECISION))
         else:
             b_id, b_page, o_in, m_n, j = _page_rows(p_table, p_mode, start, hi, o_n, S, Hkv, i_h,
-                                                    D, MODE, ONE_PAGE)
+                                                    D, MODE, BASE, ONE_PAGE)
             b_bias = tl.where(m_n, 0.0, float("-inf"))
             if BASE:
                 k0, k1, k2, k3, v0, v1, v2, v3 = _base_tile(
                     K, V, b_id, b_page, j, span_lo, o_in, m_n, o_w, stride_kp, stride_vp, S,
-                    Hkv, D, MODE, CODEC, PRMT, ONE_PAGE)
+                    Hkv, D, MODE, CODEC, PTX_DECODE, ONE_PAGE)
                 b_m, b_l, b_alpha, b_p = softmax_step(
                     _base_scores(b_q, q0, q1, q2, q3, k0, k1, k2, k3, PRECISION), b_bias, b_m,
                     b_l, scale_log2)
@@ -359,7 +381,7 @@ def _elastic_decode_kernel(
     G: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MODE: tl.constexpr, CODEC: tl.constexpr, PRECISION: tl.constexpr,
-    SAME_STRIDE: tl.constexpr, PRMT: tl.constexpr, TILE: tl.constexpr,
+    SAME_STRIDE: tl.constexpr, PTX_DECODE: tl.constexpr, TILE: tl.constexpr,
     PDL_TRIGGER: tl.constexpr, PDL_WAIT: tl.constexpr,
 ):
     if PDL_TRIGGER:  # let the split merge launch now; it waits for this grid on-device
@@ -387,7 +409,7 @@ def _elastic_decode_kernel(
     if MODE == 0:
         b_m, b_l, b_acc = _run(K, V, p_table, p_mode, 0, lo, hi, b_q, b_m, b_l, b_acc,
                                scale_log2, i_h, stride_kp, stride_vp, Hkv, o_n, o_d, m_d,
-                               D, S, BLOCK_N, False, MODE, CODEC, PRECISION, PRMT, TILE)
+                               D, S, BLOCK_N, False, MODE, CODEC, PRECISION, PTX_DECODE, TILE)
     else:
         # Walk the split as runs of one form; each run is a pipelined loop of single-form tiles
         # starting at the run's first row. Both mixed paths cut the same runs from the same
@@ -413,12 +435,12 @@ def _elastic_decode_kernel(
                 b_m, b_l, b_acc = _run(K, V, p_table, p_mode, span_lo, pos, end, b_q, b_m, b_l,
                                        b_acc, scale_log2, i_h, stride_kp, stride_vp, Hkv, o_n,
                                        o_d, m_d, D, S, BLOCK_N, True, MODE, CODEC, PRECISION,
-                                       PRMT, TILE)
+                                       PTX_DECODE, TILE)
             else:
                 b_m, b_l, b_acc = _run(K, V, p_table, p_mode, span_lo, pos, end, b_q, b_m, b_l,
                                        b_acc, scale_log2, i_h, stride_kp, stride_vp, Hkv, o_n,
                                        o_d, m_d, D, S, BLOCK_N, False, MODE, CODEC, PRECISION,
-                                       PRMT, TILE)
+                                       PTX_DECODE, TILE)
             pos = end
 
     finish_rows(b_m, b_l, b_acc, O, L, i_b, i_h, i_s, stride_ob, stride_oh, stride_os,
@@ -466,7 +488,7 @@ def elastic_attention_fwd(
     block_mode: torch.Tensor | None = None, base_span: torch.Tensor | None = None,
     scale: float | None = None,
     *, num_splits: int | None = None, block_n: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None, prmt: bool | None = None,
+    num_warps: int | None = None, num_stages: int | None = None, ptx_decode: bool | None = None,
     pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the elastic paged decode kernel. Inputs are already checked by the op (BASE
@@ -475,8 +497,8 @@ def elastic_attention_fwd(
     q [B, Hq, D]; k_cache, v_cache [P, S, Hkv, D] (pages contiguous); block_table int32 [B, L];
     seq_lens int32 [B]; block_mode int8 [B, L] or base_span int32 [B, 2] or neither (native).
     Returns out [B, Hq, D] (q.dtype) and lse float32 [B, Hq]. The keyword-only knobs override
-    the defaults (benchmarks and tests use them); ``prmt`` picks the hi8 decode (inline PTX byte
-    permutes; default on compiled NVIDIA CUDA, off under the interpreter and on ROCm), ``pdl``
+    the defaults (benchmarks and tests use them); ``ptx_decode`` picks the inline-PTX BASE decode
+    (``_planes``; default on compiled NVIDIA code, for e4m3 on sm_89 and newer), ``pdl``
     programmatic dependent launch (default on Hopper and newer, see ``_splitk.use_pdl``).
     """
     B, Hq, D = q.shape
@@ -494,6 +516,7 @@ def elastic_attention_fwd(
     # another of this op (the table kernel -> this kernel -> the merge)
     pdl = use_pdl(q.device) if pdl is None else pdl
     tile = tile_pages(S, block_n)
+    codec = 2 if k_cache.dtype == torch.bfloat16 else 0
     halves_table = mode == 2 and tile == TILE_ROWS        # per-row ids: 2 * page + half
     pdl_wait = pdl and halves_table and block_table.numel() > 0
     if B == 0:
@@ -518,10 +541,11 @@ def elastic_attention_fwd(
         part_l.stride(0), part_l.stride(1),
         NB, Hkv, num_splits,
         G=G, D=D, S=S, BLOCK_G=max(16, next_pow2(G)), BLOCK_D=next_pow2(D), BLOCK_N=block_n,
-        MODE=mode, CODEC=2 if k_cache.dtype == torch.bfloat16 else 0,
+        MODE=mode, CODEC=codec,
         PRECISION=dot_precision(q.dtype),
         SAME_STRIDE=k_cache.stride(0) == v_cache.stride(0), TILE=tile,
-        PRMT=(not interpreting() and torch.version.hip is None) if prmt is None else prmt,
+        PTX_DECODE=ptx_decode if ptx_decode is not None else (
+            hw_fp8(q.device) if codec == 2 else nvidia_ptx(q.device)),
         num_warps=num_warps or default_num_warps(D, k_cache.dtype),
         num_stages=num_stages or default_num_stages(
             mode, B * Hkv * num_splits / sm_count(q.device), tile_bytes),
