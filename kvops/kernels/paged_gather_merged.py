@@ -120,13 +120,11 @@ def _gather_pages_kernel(
             # count (t) and their pages (first)
             b_before = b_end <= g
             t, first = tl.reduce((b_before.to(tl.int32), tl.where(b_before, b_n, 0)), 0, _add2)
-            src, dst, n_t = _load_row(Trains, t, num, P, Q)
-            nxt = first + n_t
         else:
             t = _search_ends(Ends, T, g, FANOUT)
             first = tl.load(Ends + t)
-            nxt = tl.load(Ends + t + 1)
-            src, dst, _ = _load_row(Trains, t, num, P, Q)
+        src, dst, n_t = _load_row(Trains, t, num, P, Q)
+        nxt = first + n_t
         src1, dst1, n1 = _load_row(Trains, t + 1, num, P, Q)
         o_e = tl.arange(0, BLOCK)
         for w in range(lo, hi):
