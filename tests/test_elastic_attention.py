@@ -391,24 +391,25 @@ def _planes_kernel(W, Out, R: tl.constexpr, C: tl.constexpr, CODEC: tl.constexpr
                          ids=["integer", "ptx"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["hi8", "e4m3"])
 def test_planes_decode_every_byte_in_every_position(kernel_device, dtype, ptx):
-    """Both BASE decodes (integer, and inline PTX: byte permutes, for e4m3 the sm_89 float8
-    conversion) give the codec's value of every byte value in every byte of a word and for
-    both words of a register pair (32 x 32 words = 4096 bytes, each value 16 times)."""
+    """Both BASE decodes (integer, into the TARGET dtype; inline PTX: byte permutes, for e4m3
+    the sm_89 float8 -> float16 conversion) give the codec's value of every byte value in
+    every byte of a word and for both words of a register pair (32 x 32 words = 4096 bytes,
+    each value 16 times), compared as float32 bit patterns (NaN as NaN)."""
     device = torch.device("cuda") if ptx else kernel_device
     if dtype == torch.bfloat16 and ptx and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("the e4m3 PTX decode needs sm_89+")
     gen = torch.Generator().manual_seed(0)
     b = torch.cat([torch.randperm(256, generator=gen) for _ in range(16)]).to(torch.uint8)
     w = b.to(device).view(torch.int32).view(32, 32)
-    out = torch.empty(32, 128, dtype=dtype, device=device)
+    out = torch.empty(32, 128, dtype=torch.float32, device=device)
     _planes_kernel[(1,)](w, out, R=32, C=32, CODEC=0 if dtype == torch.float16 else 2, PTX=ptx)
     if dtype == torch.float16:
-        want = (b.to(torch.int16) << 8).view(torch.float16)
+        want = (b.to(torch.int16) << 8).view(torch.float16).float()
     else:
-        want = b.view(torch.float8_e4m3fn).to(torch.bfloat16)
+        want = b.view(torch.float8_e4m3fn).float()
     got = out.flatten().cpu()
     assert torch.equal(got.isnan(), want.isnan())
-    assert torch.equal(got.nan_to_num(0.0).view(torch.int16), want.nan_to_num(0.0).view(torch.int16))
+    assert torch.equal(got.nan_to_num(0.0).view(torch.int32), want.nan_to_num(0.0).view(torch.int32))
 
 
 def test_validation_mode_raises_on_out_of_range():

@@ -70,27 +70,21 @@ def _decode_base(b_x, CODEC: tl.constexpr):
         return b_f.to(tl.bfloat16)
 
 
-def _e4m3_plane_asm(k: int) -> str:
-    """PTX of plane ``k`` of an e4m3 word pair: byte ``k`` of both words, converted by the GPU
-    (sm_89+) to float16 and through float32 (exact) to a bfloat16 pair."""
-    return (f"prmt.b32 t, $4, $5, 0x00{4 + k}{k}; mov.b32 {{lo, hi}}, t; "
-            f"cvt.rn.f16x2.e4m3x2 h, lo; mov.b32 {{ha, hb}}, h; cvt.f32.f16 fa, ha; "
-            f"cvt.f32.f16 fb, hb; cvt.rn.bf16x2.f32 ${k}, fb, fa; ")
-
-
 _HI8_PLANES = tl.constexpr(
     "{ .reg .b32 z, y; and.b32 z, $4, 0xFFFFFF00; and.b32 y, $5, 0x00FFFFFF; "
     "prmt.b32 $0, $4, y, 0x4707; prmt.b32 $1, z, $5, 0x5010; "
     "prmt.b32 $2, z, $5, 0x6020; prmt.b32 $3, z, $5, 0x7030; }")
+# plane k: byte k of both words into one 16-bit pair, then the GPU's e4m3x2 -> f16x2 (sm_89+)
 _E4M3_PLANES = tl.constexpr(
-    "{ .reg .b32 t, h; .reg .b16 lo, hi, ha, hb; .reg .f32 fa, fb; "
-    + "".join(_e4m3_plane_asm(k) for k in range(4)) + "}")
+    "{ .reg .b32 t; .reg .b16 lo, hi; "
+    + "".join(f"prmt.b32 t, $4, $5, 0x00{4 + k}{k}; mov.b32 {{lo, hi}}, t; "
+              f"cvt.rn.f16x2.e4m3x2 ${k}, lo; " for k in range(4)) + "}")
 
 
 @triton.jit
 def _planes(b_w, CODEC: tl.constexpr, PTX: tl.constexpr):
-    """int32 words of BASE bytes [R, C] -> four TARGET tiles [R, C]: plane k holds byte k of
-    every word (element ``4j + k`` of a row whose words are ``j``), decoded.
+    """int32 words of BASE bytes [R, C] -> four tiles [R, C]: plane k holds byte k of every
+    word (element ``4j + k`` of a row whose words are ``j``), decoded.
 
     Planes are how a BASE tile reaches the tensor cores without moving data between threads:
     a dot operand register holds two neighbours along the reduced axis, and the two words of
@@ -98,12 +92,13 @@ def _planes(b_w, CODEC: tl.constexpr, PTX: tl.constexpr):
     sit in one thread, so every plane register is built from two words by one byte permute.
     ``PTX`` (compiled NVIDIA code) does exactly that in inline PTX: for hi8 with the low bytes
     zeroed (four ``prmt`` and two ``and`` a word pair); for e4m3 (sm_89+) each permute is
-    followed by the GPU's float8 -> float16 conversion and float16 -> float32 -> bfloat16 (four
-    conversions a plane register). Otherwise each byte is decoded arithmetically. The
-    one-tensor decode this replaced (four values a word, joined back into rows) made ptxas
-    shuffle registers and stage V through shared memory: 948 instructions a 32-row BASE tile
-    against 875 with planes (both loading a page id a row), and all-BASE 1.38x against 1.70x
-    the all-TARGET speed (B 128, 4k, S 64; bench/results/2026-11-30-elastic-variants-session4.md).
+    followed by the GPU's float8 -> float16 conversion, so e4m3 planes are float16 (exact: every
+    e4m3 value is a float16) and ``_run`` meets them with a float16 query group. Otherwise each
+    byte is decoded arithmetically into the TARGET dtype. The one-tensor decode this replaced
+    (four values a word, joined back into rows) made ptxas shuffle registers and stage V
+    through shared memory: 948 instructions a 32-row BASE tile against 875 with planes (both
+    loading a page id a row), and all-BASE 1.38x against 1.70x the all-TARGET speed (B 128,
+    4k, S 64; bench/results/2026-11-30-elastic-variants-session4.md).
     """
     if PTX and CODEC == 0:
         return tl.inline_asm_elementwise(
@@ -112,12 +107,27 @@ def _planes(b_w, CODEC: tl.constexpr, PTX: tl.constexpr):
     elif PTX:
         return tl.inline_asm_elementwise(
             _E4M3_PLANES, "=r,=r,=r,=r,r,r", [b_w],
-            dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
     else:
         return (_decode_base((b_w & 0xFF).to(tl.uint8), CODEC),
                 _decode_base(((b_w >> 8) & 0xFF).to(tl.uint8), CODEC),
                 _decode_base(((b_w >> 16) & 0xFF).to(tl.uint8), CODEC),
                 _decode_base(((b_w >> 24) & 0xFF).to(tl.uint8), CODEC))
+
+
+@triton.jit
+def _float16_query(b_q):
+    """The query group [BLOCK_G, BLOCK_D] as float16 under a power-of-two scale, for dots with
+    float16 e4m3 planes: ``(q * s, s)`` with ``s = 2^(13 - e)``, ``2^e <= max |q| < 2^(e+1)``
+    read from the float32 exponent bits, so ``max |q * s| < 2^14``. Scaling by a power of two
+    and the narrowing are exact for every bfloat16 element of at least ``2^-27 max |q|`` in
+    magnitude (float16 keeps 11 significant bits, bfloat16 has 8); smaller ones keep fewer
+    bits. The scores are divided by ``s`` again (folded into the softmax scale)."""
+    b_f = b_q.to(tl.float32)
+    q_max = tl.max(tl.max(tl.abs(b_f), 1), 0)
+    e = ((q_max.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    s = ((127 + 13 - tl.minimum(tl.maximum(e, -114), 114)) << 23).to(tl.float32, bitcast=True)
+    return (b_f * s).to(tl.float16), s
 
 
 @triton.jit
@@ -250,7 +260,8 @@ def _run(K, V, p_table, p_mode, span_lo, lo, hi, b_q, b_m, b_l, b_acc, scale_log
     loaded as 32-bit words (a byte-typed tile is moved through shared memory a byte at a time)
     and decoded into four planes (``_planes``); the query group and the accumulator are split
     into the same planes for the run, so ``q k^T`` is the sum of four plane dots and ``p v``
-    fills four plane accumulators.
+    fills four plane accumulators. e4m3 planes decoded in PTX are float16, so for those runs
+    the query group is float16 too (``_float16_query``) and so is ``p``.
 
     Page ids, by how a tile meets pages (``TILE``, from ``tile_pages``; a tile starts where a
     split or a run starts, a multiple of ``BLOCK_N`` or of ``S``, or ``BLOCK_N`` after the last):
@@ -271,6 +282,9 @@ def _run(K, V, p_table, p_mode, span_lo, lo, hi, b_q, b_m, b_l, b_acc, scale_log
     o_w = tl.arange(0, BLOCK_D // 4)
     o_h = tl.arange(0, BLOCK_N // 2)
     if BASE:
+        if CODEC == 2 and PTX_DECODE:      # float16 planes (``_planes``): a float16 query
+            b_q, q_s = _float16_query(b_q)
+            scale_log2 = scale_log2 / q_s
         q0, q1, q2, q3 = _split4(b_q)
         a0, a1, a2, a3 = _split4(b_acc)
     for start in range(lo, hi, BLOCK_N):
