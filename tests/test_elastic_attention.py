@@ -412,6 +412,22 @@ def test_planes_decode_every_byte_in_every_position(kernel_device, dtype, ptx):
     assert torch.equal(got.nan_to_num(0.0).view(torch.int32), want.nan_to_num(0.0).view(torch.int32))
 
 
+@pytest.mark.parametrize("k", [-40, 24], ids=["tiny-q", "huge-q"])
+def test_bf16_base_runs_keep_the_query_range(kernel_device, k):
+    """On CUDA, BASE runs of a bfloat16 cache take the query group to float16 under a power of
+    two (``_float16_query``). A query 2^24 times larger (past float16's 65504) or 2^-40 times
+    smaller (under its smallest subnormal), with the scale undoing it, still attends as the
+    oracle says."""
+    case = make_case(2, 6, 16, 2, 4, 64, torch.bfloat16, "structured", kernel_device, seed=5)
+    case["q"] = case["q"] * 2.0 ** k
+    scale = 64 ** -0.5 * 2.0 ** -k
+    out, lse = torch.ops.kvops.elastic_attention(**case, scale=scale)
+    want_out, want_lse = elastic_oracle(**case, scale=scale)
+    atol, rtol = ATTN_TOL[torch.bfloat16]
+    assert_close("out", out, want_out, atol, rtol, f"q*2^{k}")
+    assert_close("lse", lse, want_lse, LSE_TOL[torch.bfloat16], LSE_TOL[torch.bfloat16], f"q*2^{k}")
+
+
 def test_validation_mode_raises_on_out_of_range():
     ok = make_case(2, 3, 8, 2, 2, 32, torch.float16, "general", "cpu", seed=1)
     ok["seq_lens"] = torch.tensor([24, 9], dtype=torch.int32)
