@@ -8,8 +8,9 @@ One kernel family, three paths chosen by the constexpr ``MODE`` (ElasticKV secti
   mode and half follow from its index, so no per-block metadata is loaded.
 - ``MODE == 2`` general: a per-block mode (0 TARGET, 1 half 0, 2 half 1) in ``block_mode
   [B, L]``, scanned to cut runs. A BASE tile that loads one page id a page also loads the
-  page's mode byte (its half); for tiles that load an id a row, ``_half_pages_kernel`` first folds the modes into
-  the page ids (``2 * page + half``), so the loop loads page and half together.
+  page's mode byte (its half); for tiles that load an id a row, ``_half_pages_kernel`` first
+  folds the modes into the page ids (``2 * page + half``), so the loop loads page and half
+  together.
 
 One program handles one (sequence, KV head, split): it loads the ``G`` query heads of the group
 once and streams its share of the sequence's tokens in tiles of ``BLOCK_N`` rows, so each KV row
@@ -33,7 +34,11 @@ other's latency; with 4-warp, 128-row programs a BASE tile took as long as a TAR
 Instruction counts here are of the loop bodies in SASS (ptxas sm_90a, triton 3.6, D 128).
 
 ``CODEC``: 0 float16 BASE (hi8/hi8r: the byte is the high byte, low byte zero), 2 bfloat16
-BASE (float8 e4m3fn), as in ``kvops.layouts.codecs``.
+BASE (float8 e4m3fn), as in ``kvops.layouts.codecs``. Compiled for NVIDIA sm_89+, e4m3 planes
+are float16 (the GPU's float8 conversion; every e4m3 value is a float16), so a bf16 BASE run
+dots a power-of-two-scaled float16 query group against them: 832 instructions a 32-row tile
+against 4,040 for the integer decode into bfloat16, which the interpreter and older GPUs keep
+(all-BASE B 128, 4k, S 64: 289 against 1,308 us; bench/results/2026-11-30-elastic-bf16.md).
 """
 
 from __future__ import annotations
