@@ -201,7 +201,7 @@ def dense_peers(B, ctx, dtype, n_sets):
     return result
 
 
-def tune_attention(shapes=((16, 4096), (1, 16384)), S=16):
+def tune_attention(shapes=((16, 4096), (1, 16384)), S=16, dtype=torch.float16):
     """Kernel configs (block_n, num_warps, num_stages) per path on representative shapes."""
     from kvops.kernels.elastic_attention import elastic_attention_fwd
 
@@ -209,7 +209,7 @@ def tune_attention(shapes=((16, 4096), (1, 16384)), S=16):
     for (B, ctx), (label, share) in itertools.product(
             shapes, (("native", 0.0), ("struct 50%", 0.5), ("struct 100%", 1.0),
                      ("general 50%", 0.5))):
-        sets = [attention_set(B, ctx, S, share)
+        sets = [attention_set(B, ctx, S, share, dtype)
                 for _ in range(rotation(2 * B * ctx * HKV * D * 2))]
         kws = [path_kwargs(label, span, ctx // S) for _, span, _ in sets]
         results = []
@@ -288,8 +288,9 @@ def main():
     ap.add_argument("--no-pack", action="store_true", help="skip pack/refine")
     args = ap.parse_args()
     if args.tune:
-        body = "\n\n".join(["## pack/refine", tune_pack(), "## elastic_attention (S 16, top 3)",
-                            tune_attention()])
+        body = "\n\n".join(["## pack/refine", tune_pack(),
+                            f"## elastic_attention ({args.dtype}, S 16, top 3)",
+                            tune_attention(dtype=getattr(torch, args.dtype))])
         write_result("elastic-tune", body)
         print(body)
         return

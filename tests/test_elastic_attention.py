@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvops
-from kvops.kernels.elastic_attention import _planes, elastic_attention_fwd
+from kvops.kernels.elastic_attention import _float16_query, _planes, elastic_attention_fwd
 from kvops.layouts import codecs
 from kvops.layouts.pairs import base_pair_view
 from kvops.ops.elastic_attention import elastic_attention_ref, span_modes
@@ -392,14 +392,16 @@ def _planes_kernel(W, Out, R: tl.constexpr, C: tl.constexpr, CODEC: tl.constexpr
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["hi8", "e4m3"])
 def test_planes_decode_every_byte_in_every_position(kernel_device, dtype, ptx):
     """Both BASE decodes (integer, into the TARGET dtype; inline PTX: byte permutes, for e4m3
-    the sm_89 float8 -> float16 conversion) give the codec's value of every byte value in
-    every byte of a word and for both words of a register pair (32 x 32 words = 4096 bytes,
-    each value 16 times), compared as float32 bit patterns (NaN as NaN)."""
-    device = torch.device("cuda") if ptx else kernel_device
+    the sm_89 float8 -> float16 conversion) give the codec's value of every byte value in every
+    byte of a word, in even and odd rows and columns of words (byte k of word [r, c] is
+    ``16 (r // 2) + c // 2 + 37 k`` mod 256), compared as float32 bit patterns (NaN as NaN)."""
+    if ptx and torch.version.hip is not None:
+        pytest.skip("the PTX decode is NVIDIA code")
     if dtype == torch.bfloat16 and ptx and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("the e4m3 PTX decode needs sm_89+")
-    gen = torch.Generator().manual_seed(0)
-    b = torch.cat([torch.randperm(256, generator=gen) for _ in range(16)]).to(torch.uint8)
+    device = torch.device("cuda") if ptx else kernel_device
+    r, c, k = torch.meshgrid(torch.arange(32), torch.arange(32), torch.arange(4), indexing="ij")
+    b = ((r // 2) * 16 + c // 2 + 37 * k).remainder(256).to(torch.uint8).flatten()
     w = b.to(device).view(torch.int32).view(32, 32)
     out = torch.empty(32, 128, dtype=torch.float32, device=device)
     _planes_kernel[(1,)](w, out, R=32, C=32, CODEC=0 if dtype == torch.float16 else 2, PTX=ptx)
@@ -410,6 +412,54 @@ def test_planes_decode_every_byte_in_every_position(kernel_device, dtype, ptx):
     got = out.flatten().cpu()
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got.nan_to_num(0.0).view(torch.int32), want.nan_to_num(0.0).view(torch.int32))
+
+
+@triton.jit
+def _float16_query_kernel(Q, QH, Scale, G: tl.constexpr, D: tl.constexpr):
+    o = tl.arange(0, G)[:, None] * D + tl.arange(0, D)[None, :]
+    b_qh, b_s = _float16_query(tl.load(Q + o))
+    tl.store(QH + o, b_qh.to(tl.float32))
+    tl.store(Scale + tl.arange(0, G), b_s)
+
+
+def test_float16_query_scales_each_row_exactly(kernel_device):
+    """``_float16_query``, which bf16 BASE runs use on CUDA: every row gets a power-of-two
+    scale with ``max |q s| in [2^13, 2^14)`` (at most 2^127 for tiny rows), ``q s`` is exact in
+    float16, and a row that is zero, subnormal, huge (2^120), infinite or NaN leaves the other
+    rows alone."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(8, 32, generator=gen)
+    mags = [1.0, 2.0 ** 120, 2.0 ** -130, 0.0, 2.0 ** -60, 3.0e4]
+    for i, m in enumerate(mags):
+        q[i] *= m
+    q[6, 3] = float("inf")
+    q[7, 5] = float("nan")
+    # bfloat16 values, passed as float32: the interpreter converts bfloat16 subnormals wrongly
+    q = q.to(torch.bfloat16).float()
+    qh = torch.empty(8, 32, device=kernel_device)
+    scale = torch.empty(8, device=kernel_device)
+    _float16_query_kernel[(1,)](q.to(kernel_device), qh, scale, G=8, D=32)
+    qh, scale = qh.cpu(), scale.cpu()
+    assert torch.equal(scale, torch.exp2(torch.log2(scale).round()))      # powers of two
+    for i in (0, 1, 2, 4, 5, 7):                 # finite rows (NaN elements aside) are exact
+        row, want = qh[i], q[i].double() * scale[i].double()
+        ok = ~q[i].isnan()
+        assert torch.equal(row[ok].double(), want[ok]), i
+        assert row[ok].abs().max() < 2.0 ** 14, i
+        if i != 2:          # row 2 (below 2^-114) takes the largest scale, 2^127
+            assert row[ok].abs().max() >= 2.0 ** 13, i
+    assert scale[3] == 2.0 ** 127 and torch.equal(qh[3], torch.zeros(32))
+    assert qh[6, 3] == float("inf") and torch.isfinite(qh[6, torch.arange(32) != 3]).all()
+    assert qh[7, 5].isnan()
+
+
+def test_forced_ptx_decode_is_refused_where_it_cannot_compile(kernel_device):
+    if kernel_device.type == "cuda" and torch.version.hip is None \
+            and torch.cuda.get_device_capability() >= (8, 9):
+        pytest.skip("the PTX decode compiles here")
+    case = make_case(1, 2, 16, 1, 2, 64, torch.bfloat16, "structured", kernel_device, seed=2)
+    with pytest.raises(ValueError, match="ptx_decode"):
+        elastic_attention_fwd(**case, ptx_decode=True)
 
 
 @pytest.mark.parametrize("k", [-40, 24], ids=["tiny-q", "huge-q"])

@@ -164,7 +164,8 @@ def pack_base_pairs_fwd(cache: torch.Tensor, pairs: torch.Tensor, backing: torch
     """Pack pairs in place. cache [P, S, Hkv, D] (16-bit, pages contiguous); pairs int32 [N, 3]
     rows (src_a, src_b, dst); backing [N, 2, S, Hkv, D] contiguous (uint8 for hi8/hi8r, the
     cache dtype for e4m3). Inputs are already checked by the op; ``block``/``num_warps`` override
-    the defaults (benchmarks use them), ``hw`` the e4m3 encoder choice (:func:`hw_fp8`)."""
+    the defaults (benchmarks use them), ``hw`` the e4m3 encoder choice
+    (:func:`kvops.kernels._common.hw_fp8`)."""
     _launch(_pack_pairs_kernel, cache, pairs, backing, codec, block, num_warps,
             HW_FP8=hw_fp8(cache.device) if hw is None else hw)
 

@@ -122,17 +122,20 @@ def _planes(b_w, CODEC: tl.constexpr, PTX: tl.constexpr):
 
 @triton.jit
 def _float16_query(b_q):
-    """The query group [BLOCK_G, BLOCK_D] as float16 under a power-of-two scale, for dots with
-    float16 e4m3 planes: ``(q * s, s)`` with ``s = 2^(13 - e)``, ``2^e <= max |q| < 2^(e+1)``
-    read from the float32 exponent bits, so ``max |q * s| < 2^14``. Scaling by a power of two
-    and the narrowing are exact for every bfloat16 element of at least ``2^-27 max |q|`` in
-    magnitude (float16 keeps 11 significant bits, bfloat16 has 8); smaller ones keep fewer
-    bits. The scores are divided by ``s`` again (folded into the softmax scale)."""
+    """The query group [BLOCK_G, BLOCK_D] as float16, each row under its own power-of-two scale,
+    for dots with float16 e4m3 planes: ``(q * s[:, None], s)`` with ``s = 2^(13 - e)`` where
+    ``2^e <= max |q_row| < 2^(e+1)`` (read from the float32 exponent bits; NaN elements are
+    ignored by the max), so every finite row has ``max |q_row * s| < 2^14``. Scaling by a power
+    of two and the narrowing are exact for every bfloat16 element of at least ``2^-27
+    max |q_row|`` in magnitude (float16 keeps 11 significant bits, bfloat16 has 8); smaller ones
+    keep fewer bits. Rows are independent, so an infinite or tiny head does not touch its
+    neighbours. Zero rows get ``s = 2^127``. The scores are divided by ``s`` again, in the
+    softmax scale."""
     b_f = b_q.to(tl.float32)
-    q_max = tl.max(tl.max(tl.abs(b_f), 1), 0)
-    e = ((q_max.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    s = ((127 + 13 - tl.minimum(tl.maximum(e, -114), 114)) << 23).to(tl.float32, bitcast=True)
-    return (b_f * s).to(tl.float16), s
+    b_max = tl.max(tl.abs(b_f), 1)
+    b_e = ((b_max.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    b_s = ((127 + 13 - tl.maximum(b_e, -114)) << 23).to(tl.float32, bitcast=True)
+    return (b_f * b_s[:, None]).to(tl.float16), b_s
 
 
 @triton.jit
@@ -266,7 +269,8 @@ def _run(K, V, p_table, p_mode, span_lo, lo, hi, b_q, b_m, b_l, b_acc, scale_log
     and decoded into four planes (``_planes``); the query group and the accumulator are split
     into the same planes for the run, so ``q k^T`` is the sum of four plane dots and ``p v``
     fills four plane accumulators. e4m3 planes decoded in PTX are float16, so for those runs
-    the query group is float16 too (``_float16_query``) and so is ``p``.
+    the caller passes the float16 query group of ``_float16_query`` and a per-row
+    ``scale_log2 [BLOCK_G, 1]`` that undoes its scale; ``p`` is float16 too.
 
     Page ids, by how a tile meets pages (``TILE``, from ``tile_pages``; a tile starts where a
     split or a run starts, a multiple of ``BLOCK_N`` or of ``S``, or ``BLOCK_N`` after the last):
@@ -287,9 +291,6 @@ def _run(K, V, p_table, p_mode, span_lo, lo, hi, b_q, b_m, b_l, b_acc, scale_log
     o_w = tl.arange(0, BLOCK_D // 4)
     o_h = tl.arange(0, BLOCK_N // 2)
     if BASE:
-        if CODEC == 2 and PTX_DECODE:      # float16 planes (``_planes``): a float16 query
-            b_q, q_s = _float16_query(b_q)
-            scale_log2 = scale_log2 / q_s
         q0, q1, q2, q3 = _split4(b_q)
         a0, a1, a2, a3 = _split4(b_acc)
     for start in range(lo, hi, BLOCK_N):
@@ -440,6 +441,11 @@ def _elastic_decode_kernel(
             span_hi = tl.minimum(tl.maximum(tl.load(BaseSpan + i_b * stride_sb + 1), span_lo), NB)
             span_lo = tl.where(span_lo == span_hi, NB, span_lo)   # no BASE: one TARGET run
             span_hi = tl.where(span_lo == NB, NB, span_hi)
+        b_qb = b_q                      # the query group and scale of BASE runs
+        scale_base = scale_log2
+        if CODEC == 2 and PTX_DECODE:   # float16 e4m3 planes (``_planes``): a float16 query
+            b_qb, b_s = _float16_query(b_q)
+            scale_base = scale_log2 / b_s[:, None]
         pos = lo
         while pos < hi:
             if MODE == 1:
@@ -451,8 +457,8 @@ def _elastic_decode_kernel(
                 end = end_j * S
             end = tl.minimum(end, hi)
             if is_base != 0:
-                b_m, b_l, b_acc = _run(K, V, p_table, p_mode, span_lo, pos, end, b_q, b_m, b_l,
-                                       b_acc, scale_log2, i_h, stride_kp, stride_vp, Hkv, o_n,
+                b_m, b_l, b_acc = _run(K, V, p_table, p_mode, span_lo, pos, end, b_qb, b_m, b_l,
+                                       b_acc, scale_base, i_h, stride_kp, stride_vp, Hkv, o_n,
                                        o_d, m_d, D, S, BLOCK_N, True, MODE, CODEC, PRECISION,
                                        PTX_DECODE, TILE)
             else:
@@ -517,7 +523,8 @@ def elastic_attention_fwd(
     seq_lens int32 [B]; block_mode int8 [B, L] or base_span int32 [B, 2] or neither (native).
     Returns out [B, Hq, D] (q.dtype) and lse float32 [B, Hq]. The keyword-only knobs override
     the defaults (benchmarks and tests use them); ``ptx_decode`` picks the inline-PTX BASE decode
-    (``_planes``; default on compiled NVIDIA code, for e4m3 on sm_89 and newer), ``pdl``
+    (``_planes``; default, and allowed, on compiled NVIDIA code, for e4m3 on sm_89 and newer;
+    ``ValueError`` if forced elsewhere), ``pdl``
     programmatic dependent launch (default on Hopper and newer, see ``_splitk.use_pdl``).
     """
     B, Hq, D = q.shape
@@ -536,6 +543,12 @@ def elastic_attention_fwd(
     pdl = use_pdl(q.device) if pdl is None else pdl
     tile = tile_pages(S, block_n)
     codec = 2 if k_cache.dtype == torch.bfloat16 else 0
+    ptx_ok = hw_fp8(q.device) if codec == 2 else nvidia_ptx(q.device)
+    if ptx_decode and not ptx_ok:
+        raise ValueError("ptx_decode: the inline-PTX BASE decode needs compiled NVIDIA code "
+                         "(sm_89 or newer for bfloat16's e4m3), got ptx_decode=True on "
+                         f"{q.device} ({'interpreter' if q.device.type == 'cpu' else 'GPU'})")
+    ptx_decode = ptx_ok if ptx_decode is None else ptx_decode
     halves_table = mode == 2 and tile == TILE_ROWS        # per-row ids: 2 * page + half
     pdl_wait = pdl and halves_table and block_table.numel() > 0
     if B == 0:
@@ -563,8 +576,7 @@ def elastic_attention_fwd(
         MODE=mode, CODEC=codec,
         PRECISION=dot_precision(q.dtype),
         SAME_STRIDE=k_cache.stride(0) == v_cache.stride(0), TILE=tile,
-        PTX_DECODE=ptx_decode if ptx_decode is not None else (
-            hw_fp8(q.device) if codec == 2 else nvidia_ptx(q.device)),
+        PTX_DECODE=ptx_decode,
         num_warps=num_warps or default_num_warps(D, k_cache.dtype),
         num_stages=num_stages or default_num_stages(
             mode, B * Hkv * num_splits / sm_count(q.device), tile_bytes),
