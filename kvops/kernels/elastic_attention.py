@@ -36,9 +36,10 @@ Instruction counts here are of the loop bodies in SASS (ptxas sm_90a, triton 3.6
 ``CODEC``: 0 float16 BASE (hi8/hi8r: the byte is the high byte, low byte zero), 2 bfloat16
 BASE (float8 e4m3fn), as in ``kvops.layouts.codecs``. Compiled for NVIDIA sm_89+, e4m3 planes
 are float16 (the GPU's float8 conversion; every e4m3 value is a float16), so a bf16 BASE run
-dots a power-of-two-scaled float16 query group against them: 832 instructions a 32-row tile
-against 4,040 for the integer decode into bfloat16, which the interpreter and older GPUs keep
-(all-BASE B 128, 4k, S 64: 289 against 1,308 us; bench/results/2026-11-30-elastic-bf16.md).
+dots a float16 query group (a power-of-two scale a head) against them: 831 instructions a
+32-row tile against 4,040 for the integer decode into bfloat16, which the interpreter and older
+GPUs keep (all-BASE B 128, 4k, S 64: 289 against 1,308 us at 000b0eb;
+bench/results/2026-11-30-elastic-bf16.md).
 """
 
 from __future__ import annotations
