@@ -13,6 +13,9 @@ Three parts (``--parts``, all by default; ``gather`` needs CUDA and is skipped w
   64 slots, prefilled, decoded one token per step and trimmed at EOS through Pager frames; each
   step's moves planned with and without merging. Reports groups per step and mean bytes per
   group.
+- ``diagnose`` (not in the default set; CUDA): 1,024 trains of 128 KiB at random places, side by
+  side, and one contiguous train, to split the 128 KiB trains' shortfall into the search and
+  the access pattern (``bench_diagnose``).
 - ``control``: host time per step of the frame's verbs, of the commit (transport hook with
   planning, table writes, the single upload) and of planning alone (timed in a second run),
   for 64 and 256 sessions with one new token each, median and p99 over 1,000 steps.
@@ -48,8 +51,10 @@ DTYPE = torch.float16
 
 
 # -- gather ----------------------------------------------------------------------------------
-def _train_sets(P: int, Q: int, n: int | None, gen: torch.Generator, sets: int):
-    """``sets`` random train layouts moving Q pages: trains of n pages (None: one train)."""
+def _train_sets(P: int, Q: int, n: int | None, gen: torch.Generator, sets: int,
+                adjacent: bool = False):
+    """``sets`` random train layouts moving Q pages: trains of n pages (None: one train), at
+    random places in the pool or (``adjacent``) side by side from a random start."""
     out = []
     for _ in range(sets):
         if n is None:
@@ -57,7 +62,11 @@ def _train_sets(P: int, Q: int, n: int | None, gen: torch.Generator, sets: int):
             trains = torch.tensor([[start, 0, Q]], dtype=torch.int32)
         else:
             T = Q // n
-            slots = torch.randperm(P // n, generator=gen)[:T]
+            if adjacent:
+                slots = int(torch.randint(0, P // n - T + 1, (1,), generator=gen)) + \
+                    torch.arange(T)
+            else:
+                slots = torch.randperm(P // n, generator=gen)[:T]
             trains = torch.stack([slots * n, torch.arange(T) * n, torch.full((T,), n)], 1)
         src = torch.cat([torch.arange(s, s + c) for s, _, c in trains.tolist()])
         out.append((trains.to(torch.int32).cuda(), src.cuda()))
@@ -115,6 +124,44 @@ def bench_gather(quick: bool) -> str:
             f"Hkv={HKV}, D={D}, fp16; bulk moves {(16 if quick else 128)} MiB per tensor, step "
             "moves 64 one-page trains; TB/s = K+V read+write bytes / p50; ceiling = "
             f"{COPY_CEILING / 1e12:.2f} TB/s copy.\n\n" + table(headers, rows) + "\n")
+
+
+def bench_diagnose() -> str:
+    """Where 128 KiB trains lose against one contiguous train: 1,024 trains of 4 pages (S 16,
+    128 MiB per tensor) at random places and side by side (the same rows to search), and one
+    train, each at the default grid and at 128 programs an SM (the default for 1,024 trains)."""
+    from kvops.kernels._common import sm_count
+    from kvops.kernels.paged_gather_merged import paged_gather_merged_fwd
+
+    gen = torch.Generator().manual_seed(0)
+    S = 16
+    page_bytes = S * HKV * D * 2
+    Q = (128 << 20) // page_bytes
+    P = (1 << 30) // page_bytes
+    k_cache = torch.randn(P, S, HKV, D, device="cuda", dtype=DTYPE)
+    v_cache = torch.randn_like(k_cache)
+    k_out = torch.empty(Q, S, HKV, D, device="cuda", dtype=DTYPE)
+    v_out = torch.empty_like(k_out)
+    nbytes = 4 * Q * page_bytes
+    grid = min(Q * (page_bytes // 4096), 128 * sm_count(k_cache.device))
+    rows = []
+    for n, adjacent, label in ((4, False, "random"), (4, True, "adjacent"), (None, False, "one")):
+        sets = _train_sets(P, Q, n, gen, rotation(2 * Q * page_bytes), adjacent)
+        num = torch.tensor([sets[0][0].shape[0]], dtype=torch.int32, device="cuda")
+        for grid_label, kw in (("default", {}), ("128/SM", {"num_programs": grid})):
+            fns = [lambda t=t, kw=kw, num=num: paged_gather_merged_fwd(
+                k_cache, v_cache, t, num, k_out, v_out, **kw) for t, _ in sets]
+            fns[0]()
+            assert torch.equal(k_out, k_cache[sets[0][1]])
+            t20, t50, t80 = time_graph(fns)
+            rows.append([label, sets[0][0].shape[0], grid_label, f"{t50:.1f} ({t20:.1f}-{t80:.1f})",
+                         tbps(nbytes, t50)])
+        t50 = time_graph([lambda i=i: (torch.index_select(k_cache, 0, i, out=k_out),
+                                       torch.index_select(v_cache, 0, i, out=v_out))
+                          for _, i in sets])[1]
+        rows.append([label, sets[0][0].shape[0], "index_select", f"{t50:.1f}", tbps(nbytes, t50)])
+    return ("## Where 128 KiB trains lose (S 16, 128 MiB per tensor)\n\n"
+            + table(["trains", "rows", "launch", "us p50 (p20-p80)", "TB/s"], rows) + "\n")
 
 
 def _tune_rows(S: int, ns: tuple, gen: torch.Generator) -> list[list]:
@@ -339,13 +386,18 @@ def main():
         sections.append(bench_control(args.quick))
     if "dma" in parts:
         sections.append(bench_dma(args.trace, args.quick))
-    if "gather" in parts:
-        if torch.cuda.is_available():
-            sections.append(bench_gather(args.quick))
-        else:
-            print("gather: skipped (needs CUDA)")
+    for part, bench in (("gather", lambda: bench_gather(args.quick)),
+                        ("diagnose", bench_diagnose)):
+        if part in parts:
+            if torch.cuda.is_available():
+                sections.append(bench())
+            else:
+                print(f"{part}: skipped (needs CUDA)")
+    if not sections:
+        return
     body = "\n".join(sections)
-    name = "paged_gather" + ("" if torch.cuda.is_available() else "-cpu") + \
+    name = "paged_gather" + ("-diagnose" if parts == ["diagnose"] else "") + \
+        ("" if torch.cuda.is_available() else "-cpu") + \
         (f"-{Path(args.trace).stem}" if args.trace else "") + ("-quick" if args.quick else "")
     path = write_result(name, body)
     print(f"wrote {path}\n")
