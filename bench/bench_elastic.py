@@ -20,6 +20,7 @@ L2.
     python -m bench.bench_elastic --quick    # a smoke pass
     python -m bench.bench_elastic --tune     # kernel config sweeps (pack/refine, attention)
     python -m bench.bench_elastic --dtype bfloat16 --no-pack   # bf16 attention only
+    python -m bench.bench_elastic --fixed-cost   # a step's cost apart from streaming K/V
 """
 
 from __future__ import annotations
@@ -236,6 +237,35 @@ def tune_attention(shapes=((16, 4096), (1, 16384)), S=16, dtype=torch.float16):
     return table(["B", "ctx", "path", "block_n", "warps", "stages", "us", "TB/s"], rows)
 
 
+def fixed_cost_rows(cases=((1, 16384, 16), (16, 4096, 16), (128, 4096, 64)),
+                    dtype=torch.float16):
+    """What a step costs apart from streaming K/V: the same launch (shapes, splits, tables) with
+    every sequence cut to 32 tokens, beside the full step, native and structured 0 / 100 %
+    BASE. ``(full - fixed)`` is the part BASE can halve."""
+    rows = []
+    for B, ctx, S in cases:
+        for label, share in (("native", 0.0), ("struct 0%", 0.0), ("struct 100%", 1.0)):
+            sets = [attention_set(B, ctx, S, share, dtype)
+                    for _ in range(rotation(2 * B * ctx * HKV * D * 2))]
+            kws = [path_kwargs(label, span, ctx // S) for _, span, _ in sets]
+            short = [dict(c, seq_lens=torch.full_like(c["seq_lens"], 32)) for c, _, _ in sets]
+            t_full = time_graph([lambda c=c, e=e: torch.ops.kvops.elastic_attention(**c[0], **e)
+                                 for c, e in zip(sets, kws)])[1]
+            t_fixed = time_graph([lambda c=c, e=e: torch.ops.kvops.elastic_attention(**c, **e)
+                                  for c, e in zip(short, kws)])[1]
+            rows.append([B, ctx, S, label, t_full, t_fixed, t_full - t_fixed])
+            del sets, short
+            torch.cuda.empty_cache()
+    for r in rows:      # all-TARGET / all-BASE, whole step and streaming part
+        if r[3] == "struct 100%":
+            t0 = next(x for x in rows if x[:3] == r[:3] and x[3] == "struct 0%")
+            r += [t0[4] / r[4], t0[6] / r[6]]
+        else:
+            r += ["", ""]
+    return table(["B", "ctx", "S", "path", "step us", "32-token step us", "streaming us",
+                  "0 % / 100 % step", "0 % / 100 % streaming"], rows)
+
+
 def attention_rows(shapes, pages, shares, dtype=torch.float16):
     rows, goals = [], {"native/static": [], "base100 speedup": [], "general/structured": [],
                        "TB/s spread": []}
@@ -286,7 +316,17 @@ def main():
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"],
                     help="attention cache dtype (bfloat16: e4m3 BASE); pack/refine run all codecs")
     ap.add_argument("--no-pack", action="store_true", help="skip pack/refine")
+    ap.add_argument("--fixed-cost", action="store_true",
+                    help="per-step cost apart from streaming (32-token sequences)")
     args = ap.parse_args()
+    if args.fixed_cost:
+        torch.manual_seed(0)
+        with kvops.validate(False):
+            body = "## elastic_attention: fixed cost a step\n\n" + fixed_cost_rows(
+                dtype=getattr(torch, args.dtype))
+        write_result("elastic-fixed-cost" + ("-bf16" if args.dtype == "bfloat16" else ""), body)
+        print(body)
+        return
     if args.tune:
         body = "\n\n".join(["## pack/refine", tune_pack(),
                             f"## elastic_attention ({args.dtype}, S 16, top 3)",
