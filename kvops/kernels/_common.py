@@ -39,10 +39,16 @@ def cuda_capability(device: torch.device) -> tuple[int, int]:
     return (p.major, p.minor)
 
 
+@functools.cache
+def _compiled_nvidia() -> bool:
+    # fixed for the process: triton picks the interpreter when kvops' kernels are decorated
+    return not interpreting() and torch.version.hip is None
+
+
 def nvidia_ptx(device: torch.device) -> bool:
     """Whether kernels on ``device`` are compiled NVIDIA code, so inline PTX may be used (not
-    under the interpreter, not on ROCm)."""
-    return device.type == "cuda" and not interpreting() and torch.version.hip is None
+    under the interpreter, not on ROCm). Asked on every launch, so it reads nothing anew."""
+    return device.type == "cuda" and _compiled_nvidia()
 
 
 def hw_fp8(device: torch.device) -> bool:
