@@ -159,11 +159,26 @@ def path_kwargs(label, span, L):
     return {"block_mode": span_modes(span, L)}
 
 
-def check_attention(case, **kw):
-    out, _ = torch.ops.kvops.elastic_attention(**case, **kw)
-    small = {n: t[:2] if n in ("q", "block_table", "seq_lens") else t for n, t in case.items()}
-    small_kw = {n: t[:2] for n, t in kw.items()}
-    want, _ = elastic_attention_ref(**small, **small_kw)
+def attention_calls(B, ctx, S, label, share, dtype=torch.float16):
+    """A row's elastic_attention keyword sets (``attention_set`` plus ``path_kwargs``), enough
+    of them to rotate the dense K/V bytes past L2, and the bytes the kernel must read."""
+    calls = []
+    for _ in range(rotation(2 * B * ctx * HKV * D * 2)):
+        case, span, nbytes = attention_set(B, ctx, S, share, dtype)
+        calls.append({**case, **path_kwargs(label, span, ctx // S)})
+    return calls, nbytes
+
+
+def time_calls(calls, fn=None, iters=20, **knobs) -> float:
+    """Median us of ``fn`` (default the op) over the rotated keyword sets ``calls``."""
+    fn = fn or torch.ops.kvops.elastic_attention
+    return time_graph([lambda c=c: fn(**c, **knobs) for c in calls], iters=iters)[1]
+
+
+def check_attention(call):
+    out, _ = torch.ops.kvops.elastic_attention(**call)
+    per_seq = ("q", "block_table", "seq_lens", "block_mode", "base_span")
+    want, _ = elastic_attention_ref(**{n: t[:2] if n in per_seq else t for n, t in call.items()})
     err = (out[:2].float() - want.float()).abs().max().item()
     assert err < 2e-2, f"kernel disagrees with reference: max err {err}"
 
@@ -210,18 +225,15 @@ def tune_attention(shapes=((16, 4096), (1, 16384)), S=16, dtype=torch.float16):
     for (B, ctx), (label, share) in itertools.product(
             shapes, (("native", 0.0), ("struct 50%", 0.5), ("struct 100%", 1.0),
                      ("general 50%", 0.5))):
-        sets = [attention_set(B, ctx, S, share, dtype)
-                for _ in range(rotation(2 * B * ctx * HKV * D * 2))]
-        kws = [path_kwargs(label, span, ctx // S) for _, span, _ in sets]
+        calls, nbytes = attention_calls(B, ctx, S, label, share, dtype)
         results = []
-        want = torch.ops.kvops.elastic_attention(**sets[0][0], **kws[0])[0].float()
+        want = torch.ops.kvops.elastic_attention(**calls[0])[0].float()
         for bn, nw, ns in itertools.product((16, 32, 64), (1, 2, 4), (3, 4, 5)):
-            fns = [lambda s=s, e=e, c=(bn, nw, ns): elastic_attention_fwd(
-                **s[0], **e, block_n=c[0], num_warps=c[1], num_stages=c[2])
-                for s, e in zip(sets, kws)]
+            knobs = dict(block_n=bn, num_warps=nw, num_stages=ns)
             try:
-                err = (fns[0]()[0].float() - want).abs().max().item()
-                t = time_graph(fns, iters=10)[1]
+                got = elastic_attention_fwd(**calls[0], **knobs)[0].float()
+                err = (got - want).abs().max().item()
+                t = time_calls(calls, elastic_attention_fwd, iters=10, **knobs)
             except Exception as e:  # noqa: BLE001 - a config that fails to compile is skipped
                 print("skip", bn, nw, ns, type(e).__name__)
                 continue
@@ -231,8 +243,8 @@ def tune_attention(shapes=((16, 4096), (1, 16384)), S=16, dtype=torch.float16):
             results.append((t, bn, nw, ns))
         results.sort()
         for t, bn, nw, ns in results[:3]:
-            rows.append([B, ctx, label, bn, nw, ns, t, tbps(sets[0][2], t)])
-        del sets
+            rows.append([B, ctx, label, bn, nw, ns, t, tbps(nbytes, t)])
+        del calls
         torch.cuda.empty_cache()
     return table(["B", "ctx", "path", "block_n", "warps", "stages", "us", "TB/s"], rows)
 
@@ -245,16 +257,12 @@ def fixed_cost_rows(cases=((1, 16384, 16), (16, 4096, 16), (128, 4096, 64)),
     rows = []
     for B, ctx, S in cases:
         for label, share in (("native", 0.0), ("struct 0%", 0.0), ("struct 100%", 1.0)):
-            sets = [attention_set(B, ctx, S, share, dtype)
-                    for _ in range(rotation(2 * B * ctx * HKV * D * 2))]
-            kws = [path_kwargs(label, span, ctx // S) for _, span, _ in sets]
-            short = [dict(c, seq_lens=torch.full_like(c["seq_lens"], 32)) for c, _, _ in sets]
-            t_full = time_graph([lambda c=c, e=e: torch.ops.kvops.elastic_attention(**c[0], **e)
-                                 for c, e in zip(sets, kws)])[1]
-            t_fixed = time_graph([lambda c=c, e=e: torch.ops.kvops.elastic_attention(**c, **e)
-                                  for c, e in zip(short, kws)])[1]
+            calls, _ = attention_calls(B, ctx, S, label, share, dtype)
+            t_full = time_calls(calls)
+            t_fixed = time_calls([dict(c, seq_lens=torch.full_like(c["seq_lens"], 32))
+                                  for c in calls])
             rows.append([B, ctx, S, label, t_full, t_fixed, t_full - t_fixed])
-            del sets, short
+            del calls
             torch.cuda.empty_cache()
     for r in rows:      # all-TARGET / all-BASE, whole step and streaming part
         if r[3] == "struct 100%":
@@ -278,20 +286,16 @@ def attention_rows(shapes, pages, shares, dtype=torch.float16):
             timings = {}
             for label, share in [("native", 0.0)] + [(f"struct {int(s * 100)}%", s) for s in shares] \
                     + [("general 50%", 0.5)]:
-                n_sets = rotation(dense_bytes)
-                sets = [attention_set(B, ctx, S, share, dtype) for _ in range(n_sets)]
-                nbytes = sets[0][2]
-                kws = [path_kwargs(label, span, ctx // S) for _, span, _ in sets]
-                check_attention(sets[0][0], **kws[0])
-                t = time_graph([lambda s=s, e=e: torch.ops.kvops.elastic_attention(**s[0], **e)
-                                for s, e in zip(sets, kws)])[1]
+                calls, nbytes = attention_calls(B, ctx, S, label, share, dtype)
+                check_attention(calls[0])
+                t = time_calls(calls)
                 timings[label] = (t, nbytes)
                 rows.append([B, ctx, S, label, t, tbps(nbytes, t), tbps(nbytes, t) * 1e12 /
                              READ_CEILING, t_static, tbps(dense_bytes, t_static), sdpa_name, t_sdpa,
                              t_sdpa / t])
                 print(" ".join(f"{c:.2f}" if isinstance(c, float) else str(c) for c in rows[-1]),
                       flush=True)
-                del sets
+                del calls
                 torch.cuda.empty_cache()
             goals["native/static"].append(t_static / timings["native"][0])
             if "struct 100%" in timings and "struct 0%" in timings:

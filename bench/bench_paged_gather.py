@@ -73,40 +73,69 @@ def _train_sets(P: int, Q: int, n: int | None, gen: torch.Generator, sets: int,
     return out
 
 
+class _Pool:
+    """A 1 GiB pool per tensor (at least 4x the move), output arenas for ``move_bytes`` per
+    tensor, and the bytes a call moves (K and V, read and written)."""
+
+    def __init__(self, S: int, move_bytes: int):
+        self.S, self.page_bytes = S, S * HKV * D * 2
+        self.Q = move_bytes // self.page_bytes
+        self.P = max(4 * self.Q, (1 << 30) // self.page_bytes)
+        self.k_cache = torch.randn(self.P, S, HKV, D, device="cuda", dtype=DTYPE)
+        self.v_cache = torch.randn_like(self.k_cache)
+        self.k_out = torch.empty(self.Q, S, HKV, D, device="cuda", dtype=DTYPE)
+        self.v_out = torch.empty_like(self.k_out)
+        self.nbytes = 4 * self.Q * self.page_bytes
+
+    def sets(self, n: int | None, gen: torch.Generator, adjacent: bool = False):
+        """Rotating train layouts (``_train_sets``) and their device ``num_trains``."""
+        sets = _train_sets(self.P, self.Q, n, gen, rotation(2 * self.Q * self.page_bytes),
+                           adjacent)
+        return sets, torch.tensor([sets[0][0].shape[0]], dtype=torch.int32, device="cuda")
+
+    def time_kernel(self, sets, num, **kw) -> tuple[float, float, float]:
+        """p20/p50/p80 us of ``paged_gather_merged_fwd`` with launch knobs ``kw``, after
+        checking one call's output."""
+        from kvops.kernels.paged_gather_merged import paged_gather_merged_fwd
+
+        fns = [lambda t=t: paged_gather_merged_fwd(self.k_cache, self.v_cache, t, num,
+                                                   self.k_out, self.v_out, **kw)
+               for t, _ in sets]
+        return self._time(fns, sets)
+
+    def time_op(self, sets, num) -> tuple[float, float, float]:
+        """As :meth:`time_kernel`, through ``torch.ops.kvops.paged_gather_merged``."""
+        fns = [lambda t=t: torch.ops.kvops.paged_gather_merged(
+            self.k_cache, self.v_cache, t, num, self.k_out, self.v_out) for t, _ in sets]
+        return self._time(fns, sets)
+
+    def time_index_select(self, sets) -> tuple[float, float, float]:
+        """The same pages through ``torch.index_select`` into the same arenas."""
+        return time_graph([lambda i=i: (torch.index_select(self.k_cache, 0, i, out=self.k_out),
+                                        torch.index_select(self.v_cache, 0, i, out=self.v_out))
+                           for _, i in sets])
+
+    def _time(self, fns, sets):
+        fns[0]()
+        src = sets[0][1]
+        assert torch.equal(self.k_out, self.k_cache[src])
+        assert torch.equal(self.v_out, self.v_cache[src])
+        return time_graph(fns)
+
+
 def _gather_rows(label: str, S: int, move_bytes: int, gen: torch.Generator) -> list[list]:
-    page_bytes = S * HKV * D * 2
-    Q = move_bytes // page_bytes
-    P = max(4 * Q, (1 << 30) // page_bytes)                # a 1 GiB pool per tensor
-    k_cache = torch.randn(P, S, HKV, D, device="cuda", dtype=DTYPE)
-    v_cache = torch.randn_like(k_cache)
-    k_out = torch.empty(Q, S, HKV, D, device="cuda", dtype=DTYPE)
-    v_out = torch.empty_like(k_out)
-    nbytes = 4 * Q * page_bytes                            # K and V, read and written
+    pool = _Pool(S, move_bytes)
     rows = []
     for n in ((1,) if label == "step" else (1, 4, 16, None)):
-        sets = _train_sets(P, Q, n, gen, rotation(2 * Q * page_bytes))
-        num = torch.tensor([sets[0][0].shape[0]], dtype=torch.int32, device="cuda")
-
-        def ours_fn(t, num=num):
-            return lambda: torch.ops.kvops.paged_gather_merged(k_cache, v_cache, t, num,
-                                                               k_out, v_out)
-
-        def base_fn(i):
-            return lambda: (torch.index_select(k_cache, 0, i, out=k_out),
-                            torch.index_select(v_cache, 0, i, out=v_out))
-
-        ours = [ours_fn(t) for t, _ in sets]
-        base = [base_fn(i) for _, i in sets]
-        ours[0]()
-        assert torch.equal(k_out, k_cache[sets[0][1]]) and torch.equal(v_out, v_cache[sets[0][1]])
-        o20, o50, o80 = time_graph(ours)
-        b20, b50, b80 = time_graph(base)
-        train_kib = (Q if n is None else n) * page_bytes // 1024
-        rows.append([label, S, "all" if n is None else str(n), train_kib, Q,
-                     f"{o50:.1f} ({o20:.1f}-{o80:.1f})", tbps(nbytes, o50),
-                     tbps(nbytes, o50) * 1e12 / COPY_CEILING,
-                     f"{b50:.1f} ({b20:.1f}-{b80:.1f})", tbps(nbytes, b50),
-                     tbps(nbytes, b50) * 1e12 / COPY_CEILING, b50 / o50])
+        sets, num = pool.sets(n, gen)
+        o20, o50, o80 = pool.time_op(sets, num)
+        b20, b50, b80 = pool.time_index_select(sets)
+        train_kib = (pool.Q if n is None else n) * pool.page_bytes // 1024
+        rows.append([label, S, "all" if n is None else str(n), train_kib, pool.Q,
+                     f"{o50:.1f} ({o20:.1f}-{o80:.1f})", tbps(pool.nbytes, o50),
+                     tbps(pool.nbytes, o50) * 1e12 / COPY_CEILING,
+                     f"{b50:.1f} ({b20:.1f}-{b80:.1f})", tbps(pool.nbytes, b50),
+                     tbps(pool.nbytes, b50) * 1e12 / COPY_CEILING, b50 / o50])
     return rows
 
 
@@ -131,69 +160,40 @@ def bench_diagnose() -> str:
     128 MiB per tensor) at random places and side by side (the same rows to search), and one
     train, each at the default grid and at 128 programs an SM (the default for 1,024 trains)."""
     from kvops.kernels._common import sm_count
-    from kvops.kernels.paged_gather_merged import paged_gather_merged_fwd
 
     gen = torch.Generator().manual_seed(0)
-    S = 16
-    page_bytes = S * HKV * D * 2
-    Q = (128 << 20) // page_bytes
-    P = (1 << 30) // page_bytes
-    k_cache = torch.randn(P, S, HKV, D, device="cuda", dtype=DTYPE)
-    v_cache = torch.randn_like(k_cache)
-    k_out = torch.empty(Q, S, HKV, D, device="cuda", dtype=DTYPE)
-    v_out = torch.empty_like(k_out)
-    nbytes = 4 * Q * page_bytes
-    grid = min(Q * (page_bytes // 4096), 128 * sm_count(k_cache.device))
+    pool = _Pool(16, 128 << 20)
+    grid = min(pool.Q * (pool.page_bytes // 4096), 128 * sm_count(pool.k_cache.device))
     rows = []
     for n, adjacent, label in ((4, False, "random"), (4, True, "adjacent"), (None, False, "one")):
-        sets = _train_sets(P, Q, n, gen, rotation(2 * Q * page_bytes), adjacent)
-        num = torch.tensor([sets[0][0].shape[0]], dtype=torch.int32, device="cuda")
+        sets, num = pool.sets(n, gen, adjacent)
         for grid_label, kw in (("default", {}), ("128/SM", {"num_programs": grid})):
-            fns = [lambda t=t, kw=kw, num=num: paged_gather_merged_fwd(
-                k_cache, v_cache, t, num, k_out, v_out, **kw) for t, _ in sets]
-            fns[0]()
-            assert torch.equal(k_out, k_cache[sets[0][1]])
-            t20, t50, t80 = time_graph(fns)
-            rows.append([label, sets[0][0].shape[0], grid_label, f"{t50:.1f} ({t20:.1f}-{t80:.1f})",
-                         tbps(nbytes, t50)])
-        t50 = time_graph([lambda i=i: (torch.index_select(k_cache, 0, i, out=k_out),
-                                       torch.index_select(v_cache, 0, i, out=v_out))
-                          for _, i in sets])[1]
-        rows.append([label, sets[0][0].shape[0], "index_select", f"{t50:.1f}", tbps(nbytes, t50)])
+            t20, t50, t80 = pool.time_kernel(sets, num, **kw)
+            rows.append([label, len(sets[0][0]), grid_label, f"{t50:.1f} ({t20:.1f}-{t80:.1f})",
+                         tbps(pool.nbytes, t50)])
+        t50 = pool.time_index_select(sets)[1]
+        rows.append([label, len(sets[0][0]), "index_select", f"{t50:.1f}",
+                     tbps(pool.nbytes, t50)])
     return ("## Where 128 KiB trains lose (S 16, 128 MiB per tensor)\n\n"
             + table(["trains", "rows", "launch", "us p50 (p20-p80)", "TB/s"], rows) + "\n")
 
 
 def _tune_rows(S: int, ns: tuple, gen: torch.Generator) -> list[list]:
     from kvops.kernels._common import sm_count
-    from kvops.kernels.paged_gather_merged import paged_gather_merged_fwd
 
-    page_bytes = S * HKV * D * 2
-    Q = (128 << 20) // page_bytes
-    P = (1 << 30) // page_bytes
-    units = page_bytes // 4096
-    k_cache = torch.randn(P, S, HKV, D, device="cuda", dtype=DTYPE)
-    v_cache = torch.randn_like(k_cache)
-    k_out = torch.empty(Q, S, HKV, D, device="cuda", dtype=DTYPE)
-    v_out = torch.empty_like(k_out)
-    nbytes = 4 * Q * page_bytes
-    sms = sm_count(k_cache.device)
+    pool = _Pool(S, 128 << 20)
+    units = pool.page_bytes // 4096
+    sms = sm_count(pool.k_cache.device)
     rows = []
     for n in ns:
-        sets = _train_sets(P, Q, n, gen, rotation(2 * Q * page_bytes))
-        num = torch.tensor([sets[0][0].shape[0]], dtype=torch.int32, device="cuda")
+        sets, num = pool.sets(n, gen)
         for per_sm in (64, 128, 256):
             for fuse in (True, False):
-                kw = dict(num_programs=min(Q * units, per_sm * sms),
-                          fuse_max_trains=1 << 30 if fuse else 0)
-                fns = [lambda t=t, kw=kw, num=num: paged_gather_merged_fwd(
-                    k_cache, v_cache, t, num, k_out, v_out, **kw) for t, _ in sets]
-                fns[0]()
-                assert torch.equal(k_out, k_cache[sets[0][1]])
-                _, us, _ = time_graph(fns)
-                rows.append([S, "all" if n is None else n, sets[0][0].shape[0], per_sm,
-                             "one" if fuse else "two", us, tbps(nbytes, us),
-                             tbps(nbytes, us) * 1e12 / COPY_CEILING])
+                us = pool.time_kernel(sets, num, num_programs=min(pool.Q * units, per_sm * sms),
+                                      fuse_max_trains=1 << 30 if fuse else 0)[1]
+                rows.append([S, "all" if n is None else n, len(sets[0][0]), per_sm,
+                             "one" if fuse else "two", us, tbps(pool.nbytes, us),
+                             tbps(pool.nbytes, us) * 1e12 / COPY_CEILING])
     return rows
 
 
