@@ -287,6 +287,21 @@ def test_cuda_graph_replay_with_new_tables(path, S):
 
 
 @requires_cuda
+@pytest.mark.parametrize("S", [8, 16, 64])
+@pytest.mark.parametrize("path", ["structured", "general"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_pipeline_depths_agree_with_oracle(dtype, path, S):
+    """TARGET and BASE runs pipelined to their own depths (``num_stages``, ``base_stages``):
+    every pair gives the oracle's result on sequences of many tiles and several runs."""
+    dims = (4, 512 // S, S, 2, 4, 128, dtype, path)
+    case = make_case(*dims, "cuda", seed=S)
+    for num_stages, base_stages in ((3, 3), (4, 5), (5, 7), (5, 9), (4, 2)):
+        out, lse = elastic_attention_fwd(**case, num_splits=2, num_stages=num_stages,
+                                         base_stages=base_stages)
+        check_against_oracle(out, lse, case, case_id(*dims) + f"-s{num_stages}/{base_stages}")
+
+
+@requires_cuda
 def test_large_pool_offsets_do_not_overflow():
     """A pool of more than 2**31 elements: page offsets must be 64-bit (TARGET and BASE)."""
     S, Hkv, D = 16, 8, 128

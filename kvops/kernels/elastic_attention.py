@@ -28,7 +28,8 @@ Launch shape (H200 sweeps, bench/results/2026-11-30-elastic-variants.md and
 -variants-session4.md): one warp a program, 16-row tiles on the native path and 32-row tiles on
 the mixed paths (at S 64 a 32-row BASE tile took 758 instructions in the scratch variant that
 introduced one-page tiles, two 16-row ones 958), 4-5 pipeline stages (fewer where a stage's
-tiles would not fit shared memory). A one-warp program keeps a tile's scores, softmax and ``P`` in its own
+tiles would not fit shared memory), and BASE runs one buffered tile deeper than TARGET runs
+(``default_base_stages``). A one-warp program keeps a tile's scores, softmax and ``P`` in its own
 registers (no cross-warp reductions or barriers), and many small programs per SM hide each
 other's latency; with 4-warp, 128-row programs a BASE tile took as long as a TARGET tile.
 Instruction counts here are of the loop bodies in SASS (ptxas sm_90a, triton 3.6, D 128).
@@ -262,7 +263,7 @@ def _run(K, V, p_table, p_mode, span_lo, lo, hi, b_q, b_m, b_l, b_acc, scale_log
          stride_kp, stride_vp, Hkv, o_n, o_d, m_d,
          D: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr, BASE: tl.constexpr,
          MODE: tl.constexpr, CODEC: tl.constexpr, PRECISION: tl.constexpr,
-         PTX_DECODE: tl.constexpr, TILE: tl.constexpr):
+         PTX_DECODE: tl.constexpr, TILE: tl.constexpr, STAGES: tl.constexpr):
     """Fold rows ``[lo, hi)`` of one form into the running softmax, ``BLOCK_N`` rows a tile.
 
     TARGET (``BASE`` false): 16-bit rows of their pages. BASE: the row's half of its pair page,
@@ -294,7 +295,7 @@ def _run(K, V, p_table, p_mode, span_lo, lo, hi, b_q, b_m, b_l, b_acc, scale_log
     if BASE:
         q0, q1, q2, q3 = _split4(b_q)
         a0, a1, a2, a3 = _split4(b_acc)
-    for start in range(lo, hi, BLOCK_N):
+    for start in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
         if PAIR:
             id_a, page_a, in_a, m_a, j_a = _page_rows(p_table, p_mode, start, hi, o_h, S, Hkv,
                                                       i_h, D, MODE, BASE, True)
@@ -404,6 +405,7 @@ def _elastic_decode_kernel(
     MODE: tl.constexpr, CODEC: tl.constexpr, PRECISION: tl.constexpr,
     SAME_STRIDE: tl.constexpr, PTX_DECODE: tl.constexpr, TILE: tl.constexpr,
     PDL_TRIGGER: tl.constexpr, PDL_WAIT: tl.constexpr,
+    STAGES_T: tl.constexpr, STAGES_B: tl.constexpr,
 ):
     if PDL_TRIGGER:  # let the split merge launch now; it waits for this grid on-device
         tl.extra.cuda.gdc_launch_dependents()
@@ -430,7 +432,8 @@ def _elastic_decode_kernel(
     if MODE == 0:
         b_m, b_l, b_acc = _run(K, V, p_table, p_mode, 0, lo, hi, b_q, b_m, b_l, b_acc,
                                scale_log2, i_h, stride_kp, stride_vp, Hkv, o_n, o_d, m_d,
-                               D, S, BLOCK_N, False, MODE, CODEC, PRECISION, PTX_DECODE, TILE)
+                               D, S, BLOCK_N, False, MODE, CODEC, PRECISION, PTX_DECODE, TILE,
+                               STAGES_T)
     else:
         # Walk the split as runs of one form; each run is a pipelined loop of single-form tiles
         # starting at the run's first row. Both mixed paths cut the same runs from the same
@@ -461,12 +464,12 @@ def _elastic_decode_kernel(
                 b_m, b_l, b_acc = _run(K, V, p_table, p_mode, span_lo, pos, end, b_qb, b_m, b_l,
                                        b_acc, scale_base, i_h, stride_kp, stride_vp, Hkv, o_n,
                                        o_d, m_d, D, S, BLOCK_N, True, MODE, CODEC, PRECISION,
-                                       PTX_DECODE, TILE)
+                                       PTX_DECODE, TILE, STAGES_B)
             else:
                 b_m, b_l, b_acc = _run(K, V, p_table, p_mode, span_lo, pos, end, b_q, b_m, b_l,
                                        b_acc, scale_log2, i_h, stride_kp, stride_vp, Hkv, o_n,
                                        o_d, m_d, D, S, BLOCK_N, False, MODE, CODEC, PRECISION,
-                                       PTX_DECODE, TILE)
+                                       PTX_DECODE, TILE, STAGES_T)
             pos = end
 
     finish_rows(b_m, b_l, b_acc, O, L, i_b, i_h, i_s, stride_ob, stride_oh, stride_os,
@@ -502,6 +505,20 @@ def default_num_stages(mode: int, programs_per_sm: float, tile_bytes: int) -> in
     return max(2, min(stages, 1 + SMEM_BUDGET // tile_bytes))
 
 
+def default_base_stages(stages: int, block_n: int, D: int) -> int:
+    """Pipeline depth of BASE runs, given ``stages`` for TARGET runs: one buffered K/V tile
+    more. A loop that loads its page ids in the tile's own iteration gets ``(stages - 1) // 2``
+    buffered tiles (triton 3.6 TTGIR of the mixed kernel: one at 4 stages, two at 5 and 6,
+    three at 7 and 8), and a BASE tile holds half the bytes of a TARGET tile of as many rows,
+    so with TARGET's depth BASE runs kept half the bytes in flight. Measured on the H200
+    (bench/results/2026-11-30-elastic-base-stages.md): 4 -> 5 stages (two buffers) took
+    all-BASE at B 128 x 4k, S 64 from 286 to 254 us, 5 -> 7 (three) at B 16 x 16k from 137 to
+    132 us; four buffers (9 stages) were slower at every shape. Capped so the buffered BASE
+    tiles fit ``SMEM_BUDGET``."""
+    buffers = min((stages - 1) // 2 + 1, SMEM_BUDGET // (2 * block_n * D))
+    return max(stages, 2 * buffers + 1)
+
+
 def default_num_warps(D: int, dtype: torch.dtype) -> int:
     """One warp a program while a row is at most 256 bytes (D <= 128 at 16 bits); wider rows
     take 4 warps, so a 16-row tile's operands stay in registers."""
@@ -514,8 +531,8 @@ def elastic_attention_fwd(
     block_mode: torch.Tensor | None = None, base_span: torch.Tensor | None = None,
     scale: float | None = None,
     *, num_splits: int | None = None, block_n: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None, ptx_decode: bool | None = None,
-    pdl: bool | None = None,
+    num_warps: int | None = None, num_stages: int | None = None,
+    base_stages: int | None = None, ptx_decode: bool | None = None, pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the elastic paged decode kernel. Inputs are already checked by the op (BASE
     paths: 4-byte aligned pools with even page strides; general path: fewer than 2**30 pages).
@@ -523,7 +540,8 @@ def elastic_attention_fwd(
     q [B, Hq, D]; k_cache, v_cache [P, S, Hkv, D] (pages contiguous); block_table int32 [B, L];
     seq_lens int32 [B]; block_mode int8 [B, L] or base_span int32 [B, 2] or neither (native).
     Returns out [B, Hq, D] (q.dtype) and lse float32 [B, Hq]. The keyword-only knobs override
-    the defaults (benchmarks and tests use them); ``ptx_decode`` picks the inline-PTX BASE decode
+    the defaults (benchmarks and tests use them; ``num_stages`` is TARGET runs' depth,
+    ``base_stages`` BASE runs'); ``ptx_decode`` picks the inline-PTX BASE decode
     (``_planes``; default, and allowed, on compiled NVIDIA code, for e4m3 on sm_89 and newer;
     ``ValueError`` if forced elsewhere), ``pdl``
     programmatic dependent launch (default on Hopper and newer, see ``_splitk.use_pdl``).
@@ -538,6 +556,9 @@ def elastic_attention_fwd(
     tile_bytes = kv_tile_bytes(block_n, D, k_cache.dtype)
     if num_splits is None:
         num_splits = default_num_splits(max(B, 1) * Hkv, NB * S, block_n, tile_bytes, q.device)
+    num_stages = num_stages or default_num_stages(
+        mode, B * Hkv * num_splits / sm_count(q.device), tile_bytes)
+    base_stages = base_stages or default_base_stages(num_stages, block_n, D)
     out, lse, part_o, part_l, s_os = split_outputs(B, Hq, D, num_splits, q.dtype, q.device)
     # programmatic dependent launch hides the launch gap before each kernel that follows
     # another of this op (the table kernel -> this kernel -> the merge)
@@ -579,8 +600,7 @@ def elastic_attention_fwd(
         SAME_STRIDE=k_cache.stride(0) == v_cache.stride(0), TILE=tile,
         PTX_DECODE=ptx_decode,
         num_warps=num_warps or default_num_warps(D, k_cache.dtype),
-        num_stages=num_stages or default_num_stages(
-            mode, B * Hkv * num_splits / sm_count(q.device), tile_bytes),
+        num_stages=num_stages, STAGES_T=num_stages, STAGES_B=base_stages,
         PDL_TRIGGER=pdl and num_splits > 1, PDL_WAIT=pdl_wait,
         **({"launch_pdl": True} if pdl_wait else {}),
     )
