@@ -153,6 +153,29 @@ def test_structured_and_general_agree_bit_for_bit(kernel_device, S, dtype):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+def test_general_path_scans_long_mode_tables(kernel_device):
+    """Runs longer than one 128-mode scan load, and run edges at and around its bounds: the
+    general path cuts the same runs as the structured one (bit for bit) on 300-block tables."""
+    case = make_case(5, 300, 8, 1, 2, 32, torch.float16, "structured", kernel_device, seed=3,
+                     pool_pages=5 * 300 + 2)
+    case["seq_lens"].fill_(300 * 8 - 3)
+    gen = torch.Generator().manual_seed(3)
+    P = case["k_cache"].shape[0]
+    case["block_table"] = torch.randperm(P, generator=gen)[:5 * 300].view(5, 300).int().to(
+        kernel_device)                        # every block mapped
+    for name in ("k_cache", "v_cache"):      # bytes < 0x40: finite read as TARGET or as BASE
+        c = case[name].view(torch.uint8)
+        c.copy_(torch.randint(0, 0x40, c.shape, generator=gen, dtype=torch.uint8))
+    spans = [(1, 299), (130, 270), (0, 300), (127, 129), (128, 256)]
+    span = torch.tensor(spans, dtype=torch.int32, device=kernel_device)
+    for num_splits in (1, 3):
+        a = elastic_attention_fwd(**case | {"base_span": span}, num_splits=num_splits)
+        b = elastic_attention_fwd(**case | {"base_span": None,
+                                            "block_mode": span_modes(span, 300)},
+                                  num_splits=num_splits)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), num_splits
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_empty_sequences_give_zero_and_neg_inf(kernel_device, poison, path):
     case = make_case(3, 4, 16, 2, 4, 64, torch.float16, path, kernel_device, seed=7)
