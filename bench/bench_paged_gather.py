@@ -15,7 +15,8 @@ Three parts (``--parts``, all by default; ``gather`` needs CUDA and is skipped w
   group.
 - ``diagnose`` (not in the default set; CUDA): 1,024 trains of 128 KiB at random places, side by
   side, and one contiguous train, to split the 128 KiB trains' shortfall into the search and
-  the access pattern (``bench_diagnose``).
+  the access pattern (``bench_diagnose``); beside each, torch moving the same trains as whole
+  rows (``index_select`` of 128 KiB rows, or one ``copy_``), what the layout allows torch.
 - ``control``: host time per step of the frame's verbs, of the commit (transport hook with
   planning, table writes, the single upload) and of planning alone (timed in a second run),
   for 64 and 256 sessions with one new token each, median and p99 over 1,000 steps.
@@ -115,6 +116,22 @@ class _Pool:
                                         torch.index_select(self.v_cache, 0, i, out=self.v_out))
                            for _, i in sets])
 
+    def time_whole_trains(self, sets, n: int | None) -> tuple[float, float, float]:
+        """The same trains moved by torch as whole rows: ``index_select`` over the pools viewed
+        as rows of ``n`` pages (a train a row), or ``copy_`` of the one train (``n`` None)."""
+        if n is None:
+            starts = [int(t[0, 0]) for t, _ in sets]
+            fns = [lambda a=a: (self.k_out.copy_(self.k_cache[a:a + self.Q]),
+                                self.v_out.copy_(self.v_cache[a:a + self.Q])) for a in starts]
+        else:
+            rows = lambda c: c.view(c.shape[0] // n, -1)      # a train of n pages a row
+            slots = [(t[:, 0] // n).long() for t, _ in sets]
+            fns = [lambda i=i: (
+                torch.index_select(rows(self.k_cache), 0, i, out=rows(self.k_out)),
+                torch.index_select(rows(self.v_cache), 0, i, out=rows(self.v_out)))
+                for i in slots]
+        return self._time(fns, sets)
+
     def _time(self, fns, sets):
         fns[0]()
         src = sets[0][1]
@@ -174,6 +191,9 @@ def bench_diagnose() -> str:
         t50 = pool.time_index_select(sets)[1]
         rows.append([label, len(sets[0][0]), "index_select", f"{t50:.1f}",
                      tbps(pool.nbytes, t50)])
+        t20, t50, t80 = pool.time_whole_trains(sets, n)
+        rows.append([label, len(sets[0][0]), "torch, a train a row" if n else "torch copy_",
+                     f"{t50:.1f} ({t20:.1f}-{t80:.1f})", tbps(pool.nbytes, t50)])
     return ("## Where 128 KiB trains lose (S 16, 128 MiB per tensor)\n\n"
             + table(["trains", "rows", "launch", "us p50 (p20-p80)", "TB/s"], rows) + "\n")
 
