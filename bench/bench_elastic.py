@@ -4,7 +4,8 @@ Part 1, pack/refine: N pairs of Llama-3-8B pages (Hkv 8, D 128; S 16 and 64), in
 (dst == src_a, base_page == dst_a), each codec, Triton kernel against the PyTorch reference
 (gather + index_put, the "torch slicing" equivalent). TB/s counts bytes read plus written:
 pack reads two TARGET pages and writes one page plus the backing; refine reads the BASE page and
-the backing and writes two pages. Fraction of the 4.25 TB/s copy ceiling.
+the backing and writes two pages. Fraction of the 4.25 TB/s copy ceiling; beside it, a kernel
+that moves a pack's bytes and does nothing else (the ceiling of that mix of reads and writes).
 
 Part 2, elastic_attention: Llama-3-8B heads (Hq 32, Hkv 8, D 128), fp16 (``--dtype bfloat16``:
 bf16 with e4m3 BASE), random block tables,
@@ -30,6 +31,8 @@ import itertools
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import kvops
@@ -99,6 +102,45 @@ def pack_rows(N_pairs, pages, quick):
     headers = ["op", "dtype", "codec", "S", "pairs", "kernel us", "TB/s", "of copy ceil",
                "torch us", "torch TB/s", "speedup"]
     return headers, rows
+
+
+@triton.jit
+def _pack_traffic_kernel(Src, Base, Back, n, BACK16: tl.constexpr, BLOCK: tl.constexpr):
+    """A pack's bytes and nothing else: read 16-bit values, write one byte each and a backing
+    of one (hi8) or two (e4m3) bytes each; contiguous, no encoding, no in-place ordering."""
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    x = tl.load(Src + o, mask=m, other=0)
+    tl.store(Base + o, (x >> 8).to(tl.uint8), mask=m)
+    if BACK16:
+        tl.store(Back + o, x, mask=m)
+    else:
+        tl.store(Back + o, x.to(tl.uint8), mask=m)
+
+
+def time_pack_traffic(n: int, back16: bool) -> float:
+    """Best median us of ``_pack_traffic_kernel`` over ``n`` values and 4 launch shapes."""
+    src = torch.randint(-2**15, 2**15, (n,), device="cuda", dtype=torch.int16)
+    base = torch.empty(n, device="cuda", dtype=torch.uint8)
+    back = torch.empty(n, device="cuda", dtype=torch.int16 if back16 else torch.uint8)
+    launch = lambda block, warps: _pack_traffic_kernel[(triton.cdiv(n, block),)](
+        src, base, back, n, BACK16=back16, BLOCK=block, num_warps=warps)
+    return min(time_graph(lambda b=b, w=w: launch(b, w))[1]
+               for b, w in itertools.product((1024, 4096), (4, 8)))
+
+
+def pack_traffic_rows(N_pairs, pages):
+    """The TB/s (read + written, as ``pair_bytes`` counts) of ``time_pack_traffic``: what a
+    pack's mix of reads and writes allows on this GPU (e4m3 packs write 3 bytes for every 2
+    read; the copy ceiling is 1 for 1)."""
+    rows = []
+    for back16, S in itertools.product((False, True), pages):
+        t = time_pack_traffic(2 * N_pairs * S * HKV * D, back16)
+        nbytes = N_pairs * pair_bytes("pack", "e4m3" if back16 else "hi8", S * HKV * D * 2)
+        rows.append(["e4m3" if back16 else "hi8/hi8r", S, N_pairs, t, tbps(nbytes, t),
+                     tbps(nbytes, t) * 1e12 / COPY_CEILING])
+        torch.cuda.empty_cache()
+    return ["pack bytes of", "S", "pairs", "us", "TB/s", "of copy ceil"], rows
 
 
 def tune_pack(N_pairs=2048, S=16):
@@ -364,7 +406,11 @@ def main():
     pack = [] if ph is None else [
         "## pack_base_pairs / refine_base_pairs (in place, Hkv 8, D 128)", "",
         table(ph, prow), "",
-        f"Pack/refine TB/s (read + written): {fmt([r[6] for r in prow])} (goal >= 3.6).", ""]
+        f"Pack/refine TB/s (read + written): {fmt([r[6] for r in prow])} (goal >= 3.6).", "",
+        "A pack's mix of reads and writes alone (`_pack_traffic_kernel`: contiguous, no "
+        "encoding, no in-place order; best of 4 launch shapes):", "",
+        table(*pack_traffic_rows(512 if args.quick else 2048, (16,) if args.quick else (16, 64))),
+        ""]
     body = "\n".join([
         *pack,
         f"## elastic_attention (Hq 32, Hkv 8, D 128, {args.dtype}, full sequences)", "",
