@@ -14,15 +14,6 @@ and its stores keeps warps from overtaking each other:
   ``i`` overwrites bytes ``2i, 2i + 1 >= i``, already read). ``dst_b == base_page``: half 0
   first, then half 1 ascending (value ``i`` overwrites bytes ``2i + 1 < E + i``, already read).
 
-Each iteration also loads the next chunk before its own stores, so a warp has two chunks' loads
-in flight. That load may still be in flight while any warp stores this or an earlier chunk, and
-in every order above those stores land elsewhere: a pack with ``dst == src_a`` stores chunk
-``k``'s BASE bytes over page a's chunk ``k // 2``; with ``dst == src_b`` page b's chunk ``k``
-over its chunks ``>= k`` while the next is ``k - 1``; a refine with ``dst_a == base_page``
-stores half 0's chunk ``k`` over BASE bytes of chunks ``2k`` and ``2k + 1`` while the next is
-``k - 1``, and with ``dst_b == base_page`` half 1's chunk ``k`` over bytes below
-``E + (k + 1) * BLOCK`` while the next starts there. (e4m3 refines read only the backing.)
-
 ``CODEC``: 0 hi8, 1 hi8r (float16), 2 e4m3 (bfloat16); see ``kvops.layouts.codecs``.
 """
 
@@ -67,16 +58,6 @@ def _encode_e4m3_hw(b_u):
 
 
 @triton.jit
-def _pack_chunk(t, n_ch, b_first, src_a, src_b):
-    """Iteration ``t`` of a pack row: (chunk, source page, half). Page a's chunks then b's,
-    ascending; when ``dst == src_b`` (``b_first``) page b's first, descending."""
-    second = t >= n_ch
-    k = tl.where(second, t - n_ch, t)
-    use_b = second != b_first
-    return tl.where(use_b & b_first, n_ch - 1 - k, k), tl.where(use_b, src_b, src_a), use_b
-
-
-@triton.jit
 def _pack_pairs_kernel(
     Cache, Pairs, Backing,
     stride_cp, stride_pn, stride_pc,
@@ -92,20 +73,16 @@ def _pack_pairs_kernel(
     b_first = (dst == src_b) & (dst != src_a)
     n_ch = tl.cdiv(E, BLOCK)
     o_e = tl.arange(0, BLOCK)
-    chunk, src, _ = _pack_chunk(0, n_ch, b_first, src_a, src_b)
-    b_next = tl.load(Cache + src * stride_cp + chunk * BLOCK + o_e, mask=chunk * BLOCK + o_e < E,
-                     other=0)
     for t in range(0, 2 * n_ch):
-        chunk, _, use_b = _pack_chunk(t, n_ch, b_first, src_a, src_b)
+        second = t >= n_ch
+        k = tl.where(second, t - n_ch, t)
+        use_b = second != b_first
+        chunk = tl.where(use_b & b_first, n_ch - 1 - k, k)
+        src = tl.where(use_b, src_b, src_a)
+        half = use_b.to(tl.int64)
         o_x = chunk * BLOCK + o_e
         m_x = o_x < E
-        b_u = b_next.to(tl.int32) & 0xFFFF
-        # the next chunk's load goes out before this chunk's stores (two loads in flight): no
-        # store of this or an earlier iteration lands on the next chunk's bytes (module doc).
-        # After the last iteration the next chunk is n_ch, all masked.
-        chunk_n, src_n, _ = _pack_chunk(t + 1, n_ch, b_first, src_a, src_b)
-        o_n = chunk_n * BLOCK + o_e
-        b_next = tl.load(Cache + src_n * stride_cp + o_n, mask=o_n < E, other=0)
+        b_u = tl.load(Cache + src * stride_cp + o_x, mask=m_x, other=0).to(tl.int32) & 0xFFFF
         if CODEC == 2:
             if HW_FP8:
                 b_base = _encode_e4m3_hw(b_u)
@@ -118,42 +95,12 @@ def _pack_pairs_kernel(
                 b_hi = (b_hi & 0x80) | ((b_hi + (b_lo >> 7)) & 0x7F)
             b_base = b_hi
         tl.debug_barrier()
-        half = use_b.to(tl.int64)
         tl.store(p_c8 + dst * 2 * stride_cp + half * E + o_x, b_base.to(tl.uint8), mask=m_x)
         p_back = Backing + (i_n * 2 + half) * E + o_x
         if CODEC == 2:
             tl.store(p_back, b_u.to(tl.int16), mask=m_x)
         else:
             tl.store(p_back, b_lo.to(tl.uint8), mask=m_x)
-
-
-@triton.jit
-def _refine_chunk(t, n_ch, b_first):
-    """Iteration ``t`` of a refine row: (chunk, half). Half 0's chunks then half 1's,
-    ascending; when ``dst_a == base_page`` (``b_first``) half 1's first, then half 0's
-    descending."""
-    second = t >= n_ch
-    k = tl.where(second, t - n_ch, t)
-    use_b = second != b_first
-    return tl.where(~use_b & b_first, n_ch - 1 - k, k), use_b
-
-
-@triton.jit
-def _refine_loads(Backing, p_c8, base, i_n, chunk, use_b, o_e, stride_cp, E,
-                  CODEC: tl.constexpr, BLOCK: tl.constexpr):
-    """The BASE bytes (zero for e4m3, whose backing is the whole value) and the backing of one
-    chunk of a refine row, as int32; chunks outside ``[0, n_ch)`` (-1 or n_ch after the last
-    iteration) read nothing."""
-    half = use_b.to(tl.int64)
-    o_x = chunk * BLOCK + o_e
-    m_x = (o_x >= 0) & (o_x < E)
-    b_lo = tl.load(Backing + (i_n * 2 + half) * E + o_x, mask=m_x, other=0).to(tl.int32)
-    if CODEC == 2:
-        b_hi = tl.zeros_like(b_lo)
-    else:
-        b_hi = tl.load(p_c8 + base * 2 * stride_cp + half * E + o_x, mask=m_x,
-                       other=0).to(tl.int32)
-    return b_hi, b_lo
 
 
 @triton.jit
@@ -172,27 +119,26 @@ def _refine_pairs_kernel(
     b_first = (dst_a == base) & (dst_b != base)
     n_ch = tl.cdiv(E, BLOCK)
     o_e = tl.arange(0, BLOCK)
-    chunk, use_b = _refine_chunk(0, n_ch, b_first)
-    b_hi_n, b_lo_n = _refine_loads(Backing, p_c8, base, i_n, chunk, use_b, o_e, stride_cp, E,
-                                   CODEC, BLOCK)
     for t in range(0, 2 * n_ch):
-        chunk, use_b = _refine_chunk(t, n_ch, b_first)
+        second = t >= n_ch
+        k = tl.where(second, t - n_ch, t)
+        use_b = second != b_first
+        chunk = tl.where(~use_b & b_first, n_ch - 1 - k, k)
+        dst = tl.where(use_b, dst_b, dst_a)
+        half = use_b.to(tl.int64)
         o_x = chunk * BLOCK + o_e
         m_x = o_x < E
-        b_hi = b_hi_n
-        b_lo = b_lo_n
-        # the next chunk's loads go out before this chunk's stores, as in the pack
-        chunk_n, use_b_n = _refine_chunk(t + 1, n_ch, b_first)
-        b_hi_n, b_lo_n = _refine_loads(Backing, p_c8, base, i_n, chunk_n, use_b_n, o_e,
-                                       stride_cp, E, CODEC, BLOCK)
+        p_back = Backing + (i_n * 2 + half) * E + o_x
         if CODEC == 2:
-            b_u = b_lo
+            b_u = tl.load(p_back, mask=m_x, other=0).to(tl.int32)
         else:
+            b_hi = tl.load(p_c8 + base * 2 * stride_cp + half * E + o_x, mask=m_x,
+                           other=0).to(tl.int32)
+            b_lo = tl.load(p_back, mask=m_x, other=0).to(tl.int32)
             if CODEC == 1:
                 b_hi = (b_hi & 0x80) | ((b_hi - (b_lo >> 7)) & 0x7F)
             b_u = (b_hi << 8) | b_lo
         tl.debug_barrier()
-        dst = tl.where(use_b, dst_b, dst_a)
         tl.store(Cache + dst * stride_cp + o_x, b_u.to(tl.int16), mask=m_x)
 
 
