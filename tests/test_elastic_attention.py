@@ -154,19 +154,20 @@ def test_structured_and_general_agree_bit_for_bit(kernel_device, S, dtype):
 
 
 def test_general_path_scans_long_mode_tables(kernel_device):
-    """Runs longer than one 128-mode scan load, and run edges at and around its bounds: the
-    general path cuts the same runs as the structured one (bit for bit) on 300-block tables."""
-    case = make_case(5, 300, 8, 1, 2, 32, torch.float16, "structured", kernel_device, seed=3,
-                     pool_pages=5 * 300 + 2)
+    """Runs longer than one 128-mode scan load, run edges at and around its bounds, and one
+    edge two loads into a run (2, 258): the general path cuts the same runs as the structured
+    one (bit for bit) on 300-block tables."""
+    case = make_case(6, 300, 8, 1, 2, 32, torch.float16, "structured", kernel_device, seed=3,
+                     pool_pages=6 * 300 + 2)
     case["seq_lens"].fill_(300 * 8 - 3)
     gen = torch.Generator().manual_seed(3)
     P = case["k_cache"].shape[0]
-    case["block_table"] = torch.randperm(P, generator=gen)[:5 * 300].view(5, 300).int().to(
+    case["block_table"] = torch.randperm(P, generator=gen)[:6 * 300].view(6, 300).int().to(
         kernel_device)                        # every block mapped
     for name in ("k_cache", "v_cache"):      # bytes < 0x40: finite read as TARGET or as BASE
         c = case[name].view(torch.uint8)
         c.copy_(torch.randint(0, 0x40, c.shape, generator=gen, dtype=torch.uint8))
-    spans = [(1, 299), (130, 270), (0, 300), (127, 129), (128, 256)]
+    spans = [(1, 299), (130, 270), (0, 300), (127, 129), (128, 256), (2, 258)]
     span = torch.tensor(spans, dtype=torch.int32, device=kernel_device)
     for num_splits in (1, 3):
         a = elastic_attention_fwd(**case | {"base_span": span}, num_splits=num_splits)

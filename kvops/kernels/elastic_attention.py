@@ -372,15 +372,15 @@ def _half_pages_kernel(Table, Mode, Out, n, L, stride_tb, stride_mb, BLOCK: tl.c
     tl.store(Out + o, b_page * 2 + (b_mode == 2).to(tl.int32), mask=m)
 
 
-MODE_SCAN = tl.constexpr(128)    # general path: modes a load (``_general_run_end``), one 128-byte line
+MODE_SCAN = tl.constexpr(128)    # general path: modes a load (``_general_run_end``), 128 bytes
 
 
 @triton.jit
 def _general_run_end(p_mode, j0, j_end, SCAN: tl.constexpr):
     """First logical block in ``(j0, j_end)`` whose form (TARGET or BASE) differs from block
     ``j0``'s, or ``j_end``; and block ``j0``'s form (1 BASE, 0 TARGET). Reads ``SCAN`` modes a
-    load, block ``j0``'s form from the first, so a run of ``n`` blocks costs ``ceil(n / SCAN)``
-    dependent loads. Each is a DRAM round trip in which the program streams nothing: with 16
+    load, block ``j0``'s form from the first, so a run of ``n`` blocks costs at most
+    ``n // SCAN + 1`` dependent loads (the block that differs included). Each is a DRAM round trip in which the program streams nothing: with 16
     modes a load (and the first mode loaded alone) a 4k-token half-BASE sequence at S 16 took
     19 of them (4 with 128), and the general path ran 1.07-1.10x the structured one at B 64 x 4k, where
     only 4 programs share an SM to hide them."""
@@ -508,8 +508,9 @@ def default_num_stages(mode: int, programs_per_sm: float, tile_bytes: int) -> in
     were 4-10 % slower there) and 5 below (B 64 at 4k, 3.9 an SM: all-BASE 199 us with 4
     stages, 1.29x all-TARGET, 134 us with 5; bench/results/2026-11-30-elastic-planes.md and
     -variants-session4.md). ``tile_bytes``
-    (K and V of one tile) caps it so the ``stages - 1`` buffered tiles fit ``SMEM_BUDGET``
-    (large forced tiles, e.g. 64 float32 rows of D 128)."""
+    (K and V of one tile) caps it so that even ``stages - 1`` buffered tiles would fit
+    ``SMEM_BUDGET`` (large forced tiles, e.g. 64 float32 rows of D 128); triton 3.6 buffers
+    ``(stages - 1) // 2`` in these loops (``default_base_stages``), so the cap is loose."""
     stages = 4 if mode != 0 and programs_per_sm >= 6 else 5
     return max(2, min(stages, 1 + SMEM_BUDGET // tile_bytes))
 
@@ -522,9 +523,13 @@ def default_base_stages(stages: int, block_n: int, D: int) -> int:
     so with TARGET's depth BASE runs kept half the bytes in flight. Measured on the H200
     (bench/results/2026-11-30-elastic-base-stages.md): 4 -> 5 stages (two buffers) took
     all-BASE at B 128 x 4k, S 64 from 286 to 254 us, 5 -> 7 (three) at B 16 x 16k from 137 to
-    132 us; four buffers (9 stages) were slower at every shape. Capped so the buffered BASE
-    tiles fit ``SMEM_BUDGET``."""
-    buffers = min((stages - 1) // 2 + 1, SMEM_BUDGET // (2 * block_n * D))
+    132 us; four buffers (9 stages) were slower at every shape. The extra buffer is dropped
+    where it would not fit ``SMEM_BUDGET``; BASE runs are never shallower than TARGET runs
+    (whose tiles are larger), and unpipelined TARGET runs (``stages <= 1``) leave BASE runs
+    unpipelined too."""
+    if stages <= 1:
+        return stages
+    buffers = min((stages - 1) // 2 + 1, SMEM_BUDGET // (2 * block_n * next_pow2(D)))
     return max(stages, 2 * buffers + 1)
 
 
@@ -609,7 +614,8 @@ def elastic_attention_fwd(
         SAME_STRIDE=k_cache.stride(0) == v_cache.stride(0), TILE=tile,
         PTX_DECODE=ptx_decode,
         num_warps=num_warps or default_num_warps(D, k_cache.dtype),
-        num_stages=num_stages, STAGES_T=num_stages, STAGES_B=base_stages,
+        num_stages=num_stages, STAGES_T=num_stages,
+        STAGES_B=base_stages if mode else num_stages,     # native: no BASE runs, no recompile
         PDL_TRIGGER=pdl and num_splits > 1, PDL_WAIT=pdl_wait,
         **({"launch_pdl": True} if pdl_wait else {}),
     )
