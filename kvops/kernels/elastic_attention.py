@@ -380,10 +380,11 @@ def _general_run_end(p_mode, j0, j_end, SCAN: tl.constexpr):
     """First logical block in ``(j0, j_end)`` whose form (TARGET or BASE) differs from block
     ``j0``'s, or ``j_end``; and block ``j0``'s form (1 BASE, 0 TARGET). Reads ``SCAN`` modes a
     load, block ``j0``'s form from the first, so a run of ``n`` blocks costs at most
-    ``n // SCAN + 1`` dependent loads (the block that differs included). Each is a DRAM round trip in which the program streams nothing: with 16
-    modes a load (and the first mode loaded alone) a 4k-token half-BASE sequence at S 16 took
-    19 of them (4 with 128), and the general path ran 1.07-1.10x the structured one at B 64 x 4k, where
-    only 4 programs share an SM to hide them."""
+    ``n // SCAN + 1`` dependent loads (the block that differs included). Each is a DRAM round
+    trip in which the program streams nothing: with 16 modes a load (and the first mode loaded
+    alone) a 4k-token half-BASE sequence at S 16 took 19 of them (4 with 128), and the general
+    path ran 1.07-1.10x the structured one at B 64 x 4k, where only 4 programs share an SM to
+    hide them."""
     o_s = tl.arange(0, SCAN)
     m_j = j0 + o_s < j_end
     b_form = (tl.load(p_mode + j0 + o_s, mask=m_j, other=0) != 0).to(tl.int32)
