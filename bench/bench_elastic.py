@@ -384,10 +384,11 @@ def main():
     dtype = getattr(torch, args.dtype)
     with kvops.validate(False):
         if args.no_pack:
-            ph, prow = None, []
+            ph, prow, traffic = None, [], None
         else:
-            ph, prow = pack_rows(512 if args.quick else 2048, (16,) if args.quick else (16, 64),
-                                 quick=args.quick)
+            n_pairs, pack_pages = (512, (16,)) if args.quick else (2048, (16, 64))
+            ph, prow = pack_rows(n_pairs, pack_pages, quick=args.quick)
+            traffic = pack_traffic_rows(n_pairs, pack_pages)
         if args.quick:
             ah, arow, goals = attention_rows([(16, 4096)], (16,), (0.0, 0.5, 1.0), dtype)
         else:
@@ -409,8 +410,7 @@ def main():
         f"Pack/refine TB/s (read + written): {fmt([r[6] for r in prow])} (goal >= 3.6).", "",
         "A pack's mix of reads and writes alone (`_pack_traffic_kernel`: contiguous, no "
         "encoding, no in-place order; best of 4 launch shapes):", "",
-        table(*pack_traffic_rows(512 if args.quick else 2048, (16,) if args.quick else (16, 64))),
-        ""]
+        table(*traffic), ""]
     body = "\n".join([
         *pack,
         f"## elastic_attention (Hq 32, Hkv 8, D 128, {args.dtype}, full sequences)", "",

@@ -112,9 +112,9 @@ class _Pool:
 
     def time_index_select(self, sets) -> tuple[float, float, float]:
         """The same pages through ``torch.index_select`` into the same arenas."""
-        return time_graph([lambda i=i: (torch.index_select(self.k_cache, 0, i, out=self.k_out),
+        return self._time([lambda i=i: (torch.index_select(self.k_cache, 0, i, out=self.k_out),
                                         torch.index_select(self.v_cache, 0, i, out=self.v_out))
-                           for _, i in sets])
+                           for _, i in sets], sets)
 
     def time_whole_trains(self, sets, n: int | None) -> tuple[float, float, float]:
         """The same trains moved by torch as whole rows: ``index_select`` over the pools viewed

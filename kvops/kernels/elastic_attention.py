@@ -573,7 +573,10 @@ def elastic_attention_fwd(
         num_splits = default_num_splits(max(B, 1) * Hkv, NB * S, block_n, tile_bytes, q.device)
     num_stages = num_stages or default_num_stages(
         mode, B * Hkv * num_splits / sm_count(q.device), tile_bytes)
-    base_stages = base_stages or default_base_stages(num_stages, block_n, D)
+    if mode == 0:                   # no BASE runs: one depth, and no recompile per base_stages
+        base_stages = num_stages
+    else:
+        base_stages = base_stages or default_base_stages(num_stages, block_n, D)
     out, lse, part_o, part_l, s_os = split_outputs(B, Hq, D, num_splits, q.dtype, q.device)
     # programmatic dependent launch hides the launch gap before each kernel that follows
     # another of this op (the table kernel -> this kernel -> the merge)
@@ -615,8 +618,7 @@ def elastic_attention_fwd(
         SAME_STRIDE=k_cache.stride(0) == v_cache.stride(0), TILE=tile,
         PTX_DECODE=ptx_decode,
         num_warps=num_warps or default_num_warps(D, k_cache.dtype),
-        num_stages=num_stages, STAGES_T=num_stages,
-        STAGES_B=base_stages if mode else num_stages,     # native: no BASE runs, no recompile
+        num_stages=num_stages, STAGES_T=num_stages, STAGES_B=base_stages,
         PDL_TRIGGER=pdl and num_splits > 1, PDL_WAIT=pdl_wait,
         **({"launch_pdl": True} if pdl_wait else {}),
     )
