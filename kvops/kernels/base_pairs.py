@@ -82,7 +82,9 @@ def _pack_pairs_kernel(
         half = use_b.to(tl.int64)
         o_x = chunk * BLOCK + o_e
         m_x = o_x < E
-        b_u = tl.load(Cache + src * stride_cp + o_x, mask=m_x, other=0).to(tl.int32) & 0xFFFF
+        # evict_last: measured, 2-4 % faster packs in place and not (cause not established)
+        b_u = tl.load(Cache + src * stride_cp + o_x, mask=m_x, other=0,
+                      eviction_policy="evict_last").to(tl.int32) & 0xFFFF
         if CODEC == 2:
             if HW_FP8:
                 b_base = _encode_e4m3_hw(b_u)
@@ -142,7 +144,15 @@ def _refine_pairs_kernel(
         tl.store(Cache + dst * stride_cp + o_x, b_u.to(tl.int16), mask=m_x)
 
 
-def _launch(kernel, cache, pairs, backing, codec, block, num_warps, **extra):
+# Launch shapes (values a chunk, warps), H200 sweeps: packs take 8192 / 16 (with evict_last
+# loads: bf16 e4m3 at S 16 87 us against 93 at 4096 / 8, hi8 and hi8r 2-4 % faster;
+# bench/results/2026-11-30-pack-launch-session7.md); refines keep 4096 / 8, where evict hints
+# and other shapes gained nothing consistent (2026-11-30-elastic-tune.md).
+PACK_LAUNCH = (8192, 16)
+REFINE_LAUNCH = (4096, 8)
+
+
+def _launch(kernel, cache, pairs, backing, codec, block, num_warps, default, **extra):
     N = pairs.shape[0]
     if N == 0:
         return
@@ -153,8 +163,8 @@ def _launch(kernel, cache, pairs, backing, codec, block, num_warps, **extra):
         cache.view(torch.int16), pairs, back,
         cache.stride(0), pairs.stride(0), pairs.stride(1),
         E,
-        CODEC=CODEC_IDS[codec], BLOCK=block or min(next_pow2(E), 4096),
-        num_warps=num_warps or 8, **extra,
+        CODEC=CODEC_IDS[codec], BLOCK=block or min(next_pow2(E), default[0]),
+        num_warps=num_warps or default[1], **extra,
     )
 
 
@@ -166,7 +176,7 @@ def pack_base_pairs_fwd(cache: torch.Tensor, pairs: torch.Tensor, backing: torch
     cache dtype for e4m3). Inputs are already checked by the op; ``block``/``num_warps`` override
     the defaults (benchmarks use them), ``hw`` the e4m3 encoder choice
     (:func:`kvops.kernels._common.hw_fp8`)."""
-    _launch(_pack_pairs_kernel, cache, pairs, backing, codec, block, num_warps,
+    _launch(_pack_pairs_kernel, cache, pairs, backing, codec, block, num_warps, PACK_LAUNCH,
             HW_FP8=hw_fp8(cache.device) if hw is None else hw)
 
 
@@ -175,4 +185,4 @@ def refine_base_pairs_fwd(cache: torch.Tensor, pairs: torch.Tensor, backing: tor
                           num_warps: int | None = None) -> None:
     """Refine pairs in place: pairs int32 [N, 3] rows (dst_a, dst_b, base_page); other arguments
     as in :func:`pack_base_pairs_fwd`."""
-    _launch(_refine_pairs_kernel, cache, pairs, backing, codec, block, num_warps)
+    _launch(_refine_pairs_kernel, cache, pairs, backing, codec, block, num_warps, REFINE_LAUNCH)
