@@ -12,7 +12,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvops
-from kvops.kernels.elastic_attention import _float16_query, _planes, elastic_attention_fwd
+from kvops.kernels.elastic_attention import (
+    _float16_query,
+    _planes,
+    elastic_attention_fwd,
+    native_dense_tile,
+)
 from kvops.layouts import codecs
 from kvops.layouts.pairs import base_pair_view
 from kvops.ops.elastic_attention import elastic_attention_ref, span_modes
@@ -132,6 +137,30 @@ def test_kernel_matches_oracle(kernel_device, poison, shape, num_splits, block_n
     case = make_case(*dims, device=kernel_device, seed=seed, zero_row=seed % 3 == 0)
     out, lse = elastic_attention_fwd(**case, num_splits=num_splits, block_n=block_n)
     check_against_oracle(out, lse, case, case_id(*dims) + f"-splits{num_splits}-bn{block_n}")
+
+
+@pytest.mark.parametrize("S", [16, 64])
+def test_native_dense_shape_matches_oracle(kernel_device, S):
+    """The native path's dense launch shape (``native_dense_tile``: 128-row tiles, 4 warps,
+    unsplit): a page id a row at S 16, two one-page halves a tile at S 64, sequences ending
+    mid-tile and one of length 0."""
+    dims = (3, 640 // S, S, 2, 4, 128, torch.float16, "native")
+    case = make_case(*dims, device=kernel_device, seed=S, zero_row=True)
+    out, lse = elastic_attention_fwd(**case, block_n=128, num_warps=4, num_splits=1)
+    check_against_oracle(out, lse, case, case_id(*dims) + "-dense")
+
+
+@pytest.mark.parametrize("pairs,D,dtype,want", [
+    (4, 128, torch.float16, 128), (8, 128, torch.float16, 128),   # full waves of 1 a slot
+    (3, 128, torch.float16, None), (5, 128, torch.float16, None),  # waves 75 %, 62 % full
+    (2, 128, torch.float16, None),                                 # would split
+    (4, 128, torch.float32, 64),                                   # 64 KiB tiles of fp32
+    (8, 64, torch.float16, 128), (6, 64, torch.float16, None),     # 32 KiB tiles, 2 a slot
+])
+def test_native_dense_shape_only_where_it_fills_the_sms(pairs, D, dtype, want):
+    """``native_dense_tile`` on the interpreter's 4 SMs (``sm_count``): unsplit dense grids
+    whose waves are at least ``WAVE_FILL`` busy take it, others keep split 16-row programs."""
+    assert native_dense_tile(pairs, 4096, D, dtype, torch.device("cpu")) == want
 
 
 @given(shape=shapes)

@@ -73,3 +73,13 @@ def dot_precision(dtype: torch.dtype) -> str:
 def kv_tile_bytes(block_n: int, D: int, dtype: torch.dtype) -> int:
     """Bytes of one K tile plus one V tile of ``block_n`` rows as staged in shared memory."""
     return 2 * block_n * next_pow2(D) * dtype.itemsize
+
+
+def kv_block_n(D: int, dtype: torch.dtype) -> int:
+    """Rows of the decode kernels' large K/V tiles: 32 KiB of K (64 KiB of K and V), at most
+    128 rows. Two such tiles in flight (the dense kernel at 3 stages, the paged native kernel at
+    5) take 128 KiB of the H200's 227 KiB of shared memory; 128 float32 rows of D 128 would
+    take 256 KiB and fail to launch.
+    """
+    row_bytes = next_pow2(D) * dtype.itemsize
+    return max(16, min(128, 32768 // row_bytes))

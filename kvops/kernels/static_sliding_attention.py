@@ -21,7 +21,7 @@ from kvops.kernels._attention import (
     online_softmax_tile,
     split_range,
 )
-from kvops.kernels._common import dot_precision, kv_tile_bytes, next_pow2
+from kvops.kernels._common import dot_precision, kv_block_n, kv_tile_bytes, next_pow2
 from kvops.kernels._splitk import default_num_splits, merge_splits, split_outputs, use_pdl
 
 
@@ -92,17 +92,6 @@ def _sliding_window_kernel(
 
     finish_rows(b_m, b_l, b_acc, O, L, i_b, i_h, i_s, stride_ob, stride_oh, stride_os,
                 stride_lb, stride_lh, G, D, BLOCK_G, BLOCK_D)
-
-
-def kv_block_n(D: int, dtype: torch.dtype) -> int:
-    """Rows of K/V per tile: 32 KiB of K per stage, at most 128 rows.
-
-    Shared memory holds ``num_stages`` (3) pipelined K and V tiles: 128 rows of 16-bit ``D=128``
-    use 3 x 2 x 32 KiB of the H200's 227 KiB, while float32 at that size would need 384 KiB and
-    fail to launch.
-    """
-    row_bytes = next_pow2(D) * dtype.itemsize
-    return max(16, min(128, 32768 // row_bytes))
 
 
 SHORT_WINDOW = 1024   # unsplit windows up to this many rows take the short-loop tile
