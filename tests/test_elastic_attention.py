@@ -151,15 +151,16 @@ def test_native_dense_shape_matches_oracle(kernel_device, S):
 
 
 @pytest.mark.parametrize("pairs,D,dtype,want", [
-    (4, 128, torch.float16, 128), (8, 128, torch.float16, 128),   # full waves of 1 a slot
-    (3, 128, torch.float16, None), (5, 128, torch.float16, None),  # waves 75 %, 62 % full
+    (4, 128, torch.float16, 128),                                  # one full wave, 1 a slot
+    (3, 128, torch.float16, None),                                 # 75 % of a wave
+    (8, 128, torch.float16, None),                                 # two waves
     (2, 128, torch.float16, None),                                 # would split
     (4, 128, torch.float32, 64),                                   # 64 KiB tiles of fp32
     (8, 64, torch.float16, 128), (6, 64, torch.float16, None),     # 32 KiB tiles, 2 a slot
 ])
 def test_native_dense_shape_only_where_it_fills_the_sms(pairs, D, dtype, want):
     """``native_dense_tile`` on the interpreter's 4 SMs (``sm_count``): unsplit dense grids
-    whose waves are at least ``WAVE_FILL`` busy take it, others keep split 16-row programs."""
+    of one wave at least ``WAVE_FILL`` busy take it, others keep split 16-row programs."""
     assert native_dense_tile(pairs, 4096, D, dtype, torch.device("cpu")) == want
 
 

@@ -33,7 +33,7 @@ tiles would not fit shared memory), and BASE runs one buffered tile deeper than 
 registers (no cross-warp reductions or barriers), and many small programs per SM hide each
 other's latency; with 4-warp, 128-row programs a BASE tile took as long as a TARGET tile.
 The native path takes the dense kernel's shape instead (128-row tiles, 4 warps, unsplit) where
-that fills the SMs (``native_dense_tile``: B 14-16 and 32 at Hkv 8). Instruction counts here
+that fills the SMs in one wave (``native_dense_tile``: B 14-16 at Hkv 8). Instruction counts here
 are of the loop bodies in SASS (ptxas sm_90a, triton 3.6, D 128).
 
 ``CODEC``: 0 float16 BASE (hi8/hi8r: the byte is the high byte, low byte zero), 2 bfloat16
@@ -517,21 +517,21 @@ def native_dense_tile(pairs: int, n: int, D: int, dtype: torch.dtype,
                       device: torch.device) -> int | None:
     """Rows of the native path's dense launch shape (``kv_block_n`` rows, 4 warps, unsplit, the
     static kernel's shape), or None to keep 16-row one-warp split programs. Taken when the
-    dense tiles would run unsplit (``default_num_splits``) and their programs, one a
-    (sequence, KV head), fill at least ``WAVE_FILL`` of the SM slots of their waves (a slot
-    holds two buffered tiles of ``SMEM_BUDGET``): such a launch has no split merge and no
-    per-split pipeline fill. H200, Hkv 8, 4k tokens, S 16 (bench/results/
-    2026-11-30-elastic-native-dense-tiles.md): B 16 (128 programs on 132 SMs) 65.8 against
-    68.6 us, B 14 (fill 0.85) 59.2 / 60.7, B 32 (two full waves) 128.5 / 132.9, B 16 at 1k
-    21.5 / 23.8; B 10, 12, 18, 20, 24 (fill 0.55-0.73) 2-34 % slower, so they stay split. Split dense
-    launches (B <= 8) gained nothing or lost (B 1 x 16k: 24.0 against 22.7 us)."""
+    dense tiles would run unsplit (``default_num_splits``) in one wave whose programs, one a
+    (sequence, KV head), fill at least ``WAVE_FILL`` of the SM slots (a slot holds two
+    buffered tiles of ``SMEM_BUDGET``): such a launch has no split merge and no per-split
+    pipeline fill. H200, Hkv 8, S 16 (bench/results/2026-11-30-elastic-native-dense-tiles.md):
+    at 4k, B 16 (128 programs on 132 SMs) 65.8 against 68.6 us, B 14 (fill 0.85) 59.2 / 60.7;
+    B 16 at 1k 21.5 / 23.8, at 16k 244 / 249. Partial waves (B 10, 12: fill 0.61-0.73) and
+    more than one wave (B 18-24; B 64 and 128, 3-14 % slower) stay split, as do the split
+    dense launches (B <= 8: no gain; B 1 x 16k 24.0 against 22.7 us). B 32 (two full waves)
+    was faster (128.5 / 132.9) but B 64 (four) slower, so no multi-wave grid takes it."""
     block_n = kv_block_n(D, dtype)
     tile_bytes = kv_tile_bytes(block_n, D, dtype)
     if default_num_splits(pairs, n, block_n, tile_bytes, device) != 1:
         return None
     slots = sm_count(device) * max(1, SMEM_BUDGET // (2 * tile_bytes))
-    fill = pairs / (-(-pairs // slots) * slots)
-    return block_n if fill >= WAVE_FILL else None
+    return block_n if WAVE_FILL * slots <= pairs <= slots else None
 
 
 def default_num_stages(mode: int, programs_per_sm: float, tile_bytes: int) -> int:
