@@ -82,9 +82,7 @@ def _pack_pairs_kernel(
         half = use_b.to(tl.int64)
         o_x = chunk * BLOCK + o_e
         m_x = o_x < E
-        # evict_last: measured, 2-4 % faster packs in place and not (cause not established)
-        b_u = tl.load(Cache + src * stride_cp + o_x, mask=m_x, other=0,
-                      eviction_policy="evict_last").to(tl.int32) & 0xFFFF
+        b_u = tl.load(Cache + src * stride_cp + o_x, mask=m_x, other=0).to(tl.int32) & 0xFFFF
         if CODEC == 2:
             if HW_FP8:
                 b_base = _encode_e4m3_hw(b_u)
@@ -144,10 +142,11 @@ def _refine_pairs_kernel(
         tl.store(Cache + dst * stride_cp + o_x, b_u.to(tl.int16), mask=m_x)
 
 
-# Launch shapes (values a chunk, warps), H200 sweeps: packs take 8192 / 16 (with evict_last
-# loads: bf16 e4m3 at S 16 87 us against 93 at 4096 / 8, hi8 and hi8r 2-4 % faster;
-# bench/results/2026-11-30-pack-launch-session7.md); refines keep 4096 / 8, where evict hints
-# and other shapes gained nothing consistent (2026-11-30-elastic-tune.md).
+# Launch shapes (values a chunk, warps), H200 sweeps (bench/results/
+# 2026-11-30-pack-launch-session7.md): packs take 8192 / 16 (bf16 e4m3 at S 16 90.9 us against
+# 93.4 at 4096 / 8, hi8r 71.6 / 72.1); refines keep 4096 / 8. evict_last loads made packs
+# another 2-4 % faster, but they leave the dead source pages in L2 ahead of the next kernels'
+# data, so they are not used.
 PACK_LAUNCH = (8192, 16)
 REFINE_LAUNCH = (4096, 8)
 
