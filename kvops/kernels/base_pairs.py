@@ -143,10 +143,10 @@ def _refine_pairs_kernel(
 
 
 # Launch shapes (values a chunk, warps), H200 sweeps (bench/results/
-# 2026-11-30-pack-launch-session7.md): packs take 8192 / 16 (bf16 e4m3 at S 16 90.9 us against
-# 93.4 at 4096 / 8, hi8r 71.6 / 72.1); refines keep 4096 / 8. evict_last loads made packs
-# another 2-4 % faster, but they leave the dead source pages in L2 ahead of the next kernels'
-# data, so they are not used.
+# 2026-11-30-pack-launch-session7.md): packs take 8192 / 16 (bf16 e4m3 at S 16 90.9-91.8 us
+# against 92.7-94.0 at 4096 / 8; hi8 and hi8r within 1 % either way); refines keep 4096 / 8.
+# evict_last loads made packs another 2-4 % faster, but they leave the dead source pages in L2
+# ahead of the next kernels' data (a refine after such a pack: 76 against 72 us), so no hint.
 PACK_LAUNCH = (8192, 16)
 REFINE_LAUNCH = (4096, 8)
 
