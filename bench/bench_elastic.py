@@ -14,8 +14,9 @@ full-length sequences, S 16 and 64. Native path; structured path with a centered
 the 50 % layout. Beside it, static_sliding_attention over the same tokens as a dense window
 (win_start 0, win_len = context) and the best SDPA backend on the gathered dense K/V. TB/s counts
 the K/V bytes the kernel must read (TARGET rows 2 bytes a value, BASE rows 1); fraction of the
-4.65 TB/s read ceiling. Every time is the median of CUDA-graph replays with inputs rotated past
-L2.
+4.65 TB/s read ceiling; beside it the time of a kernel that only reads as many bytes
+(``read_floor_us``), which the goal summary also reports for the BASE speedup and the TB/s spread.
+Every time is the median of CUDA-graph replays with inputs rotated past L2.
 
     python -m bench.bench_elastic            # full sweep (about 3 minutes), writes bench/results/
     python -m bench.bench_elastic --quick    # a smoke pass
