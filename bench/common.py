@@ -92,14 +92,14 @@ def _read_kernel(X, Out, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
 
 
 def read_floor_us(nbytes: int) -> float:
-    """Median us of a kernel that only reads ``nbytes`` (contiguous, summed; best of three launch
+    """Median us of a kernel that only reads ``nbytes`` (contiguous, summed; best of four launch
     shapes), timed as every benchmark here is: what any op that must read those bytes takes at
     least, a launch's fixed cost included. At small sizes the fixed cost is a visible share:
     B 1 x 16k of Llama-3-8B K/V (64 MiB) reads in 16.8 us, half of it in 9.2 (1.82x)."""
     n = -(-nbytes // 4)
     bufs = [torch.ones(n, dtype=torch.int32, device="cuda") for _ in range(rotation(nbytes))]
     best = float("inf")
-    for block, iters, warps in ((2048, 1, 4), (2048, 8, 4), (4096, 4, 8)):
+    for block, iters, warps in ((2048, 1, 4), (4096, 1, 4), (2048, 8, 4), (4096, 4, 8)):
         grid = triton.cdiv(n, block * iters)
         out = torch.empty(grid, dtype=torch.int32, device="cuda")
         launch = functools.partial(_read_kernel[(grid,)], Out=out, n=n, BLOCK=block,
@@ -142,8 +142,6 @@ def write_result(name: str, body: str) -> Path:
     """Write ``bench/results/<date>-<name>.md`` (and a copy under $OUT) with the run's header."""
     gpu = (torch.cuda.get_device_name() if torch.cuda.is_available()
            else f"none (CPU run, {platform.machine()}, {os.cpu_count()} cores)")
-    import triton
-
     header = "\n".join([
         f"# {name}",
         "",

@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvops
+from kvops.kernels import elastic_attention as ea
 from kvops.kernels.elastic_attention import (
     _float16_query,
     _planes,
@@ -139,29 +140,71 @@ def test_kernel_matches_oracle(kernel_device, poison, shape, num_splits, block_n
     check_against_oracle(out, lse, case, case_id(*dims) + f"-splits{num_splits}-bn{block_n}")
 
 
-@pytest.mark.parametrize("S", [16, 64])
-def test_native_dense_shape_matches_oracle(kernel_device, S):
+class _LaunchSpy:
+    """Stands in for a triton kernel: records each launch's grid and keywords, then launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((grid, kwargs))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@pytest.mark.parametrize("S", [16, 64, 128])
+def test_native_dense_shape_matches_oracle(kernel_device, S, monkeypatch):
     """The native path's dense launch shape (``native_dense_tile``: 128-row tiles, 4 warps,
-    unsplit): a page id a row at S 16, two one-page halves a tile at S 64, sequences ending
-    mid-tile and one of length 0."""
-    dims = (3, 640 // S, S, 2, 4, 128, torch.float16, "native")
+    unsplit, ``DENSE_STAGES``) against the oracle: a page id a row at S 16, two one-page halves
+    a tile at S 64, one page a tile at S 128; sequences ending mid-tile and one of length 0.
+    On the interpreter's 4 SMs the 4 (sequence, KV head) programs fill one wave, so the
+    launcher picks the shape itself; on a GPU it is forced."""
+    dims = (2, 768 // S, S, 2, 4, 128, torch.float16, "native")
     case = make_case(*dims, device=kernel_device, seed=S, zero_row=True)
-    out, lse = elastic_attention_fwd(**case, block_n=128, num_warps=4, num_splits=1)
+    spy = _LaunchSpy(ea._elastic_decode_kernel)
+    monkeypatch.setattr(ea, "_elastic_decode_kernel", spy)
+    knobs = {} if kernel_device.type == "cpu" else dict(block_n=128, num_warps=4, num_splits=1,
+                                                   num_stages=ea.DENSE_STAGES)
+    out, lse = elastic_attention_fwd(**case, **knobs)
     check_against_oracle(out, lse, case, case_id(*dims) + "-dense")
+    (grid, kwargs), = spy.launches
+    assert grid == (4, 1)
+    assert (kwargs["BLOCK_N"], kwargs["num_warps"], kwargs["num_stages"]) == (128, 4, 5)
 
 
-@pytest.mark.parametrize("pairs,D,dtype,want", [
-    (4, 128, torch.float16, 128),                                  # one full wave, 1 a slot
-    (3, 128, torch.float16, None),                                 # 75 % of a wave
-    (8, 128, torch.float16, None),                                 # two waves
-    (2, 128, torch.float16, None),                                 # would split
-    (4, 128, torch.float32, 64),                                   # 64 KiB tiles of fp32
-    (8, 64, torch.float16, 128), (6, 64, torch.float16, None),     # 32 KiB tiles, 2 a slot
+@pytest.mark.parametrize("pairs,G,D,dtype,want", [
+    (4, 4, 128, torch.float16, 128),                  # one full wave of the 4 SMs
+    (4, 16, 96, torch.bfloat16, 128),                 # D 65-128 pad to 128-row tiles
+    (3, 4, 128, torch.float16, None),                 # 75 % of a wave
+    (5, 4, 128, torch.float16, None),                 # more than one wave
+    (4, 32, 128, torch.float16, None),                # query groups over 16 heads
+    (4, 4, 64, torch.float16, None),                  # 32 KiB tiles: never measured
+    (4, 4, 256, torch.float16, None),                 # 64-row tiles: never measured
+    (4, 4, 128, torch.float32, None),                 # float32: never measured
 ])
-def test_native_dense_shape_only_where_it_fills_the_sms(pairs, D, dtype, want):
-    """``native_dense_tile`` on the interpreter's 4 SMs (``sm_count``): unsplit dense grids
-    of one wave at least ``WAVE_FILL`` busy take it, others keep split 16-row programs."""
-    assert native_dense_tile(pairs, 4096, D, dtype, torch.device("cpu")) == want
+def test_native_dense_shape_only_where_it_was_measured_to_win(pairs, G, D, dtype, want):
+    """``native_dense_tile`` on the interpreter's 4 SMs (``sm_count``)."""
+    assert native_dense_tile(pairs, G, D, dtype, torch.device("cpu")) == want
+
+
+@requires_cuda
+def test_max_shared_memory_reads_the_device():
+    """torch reports the shared memory a program may use (without it ``native_dense_tile``
+    would never take the dense shape): at least the 48 KiB every CUDA GPU allows, and on a
+    Hopper-class GPU enough for that shape."""
+    dev = torch.device("cuda")
+    smem = ea.max_shared_memory(dev)
+    assert smem >= 48 * 1024
+    if torch.cuda.get_device_capability() in ((9, 0), (10, 0)):
+        assert smem >= ea.DENSE_SMEM
+
+
+def test_native_dense_shape_needs_a_hopper_class_shared_memory(monkeypatch):
+    """A GPU that lets a program use less than ``DENSE_SMEM`` (A100: 163 KiB, Ada: 99 KiB)
+    keeps the split programs, whose stages fit there."""
+    monkeypatch.setattr(ea, "max_shared_memory", lambda device: 163 * 1024)
+    assert native_dense_tile(4, 4, 128, torch.float16, torch.device("cpu")) is None
 
 
 @given(shape=shapes)

@@ -31,6 +31,17 @@ def sm_count(device: torch.device) -> int:
     return _cuda_props(device).multi_processor_count
 
 
+def max_shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one program may use on ``device``: the opt-in per-block limit
+    (227 KiB on Hopper, 163 on A100, 99 on Ada), else the per-SM size, else 0 where torch says
+    neither. The interpreter models Hopper, as ``sm_count`` models 4 SMs."""
+    if device.type != "cuda":
+        return 227 * 1024
+    props = _cuda_props(device)
+    return (getattr(props, "shared_memory_per_block_optin", 0)
+            or getattr(props, "shared_memory_per_multiprocessor", 0))
+
+
 def cuda_capability(device: torch.device) -> tuple[int, int]:
     """``(major, minor)`` compute capability of ``device``; ``(0, 0)`` for a CPU device."""
     if device.type != "cuda":

@@ -33,7 +33,8 @@ tiles would not fit shared memory), and BASE runs one buffered tile deeper than 
 registers (no cross-warp reductions or barriers), and many small programs per SM hide each
 other's latency; with 4-warp, 128-row programs a BASE tile took as long as a TARGET tile.
 The native path takes the dense kernel's shape instead (128-row tiles, 4 warps, unsplit) where
-that fills the SMs in one wave (``native_dense_tile``: B 14-16 at Hkv 8). Instruction counts here
+that fills one wave of the SMs (``native_dense_tile``: B 14-16 at Hkv 8, D 128, 16-bit, on an
+H200's 132 SMs). Instruction counts here
 are of the loop bodies in SASS (ptxas sm_90a, triton 3.6, D 128).
 
 ``CODEC``: 0 float16 BASE (hi8/hi8r: the byte is the high byte, low byte zero), 2 bfloat16
@@ -65,6 +66,7 @@ from kvops.kernels._common import (
     hw_fp8,
     kv_block_n,
     kv_tile_bytes,
+    max_shared_memory,
     next_pow2,
     nvidia_ptx,
     sm_count,
@@ -510,28 +512,32 @@ def tile_pages(S: int, block_n: int) -> int:
 BLOCK_N = 16            # native path: rows a tile, one warp a program (module docstring)
 BLOCK_N_MIXED = 32      # structured and general paths (module docstring)
 SMEM_BUDGET = 160 * 1024    # bytes of K/V stages a program may hold (the H200 allows 227 KiB)
-WAVE_FILL = 0.8         # least busy share of the SMs' program slots for the native dense shape
+WAVE_FILL = 0.8         # least busy share of the SMs for the native dense shape
+DENSE_STAGES = 5        # native dense shape: two buffered 64 KiB tiles
+DENSE_SMEM = 192 * 1024     # least shared memory a program may use for it (it takes 134-146 KiB)
 
 
-def native_dense_tile(pairs: int, n: int, D: int, dtype: torch.dtype,
+def native_dense_tile(pairs: int, G: int, D: int, dtype: torch.dtype,
                       device: torch.device) -> int | None:
-    """Rows of the native path's dense launch shape (``kv_block_n`` rows, 4 warps, unsplit, the
-    static kernel's shape), or None to keep 16-row one-warp split programs. Taken when the
-    dense tiles would run unsplit (``default_num_splits``) in one wave whose programs, one a
-    (sequence, KV head), fill at least ``WAVE_FILL`` of the SM slots (a slot holds two
-    buffered tiles of ``SMEM_BUDGET``): such a launch has no split merge and no per-split
-    pipeline fill. H200, Hkv 8, S 16 (bench/results/2026-11-30-elastic-native-dense-tiles.md):
-    at 4k, B 16 (128 programs on 132 SMs) 65.8 against 68.6 us, B 14 (fill 0.85) 59.2 / 60.7;
-    B 16 at 1k 21.5 / 23.8, at 16k 244 / 249. Partial waves (B 10, 12: fill 0.61-0.73) and
-    more than one wave (B 18-24; B 64 and 128, 3-14 % slower) stay split, as do the split
-    dense launches (B <= 8: no gain; B 1 x 16k 24.0 against 22.7 us). B 32 (two full waves)
-    was faster (128.5 / 132.9) but B 64 (four) slower, so no multi-wave grid takes it."""
-    block_n = kv_block_n(D, dtype)
-    tile_bytes = kv_tile_bytes(block_n, D, dtype)
-    if default_num_splits(pairs, n, block_n, tile_bytes, device) != 1:
+    """Rows of the native path's dense launch shape (128-row tiles, 4 warps, unsplit,
+    ``DENSE_STAGES``: the static kernel's shape with two 64 KiB tiles in flight), or None to
+    keep 16-row one-warp split programs. Taken where it was measured to win: 16-bit K/V of
+    D 65-128 (128-row, 64 KiB tiles), query groups of at most 16 heads, a GPU that lets a
+    program use ``DENSE_SMEM`` (Hopper-class; the launch takes 134-146 KiB), and one program a
+    (sequence, KV head) filling one wave of the SMs to at least ``WAVE_FILL``. Such a launch
+    has no split merge and no per-split pipeline fill. H200, Hkv 8, G 4, D 128, S 16
+    (bench/results/2026-11-30-elastic-native-dense-tiles.md): at 4k, B 16 (128 programs on
+    132 SMs) 65.8 against 68.6 us, B 14 (fill 0.85) 59.2 / 60.7; B 16 at 1k 21.5 / 23.8, at
+    16k 244 / 249. Partial waves (B 10, 12: fill 0.61-0.73) and more than one wave (B 18-24;
+    B 64 and 128, 3-14 % slower) stay split, as do split dense launches (B <= 8: no gain;
+    B 1 x 16k 24.0 against 22.7 us). B 32 (two full waves) was faster (128.5 / 132.9) but B 64
+    (four) slower, so no multi-wave grid takes it."""
+    if dtype.itemsize != 2 or next_pow2(D) != 128 or next_pow2(G) > 16:
         return None
-    slots = sm_count(device) * max(1, SMEM_BUDGET // (2 * tile_bytes))
-    return block_n if WAVE_FILL * slots <= pairs <= slots else None
+    if max_shared_memory(device) < DENSE_SMEM:
+        return None
+    sms = sm_count(device)
+    return kv_block_n(D, dtype) if WAVE_FILL * sms <= pairs <= sms else None
 
 
 def default_num_stages(mode: int, programs_per_sm: float, tile_bytes: int) -> int:
@@ -541,11 +547,12 @@ def default_num_stages(mode: int, programs_per_sm: float, tile_bytes: int) -> in
     were 4-10 % slower there) and 5 below (B 64 at 4k, 3.9 an SM: all-BASE 199 us with 4
     stages, 1.29x all-TARGET, 134 us with 5; bench/results/2026-11-30-elastic-planes.md and
     -variants-session4.md). ``tile_bytes``
-    (K and V of one tile) caps it so that the ``(stages - 1) // 2`` tiles triton 3.6 buffers in
-    these loops (``default_base_stages``) fit ``SMEM_BUDGET``: 5 stages (two buffers) for the
-    64 KiB tiles of ``native_dense_tile``."""
+    (K and V of one tile) caps it so that even ``stages - 1`` buffered tiles would fit
+    ``SMEM_BUDGET`` (large forced tiles, e.g. 64 float32 rows of D 128); triton 3.6 buffers
+    ``(stages - 1) // 2`` in these loops (``default_base_stages``), so the cap is loose. The
+    dense native shape sets its own depth (``DENSE_STAGES``)."""
     stages = 4 if mode != 0 and programs_per_sm >= 6 else 5
-    return max(2, min(stages, 2 * (SMEM_BUDGET // tile_bytes) + 1))
+    return max(2, min(stages, 1 + SMEM_BUDGET // tile_bytes))
 
 
 def default_base_stages(stages: int, block_n: int, D: int) -> int:
@@ -599,10 +606,10 @@ def elastic_attention_fwd(
     G = Hq // Hkv
     scale = D ** -0.5 if scale is None else scale
     mode = 2 if block_mode is not None else (1 if base_span is not None else 0)
-    if mode == 0 and block_n is None and num_splits is None and num_warps is None:
-        dense = native_dense_tile(max(B, 1) * Hkv, NB * S, D, k_cache.dtype, q.device)
+    if mode == 0 and all(k is None for k in (block_n, num_splits, num_warps, num_stages)):
+        dense = native_dense_tile(max(B, 1) * Hkv, G, D, k_cache.dtype, q.device)
         if dense is not None:
-            block_n, num_splits, num_warps = dense, 1, 4
+            block_n, num_splits, num_warps, num_stages = dense, 1, 4, DENSE_STAGES
     block_n = block_n or (BLOCK_N if mode == 0 else BLOCK_N_MIXED)
     tile_bytes = kv_tile_bytes(block_n, D, k_cache.dtype)
     if num_splits is None:
