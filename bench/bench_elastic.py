@@ -326,6 +326,13 @@ def fixed_cost_rows(cases=((1, 16384, 16), (16, 4096, 16), (128, 4096, 64)),
                   "0 % / 100 % step", "0 % / 100 % streaming"], rows)
 
 
+def share_goals(timed):
+    """All-BASE over all-TARGET speed and the TB/s spread (max / min - 1) across the structured
+    rows of ``timed`` {label: (us, bytes)}."""
+    bw = [tbps(nb, t) for lab, (t, nb) in timed.items() if lab.startswith("struct")]
+    return timed["struct 0%"][0] / timed["struct 100%"][0], max(bw) / min(bw) - 1
+
+
 def attention_rows(shapes, pages, shares, dtype=torch.float16):
     rows, goals = [], {"native/static": [], "base100 speedup": [], "general/structured": [],
                        "TB/s spread": [], "floor base100 speedup": [], "floor TB/s spread": []}
@@ -353,17 +360,14 @@ def attention_rows(shapes, pages, shares, dtype=torch.float16):
                       flush=True)
                 torch.cuda.empty_cache()
             goals["native/static"].append(t_static / timings["native"][0])
-            if "struct 100%" in timings and "struct 0%" in timings:
-                goals["base100 speedup"].append(timings["struct 0%"][0] / timings["struct 100%"][0])
-                goals["floor base100 speedup"].append(floors[timings["struct 0%"][1]] /
-                                                      floors[timings["struct 100%"][1]])
             if "struct 50%" in timings:
                 goals["general/structured"].append(timings["general 50%"][0] /
                                                    timings["struct 50%"][0])
-            bw = [tbps(nb, t) for lab, (t, nb) in timings.items() if lab.startswith("struct")]
-            goals["TB/s spread"].append(max(bw) / min(bw) - 1)
-            bw = [tbps(nb, floors[nb]) for lab, (_, nb) in timings.items() if lab.startswith("struct")]
-            goals["floor TB/s spread"].append(max(bw) / min(bw) - 1)
+            floor_timings = {lab: (floors[nb], nb) for lab, (_, nb) in timings.items()}
+            for prefix, timed in (("", timings), ("floor ", floor_timings)):
+                speedup, spread = share_goals(timed)
+                goals[prefix + "base100 speedup"].append(speedup)
+                goals[prefix + "TB/s spread"].append(spread)
     headers = ["B", "ctx", "S", "path", "us", "TB/s", "of read ceil", "floor us", "x floor",
                "static us", "static TB/s", "sdpa", "sdpa us", "x sdpa"]
     return headers, rows, goals

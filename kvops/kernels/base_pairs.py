@@ -58,6 +58,18 @@ def _encode_e4m3_hw(b_u):
 
 
 @triton.jit
+def _chunk_step(t, n_ch, b_first, REVERSE_B: tl.constexpr):
+    """Step ``t`` of a row's ``2 * n_ch`` chunk steps -> (chunk index, whether it is of page or
+    half b). ``b_first``: b's chunks come first, and then the first page's chunks run
+    descending: b's in a pack (``REVERSE_B``), a's in a refine (module docstring)."""
+    second = t >= n_ch
+    k = tl.where(second, t - n_ch, t)
+    use_b = second != b_first
+    rev = (use_b if REVERSE_B else ~use_b) & b_first
+    return tl.where(rev, n_ch - 1 - k, k), use_b
+
+
+@triton.jit
 def _pack_pairs_kernel(
     Cache, Pairs, Backing,
     stride_cp, stride_pn, stride_pc,
@@ -74,10 +86,7 @@ def _pack_pairs_kernel(
     n_ch = tl.cdiv(E, BLOCK)
     o_e = tl.arange(0, BLOCK)
     for t in range(0, 2 * n_ch):
-        second = t >= n_ch
-        k = tl.where(second, t - n_ch, t)
-        use_b = second != b_first
-        chunk = tl.where(use_b & b_first, n_ch - 1 - k, k)
+        chunk, use_b = _chunk_step(t, n_ch, b_first, True)
         src = tl.where(use_b, src_b, src_a)
         half = use_b.to(tl.int64)
         o_x = chunk * BLOCK + o_e
@@ -120,10 +129,7 @@ def _refine_pairs_kernel(
     n_ch = tl.cdiv(E, BLOCK)
     o_e = tl.arange(0, BLOCK)
     for t in range(0, 2 * n_ch):
-        second = t >= n_ch
-        k = tl.where(second, t - n_ch, t)
-        use_b = second != b_first
-        chunk = tl.where(~use_b & b_first, n_ch - 1 - k, k)
+        chunk, use_b = _chunk_step(t, n_ch, b_first, False)
         dst = tl.where(use_b, dst_b, dst_a)
         half = use_b.to(tl.int64)
         o_x = chunk * BLOCK + o_e

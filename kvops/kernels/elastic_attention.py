@@ -34,8 +34,8 @@ registers (no cross-warp reductions or barriers), and many small programs per SM
 other's latency; with 4-warp, 128-row programs a BASE tile took as long as a TARGET tile.
 The native path takes the dense kernel's shape instead (128-row tiles, 4 warps, unsplit) where
 that fills one wave of the SMs (``native_dense_tile``: B 14-16 at Hkv 8, D 128, 16-bit, on an
-H200's 132 SMs). Instruction counts here
-are of the loop bodies in SASS (ptxas sm_90a, triton 3.6, D 128).
+H200's 132 SMs). Instruction counts here are of the loop bodies in SASS (ptxas sm_90a,
+triton 3.6, D 128).
 
 ``CODEC``: 0 float16 BASE (hi8/hi8r: the byte is the high byte, low byte zero), 2 bfloat16
 BASE (float8 e4m3fn), as in ``kvops.layouts.codecs``. Compiled for NVIDIA sm_89+, e4m3 planes
