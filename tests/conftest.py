@@ -82,3 +82,17 @@ def counting_backend():
         return inductor(gm, example_inputs)
 
     return backend, calls
+
+
+class LaunchSpy:
+    """Stands in for a triton kernel: records each launch's grid and keywords, then launches.
+    Tests patch it over a kernel module's kernel to check the launcher's own choices."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((grid, kwargs))
+            return self.kernel[grid](*args, **kwargs)
+        return launch

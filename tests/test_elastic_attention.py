@@ -22,7 +22,7 @@ from kvops.kernels.elastic_attention import (
 from kvops.layouts import codecs
 from kvops.layouts.pairs import base_pair_view
 from kvops.ops.elastic_attention import elastic_attention_ref, span_modes
-from tests.conftest import capture_graph, counting_backend, requires_cuda
+from tests.conftest import LaunchSpy, capture_graph, counting_backend, requires_cuda
 from tests.oracles_elastic import elastic_oracle
 from tests.tolerances import ATTN_TOL, LSE_TOL, assert_close
 
@@ -140,19 +140,6 @@ def test_kernel_matches_oracle(kernel_device, poison, shape, num_splits, block_n
     check_against_oracle(out, lse, case, case_id(*dims) + f"-splits{num_splits}-bn{block_n}")
 
 
-class _LaunchSpy:
-    """Stands in for a triton kernel: records each launch's grid and keywords, then launches."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append((grid, kwargs))
-            return self.kernel[grid](*args, **kwargs)
-        return launch
-
-
 @pytest.mark.parametrize("S", [16, 64, 128])
 def test_native_dense_shape_matches_oracle(kernel_device, S, monkeypatch):
     """The native path's dense launch shape (``native_dense_tile``: 128-row tiles, 4 warps,
@@ -162,7 +149,7 @@ def test_native_dense_shape_matches_oracle(kernel_device, S, monkeypatch):
     launcher picks the shape itself; on a GPU it is forced."""
     dims = (2, 768 // S, S, 2, 4, 128, torch.float16, "native")
     case = make_case(*dims, device=kernel_device, seed=S, zero_row=True)
-    spy = _LaunchSpy(ea._elastic_decode_kernel)
+    spy = LaunchSpy(ea._elastic_decode_kernel)
     monkeypatch.setattr(ea, "_elastic_decode_kernel", spy)
     knobs = {} if kernel_device.type == "cpu" else dict(block_n=128, num_warps=4, num_splits=1,
                                                    num_stages=ea.DENSE_STAGES)

@@ -21,7 +21,7 @@ from kvops.kernels._attention import (
     online_softmax_tile,
     split_range,
 )
-from kvops.kernels._common import dot_precision, kv_block_n, kv_tile_bytes, next_pow2
+from kvops.kernels._common import dot_precision, kv_block_n, kv_tile_bytes, next_pow2, sm_count
 from kvops.kernels._splitk import default_num_splits, merge_splits, split_outputs, use_pdl
 
 
@@ -95,6 +95,22 @@ def _sliding_window_kernel(
 
 
 SHORT_WINDOW = 1024   # unsplit windows up to this many rows take the short-loop tile
+SPILL_FILL = 0.9      # 64 KiB-tile grids filling at most this share of their waves: halve the tile
+
+
+def spill_tile(pairs: int, block_n: int, tile_bytes: int, device: torch.device) -> int:
+    """Rows a tile for an unsplit launch of ``pairs`` programs. A 64 KiB tile (128 rows of
+    D 128 at 16 bits) holds one program an SM, so past one wave the grid runs in whole waves;
+    where the programs fill at most ``SPILL_FILL`` of those waves' slots, 64-row tiles (several
+    programs an SM, one wave) finish sooner. H200, Hkv 8, W 4096 (bench/results/2026-11-30-
+    static_sliding_attention-waves.md): B 17-24 (slots 52-73 % full) 79.7-95.9 against
+    106.9-110.1 us, B 40 (81 %) 165 against 173; B 28 (85 %) a wash over W 2k-16k; full waves
+    (B 32, 48, 64, 128: 97 %) keep 128 rows, 3-11 % faster at B 64 and 128."""
+    if block_n != 128 or tile_bytes != 65536:
+        return block_n
+    sms = sm_count(device)
+    waves = -(-pairs // sms)
+    return 64 if waves > 1 and pairs <= SPILL_FILL * waves * sms else block_n
 
 
 def static_sliding_attention_fwd(
@@ -128,6 +144,8 @@ def static_sliding_attention_fwd(
         # and take 2 stages (H200 tune, B=64, W=1024: 64.4 us vs 69.8 us). Split programs at
         # small batch keep the big tile (B=1, W=4096: 10.3 us with 128 rows, 10.6 with 64).
         block_n, num_stages = min(block_n, 64), 2
+    elif tuned_tile and num_splits == 1:
+        block_n = spill_tile(B * Hkv, block_n, kv_tile_bytes(block_n, D, k.dtype), q.device)
     nsp = num_splits + int(has_far)
     pdl = nsp > 1 and (use_pdl(q.device) if pdl is None else pdl)
     out, lse, part_o, part_l, s_os = split_outputs(B, Hq, D, nsp, q.dtype, q.device)
