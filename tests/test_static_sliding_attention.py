@@ -13,9 +13,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvops
+import kvops.kernels._splitk as splitk
 import kvops.kernels.static_sliding_attention as ssa
 from kvops.kernels._common import kv_block_n, kv_tile_bytes
-from kvops.kernels.static_sliding_attention import spill_tile, static_sliding_attention_fwd
+from kvops.kernels.static_sliding_attention import static_sliding_attention_fwd, wave_tile
 from kvops.ops.static_sliding_attention import static_sliding_attention_ref
 from tests.conftest import LaunchSpy, capture_graph, counting_backend, requires_cuda
 from tests.oracles_attention import sliding_window_oracle
@@ -104,35 +105,44 @@ def test_far_only_rows(kernel_device, poison):
     check_against_oracle(out, lse, case, torch.float32, "far-only")
 
 
-@pytest.mark.parametrize("pairs,D,dtype,want", [
-    (4, 128, torch.float16, 128),          # one full wave of the interpreter's 4 SMs
-    (5, 128, torch.float16, 64),           # a second wave 25 % full
-    (7, 128, torch.bfloat16, 64),          # 75 %
-    (11, 128, torch.float16, 128),         # a third wave 75 % full: 11 of 12 slots, 92 %
-    (9, 96, torch.float16, 64),            # D 96 pads to a 64 KiB tile; 9 of 12 slots
-    (8, 128, torch.float16, 128),          # two full waves
-    (5, 64, torch.float16, 128),           # 32 KiB tiles (two programs an SM): never measured
-    (5, 128, torch.float32, 64),           # float32 D 128: 64-row tiles already
+@pytest.mark.parametrize("pairs,sms,D,dtype,want", [
+    (4, 4, 128, torch.float16, 128),       # one full wave
+    (5, 4, 128, torch.float16, 64),        # two waves, their slots 62 % full
+    (7, 4, 128, torch.bfloat16, 64),       # 88 %
+    (11, 4, 128, torch.float16, 128),      # three waves, 92 %
+    (9, 4, 96, torch.float16, 64),         # D 96 pads to a 64 KiB tile; 75 % of three
+    (8, 4, 128, torch.float16, 128),       # two full waves
+    (5, 8, 128, torch.float16, 64),        # one wave, 62 % of the SMs busy
+    (6, 8, 128, torch.float16, 128),       # one wave, 75 %
+    (5, 4, 64, torch.float16, 128),        # 32 KiB tiles (two programs an SM): never measured
+    (5, 4, 128, torch.float32, 64),        # float32 D 128: 64-row tiles already
 ])
-def test_spill_tile_only_where_the_last_wave_is_partial(pairs, D, dtype, want):
-    """``spill_tile`` on the interpreter's 4 SMs (``sm_count``), given the default tile."""
+def test_wave_tile_only_where_waves_are_poorly_filled(pairs, sms, D, dtype, want, monkeypatch):
+    """``wave_tile`` given the default tile, on ``sms`` SMs."""
+    monkeypatch.setattr(ssa, "sm_count", lambda device: sms)
     block_n = kv_block_n(D, dtype)
     tile = kv_tile_bytes(block_n, D, dtype)
-    assert spill_tile(pairs, block_n, tile, torch.device("cpu")) == min(want, block_n)
+    assert wave_tile(pairs, block_n, tile, torch.device("cpu")) == min(want, block_n)
 
 
-def test_spill_tile_launch_matches_oracle(kernel_device, monkeypatch):
-    """A launch whose 128-row grid would spill into a partial second wave takes 64-row tiles by
-    itself (5 programs on the interpreter's 4 SMs; forced on a GPU) and still matches the
-    oracle, over a window longer than ``SHORT_WINDOW`` with partial and empty windows."""
-    dims = (5, ssa.SHORT_WINDOW + 76, 1, 4, 128, 0, torch.float16)
-    case = make_case(*dims, device=kernel_device, seed=5, empty_rows=(1,))
+@pytest.mark.parametrize("B,sms,grid", [(5, 4, (5, 1)), (5, 8, (5, 3))])
+def test_wave_tile_launch_matches_oracle(kernel_device, B, sms, grid, monkeypatch):
+    """Launches whose 128-row grid would spill into a partial second wave (5 programs on 4 SMs:
+    64-row tiles, unsplit) or leave SMs idle (5 on 8: 64-row tiles, 3 splits) take that shape
+    by themselves on the interpreter (forced on a GPU) and still match the oracle, over a
+    window longer than ``SHORT_WINDOW`` with partial and empty windows."""
+    dims = (B, ssa.SHORT_WINDOW + 76, 1, 4, 128, 0, torch.float16)
+    case = make_case(*dims, device=kernel_device, seed=sms, empty_rows=(1,))
     spy = LaunchSpy(ssa._sliding_window_kernel)
     monkeypatch.setattr(ssa, "_sliding_window_kernel", spy)
-    knobs = {} if kernel_device.type == "cpu" else dict(block_n=64, num_splits=1)
+    knobs = dict(block_n=64, num_splits=grid[1])
+    if kernel_device.type == "cpu":
+        monkeypatch.setattr(ssa, "sm_count", lambda device: sms)
+        monkeypatch.setattr(splitk, "sm_count", lambda device: sms)
+        knobs = {}
     out, lse = static_sliding_attention_fwd(**case, **knobs)
-    check_against_oracle(out, lse, case, dims[-1], case_id(*dims) + "-spill")
-    assert [(grid, kw["BLOCK_N"]) for grid, kw in spy.launches] == [((5, 1), 64)]
+    check_against_oracle(out, lse, case, dims[-1], case_id(*dims) + f"-sms{sms}")
+    assert [(g, kw["BLOCK_N"]) for g, kw in spy.launches[:1]] == [(grid, 64)]
 
 
 def test_ring_wrap_equals_rotated_prefix(kernel_device):

@@ -95,22 +95,33 @@ def _sliding_window_kernel(
 
 
 SHORT_WINDOW = 1024   # unsplit windows up to this many rows take the short-loop tile
-SPILL_FILL = 0.9      # 64 KiB-tile grids filling at most this share of their waves: halve the tile
+SPILL_FILL = 0.9      # past one wave: 64 KiB-tile grids filling at most this share of their slots
+IDLE_FILL = 0.65      # within one wave: unsplit 64 KiB-tile grids busy on at most this share of SMs
 
 
-def spill_tile(pairs: int, block_n: int, tile_bytes: int, device: torch.device) -> int:
-    """Rows a tile for an unsplit launch of ``pairs`` programs. A 64 KiB tile (128 rows of
-    D 128 at 16 bits) holds one program an SM, so past one wave the grid runs in whole waves;
-    where the programs fill at most ``SPILL_FILL`` of those waves' slots, 64-row tiles (several
-    programs an SM, one wave) finish sooner. H200, Hkv 8, W 4096 (bench/results/2026-11-30-
-    static_sliding_attention-waves.md): B 17-24 (slots 52-73 % full) 79.7-95.9 against
-    106.9-110.1 us, B 40 (81 %) 165 against 173; B 28 (85 %) a wash over W 2k-16k; full waves
-    (B 32, 48, 64, 128: 97 %) keep 128 rows, 3-11 % faster at B 64 and 128."""
+def wave_tile(pairs: int, block_n: int, tile_bytes: int, device: torch.device) -> int:
+    """Rows a tile for an unsplit launch of ``pairs`` programs whose split count is the
+    launcher's own. A 64 KiB tile (128 rows of D 128 at 16 bits) holds one program an SM, and
+    such a program reads at most about 45 GB/s (H200). 64-row tiles (several programs an SM,
+    split again by ``default_num_splits``) replace it where
+
+    - past one wave, the programs fill at most ``SPILL_FILL`` of their waves' slots: at Hkv 8,
+      W 4096, B 17-24 (slots 52-73 % full) 79.7-95.9 against 106.9-110.1 us, B 40 (81 %)
+      165 against 173; B 28 (85 %) a wash over W 2k-16k; full waves (B 32-128: 97 %) keep
+      128 rows, 3-11 % faster at B 64 and 128;
+    - within one wave, the programs keep at most ``IDLE_FILL`` of the SMs busy (more would
+      saturate DRAM at 45 GB/s each): B 9 (55 %) 4-20 % faster over W 2k-16k (W 16384: 144
+      against 172 us, with 3 splits), B 10 (61 %) 4 % slower at W 2048 and 7-11 % faster at
+      8k-16k; B 11 (67 %) is a wash (+5 % at 2k, -5 % at 16k) and B 12 (73 %) and up lose, so
+      they keep 128 rows.
+
+    H200 sweeps: bench/results/2026-11-30-static_sliding_attention-waves.md."""
     if block_n != 128 or tile_bytes != 65536:
         return block_n
     sms = sm_count(device)
     waves = -(-pairs // sms)
-    return 64 if waves > 1 and pairs <= SPILL_FILL * waves * sms else block_n
+    fill = pairs / (waves * sms)
+    return 64 if fill <= (SPILL_FILL if waves > 1 else IDLE_FILL) else block_n
 
 
 def static_sliding_attention_fwd(
@@ -135,8 +146,9 @@ def static_sliding_attention_fwd(
     has_far = far_k is not None
     C = far_k.shape[1] if has_far else 0
     tuned_tile = block_n is None and num_stages is None
+    auto_splits = num_splits is None
     block_n = block_n or kv_block_n(D, k.dtype)
-    if num_splits is None:
+    if auto_splits:
         num_splits = default_num_splits(B * Hkv, W, block_n, kv_tile_bytes(block_n, D, k.dtype),
                                         q.device)
     if tuned_tile and num_splits == 1 and W <= SHORT_WINDOW:
@@ -144,8 +156,10 @@ def static_sliding_attention_fwd(
         # and take 2 stages (H200 tune, B=64, W=1024: 64.4 us vs 69.8 us). Split programs at
         # small batch keep the big tile (B=1, W=4096: 10.3 us with 128 rows, 10.6 with 64).
         block_n, num_stages = min(block_n, 64), 2
-    elif tuned_tile and num_splits == 1:
-        block_n = spill_tile(B * Hkv, block_n, kv_tile_bytes(block_n, D, k.dtype), q.device)
+    elif tuned_tile and auto_splits and num_splits == 1:
+        block_n = wave_tile(B * Hkv, block_n, kv_tile_bytes(block_n, D, k.dtype), q.device)
+        num_splits = default_num_splits(B * Hkv, W, block_n, kv_tile_bytes(block_n, D, k.dtype),
+                                        q.device)
     nsp = num_splits + int(has_far)
     pdl = nsp > 1 and (use_pdl(q.device) if pdl is None else pdl)
     out, lse, part_o, part_l, s_os = split_outputs(B, Hq, D, nsp, q.dtype, q.device)
