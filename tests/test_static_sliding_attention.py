@@ -108,41 +108,59 @@ def test_far_only_rows(kernel_device, poison):
 @pytest.mark.parametrize("pairs,sms,D,dtype,want", [
     (4, 4, 128, torch.float16, 128),       # one full wave
     (5, 4, 128, torch.float16, 64),        # two waves, their slots 62 % full
-    (7, 4, 128, torch.bfloat16, 64),       # 88 %
-    (11, 4, 128, torch.float16, 128),      # three waves, 92 %
-    (9, 4, 96, torch.float16, 64),         # D 96 pads to a 64 KiB tile; 75 % of three
+    (13, 8, 128, torch.bfloat16, 64),      # 81 %
+    (41, 25, 128, torch.float16, 64),      # 82 %: SPILL_FILL exactly
+    (7, 4, 128, torch.float16, 128),       # 88 %
+    (9, 4, 96, torch.float16, 64),         # D 96 pads to 128; 75 % of three waves
     (8, 4, 128, torch.float16, 128),       # two full waves
     (5, 8, 128, torch.float16, 64),        # one wave, 62 % of the SMs busy
+    (13, 20, 128, torch.float16, 64),      # 65 %: IDLE_FILL exactly
     (6, 8, 128, torch.float16, 128),       # one wave, 75 %
-    (5, 4, 64, torch.float16, 128),        # 32 KiB tiles (two programs an SM): never measured
+    (5, 4, 64, torch.float16, 128),        # D 64: never measured
+    (5, 4, 64, torch.float32, 128),        # float32 D 64 (also a 64 KiB, 128-row tile)
     (5, 4, 128, torch.float32, 64),        # float32 D 128: 64-row tiles already
 ])
 def test_wave_tile_only_where_waves_are_poorly_filled(pairs, sms, D, dtype, want, monkeypatch):
     """``wave_tile`` given the default tile, on ``sms`` SMs."""
     monkeypatch.setattr(ssa, "sm_count", lambda device: sms)
     block_n = kv_block_n(D, dtype)
-    tile = kv_tile_bytes(block_n, D, dtype)
-    assert wave_tile(pairs, block_n, tile, torch.device("cpu")) == min(want, block_n)
+    assert wave_tile(pairs, block_n, D, dtype, torch.device("cpu")) == min(want, block_n)
 
 
-@pytest.mark.parametrize("B,sms,grid", [(5, 4, (5, 1)), (5, 8, (5, 3))])
-def test_wave_tile_launch_matches_oracle(kernel_device, B, sms, grid, monkeypatch):
-    """Launches whose 128-row grid would spill into a partial second wave (5 programs on 4 SMs:
-    64-row tiles, unsplit) or leave SMs idle (5 on 8: 64-row tiles, 3 splits) take that shape
-    by themselves on the interpreter (forced on a GPU) and still match the oracle, over a
-    window longer than ``SHORT_WINDOW`` with partial and empty windows."""
-    dims = (B, ssa.SHORT_WINDOW + 76, 1, 4, 128, 0, torch.float16)
-    case = make_case(*dims, device=kernel_device, seed=sms, empty_rows=(1,))
+def _launches(case, sms, monkeypatch, **knobs):
+    """(grid, BLOCK_N, num_stages) of every main-kernel launch the op makes on ``sms`` SMs."""
+    monkeypatch.setattr(ssa, "sm_count", lambda device: sms)
+    monkeypatch.setattr(splitk, "sm_count", lambda device: sms)
     spy = LaunchSpy(ssa._sliding_window_kernel)
     monkeypatch.setattr(ssa, "_sliding_window_kernel", spy)
-    knobs = dict(block_n=64, num_splits=grid[1])
-    if kernel_device.type == "cpu":
-        monkeypatch.setattr(ssa, "sm_count", lambda device: sms)
-        monkeypatch.setattr(splitk, "sm_count", lambda device: sms)
-        knobs = {}
     out, lse = static_sliding_attention_fwd(**case, **knobs)
+    return out, lse, [(g, kw["BLOCK_N"], kw["num_stages"]) for g, kw in spy.launches]
+
+
+@pytest.mark.parametrize("sms,grid", [(4, (6, 1)), (10, (6, 3))])
+def test_wave_tile_launch_matches_oracle(kernel_device, sms, grid, monkeypatch):
+    """Launches whose 128-row grid would spill into a partial second wave (6 programs on 4 SMs:
+    64-row tiles, unsplit) or leave SMs idle (6 on 10: 64-row tiles, 3 splits) take that shape
+    by themselves and still match the oracle, over a window longer than ``SHORT_WINDOW`` with
+    partial and empty windows."""
+    dims = (3, ssa.SHORT_WINDOW + 76, 2, 4, 128, 0, torch.float16)
+    case = make_case(*dims, device=kernel_device, seed=sms, empty_rows=(1,))
+    out, lse, launches = _launches(case, sms, monkeypatch)
     check_against_oracle(out, lse, case, dims[-1], case_id(*dims) + f"-sms{sms}")
-    assert [(g, kw["BLOCK_N"]) for g, kw in spy.launches[:1]] == [(grid, 64)]
+    assert launches == [(grid, 64, 3)]
+
+
+@pytest.mark.parametrize("knobs,C", [
+    (dict(num_splits=1), 0), (dict(block_n=128), 0), (dict(num_stages=3), 0), ({}, 3)])
+def test_wave_tile_not_where_the_launch_is_forced_or_has_far_slots(kernel_device, knobs, C,
+                                                                   monkeypatch):
+    """A forced tile, depth or split count, and far slots (one more split, never measured)
+    keep the 128-row tile where ``wave_tile`` would take 64 rows (6 programs on 4 SMs)."""
+    dims = (3, ssa.SHORT_WINDOW + 76, 2, 4, 128, C, torch.float16)
+    case = make_case(*dims, device=kernel_device, seed=C)
+    out, lse, launches = _launches(case, 4, monkeypatch, **knobs)
+    check_against_oracle(out, lse, case, dims[-1], case_id(*dims) + f"-{knobs}")
+    assert [(n, stages) for _, n, stages in launches] == [(128, 3)]
 
 
 def test_ring_wrap_equals_rotated_prefix(kernel_device):

@@ -95,31 +95,34 @@ def _sliding_window_kernel(
 
 
 SHORT_WINDOW = 1024   # unsplit windows up to this many rows take the short-loop tile
-SPILL_FILL = 0.9      # past one wave: 64 KiB-tile grids filling at most this share of their slots
-IDLE_FILL = 0.65      # within one wave: unsplit 64 KiB-tile grids busy on at most this share of SMs
+SPILL_FILL = 0.82     # past one wave: 128-row grids filling at most this share of their slots
+IDLE_FILL = 0.65      # within one wave: unsplit 128-row grids busy on at most this share of SMs
 
 
-def wave_tile(pairs: int, block_n: int, tile_bytes: int, device: torch.device) -> int:
-    """Rows a tile for an unsplit launch of ``pairs`` programs whose split count is the
-    launcher's own. A 64 KiB tile (128 rows of D 128 at 16 bits) holds one program an SM, and
-    such a program reads at most about 45 GB/s (H200). 64-row tiles (several programs an SM,
-    split again by ``default_num_splits``) replace it where
+def wave_tile(pairs: int, block_n: int, D: int, dtype: torch.dtype,
+              device: torch.device) -> int:
+    """Rows a tile for an unsplit launch of ``pairs`` programs without far slots, whose tile
+    and split count are the launcher's own: ``block_n``, or 64 where 128-row tiles would fill
+    the GPU's waves poorly. Measured for 16-bit K/V of D 65-128 only, the one case it changes:
+    there a 128-row tile is 64 KiB, one program fills an SM, and an unsplit program reads about
+    45-49 GB/s, so grids of such programs run in whole waves. 64-row tiles (32 KiB, at least two
+    programs an SM) replace them where
 
-    - past one wave, the programs fill at most ``SPILL_FILL`` of their waves' slots: at Hkv 8,
-      W 4096, B 17-24 (slots 52-73 % full) 79.7-95.9 against 106.9-110.1 us, B 40 (81 %)
-      165 against 173; B 28 (85 %) a wash over W 2k-16k; full waves (B 32-128: 97 %) keep
-      128 rows, 3-11 % faster at B 64 and 128;
-    - within one wave, the programs keep at most ``IDLE_FILL`` of the SMs busy (more would
-      saturate DRAM at 45 GB/s each): B 9 (55 %) 4-20 % faster over W 2k-16k (W 16384: 144
-      against 172 us, with 3 splits), B 10 (61 %) 4 % slower at W 2048 and 7-11 % faster at
-      8k-16k; B 11 (67 %) is a wash (+5 % at 2k, -5 % at 16k) and B 12 (73 %) and up lose, so
-      they keep 128 rows.
+    - past one wave, the programs fill at most ``SPILL_FILL`` of their waves' slots. H200, Hkv 8,
+      W 4096: B 17-24 (52-73 %) 79.7-95.9 against 106.9-110.1 us, B 34-36 (69-73 %) 7-11 %
+      faster, B 40, 50, 67 (76-81 %) 3-4 % faster. Above it 128 rows stay: B 28 (85 %) is a wash,
+      B 44 (89 %) and 56 (85 %) run 2-8 % slower with 64 rows, full waves (97 %) equal at B 32
+      and 48 and 3-11 % slower at B 64 and 128; B 100 (87 %) would gain 7 % but keeps 128 rows;
+    - within one wave, at most ``IDLE_FILL`` of the SMs are busy, an empirical bound: B 9
+      (55 %) runs 4-20 % faster over W 2k-16k with 64-row tiles in 3 splits (``default_num_splits``
+      re-splits them), B 10 (61 %) 7-11 % faster at 8k-16k, equal at 4k and 4 % slower at 2k;
+      B 11 (67 %) is a wash, B 12 (73 %) and up lose.
 
-    H200 sweeps: bench/results/2026-11-30-static_sliding_attention-waves.md."""
-    if block_n != 128 or tile_bytes != 65536:
+    Sweeps: bench/results/2026-11-30-static_sliding_attention-waves.md."""
+    if block_n != 128 or dtype.itemsize != 2 or next_pow2(D) != 128:
         return block_n
     sms = sm_count(device)
-    waves = -(-pairs // sms)
+    waves = -(-max(pairs, 1) // sms)
     fill = pairs / (waves * sms)
     return 64 if fill <= (SPILL_FILL if waves > 1 else IDLE_FILL) else block_n
 
@@ -156,10 +159,12 @@ def static_sliding_attention_fwd(
         # and take 2 stages (H200 tune, B=64, W=1024: 64.4 us vs 69.8 us). Split programs at
         # small batch keep the big tile (B=1, W=4096: 10.3 us with 128 rows, 10.6 with 64).
         block_n, num_stages = min(block_n, 64), 2
-    elif tuned_tile and auto_splits and num_splits == 1:
-        block_n = wave_tile(B * Hkv, block_n, kv_tile_bytes(block_n, D, k.dtype), q.device)
-        num_splits = default_num_splits(B * Hkv, W, block_n, kv_tile_bytes(block_n, D, k.dtype),
-                                        q.device)
+    elif tuned_tile and auto_splits and num_splits == 1 and not has_far:
+        tile = wave_tile(B * Hkv, block_n, D, k.dtype, q.device)
+        if tile != block_n:
+            block_n = tile
+            num_splits = default_num_splits(B * Hkv, W, block_n,
+                                            kv_tile_bytes(block_n, D, k.dtype), q.device)
     nsp = num_splits + int(has_far)
     pdl = nsp > 1 and (use_pdl(q.device) if pdl is None else pdl)
     out, lse, part_o, part_l, s_os = split_outputs(B, Hq, D, nsp, q.dtype, q.device)
