@@ -8,6 +8,7 @@ decode attention must read once, the fraction is of the 4.65 TB/s streaming-read
     python -m bench.bench_static_sliding --quick    # a few shapes
     python -m bench.bench_static_sliding --tune     # kernel config sweep on representative shapes
     python -m bench.bench_static_sliding --heads 9,3,64 --quick   # other heads (SmolLM2's here)
+    python -m bench.bench_static_sliding --waves    # tile rows where the grid fills waves partly
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import kvops
 from bench.common import READ_CEILING, rotation, table, tbps, time_graph, write_result
-from kvops.kernels._common import kv_tile_bytes
+from kvops.kernels._common import kv_tile_bytes, sm_count
 from kvops.kernels._splitk import default_num_splits
 from kvops.kernels.static_sliding_attention import static_sliding_attention_fwd
 
@@ -163,6 +164,31 @@ def tune(shapes):
     return table(["B", "W", "config", "splits", "us", "TB/s"], rows)
 
 
+def waves(batches, widths):
+    """``wave_tile`` against both tile sizes forced (fp16, unsplit or split as the launcher
+    splits that tile): where a (sequence, KV head) grid of 128-row programs fills the GPU's
+    waves partly, the default should match the faster of the two."""
+    sms = sm_count(torch.device("cuda"))
+    rows = []
+    for B, W in itertools.product(batches, widths):
+        nbytes = 2 * B * W * HKV * D * 2
+        sets = make_sets(B, W, torch.float16, rotation(nbytes))
+        check_once(sets)
+        pairs = B * HKV
+        n_waves = -(-pairs // sms)
+        times = [time_graph([lambda s=s, k=knobs: static_sliding_attention_fwd(*s, **k)
+                             for s in sets])[1]
+                 for knobs in ({}, {"block_n": 128}, {"block_n": 64})]
+        rows.append([B, W, pairs, f"{pairs / (n_waves * sms):.2f} of {n_waves}", *times,
+                     tbps(nbytes, times[0]), times[1] / times[2]])
+        print(" ".join(str(c) if not isinstance(c, float) else f"{c:.2f}" for c in rows[-1]),
+              flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    return table(["B", "W", "programs", "wave fill (128 rows)", "default us", "128 rows us",
+                  "64 rows us", "default TB/s", "128 / 64"], rows)
+
+
 def main():
     global HQ, HKV, D
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -174,9 +200,19 @@ def main():
     ap.add_argument("--batches", default=None, help="B list, comma separated (sweep)")
     ap.add_argument("--widths", default=None, help="W list, comma separated (sweep)")
     ap.add_argument("--heads", default=f"{HQ},{HKV},{D}", help="Hq,Hkv,D (default Llama-3-8B's)")
+    ap.add_argument("--waves", action="store_true",
+                    help="wave_tile against forced 128- and 64-row tiles (fp16; --batches, "
+                         "--widths override the shapes)")
     args = ap.parse_args()
     HQ, HKV, D = (int(x) for x in args.heads.split(","))
     suffix = "" if (HQ, HKV, D) == (32, 8, 128) else f"-heads{HQ}-{HKV}-{D}"
+    if args.waves:
+        body = waves(tuple(int(x) for x in (args.batches or
+                                            "9,10,11,12,17,20,24,28,34,40,44,56").split(",")),
+                     tuple(int(x) for x in (args.widths or "4096,16384").split(",")))
+        write_result("static_sliding_attention-waves-sweep" + suffix, body)
+        print(body)
+        return
     if args.tune:
         body = tune([tuple(int(x) for x in s.split("x")) for s in args.tune_shapes.split(",")])
         write_result("static_sliding_attention-tune" + suffix, body)
