@@ -23,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import kvops
 from bench.common import READ_CEILING, rotation, table, tbps, time_graph, write_result
-from kvops.kernels._common import kv_tile_bytes, sm_count
+from kvops.kernels._common import grid_waves, kv_tile_bytes
 from kvops.kernels._splitk import default_num_splits
 from kvops.kernels.static_sliding_attention import static_sliding_attention_fwd
 
@@ -168,18 +168,17 @@ def waves(batches, widths):
     """``wave_tile`` against both tile sizes forced (fp16, unsplit or split as the launcher
     splits that tile): where a (sequence, KV head) grid of 128-row programs fills the GPU's
     waves partly, the default should match the faster of the two."""
-    sms = sm_count(torch.device("cuda"))
     rows = []
     for B, W in itertools.product(batches, widths):
         nbytes = 2 * B * W * HKV * D * 2
         sets = make_sets(B, W, torch.float16, rotation(nbytes))
         check_once(sets)
         pairs = B * HKV
-        n_waves = -(-pairs // sms)
+        n_waves, fill = grid_waves(pairs, torch.device("cuda"))
         times = [time_graph([lambda s=s, k=knobs: static_sliding_attention_fwd(*s, **k)
                              for s in sets])[1]
                  for knobs in ({}, {"block_n": 128}, {"block_n": 64})]
-        rows.append([B, W, pairs, f"{pairs / (n_waves * sms):.2f} of {n_waves}", *times,
+        rows.append([B, W, pairs, f"{fill:.2f} of {n_waves}", *times,
                      tbps(nbytes, times[0]), times[1] / times[2]])
         print(" ".join(str(c) if not isinstance(c, float) else f"{c:.2f}" for c in rows[-1]),
               flush=True)

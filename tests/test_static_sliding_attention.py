@@ -13,9 +13,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvops
+import kvops.kernels._common as common
 import kvops.kernels._splitk as splitk
 import kvops.kernels.static_sliding_attention as ssa
-from kvops.kernels._common import kv_block_n, kv_tile_bytes
+from kvops.kernels._common import kv_block_n
 from kvops.kernels.static_sliding_attention import static_sliding_attention_fwd, wave_tile
 from kvops.ops.static_sliding_attention import static_sliding_attention_ref
 from tests.conftest import LaunchSpy, capture_graph, counting_backend, requires_cuda
@@ -122,14 +123,14 @@ def test_far_only_rows(kernel_device, poison):
 ])
 def test_wave_tile_only_where_waves_are_poorly_filled(pairs, sms, D, dtype, want, monkeypatch):
     """``wave_tile`` given the default tile, on ``sms`` SMs."""
-    monkeypatch.setattr(ssa, "sm_count", lambda device: sms)
+    monkeypatch.setattr(common, "sm_count", lambda device: sms)
     block_n = kv_block_n(D, dtype)
     assert wave_tile(pairs, block_n, D, dtype, torch.device("cpu")) == min(want, block_n)
 
 
 def _launches(case, sms, monkeypatch, **knobs):
     """(grid, BLOCK_N, num_stages) of every main-kernel launch the op makes on ``sms`` SMs."""
-    monkeypatch.setattr(ssa, "sm_count", lambda device: sms)
+    monkeypatch.setattr(common, "sm_count", lambda device: sms)
     monkeypatch.setattr(splitk, "sm_count", lambda device: sms)
     spy = LaunchSpy(ssa._sliding_window_kernel)
     monkeypatch.setattr(ssa, "_sliding_window_kernel", spy)

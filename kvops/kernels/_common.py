@@ -31,6 +31,14 @@ def sm_count(device: torch.device) -> int:
     return _cuda_props(device).multi_processor_count
 
 
+def grid_waves(programs: int, device: torch.device) -> tuple[int, float]:
+    """How a grid of ``programs`` one-per-SM programs runs on ``device``: the number of waves
+    and the share of those waves' SM slots it fills (at least one wave, so 0 programs fill 0)."""
+    sms = sm_count(device)
+    waves = -(-max(programs, 1) // sms)
+    return waves, programs / (waves * sms)
+
+
 def max_shared_memory(device: torch.device) -> int:
     """Bytes of shared memory one program may use on ``device``: the opt-in per-block limit
     (227 KiB on Hopper, 163 on A100, 99 on Ada), else the per-SM size, else 0 where torch says

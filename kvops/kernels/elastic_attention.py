@@ -63,6 +63,7 @@ from kvops.kernels._attention import (
 )
 from kvops.kernels._common import (
     dot_precision,
+    grid_waves,
     hw_fp8,
     kv_block_n,
     kv_tile_bytes,
@@ -536,8 +537,8 @@ def native_dense_tile(pairs: int, G: int, D: int, dtype: torch.dtype,
         return None
     if max_shared_memory(device) < DENSE_SMEM:
         return None
-    sms = sm_count(device)
-    return kv_block_n(D, dtype) if WAVE_FILL * sms <= pairs <= sms else None
+    waves, fill = grid_waves(pairs, device)
+    return kv_block_n(D, dtype) if waves == 1 and fill >= WAVE_FILL else None
 
 
 def default_num_stages(mode: int, programs_per_sm: float, tile_bytes: int) -> int:

@@ -21,7 +21,7 @@ from kvops.kernels._attention import (
     online_softmax_tile,
     split_range,
 )
-from kvops.kernels._common import dot_precision, kv_block_n, kv_tile_bytes, next_pow2, sm_count
+from kvops.kernels._common import dot_precision, grid_waves, kv_block_n, kv_tile_bytes, next_pow2
 from kvops.kernels._splitk import default_num_splits, merge_splits, split_outputs, use_pdl
 
 
@@ -121,9 +121,7 @@ def wave_tile(pairs: int, block_n: int, D: int, dtype: torch.dtype,
     Sweeps: bench/results/2026-11-30-static_sliding_attention-waves.md."""
     if block_n != 128 or dtype.itemsize != 2 or next_pow2(D) != 128:
         return block_n
-    sms = sm_count(device)
-    waves = -(-max(pairs, 1) // sms)
-    fill = pairs / (waves * sms)
+    waves, fill = grid_waves(pairs, device)
     return 64 if fill <= (SPILL_FILL if waves > 1 else IDLE_FILL) else block_n
 
 
