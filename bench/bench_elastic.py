@@ -334,30 +334,30 @@ def share_goals(timed):
 
 
 def overhead_budget(floors, speedup_goal=1.7, spread_goal=0.10):
-    """The largest cost ``x`` (us) a step may add to the read floor, the same at every BASE
-    share, and still meet each share goal: ``floors`` {label: (floor us, bytes)} holds the
-    structured rows' read floors. All-BASE speedup: ``(F0 + x) / (F100 + x) >= speedup_goal``,
-    so ``x <= (F0 - goal * F100) / (goal - 1)``. TB/s spread: every share's ``bytes / (F + x)``
-    within ``1 + spread_goal`` of the others'; the spread only grows with ``x`` (a fixed cost
-    weighs most on the share with the fewest bytes), so the bound is bisected. A negative bound
-    means that even a launch that only reads the bytes misses the goal. Returns
-    ``(x for the speedup, x for the spread)``."""
-    struct = {lab: v for lab, v in floors.items() if lab.startswith("struct")}
-    f0, f100 = struct["struct 0%"][0], struct["struct 100%"][0]
+    """The largest cost ``x >= 0`` (us), the same at every BASE share, that a step may add to
+    the read floor and still meet each share goal: ``floors`` {label: (floor us, bytes)} holds
+    the structured rows' read floors (other labels are ignored). Returns ``(x for the all-BASE
+    speedup, x for the TB/s spread)``, each ``None`` when no ``x >= 0`` meets the goal.
 
-    def spread(x):
-        bw = [nb / (f + x) for f, nb in struct.values()]
-        return max(bw) / min(bw) - 1
-
-    if spread(0.0) > spread_goal:
-        x_spread = -1.0
-    else:
-        lo, hi = 0.0, 100.0 * f0
-        while hi - lo > 1e-3:
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if spread(mid) <= spread_goal else (lo, mid)
-        x_spread = lo
-    return (f0 - speedup_goal * f100) / (speedup_goal - 1), x_spread
+    Speedup: ``(F0 + x) / (F100 + x) >= g`` holds for ``x <= (F0 - g F100) / (g - 1)``. Spread:
+    every pair of shares ``i, j`` must keep ``N_i / (F_i + x) <= (1 + s) N_j / (F_j + x)``,
+    linear in ``x``: ``x (N_i - (1 + s) N_j) <= (1 + s) N_j F_i - N_i F_j``, an upper or a lower
+    bound on ``x``. All of them together leave one interval; its upper end is returned
+    (``inf`` if unbounded; where the interval starts above 0, a smaller cost misses too)."""
+    struct = [v for lab, v in floors.items() if lab.startswith("struct")]
+    f0, f100 = floors["struct 0%"][0], floors["struct 100%"][0]
+    x_speedup = (f0 - speedup_goal * f100) / (speedup_goal - 1)
+    lo, hi = 0.0, float("inf")
+    for (fi, ni), (fj, nj) in itertools.permutations(struct, 2):
+        a = ni - (1 + spread_goal) * nj
+        b = (1 + spread_goal) * nj * fi - ni * fj
+        if a > 0:
+            hi = min(hi, b / a)
+        elif a < 0:
+            lo = max(lo, b / a)
+        elif b < 0:
+            hi = -1.0
+    return (x_speedup if x_speedup >= 0 else None), (hi if lo <= hi else None)
 
 
 def attention_rows(shapes, pages, shares, dtype=torch.float16):
@@ -397,8 +397,8 @@ def attention_rows(shapes, pages, shares, dtype=torch.float16):
                 goals[prefix + "base100 speedup"].append(speedup)
                 goals[prefix + "TB/s spread"].append(spread)
             over = [t - floors[nb] for lab, (t, nb) in timings.items() if lab.startswith("struct")]
-            goals["budget"].append([B, ctx, S, *overhead_budget(floor_timings), min(over),
-                                    max(over)])
+            budget = ["none" if x is None else x for x in overhead_budget(floor_timings)]
+            goals["budget"].append([B, ctx, S, *budget, min(over), max(over)])
     headers = ["B", "ctx", "S", "path", "us", "TB/s", "of read ceil", "floor us", "x floor",
                "static us", "static TB/s", "sdpa", "sdpa us", "x sdpa"]
     return headers, rows, goals
@@ -475,7 +475,7 @@ def main():
         table(ah, arow), "", "Goals:", *goal_lines, "",
         "What the share goals leave a step beyond reading its bytes (`overhead_budget`): the "
         "largest cost, the same at every share, that a step may add to the read floor and still "
-        "meet the goal (negative: a launch that only reads misses it), beside what the "
+        "meet the goal (none: not even a launch that only reads meets it), beside what the "
         "structured rows add (us minus floor us):", "",
         table(["B", "ctx", "S", "1.7x allows us", "spread allows us", "added min us",
                "added max us"], goals["budget"]),
