@@ -39,6 +39,24 @@ def block_mode_of(j: int, b: int, block_mode, base_span) -> int:
     return 0
 
 
+def elastic_rows(b, k_cache, v_cache, block_table, seq_lens, block_mode=None, base_span=None):
+    """K and V rows [n, Hkv, D] float64 of sequence ``b`` (CPU tensors), decoded block by block."""
+    S = k_cache.shape[1]
+    n = int(seq_lens[b])
+    ks, vs = [], []
+    for j in range((n + S - 1) // S):
+        page = int(block_table[b, j])
+        mode = block_mode_of(j, b, block_mode, base_span)
+        for cache, rows in ((k_cache, ks), (v_cache, vs)):
+            if mode == 0:
+                rows.append(cache[page].double())
+            else:
+                rows.append(decode_f64(halves(cache[page])[mode - 1], cache.dtype))
+    if not ks:
+        return (torch.zeros(0, *k_cache.shape[2:], dtype=torch.float64),) * 2
+    return torch.cat(ks)[:n], torch.cat(vs)[:n]
+
+
 def elastic_oracle(q, k_cache, v_cache, block_table, seq_lens, block_mode=None, base_span=None,
                    scale=None) -> tuple[Tensor, Tensor]:
     """out [B, Hq, D] float64 and lse [B, Hq] float64 of paged decode over TARGET/BASE blocks."""
@@ -47,26 +65,15 @@ def elastic_oracle(q, k_cache, v_cache, block_table, seq_lens, block_mode=None, 
     block_mode = None if block_mode is None else block_mode.cpu()
     base_span = None if base_span is None else base_span.cpu()
     B, Hq, D = q.shape
-    _, S, Hkv, _ = k_cache.shape
+    Hkv = k_cache.shape[2]
     G = Hq // Hkv
     scale = D ** -0.5 if scale is None else scale
     out = torch.zeros(B, Hq, D, dtype=torch.float64)
     lse = torch.full((B, Hq), float("-inf"), dtype=torch.float64)
     for b in range(B):
-        n = int(seq_lens[b])
-        if n == 0:
+        if int(seq_lens[b]) == 0:
             continue
-        ks, vs = [], []
-        for j in range((n + S - 1) // S):
-            page = int(block_table[b, j])
-            mode = block_mode_of(j, b, block_mode, base_span)
-            for cache, rows in ((k_cache, ks), (v_cache, vs)):
-                if mode == 0:
-                    rows.append(cache[page].double())
-                else:
-                    rows.append(decode_f64(halves(cache[page])[mode - 1], cache.dtype))
-        k = torch.cat(ks)[:n]                                    # [n, Hkv, D]
-        v = torch.cat(vs)[:n]
+        k, v = elastic_rows(b, k_cache, v_cache, block_table, seq_lens, block_mode, base_span)
         for h in range(Hq):
             s = (k[:, h // G] @ q[b, h].double()) * scale
             lse[b, h] = torch.logsumexp(s, 0)

@@ -4,6 +4,8 @@ compile without recompiles, CUDA graphs, input errors, validation mode)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import triton
@@ -23,7 +25,7 @@ from kvops.layouts import codecs
 from kvops.layouts.pairs import base_pair_view
 from kvops.ops.elastic_attention import elastic_attention_ref, span_modes
 from tests.conftest import LaunchSpy, capture_graph, counting_backend, requires_cuda
-from tests.oracles_elastic import elastic_oracle
+from tests.oracles_elastic import block_mode_of, elastic_oracle, elastic_rows
 from tests.tolerances import ATTN_TOL, LSE_TOL, assert_close
 
 PATHS = ("native", "structured", "general")
@@ -204,7 +206,13 @@ def test_reference_matches_oracle(shape):
 
 @pytest.mark.parametrize("S", [8, 16, 64])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_structured_and_general_agree_bit_for_bit(kernel_device, S, dtype):
+@pytest.mark.parametrize("long_split", [None, 1], ids=["default", "weighted"])
+def test_structured_and_general_agree_bit_for_bit(kernel_device, S, dtype, long_split,
+                                                  monkeypatch):
+    """Same layout, both mixed paths: the same runs and split edges, so bit-identical results
+    (``weighted``: every split edge cut at equal cost, ``weighted_from``)."""
+    if long_split is not None:
+        monkeypatch.setattr(ea, "LONG_SPLIT", long_split)
     case = make_case(3, 6, S, 2, 4, 64, dtype, "structured", kernel_device, seed=S)
     span = case.pop("base_span")
     for num_splits in (1, 3):
@@ -213,10 +221,20 @@ def test_structured_and_general_agree_bit_for_bit(kernel_device, S, dtype):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-def test_general_path_scans_long_mode_tables(kernel_device):
+@pytest.mark.parametrize("weighted", [None, 1024, 64], ids=["equal-rows", "weighted",
+                                                         "weighted-64-modes-a-load"])
+def test_general_path_scans_long_mode_tables(kernel_device, weighted, monkeypatch):
     """Runs longer than one 128-mode scan load, run edges at and around its bounds, and one
     edge two loads into a run (2, 258): the general path cuts the same runs as the structured
-    one (bit for bit) on 300-block tables."""
+    one (bit for bit) on 300-block tables. ``weighted``: split edges at equal cost, cut from
+    ``weighted`` modes a load on the general path (64: five loads a scan; patched on the
+    interpreter only, since compiled kernels keep their constants)."""
+    if weighted is not None:
+        monkeypatch.setattr(ea, "LONG_SPLIT", 1)
+        if weighted != ea.MODE_CHUNK:
+            if kernel_device.type != "cpu":
+                pytest.skip("module constants are patched on the interpreter only")
+            monkeypatch.setattr(ea, "MODE_CHUNK", tl.constexpr(weighted))
     case = make_case(6, 300, 8, 1, 2, 32, torch.float16, "structured", kernel_device, seed=3,
                      pool_pages=6 * 300 + 2)
     case["seq_lens"].fill_(300 * 8 - 3)
@@ -235,6 +253,73 @@ def test_general_path_scans_long_mode_tables(kernel_device):
                                             "block_mode": span_modes(span, 300)},
                                   num_splits=num_splits)
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), num_splits
+
+
+def split_edges(n, is_base, S, nsp, block_n, weighted):
+    """Split edges of a mixed-path launch, by brute force from the rule: equal rows (``lo = i *
+    chunk``, ``chunk`` the per-split rows rounded up to ``block_n``), or, ``weighted``, the last
+    multiple of ``lcm(block_n, S)`` whose rows cost at most ``i / nsp`` of all rows (TARGET row
+    5, BASE row 4); the last split ends at ``n``."""
+    if not weighted:
+        per_split = -(-n // nsp)
+        chunk = -(-per_split // block_n) * block_n
+        return [min(i * chunk, n) for i in range(nsp)] + [n]
+    unit = math.lcm(block_n, S)
+    cost = [0]
+    for x in range(n):
+        cost.append(cost[-1] + (4 if is_base(x // S) else 5))
+    return [max(x for x in range(0, n + 1, unit) if cost[x] * nsp <= i * cost[n])
+            for i in range(nsp)] + [n]
+
+
+@pytest.mark.parametrize("long_split", [1, 24, 10 ** 6], ids=["weighted", "mixed", "equal-rows"])
+@pytest.mark.parametrize("path", ["structured", "general"])
+@pytest.mark.parametrize("S", [16, 64])
+def test_mixed_split_edges(kernel_device, path, S, long_split, monkeypatch):
+    """Each split's partial lse (caught on its way to the merge) is the oracle's over the rows
+    ``split_edges`` gives it: weighted edges where a sequence has at least ``nsp * LONG_SPLIT``
+    rows, equal rows below (``mixed``: both within one launch), over random layouts and lengths
+    ending mid-page, one sequence empty."""
+    monkeypatch.setattr(ea, "LONG_SPLIT", long_split)
+    nsp, B = 4, 4
+    case = make_case(B, 24, S, 2, 2, 64, torch.float16, path, kernel_device, seed=S + len(path),
+                     zero_row=True)
+    case["seq_lens"][1] = min(int(case["seq_lens"][1]), nsp * 24 - 1)   # equal rows at "mixed"
+    caught = []
+    merge = ea.merge_splits
+    monkeypatch.setattr(ea, "merge_splits", lambda part_o, part_l, *a, **k: (
+        caught.append(part_l.clone()), merge(part_o, part_l, *a, **k)))
+    elastic_attention_fwd(**case, num_splits=nsp)
+    part_l = caught[0].view(B, 4, nsp).double().cpu()
+    cpu = {name: t.cpu() for name, t in case.items()}
+    weighted_rows = set()
+    for b in range(B):
+        n = int(cpu["seq_lens"][b])
+        modes = {j: block_mode_of(j, b, cpu.get("block_mode"), cpu.get("base_span"))
+                 for j in range(24)}
+        weighted = n >= nsp * long_split
+        edges = split_edges(n, lambda j, m=modes: m[j] != 0, S, nsp, ea.BLOCK_N_MIXED,
+                            weighted)
+        if n:
+            weighted_rows.add(weighted)
+        k, _ = elastic_rows(b, *(cpu[name] for name in ("k_cache", "v_cache", "block_table",
+                                                         "seq_lens")),
+                            cpu.get("block_mode"), cpu.get("base_span"))
+        for h in range(4):
+            s = (k[:, h // 2] @ cpu["q"][b, h].double()) * 64 ** -0.5
+            want = torch.stack([torch.logsumexp(s[lo:hi], 0) for lo, hi in
+                                zip(edges[:-1], edges[1:])])
+            assert_close("split lse", part_l[b, h], want, LSE_TOL[torch.float16],
+                         LSE_TOL[torch.float16], f"{path}-S{S}-b{b}-h{h}-edges{edges}")
+    assert weighted_rows == ({True} if long_split == 1 else {False} if long_split > 10 ** 5
+                             else {True, False})
+
+
+def test_weighted_from_only_for_split_mixed_launches():
+    """Weighted split edges are a mixed-path rule for split launches, from LONG_SPLIT rows a
+    split."""
+    assert ea.weighted_from(1, 4) == ea.weighted_from(2, 4) == 4 * ea.LONG_SPLIT
+    assert ea.weighted_from(0, 4) == ea.weighted_from(1, 1) == ea.NO_WEIGHTS
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -22,7 +22,8 @@ one), and each run is a plain pipelined loop of single-form tiles: TARGET tiles 
 values, BASE tiles read their half of the pair page as 32-bit words of four bytes and decode
 them into four byte planes (``_planes``), against which the query group and the accumulator are
 split the same way for the run. So a tile costs the bytes and the instructions of its own form
-only. Splits are merged by ``_splitk.merge_splits``.
+only. Splits are merged by ``_splitk.merge_splits``. The mixed paths cut long splits where
+they cost alike rather than at equal rows (``weighted_from``).
 
 Launch shape (H200 sweeps, bench/results/2026-11-30-elastic-variants.md and
 -variants-session4.md): one warp a program, 16-row tiles on the native path and 32-row tiles on
@@ -47,6 +48,8 @@ bench/results/2026-11-30-elastic-bf16.md).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -413,6 +416,76 @@ def _general_run_end(p_mode, j0, j_end, SCAN: tl.constexpr):
     return end, form
 
 
+MODE_CHUNK = tl.constexpr(1024)  # general path: modes a load when cutting weighted split edges
+SPLIT_WT = tl.constexpr(5)       # weighted split edges: a TARGET row costs 5, a BASE row 4
+SPLIT_WB = tl.constexpr(4)
+WEIGHTED_MAX_ROWS = tl.constexpr(2 ** 22)   # int32 edge arithmetic: 64 * 5 * 2**22 < 2**31
+
+
+@triton.jit
+def _weighted_edge(t, bs, be, n, NUM_SPLITS, WT: tl.constexpr, WB: tl.constexpr,
+                   UNIT: tl.constexpr):
+    """Structured path: the last multiple of ``UNIT`` at most ``n`` below which the rows cost at
+    most ``t / NUM_SPLITS``, a TARGET row costing ``WT`` and a row of the BASE rows ``[bs, be)``
+    ``WB``. The cost of the first ``x`` rows is ``WT x`` up to ``bs``, ``WT bs + WB (x - bs)`` up
+    to ``be``, and ``WT x - (WT - WB)(be - bs)`` past it; each piece is inverted exactly in
+    integers (int32: ``t`` is at most ``NUM_SPLITS * WT * n``, see ``WEIGHTED_MAX_ROWS``)."""
+    x1 = t // (WT * NUM_SPLITS)
+    x2 = bs + (t - WT * bs * NUM_SPLITS) // (WB * NUM_SPLITS)
+    x3 = be + (t - (WT * bs + WB * (be - bs)) * NUM_SPLITS) // (WT * NUM_SPLITS)
+    x = tl.where(x1 < bs, x1, tl.where(x2 < be, x2, x3))
+    return tl.minimum(x, n) // UNIT * UNIT
+
+
+@triton.jit
+def _weighted_split(p_mode, span_lo, span_hi, n, i_s, NUM_SPLITS, MODE: tl.constexpr,
+                    S: tl.constexpr, WT: tl.constexpr, WB: tl.constexpr, UNIT: tl.constexpr,
+                    CHUNK: tl.constexpr):
+    """Rows ``[lo, hi)`` of split ``i_s`` when the ``n`` rows are cut into ``NUM_SPLITS`` shares
+    of equal cost (TARGET row ``WT``, BASE row ``WB``) at multiples of ``UNIT``, the last split
+    ending at ``n``. Structured path: closed form (``_weighted_edge``). General path: from the
+    mode table, to the same edges: one scan for the total cost (a partial last block counts its
+    rows), one that counts the ``UNIT`` ends whose prefix cost is within ``i_s`` and ``i_s + 1``
+    shares. A unit ``u`` ends after block ``u * UNIT / S - 1`` and its prefix cost is
+    ``WT u UNIT - (WT - WB) S (BASE blocks before it)``, rising with ``u``, so the units within a
+    share are the first ones and their count times ``UNIT`` is the structured path's edge.
+    ``CHUNK`` modes a load (one load each up to 16k tokens at S 16)."""
+    if MODE == 1:
+        bs = tl.minimum(span_lo * S, n)
+        be = tl.minimum(span_hi * S, n)
+        cost = WT * n - (WT - WB) * (be - bs)
+        lo = _weighted_edge(i_s * cost, bs, be, n, NUM_SPLITS, WT, WB, UNIT)
+        hi = _weighted_edge((i_s + 1) * cost, bs, be, n, NUM_SPLITS, WT, WB, UNIT)
+    else:
+        o_c = tl.arange(0, CHUNK)
+        n_blocks = tl.cdiv(n, S)
+        base_rows = n * 0
+        for j0 in range(0, n_blocks, CHUNK):
+            o_j = j0 + o_c
+            b_base = tl.load(p_mode + o_j, mask=o_j < n_blocks, other=0) != 0
+            base_rows += tl.sum(tl.where(b_base, tl.minimum(n - o_j * S, S), 0), 0)
+        cost = WT * n - (WT - WB) * base_rows
+        t_lo = i_s * cost
+        t_hi = (i_s + 1) * cost
+        n_lo = n * 0
+        n_hi = n * 0
+        before = n * 0                               # BASE blocks before the chunk
+        full = n // S
+        for j0 in range(0, full, CHUNK):
+            o_j = j0 + o_c
+            m_j = o_j < full
+            b_base = (tl.load(p_mode + o_j, mask=m_j, other=0) != 0).to(tl.int32)
+            b_cost = (WT * (o_j + 1) * S - (WT - WB) * S * (before + tl.cumsum(b_base, 0))) \
+                * NUM_SPLITS
+            b_end = m_j & ((o_j + 1) % (UNIT // S) == 0)
+            n_lo += tl.sum((b_end & (b_cost <= t_lo)).to(tl.int32), 0)
+            n_hi += tl.sum((b_end & (b_cost <= t_hi)).to(tl.int32), 0)
+            before += tl.sum(b_base, 0)
+        lo = n_lo * UNIT
+        hi = n_hi * UNIT
+    return lo, tl.where(i_s == NUM_SPLITS - 1, n, hi)
+
+
 @triton.jit
 def _elastic_decode_kernel(
     Q, K, V, BlockTable, SeqLens, BlockMode, BaseSpan, O, L,
@@ -422,10 +495,10 @@ def _elastic_decode_kernel(
     stride_tb, stride_mb, stride_sb,
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
-    NB, Hkv, NUM_SPLITS,
+    NB, Hkv, NUM_SPLITS, WEIGHTED_FROM,
     G: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    MODE: tl.constexpr, CODEC: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, UNIT: tl.constexpr,
+    WEIGHTED: tl.constexpr, MODE: tl.constexpr, CODEC: tl.constexpr, PRECISION: tl.constexpr,
     SAME_STRIDE: tl.constexpr, PTX_DECODE: tl.constexpr, TILE: tl.constexpr,
     PDL_TRIGGER: tl.constexpr, PDL_WAIT: tl.constexpr,
     STAGES_T: tl.constexpr, STAGES_B: tl.constexpr,
@@ -468,6 +541,13 @@ def _elastic_decode_kernel(
             span_hi = tl.minimum(tl.maximum(tl.load(BaseSpan + i_b * stride_sb + 1), span_lo), NB)
             span_lo = tl.where(span_lo == span_hi, NB, span_lo)   # no BASE: one TARGET run
             span_hi = tl.where(span_lo == NB, NB, span_hi)
+        # Long splits are bound by their bytes: cut them where they cost alike, a BASE row 0.8
+        # of a TARGET row (``weighted_from``), so the splits over TARGET rows do not outlast
+        # the ones over BASE rows. Short splits keep equal rows: their time follows tiles.
+        # ``WEIGHTED`` (the table can hold a sequence that long) compiles the rule in at all.
+        if WEIGHTED and (n_tok >= WEIGHTED_FROM) & (n_tok <= WEIGHTED_MAX_ROWS):
+            lo, hi = _weighted_split(p_mode, span_lo, span_hi, n_tok, i_s, NUM_SPLITS, MODE, S,
+                                     SPLIT_WT, SPLIT_WB, UNIT, MODE_CHUNK)
         b_qb = b_q                      # the query group and scale of BASE runs
         scale_base = scale_log2
         if CODEC == 2 and PTX_DECODE:   # float16 e4m3 planes (``_planes``): a float16 query
@@ -574,6 +654,28 @@ def default_base_stages(stages: int, block_n: int, D: int) -> int:
     return max(stages, 2 * buffers + 1)
 
 
+LONG_SPLIT = 2048      # rows a split from which the mixed paths weight their split edges
+NO_WEIGHTS = 2 ** 31 - 1
+
+
+def weighted_from(mode: int, num_splits: int) -> int:
+    """Sequence length from which a mixed-path launch cuts its splits at equal cost (a BASE row
+    0.8 of a TARGET row, ``SPLIT_WB / SPLIT_WT``) rather than equal rows: splits of at least
+    ``LONG_SPLIT`` rows. Equal rows give a split over TARGET rows up to twice the bytes of one
+    over BASE rows, and a split long enough to be bound by its bytes then outlasts the others;
+    short splits are bound by their tiles (a 32-row BASE tile took 0.85 of a TARGET tile's time
+    at B 1), so they keep equal rows. H200, centered spans of 0-100 % BASE
+    (bench/results/2026-11-30-elastic-weighted-split-edges.md): at 2048-8192-row splits
+    (B 16 x 8k, 8 x 16k, 16 x 16k, 8 x 32k) the structured path's TB/s spread across shares fell
+    from 9.4-15.4 % to 6.5-9.0 % and its mixed steps ran up to 7.6 % faster (none more than
+    0.1 % slower); the general path, which scans its mode table for the edges, ran 0.94-1.02x.
+    With 1024-row splits the weights were within 3 % either way, with 256-row splits (B 1) 5-9 %
+    slower (-weighted-splits-reverted.md). ``NO_WEIGHTS`` (never) for the native path and
+    unsplit launches. A launch whose block table cannot hold that many rows compiles without
+    the rule (``WEIGHTED``), so short-context launches run the kernel they ran before it."""
+    return num_splits * LONG_SPLIT if mode != 0 and num_splits > 1 else NO_WEIGHTS
+
+
 def default_num_warps(D: int, dtype: torch.dtype) -> int:
     """One warp a program while a row is at most 256 bytes (D <= 128 at 16 bits); wider rows
     take 4 warps, so a 16-row tile's operands stay in registers."""
@@ -655,9 +757,9 @@ def elastic_attention_fwd(
         table.stride(0), block_mode.stride(0), base_span.stride(0),
         part_o.stride(0), part_o.stride(1), s_os,
         part_l.stride(0), part_l.stride(1),
-        NB, Hkv, num_splits,
+        NB, Hkv, num_splits, weighted_from(mode, num_splits),
         G=G, D=D, S=S, BLOCK_G=max(16, next_pow2(G)), BLOCK_D=next_pow2(D), BLOCK_N=block_n,
-        MODE=mode, CODEC=codec,
+        UNIT=math.lcm(block_n, S), WEIGHTED=weighted_from(mode, num_splits) <= NB * S, MODE=mode, CODEC=codec,
         PRECISION=dot_precision(q.dtype),
         SAME_STRIDE=k_cache.stride(0) == v_cache.stride(0), TILE=tile,
         PTX_DECODE=ptx_decode,
