@@ -17,11 +17,12 @@ def floors(*rows):
     return {f"struct {p}%": (f, nb) for p, f, nb in rows}
 
 
-def meets(fl, x, speedup_goal=1.7, spread_goal=0.10):
-    """Whether a step adding ``x`` us to every floor meets each goal (the definitions)."""
+def meets(fl, x, speedup_goal=1.7, spread_goal=0.10, slack=1e-9):
+    """Whether a step adding ``x`` us to every floor meets each goal (the definitions, with
+    ``slack`` for rounding: a pair of shares can sit exactly on the spread bound at every ``x``)."""
     bw = [nb / (f + x) for f, nb in fl.values()]
-    return ((fl["struct 0%"][0] + x) / (fl["struct 100%"][0] + x) >= speedup_goal,
-            max(bw) / min(bw) - 1 <= spread_goal)
+    return ((fl["struct 0%"][0] + x) / (fl["struct 100%"][0] + x) >= speedup_goal - slack,
+            max(bw) / min(bw) - 1 <= spread_goal + slack)
 
 
 @settings(deadline=None, max_examples=200)
@@ -39,7 +40,7 @@ def test_budget_is_the_largest_cost_that_meets_each_goal(middle, f0, f100):
         if x is None:
             assert not ok, (k, ok[:3])
             continue
-        assert meets(fl, x * (1 - 1e-9) if x else 0.0)[k] or math.isinf(x), (k, x)
+        assert meets(fl, x)[k] or math.isinf(x), (k, x)
         if not math.isinf(x):
             assert not meets(fl, x + 0.02)[k], (k, x)
             if ok:
