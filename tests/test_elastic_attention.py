@@ -285,6 +285,7 @@ def test_mixed_split_edges(kernel_device, path, S, long_split, monkeypatch):
     case = make_case(B, 24, S, 2, 2, 64, torch.float16, path, kernel_device, seed=S + len(path),
                      zero_row=True)
     case["seq_lens"][1] = min(int(case["seq_lens"][1]), nsp * 24 - 1)   # equal rows at "mixed"
+    case["seq_lens"][2] = nsp * 24                                       # weighted from here
     caught = []
     merge = ea.merge_splits
     monkeypatch.setattr(ea, "merge_splits", lambda part_o, part_l, *a, **k: (
@@ -317,9 +318,57 @@ def test_mixed_split_edges(kernel_device, path, S, long_split, monkeypatch):
 
 def test_weighted_from_only_for_split_mixed_launches():
     """Weighted split edges are a mixed-path rule for split launches, from LONG_SPLIT rows a
-    split."""
+    split, and for at most WEIGHTED_MAX_SPLITS splits (the int32 edge arithmetic)."""
     assert ea.weighted_from(1, 4) == ea.weighted_from(2, 4) == 4 * ea.LONG_SPLIT
+    assert ea.weighted_from(2, ea.WEIGHTED_MAX_SPLITS) == ea.WEIGHTED_MAX_SPLITS * ea.LONG_SPLIT
     assert ea.weighted_from(0, 4) == ea.weighted_from(1, 1) == ea.NO_WEIGHTS
+    assert ea.weighted_from(1, ea.WEIGHTED_MAX_SPLITS + 1) == ea.NO_WEIGHTS
+
+
+@triton.jit
+def _split_edges_kernel(Mode, Span, N, Out, L, NUM_SPLITS, MODE: tl.constexpr, S: tl.constexpr,
+                        UNIT: tl.constexpr, CHUNK: tl.constexpr):
+    """``_weighted_split`` alone: program (b, i) writes split i's ``[lo, hi)`` of row b."""
+    b = tl.program_id(0)
+    i_s = tl.program_id(1)
+    lo, hi = ea._weighted_split(Mode + b * L, tl.load(Span + 2 * b), tl.load(Span + 2 * b + 1),
+                                tl.load(N + b), i_s, NUM_SPLITS, MODE, S, ea.SPLIT_WT,
+                                ea.SPLIT_WB, UNIT, CHUNK)
+    tl.store(Out + (b * NUM_SPLITS + i_s) * 2, lo)
+    tl.store(Out + (b * NUM_SPLITS + i_s) * 2 + 1, hi)
+
+
+@pytest.mark.parametrize("S", [8, 16, 64, 128])
+@pytest.mark.parametrize("nsp", [2, 3, 7])
+def test_weighted_edges_against_brute_force(kernel_device, S, nsp):
+    """Both mixed paths' weighted edges, split by split, against ``split_edges``: ties (all
+    TARGET and all BASE at multiples of ``nsp * UNIT``), partial last blocks in and out of the
+    span, spans ending at the sequence's end, empty spans, sequences under one UNIT, and two
+    mode scan loads (CHUNK 4 on the interpreter) on 60-block tables."""
+    unit, L = math.lcm(ea.BLOCK_N_MIXED, S), 60
+    n_max = L * S
+    rows = [(k * nsp * unit, 0, 0) for k in (1, 2)] + [(k * nsp * unit, 0, L) for k in (1, 2)]
+    rows += [(n_max - S // 2 - 1, 3, L), (n_max - S // 2 - 1, 3, 40), (n_max - 1, 0, L),
+             (unit - 1, 0, 1), (5 * S + 1, 2, 6), (n_max, 13, 29), (n_max, 1, 59)]
+    gen = torch.Generator().manual_seed(S * nsp)
+    rows += [(int(torch.randint(1, n_max + 1, (1,), generator=gen)),) + tuple(
+        sorted(torch.randint(0, L + 1, (2,), generator=gen).tolist())) for _ in range(6)]
+    n = torch.tensor([r[0] for r in rows], dtype=torch.int32)
+    spans = torch.tensor([r[1:] for r in rows], dtype=torch.int32)
+    kernel_span = torch.where((spans[:, :1] == spans[:, 1:]), L, spans)   # the kernel's empty span
+    modes = span_modes(spans, L)
+    chunk = 4 if kernel_device.type == "cpu" else 1024
+    for mode in (1, 2):
+        out = torch.empty(len(rows), nsp, 2, dtype=torch.int32, device=kernel_device)
+        _split_edges_kernel[(len(rows), nsp)](
+            modes.to(kernel_device), kernel_span.to(kernel_device), n.to(kernel_device), out, L,
+            nsp, MODE=mode, S=S, UNIT=unit, CHUNK=chunk)
+        for b, (nb, first, end) in enumerate(rows):
+            want = split_edges(nb, lambda j, f=first, e=end: f <= j < e, S, nsp,
+                               ea.BLOCK_N_MIXED, True)
+            got = out[b].cpu()
+            assert got[:, 0].tolist() == want[:-1] and got[:, 1].tolist() == want[1:], (
+                mode, rows[b], got.tolist(), want)
 
 
 @pytest.mark.parametrize("path", PATHS)

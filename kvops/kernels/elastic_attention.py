@@ -420,6 +420,7 @@ MODE_CHUNK = tl.constexpr(1024)  # general path: modes a load when cutting weigh
 SPLIT_WT = tl.constexpr(5)       # weighted split edges: a TARGET row costs 5, a BASE row 4
 SPLIT_WB = tl.constexpr(4)
 WEIGHTED_MAX_ROWS = tl.constexpr(2 ** 22)   # int32 edge arithmetic: 64 * 5 * 2**22 < 2**31
+WEIGHTED_MAX_SPLITS = 64        # ... for at most this many splits (the launcher's own cap)
 
 
 @triton.jit
@@ -672,8 +673,11 @@ def weighted_from(mode: int, num_splits: int) -> int:
     With 1024-row splits the weights were within 3 % either way, with 256-row splits (B 1) 5-9 %
     slower (-weighted-splits-reverted.md). ``NO_WEIGHTS`` (never) for the native path and
     unsplit launches. A launch whose block table cannot hold that many rows compiles without
-    the rule (``WEIGHTED``), so short-context launches run the kernel they ran before it."""
-    return num_splits * LONG_SPLIT if mode != 0 and num_splits > 1 else NO_WEIGHTS
+    the rule (``WEIGHTED``), so short-context launches run the kernel they ran before it, and
+    so does a forced split count above ``WEIGHTED_MAX_SPLITS`` (the int32 edge arithmetic)."""
+    if mode == 0 or not 1 < num_splits <= WEIGHTED_MAX_SPLITS:
+        return NO_WEIGHTS
+    return num_splits * LONG_SPLIT
 
 
 def default_num_warps(D: int, dtype: torch.dtype) -> int:
