@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -355,8 +356,8 @@ def overhead_budget(floors, speedup_goal=1.7, spread_goal=0.10):
             hi = min(hi, b / a)
         elif a < 0:
             lo = max(lo, b / a)
-        elif b < 0:
-            hi = -1.0
+        elif b < 0:                              # this pair misses at every x
+            hi = -math.inf
     return (x_speedup if x_speedup >= 0 else None), (hi if lo <= hi else None)
 
 

@@ -743,6 +743,7 @@ def elastic_attention_fwd(
     pdl_wait = pdl and halves_table and block_table.numel() > 0
     if B == 0:
         return out, lse
+    weighted = weighted_from(mode, num_splits)
     table = block_table
     if halves_table:
         table = torch.empty(block_table.shape, dtype=torch.int32, device=block_table.device)
@@ -761,9 +762,9 @@ def elastic_attention_fwd(
         table.stride(0), block_mode.stride(0), base_span.stride(0),
         part_o.stride(0), part_o.stride(1), s_os,
         part_l.stride(0), part_l.stride(1),
-        NB, Hkv, num_splits, weighted_from(mode, num_splits),
+        NB, Hkv, num_splits, weighted,
         G=G, D=D, S=S, BLOCK_G=max(16, next_pow2(G)), BLOCK_D=next_pow2(D), BLOCK_N=block_n,
-        UNIT=math.lcm(block_n, S), WEIGHTED=weighted_from(mode, num_splits) <= NB * S, MODE=mode, CODEC=codec,
+        UNIT=math.lcm(block_n, S), WEIGHTED=weighted <= NB * S, MODE=mode, CODEC=codec,
         PRECISION=dot_precision(q.dtype),
         SAME_STRIDE=k_cache.stride(0) == v_cache.stride(0), TILE=tile,
         PTX_DECODE=ptx_decode,
