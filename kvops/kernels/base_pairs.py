@@ -148,13 +148,17 @@ def _refine_pairs_kernel(
         tl.store(Cache + dst * stride_cp + o_x, b_u.to(tl.int16), mask=m_x)
 
 
-# Launch shapes (values a chunk, warps), H200 sweeps (bench/results/
-# 2026-11-30-pack-launch-session7.md): packs take 8192 / 16 (bf16 e4m3 at S 16 90.9-91.8 us
-# against 92.7-94.0 at 4096 / 8; hi8 and hi8r within 1 % either way); refines keep 4096 / 8.
-# evict_last loads made packs another 2-4 % faster, but they leave the dead source pages in L2
-# ahead of the next kernels' data (a refine after such a pack: 76 against 72 us), so no hint.
+# Launch shapes (values a chunk, warps), H200 sweeps. Packs take 8192 / 16 (bf16 e4m3 at S 16
+# 90.9-91.8 us against 92.7-94.0 at 4096 / 8; hi8 and hi8r within 1 % either way;
+# bench/results/2026-11-30-pack-launch-session7.md). Refines take 8192-value chunks too, with
+# 8 warps for the float16 codecs and 16 for e4m3 (-refine-launch-session10.md, three timings
+# each): hi8r at S 16 took 72.0-74.7 us at 4096 / 8 (the slow end is under 3.6 TB/s, as in 6
+# of the 14 full bench runs recorded before) and 71.5 at 8192 / 8; e4m3 68.6 against 72.0 us
+# (S 16) and 275.0 against 282.9 (S 64); hi8 within 1 %. evict_last loads made packs another
+# 2-4 % faster, but they leave the dead source pages in L2 ahead of the next kernels' data (a
+# refine after such a pack: 76 against 72 us), so no hint.
 PACK_LAUNCH = (8192, 16)
-REFINE_LAUNCH = (4096, 8)
+REFINE_LAUNCH = {"hi8": (8192, 8), "hi8r": (8192, 8), "e4m3": (8192, 16)}
 
 
 def _launch(kernel, cache, pairs, backing, codec, block, num_warps, default, **extra):
@@ -190,4 +194,5 @@ def refine_base_pairs_fwd(cache: torch.Tensor, pairs: torch.Tensor, backing: tor
                           num_warps: int | None = None) -> None:
     """Refine pairs in place: pairs int32 [N, 3] rows (dst_a, dst_b, base_page); other arguments
     as in :func:`pack_base_pairs_fwd`."""
-    _launch(_refine_pairs_kernel, cache, pairs, backing, codec, block, num_warps, REFINE_LAUNCH)
+    _launch(_refine_pairs_kernel, cache, pairs, backing, codec, block, num_warps,
+            REFINE_LAUNCH[codec])
