@@ -406,6 +406,54 @@ def test_generic_table_edits_ride_the_same_commit():
         pg.add_table("late", (1,))
 
 
+def test_policy_verbs_move_references_and_callbacks_follow_the_frame():
+    """remap / hold / retain / release move page references as the fidelity policy needs;
+    on_commit callbacks run only when the frame commits, on_abort ones only when it aborts."""
+    pager = Pager(8, 4, 2, 4)
+    with pager.frame() as f:
+        f.reserve("a", 12)                                    # pages 0-2 (or any three)
+    a = pager.pages("a")
+    log = []
+    with pager.frame() as f:
+        held = f.hold(2)
+        f.remap("a", 1, a[0])                                 # blocks 0 and 1 share a[0]
+        f.remap("a", 2, held[0])
+        f.retain(a[0])
+        f.release(held[1])                                    # taken and dropped in-frame
+        f.on_commit(lambda: log.append("commit"))
+        f.on_abort(lambda: log.append("abort"))
+    assert log == ["commit"]
+    assert pager.pages("a") == [a[0], a[0], held[0]]
+    assert [pager.refcount(p) for p in (a[0], a[1], a[2], held[0], held[1])] == [3, 0, 0, 2, 0]
+    assert pager.host_tables["block_table"][pager.slot("a"), :3].tolist() == pager.pages("a")
+    assert pager.free_pages == 8 - 2
+    with pytest.raises(Boom):
+        with pager.frame() as f:
+            f.hold(3)
+            f.release(a[0])
+            f.on_commit(lambda: log.append("commit"))
+            f.on_abort(lambda: log.append("abort"))
+            raise Boom
+    assert log == ["commit", "abort"] and pager.free_pages == 6 and pager.refcount(a[0]) == 3
+    with pager.frame() as f:
+        f.release(a[0])
+        f.release(held[0])
+        f.trim("a")
+    assert pager.free_pages == 8
+    with pager.frame() as f:
+        f.reserve("b", 4)
+        for verb, args, msg in [
+                (f.remap, ("b", 1, 0), r"remap: block of 'b' must lie in \[0, 1\), got 1"),
+                (f.remap, ("b", 0, 7), r"remap: page must be a live page in \[0, 8\), got 7"),
+                (f.retain, (9,), r"retain: page must be a live page"),
+                (f.release, (-1,), r"release: page must be a live page"),
+                (f.hold, (-2,), r"hold: n must be an int >= 0, got -2")]:
+            with pytest.raises(ValueError, match=msg):
+                verb(*args)
+        with pytest.raises(OutOfPages):
+            f.hold(8)
+
+
 def test_bad_verb_arguments_raise():
     pg = Pager(16, 4, 4, 3)
     with pytest.raises(ValueError, match="block table holds L=3"), pg.frame() as f:

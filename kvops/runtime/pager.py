@@ -28,7 +28,10 @@ Verbs (all inside a frame)
     its blocks and its slot go back. Pages reach the free lists when their count drops to zero,
     at commit. Plus the generic ``edit(table, row, values, start=0)``, which writes a run of
     values into a row of any registered table (policies such as the far view carry their
-    per-session tables through the same commit).
+    per-session tables through the same commit). Policies that move a block's bytes
+    themselves (the ElasticKV fidelity policy, :mod:`kvops.runtime.fidelity`) use
+    ``remap(session, j, page)``, ``hold(n)`` / ``retain(page)`` / ``release(page)`` (references
+    not tied to a block) and ``on_commit(fn)`` / ``on_abort(fn)`` callbacks.
 
 Frame
     ``with pager.frame() as f: f.reserve(...); ...`` (or ``pager.reserve`` while a frame is
@@ -351,6 +354,7 @@ class Frame:
         self._copies: list[tuple[int, int]] = []
         self._edits: list[tuple] = []                  # (setter, where, values, region)
         self._slots_taken: list[int] = []
+        self._undo: list = []                          # on_abort callbacks
 
     # -- reads through the shadow ------------------------------------------------------------
     def has(self, key: Hashable) -> bool:
@@ -608,6 +612,65 @@ class Frame:
                 self._bump(page, -1)
                 self._set(key, j, -1)
 
+    # -- verbs for policies that move a block's bytes themselves (kvops.runtime.fidelity) --
+    def remap(self, key: Hashable, j: int, page: int) -> None:
+        """Point logical block ``j`` of ``key`` at ``page``, a live page (mapped, or held by
+        :meth:`hold`), moving one reference from the block's old page to it. The caller keeps
+        the bytes consistent (ElasticKV: a BASE pair page for two blocks, or a refined page)."""
+        self._open()
+        self._require(key)
+        nb = -(-self.length(key) // self.pager.page_size)
+        if not isinstance(j, int) or not 0 <= j < nb:
+            raise ValueError(f"remap: block of {key!r} must lie in [0, {nb}), got {j!r}")
+        self._live_page("remap", page)
+        old = self.page(key, j)
+        if old < 0:
+            raise ValueError(f"remap: block {j} of {key!r} is trimmed")
+        self._slow(key)
+        self._bump(old, -1)
+        self._bump(page, 1)
+        self._set(key, j, page)
+
+    def hold(self, n: int) -> list[int]:
+        """Take ``n`` free pages that no block maps, one reference each, until :meth:`release`
+        (staging pages; an aborted frame gives them back). Raises :class:`OutOfPages` first
+        when fewer are free."""
+        self._open()
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"hold: n must be an int >= 0, got {n!r}")
+        return self._alloc(n, -1, False) if n else []
+
+    def retain(self, page: int) -> None:
+        """One more reference to a live ``page``, so it outlives its blocks until
+        :meth:`release` (a page still being read on another stream)."""
+        self._open()
+        self._live_page("retain", page)
+        self._bump(page, 1)
+
+    def release(self, page: int) -> None:
+        """Drop a reference taken by :meth:`hold` or :meth:`retain`; the page goes back to the
+        pool at commit when no reference is left."""
+        self._open()
+        self._live_page("release", page)
+        self._bump(page, -1)
+
+    def _live_page(self, verb: str, page) -> None:
+        P = self.pager.num_pages
+        if not isinstance(page, int) or not 0 <= page < P or self.refcount(page) < 1:
+            raise ValueError(f"{verb}: page must be a live page in [0, {P}), got {page!r}")
+
+    def on_commit(self, fn) -> None:
+        """Call ``fn()`` when this frame commits, after its tables are written (a policy's host
+        state that must change only if the frame does)."""
+        self._open()
+        self._edits.append((lambda _where, _vals: fn(), None, None, None))
+
+    def on_abort(self, fn) -> None:
+        """Call ``fn()`` if this frame aborts (a policy undoing device work it did for the
+        frame), before the frame's held and allocated pages go back to the pool."""
+        self._open()
+        self._undo.append(fn)
+
     def edit(self, table: str, row: int, values, start: int = 0) -> None:
         """Write ``values`` as a run from ``table[row, start]`` at commit (row-major, so a
         long run continues into the following rows).
@@ -685,10 +748,14 @@ class Frame:
             return
         self.aborted = True
         pager = self.pager
-        for page in self._allocated:
-            pager._alloc.give(page)
-        pager._free_slots.extend(self._slots_taken)
-        pager._open = None
+        try:
+            for fn in reversed(self._undo):
+                fn()
+        finally:
+            for page in self._allocated:
+                pager._alloc.give(page)
+            pager._free_slots.extend(self._slots_taken)
+            pager._open = None
 
     def __enter__(self) -> Frame:
         return self

@@ -1,0 +1,480 @@
+"""Fidelity (ElasticKV section 3.3): demote TARGET pairs to BASE when pages run short, promote
+them back when pages are spare, and keep BASE executable until TARGET is back.
+
+Layout and state
+    A session's BASE blocks form one span ``[first, end)`` of logical blocks, the structured
+    layout ``elastic_attention`` reads through ``base_span`` (the pager table this policy adds,
+    ``base_span [B, 2]``): block ``j`` of the span sits in half ``(j - first) % 2`` of its pair
+    page, and both blocks of a pair map that page. Demotion grows a session's span upward by
+    whole pairs (its oldest TARGET blocks after ``protect_first``, never the last
+    ``protect_recent`` blocks nor a partly filled one); promotion takes the span's top pair
+    first, so the span stays one span. :meth:`Fidelity.block_states` gives a session's state
+    table: ``TARGET`` 0, ``BASE`` 1, ``PROMOTING`` 2 (BASE, refinement in flight).
+
+Demotion (synchronous, on the current stream)
+    ``step(frame, need)`` demotes when the pool's free pages fall short of ``need`` (the pages
+    the caller will take before the next step): at least ``min_batch`` pairs (16, the paper's
+    minimum batch), or as many as the shortage, spread over sessions so the one with the
+    smallest BASE share gives the next pair. Each pair runs ``pack_base_pairs`` in place (rows
+    ``(page_a, page_b, page_a)``) on every cache, its backing goes to host memory (pinned on
+    CUDA, copied on the side stream), block ``j + 1`` is remapped onto ``page_a``, and ``page_b``
+    returns to the pool at the frame's commit. If the frame aborts, the pairs are refined back
+    from the device copy of the backing, so the pool is as before.
+
+Promotion (asynchronous, on a side stream)
+    When a step demotes nothing, the pages left after ``need``, the reserve and ``headroom``
+    pay for promotions, two pages each while in flight (at most ``max_promote`` a step). A
+    promotion copies the pair's backing to the device and runs ``refine_base_pairs`` out of
+    place into two held pages; the BASE page stays mapped (and retained), so attention keeps
+    reading BASE meanwhile. A later ``step`` whose frame sees the side stream's event done
+    remaps the two blocks onto the refined pages and lets the BASE page go. The reserve is
+    ``pages freed by demotion``, decaying by ``reserve_decay`` a step: promotion does not take
+    back capacity a demotion just freed (the paper's decaying reserve; ``reserve_decay = 0``
+    is its "eager promotion" ablation).
+
+Host backing
+    Kept per BASE page: the pair's backing for every cache, ``[caches, 2, S, Hkv, D]`` (uint8
+    low bytes for float16 codecs, the bfloat16 values for e4m3), a view of one pinned buffer
+    per demotion batch (the buffer lives until every pair of the batch is promoted or its
+    session ends). A promotion batch gathers its pairs' backings into one pinned staging
+    buffer, copies it up once and refines each cache with one call.
+
+What it does not do (checked, and refused with ``ValueError``)
+    ``alias`` of a prefix holding BASE blocks and trimming a BASE block abort their frame:
+    a BASE page is mapped by exactly the two blocks of one session. Promote first (``promote``
+    with the session), or alias fewer blocks.
+
+A decode step::
+
+    with pager.frame() as f:
+        fid.step(f, need=pages_the_next_reserves_take)
+        ... f.reserve(...) ...
+    # after the commit, attention reads BASE through the span table:
+    out, lse = torch.ops.kvops.elastic_attention(q, k_cache, v_cache, tables["block_table"],
+                                                 tables["seq_lens"], **fid.attention_kwargs())
+
+Counters (``stats``): pairs demoted and promoted, demotion batches, promotions in flight, BASE
+blocks, BASE exposure (BASE blocks / live blocks) now and its mean over steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvops.layouts import codecs
+from kvops.runtime.pager import Frame, Pager
+
+TARGET, BASE, PROMOTING = 0, 1, 2
+
+
+@dataclass
+class _Pair:
+    """A BASE pair page: the session and first block it holds, and its host backing."""
+    key: Hashable
+    j: int
+    backing: torch.Tensor                  # [caches, 2, S, Hkv, D] (host)
+
+
+@dataclass
+class _Promotion:
+    key: Hashable
+    j: int
+    page: int                              # the BASE page (retained while in flight)
+    new: tuple[int, int]                   # the refined pages (held)
+    done: object                           # torch.cuda.Event, or None when already done
+    keep: list = field(default_factory=list)   # device tensors the side stream still reads
+
+
+class Fidelity:
+    """ElasticKV fidelity policy over a :class:`~kvops.runtime.Pager` (module doc).
+
+    Parameters
+    ----------
+    pager : Pager
+        Attached here (before its first frame); adds the ``base_span [B, 2]`` table.
+    caches : sequence of tensors
+        Every pool the pager's page ids index (K and V of every layer), each ``[P, S, Hkv, D]``
+        float16 or bfloat16 with contiguous pages.
+    codec : str or None
+        BASE codec (``kvops.layouts.codecs``; None: the dtype's default).
+    min_batch : int
+        Fewest pairs a demotion takes when that many are eligible (16).
+    protect_first, protect_recent : int
+        Blocks at the start (attention sinks) and at the end of every session never demoted.
+    reserve_decay : float
+        Per-step decay of the reserve that keeps freed pages from promotion, in [0, 1).
+    headroom : int
+        Free pages promotion always leaves.
+    max_promote : int
+        Promotions issued per step at most.
+    """
+
+    def __init__(self, pager: Pager, caches: Sequence[torch.Tensor], codec: str | None = None,
+                 *, min_batch: int = 16, protect_first: int = 0, protect_recent: int = 2,
+                 reserve_decay: float = 0.9, headroom: int = 0, max_promote: int = 16):
+        if not caches:
+            raise ValueError("caches: expected at least one [P, S, Hkv, D] pool, got none")
+        first = caches[0]
+        for i, c in enumerate(caches):
+            if not isinstance(c, torch.Tensor) or c.dim() != 4:
+                raise ValueError(f"caches[{i}]: expected a [P, S, Hkv, D] tensor, got "
+                                 f"{getattr(c, 'shape', type(c).__name__)}")
+            if c.shape[:2] != (pager.num_pages, pager.page_size) or c.shape != first.shape \
+                    or c.dtype != first.dtype or c.device != first.device:
+                raise ValueError(f"caches[{i}]: expected {first.dtype} on {first.device} of shape "
+                                 f"[{pager.num_pages}, {pager.page_size}, Hkv, D] like caches[0] "
+                                 f"{list(first.shape)}, got {c.dtype} on {c.device} "
+                                 f"{list(c.shape)}")
+        for name, v in (("min_batch", min_batch), ("protect_first", protect_first),
+                        ("protect_recent", protect_recent), ("headroom", headroom),
+                        ("max_promote", max_promote)):
+            if not isinstance(v, int) or v < (1 if name == "min_batch" else 0):
+                raise ValueError(f"{name}: expected an int >= {1 if name == 'min_batch' else 0}"
+                                 f", got {v!r}")
+        if not 0.0 <= reserve_decay < 1.0:
+            raise ValueError(f"reserve_decay: expected a float in [0, 1), got {reserve_decay!r}")
+        self.pager, self.caches = pager, list(caches)
+        self.codec = codecs.check_codec(codec, first.dtype)
+        self.min_batch, self.protect_first, self.protect_recent = (min_batch, protect_first,
+                                                                   protect_recent)
+        self.reserve_decay, self.headroom, self.max_promote = reserve_decay, headroom, max_promote
+        self.device = first.device
+        self._cuda = self.device.type == "cuda"
+        self._side = torch.cuda.Stream(self.device) if self._cuda else None
+        self._span: dict[Hashable, tuple[int, int]] = {}       # committed spans
+        self._pairs: dict[int, _Pair] = {}                      # BASE page -> pair
+        self._by_key: dict[Hashable, set[int]] = {}             # session -> its BASE pages
+        self._flight: dict[Hashable, list[_Promotion]] = {}     # per session, top pair first
+        self._orphans: list[_Promotion] = []                    # sessions ended in flight
+        self._d2h: list[tuple[object, list]] = []               # (event, device backings)
+        self._mine: set[tuple[Hashable, int]] = set()           # this frame's own remaps
+        self.reserve = 0.0
+        self.stats = {"demoted": 0, "promoted": 0, "demotion_batches": 0, "in_flight": 0,
+                      "base_blocks": 0, "exposure": 0.0, "exposure_mean": 0.0, "steps": 0}
+        pager.attach(self)
+
+    # -- pager hook ----------------------------------------------------------------------------
+    def tables(self) -> dict:
+        return {"base_span": ((self.pager.max_sessions, 2), 0)}
+
+    def on_commit(self, frame: Frame, deltas, grown) -> dict:
+        """Refuse edits that would break a BASE pair (alias of BASE blocks, trims inside a
+        span); clear the span row of ended sessions."""
+        for d in deltas:
+            span = self._span.get(d.key)
+            if d.new:
+                shared = [j for j, p in d.after_overlay.items() if p in self._pairs]
+                if shared:
+                    src = self._pairs[d.after_overlay[shared[0]]].key
+                    raise ValueError(f"alias: session {d.key!r} would share BASE block "
+                                     f"{min(shared)} of {src!r}; promote it first "
+                                     f"(Fidelity.promote) or alias fewer blocks")
+                continue
+            if span is None:
+                continue
+            if d.closed:
+                frame.edit("base_span", d.slot, [0, 0])
+                frame.on_commit(lambda k=d.key: self._ended(k))
+                continue
+            first, end = span
+            bad = [j for j in d.after_overlay if first <= j < end and (d.key, j) not in self._mine]
+            if bad:
+                raise ValueError(f"trim: block {bad[0]} of {d.key!r} is BASE (span [{first}, "
+                                 f"{end})); promote it first (Fidelity.promote)")
+        self._mine = set()
+        return {}
+
+    def _ended(self, key) -> None:
+        """Host state after a committed EOS: drop the session's pairs; promotions in flight
+        become orphans, released once their side-stream work is done."""
+        self._span.pop(key)
+        for page in self._by_key.pop(key, ()):
+            del self._pairs[page]
+        self._orphans.extend(self._flight.pop(key, []))
+
+    # -- reads -------------------------------------------------------------------------------
+    def span(self, key: Hashable) -> tuple[int, int]:
+        """Committed BASE span ``[first, end)`` of ``key`` (``(0, 0)`` none)."""
+        return self._span.get(key, (0, 0))
+
+    def block_states(self, key: Hashable) -> np.ndarray:
+        """int8 ``[blocks]``: ``TARGET`` 0, ``BASE`` 1, ``PROMOTING`` 2 (committed view)."""
+        nb = -(-self.pager.length(key) // self.pager.page_size)
+        out = np.zeros(nb, dtype=np.int8)
+        first, end = self.span(key)
+        out[first:end] = BASE
+        for pr in self._flight.get(key, []):
+            out[pr.j: pr.j + 2] = PROMOTING
+        return out
+
+    def attention_kwargs(self) -> dict:
+        """``{"base_span": table}`` while any block is BASE, else ``{}`` (the native path)."""
+        if not self._pairs:
+            return {}
+        return {"base_span": self.pager.device_tables["base_span"]}
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self, frame: Frame, need: int = 0) -> dict:
+        """Settle finished promotions, then demote on shortage or promote with spare pages.
+        ``need``: pages the caller takes before the next step. Returns this step's counts."""
+        if not isinstance(need, int) or need < 0:
+            raise ValueError(f"need: expected an int >= 0, got {need!r}")
+        self._mine = set()
+        self._reap_d2h()
+        settled = self._settle(frame)
+        free = self.pager._alloc.free
+        short = need - free
+        demoted = promoted = 0
+        if short > 0:
+            demoted = self._demote(frame, max(short, self.min_batch))
+        else:
+            spare = free - need - math.ceil(self.reserve) - self.headroom
+            if spare >= 2:
+                promoted = self._promote(frame, min(spare // 2, self.max_promote))
+        frame.on_commit(lambda: self._account(demoted, promoted))
+        return {"demoted": demoted, "promoted": promoted, "settled": settled}
+
+    def _account(self, demoted: int, promoted: int) -> None:
+        st = self.stats
+        self.reserve = self.reserve * self.reserve_decay + demoted
+        st["demoted"] += demoted
+        st["demotion_batches"] += int(demoted > 0)
+        self._count()
+        st["steps"] += 1
+        st["exposure_mean"] += (st["exposure"] - st["exposure_mean"]) / st["steps"]
+
+    def _count(self) -> None:
+        st = self.stats
+        st["in_flight"] = sum(len(v) for v in self._flight.values()) + len(self._orphans)
+        base = 2 * len(self._pairs)
+        S = self.pager.page_size
+        live = int(((self.pager.host_tables["seq_lens"].astype(np.int64) + S - 1) // S).sum())
+        st["base_blocks"] = base
+        st["exposure"] = base / live if live else 0.0
+
+    # -- demotion ------------------------------------------------------------------------------
+    def _candidates(self, frame: Frame, key) -> tuple[int, int, int]:
+        """(first, end, pairs it could demote now) for a committed session in this frame."""
+        S = self.pager.page_size
+        n = frame.length(key)
+        nb_full, nb = n // S, -(-n // S)
+        limit = min(nb_full, nb - self.protect_recent)
+        first, end = self._span.get(key, (0, 0))
+        if key in self._flight:             # the span's top is promoting: do not grow past it
+            return first, end, 0
+        if first == end:
+            first = end = self.protect_first
+            while end + 1 < limit and not self._eligible(frame, key, end):
+                end += 1
+            first = end
+        count, j = 0, end
+        while j + 1 < limit and self._eligible(frame, key, j):
+            count += 1
+            j += 2
+        return first, end, count
+
+    def _eligible(self, frame: Frame, key, j: int) -> bool:
+        a, b = frame.page(key, j), frame.page(key, j + 1)
+        return a >= 0 and b >= 0 and a != b and frame.refcount(a) == 1 and frame.refcount(b) == 1
+
+    def _demote(self, frame: Frame, want: int) -> int:
+        import heapq
+        S = self.pager.page_size
+        heap, plan = [], {}
+        for key in self.pager.sessions():
+            if not frame.has(key):
+                continue
+            first, end, count = self._candidates(frame, key)
+            if count:
+                nb = -(-frame.length(key) // S)
+                plan[key] = [first, end, count, 0]
+                heapq.heappush(heap, ((end - first) / nb, len(plan), key, nb))
+        rows, who = [], []
+        while heap and len(rows) < want:
+            _, order, key, nb = heapq.heappop(heap)
+            p = plan[key]
+            j = p[1] + 2 * p[3]
+            rows.append((frame.page(key, j), frame.page(key, j + 1)))
+            who.append((key, j))
+            p[3] += 1
+            if p[3] < p[2]:
+                heapq.heappush(heap, ((j + 2 - p[0]) / nb, order, key, nb))
+        if not rows:
+            return 0
+        pairs = torch.tensor([(a, b, a) for a, b in rows], dtype=torch.int32,
+                             device=self.device)
+        backs = []
+        for cache in self.caches:
+            back = torch.empty((len(rows), 2, *cache.shape[1:]),
+                               dtype=codecs.backing_dtype(self.codec, cache.dtype),
+                               device=self.device)
+            torch.ops.kvops.pack_base_pairs(cache, pairs, back, self.codec)
+            backs.append(back)
+        frame.on_abort(lambda: self._undo_pack(pairs, backs))
+        host = self._to_host(torch.stack(backs))       # [C, N, 2, S, Hkv, D]
+        new_pairs: dict[int, _Pair] = {}
+        for n, ((a, _), (key, j)) in enumerate(zip(rows, who)):
+            self._mine.add((key, j + 1))
+            frame.remap(key, j + 1, a)
+            new_pairs[a] = _Pair(key, j, host[:, n])
+        spans = {key: (p[0], p[1] + 2 * p[3]) for key, p in plan.items() if p[3]}
+        for key, (first, end) in spans.items():
+            frame.edit("base_span", self.pager.slot(key), [first, end])
+        def apply():
+            self._pairs.update(new_pairs)
+            for page, pair in new_pairs.items():
+                self._by_key.setdefault(pair.key, set()).add(page)
+            self._span.update(spans)
+        frame.on_commit(apply)
+        return len(rows)
+
+    def _to_host(self, back: torch.Tensor) -> torch.Tensor:
+        """A batch's device backing -> host. On CUDA, one pinned buffer filled on the side
+        stream after the packs (off the current stream's critical path); the device buffer
+        stays referenced until that copy is done, and promotions, issued on the same side
+        stream, follow it."""
+        if not self._cuda:
+            return back
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        host = torch.empty(back.shape, dtype=back.dtype, pin_memory=True)
+        with torch.cuda.stream(self._side):
+            host.copy_(back, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self._side)
+        self._d2h.append((ev, back))
+        return host
+
+    def _undo_pack(self, pairs: torch.Tensor, backs: list[torch.Tensor]) -> None:
+        """The frame aborted after its pack: refine the pairs back where they were."""
+        for cache, back in zip(self.caches, backs):
+            torch.ops.kvops.refine_base_pairs(cache, pairs, back, self.codec)
+
+    def _reap_d2h(self) -> None:
+        self._d2h = [(ev, keep) for ev, keep in self._d2h if not ev.query()]
+
+    # -- promotion -----------------------------------------------------------------------------
+    def _promote(self, frame: Frame, want: int, only: Hashable | None = None) -> int:
+        """Issue up to ``want`` promotions, top pairs of the sessions with the largest BASE
+        share first (``only``: that session's pairs)."""
+        S = self.pager.page_size
+        picks = []
+        keys = [only] if only is not None else list(self._span)
+        for key in keys:
+            if not frame.has(key) or key not in self._span:
+                continue
+            first, end = self._span[key]
+            top = end - 2 * len(self._flight.get(key, []))
+            nb = -(-frame.length(key) // S)
+            for j in range(top - 2, first - 1, -2):
+                picks.append((-(j + 2 - first) / nb, key, j))
+        picks.sort(key=lambda t: t[0])
+        picks = [(key, j) for _, key, j in picks[:want]]
+        if picks:
+            self._issue(frame, picks)
+        return len(picks)
+
+    def _issue(self, frame: Frame, picks: list[tuple[Hashable, int]]) -> None:
+        """One batch of promotions: hold two pages a pair, retain the BASE pages, and on the
+        side stream copy the batch's backings up in one transfer and refine each cache once."""
+        pages = [frame.page(key, j) for key, j in picks]
+        held = frame.hold(2 * len(picks))
+        for page in pages:
+            frame.retain(page)
+        rows = torch.tensor([(held[2 * i], held[2 * i + 1], page)
+                             for i, page in enumerate(pages)], dtype=torch.int32)
+        # host backings [C, m, 2, S, Hkv, D]: one gather, then one copy to the device
+        backs = [self._pairs[page].backing for page in pages]
+        keep: list = []
+        if self._cuda:
+            staging = torch.empty((len(self.caches), len(pages), *backs[0].shape[1:]),
+                                  dtype=backs[0].dtype, pin_memory=True)
+            torch.stack(backs, dim=1, out=staging)
+            self._side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._side):
+                dev = staging.to(self.device, non_blocking=True)
+                rows_d = rows.to(self.device, non_blocking=True)
+                for cache, back in zip(self.caches, dev):
+                    torch.ops.kvops.refine_base_pairs(cache, rows_d, back, self.codec)
+                done = torch.cuda.Event()
+                done.record(self._side)
+            keep = [staging, dev, rows_d]
+        else:
+            dev = torch.stack(backs, dim=1)
+            for cache, back in zip(self.caches, dev):
+                torch.ops.kvops.refine_base_pairs(cache, rows, back, self.codec)
+            done = None
+        prs = [_Promotion(key, j, page, (held[2 * i], held[2 * i + 1]), done, keep)
+               for i, ((key, j), page) in enumerate(zip(picks, pages))]
+        frame.on_abort(lambda: done is not None and done.synchronize())
+
+        def apply():
+            for pr in prs:
+                self._flight.setdefault(pr.key, []).append(pr)
+        frame.on_commit(apply)
+
+    def _settle(self, frame: Frame) -> int:
+        """Map finished promotions (each span's top pair first) and release the pages of
+        orphans whose side-stream work is done."""
+        orphans_left = []
+        for pr in self._orphans:
+            if pr.done is None or pr.done.query():
+                for p in (*pr.new, pr.page):
+                    frame.release(p)
+            else:
+                orphans_left.append(pr)
+        done: dict[Hashable, tuple[int, tuple[int, int]]] = {}
+        for key, stack in self._flight.items():
+            k = 0
+            while k < len(stack) and (stack[k].done is None or stack[k].done.query()):
+                k += 1
+            if not k or not frame.has(key):
+                continue
+            for pr in stack[:k]:
+                n0, n1 = pr.new
+                self._mine.update({(key, pr.j), (key, pr.j + 1)})
+                frame.remap(key, pr.j, n0)
+                frame.remap(key, pr.j + 1, n1)
+                for p in (n0, n1, pr.page):
+                    frame.release(p)
+            first = self._span[key][0]
+            end = stack[k - 1].j
+            span = (first, end) if end > first else (0, 0)
+            frame.edit("base_span", self.pager.slot(key), list(span))
+            done[key] = (k, span)
+
+        def apply():
+            self._orphans = orphans_left
+            for key, (k, span) in done.items():
+                stack = self._flight[key]
+                for pr in stack[:k]:
+                    del self._pairs[pr.page]
+                    self._by_key[key].discard(pr.page)
+                self.stats["promoted"] += k
+                del stack[:k]
+                if not stack:
+                    del self._flight[key]
+                if span == (0, 0):
+                    del self._span[key]
+                    del self._by_key[key]
+                else:
+                    self._span[key] = span
+        frame.on_commit(apply)
+        return sum(k for k, _ in done.values())
+
+    def promote(self, frame: Frame, key: Hashable) -> int:
+        """Issue promotions of every BASE pair of ``key`` not yet in flight (whatever the
+        reserve); raises :class:`~kvops.runtime.OutOfPages` if the pool cannot hold them."""
+        issued = self._promote(frame, 1 << 30, only=key)
+        frame.on_commit(self._count)
+        return issued
+
+    def drain(self) -> None:
+        """Wait for every promotion in flight (the caller then settles them with ``step``)."""
+        for pr in [*self._orphans, *(p for s in self._flight.values() for p in s)]:
+            if pr.done is not None:
+                pr.done.synchronize()

@@ -1,0 +1,396 @@
+"""The ElasticKV fidelity policy (kvops.runtime.fidelity) over the pager: demotion frees pages
+and leaves every BASE block decoding as the codec defines, promotion restores TARGET bit for bit,
+an aborted frame leaves the pool's bytes and the tables as they were, and no page leaks.
+
+Each session's true K/V (what was written at reserve time) is kept beside the pool; the oracle
+reads a session's rows through the committed tables (``elastic_rows``, which decodes BASE halves
+through torch's float8 dtypes) and compares them with the truth: exact for TARGET blocks, the
+codec's BASE for BASE blocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import kvops  # noqa: F401  (registers the ops)
+from kvops.layouts import codecs
+from kvops.runtime import OutOfPages, Pager, apply_copies
+from kvops.runtime.fidelity import BASE, PROMOTING, TARGET, Fidelity
+from tests.oracles_elastic import elastic_oracle, elastic_rows
+
+HKV, D = 2, 16
+
+
+class World:
+    """A pager, a K and a V pool, a fidelity policy, and every session's true K/V rows."""
+
+    def __init__(self, P=48, S=8, B=6, L=24, dtype=torch.float16, device="cpu", **kw):
+        self.S, self.dtype = S, dtype
+        self.pager = Pager(P, S, B, L, device=device)
+        self.k = torch.randn(P, S, HKV, D, device=device).to(dtype)
+        self.v = torch.randn(P, S, HKV, D, device=device).to(dtype)
+        self.fid = Fidelity(self.pager, [self.k, self.v], **kw)
+        self.truth: dict = {}
+
+    def grow(self, f, key, n):
+        """Reserve ``n`` tokens of ``key`` in frame ``f`` and write their K/V after commit."""
+        old = f.length(key) if f.has(key) else 0
+        f.reserve(key, n)
+        return key, old, old + n
+
+    def write(self, key, old, new, copies=()):
+        """After the commit: run its copy-on-write copies, then write the new tokens."""
+        apply_copies(self.k, self.v, list(copies))
+        pages = self.pager.pages(key)
+        kv = torch.randn(2, new - old, HKV, D).to(self.dtype)
+        for t in range(old, new):
+            page, row = pages[t // self.S], t % self.S
+            self.k[page, row] = kv[0, t - old].to(self.k.device)
+            self.v[page, row] = kv[1, t - old].to(self.v.device)
+        tk, tv = self.truth.get(key, (kv[0, :0], kv[1, :0]))
+        self.truth[key] = (torch.cat([tk, kv[0]]), torch.cat([tv, kv[1]]))
+
+    def tables(self):
+        t = self.pager.host_tables
+        return (torch.from_numpy(t["block_table"].copy()), torch.from_numpy(t["seq_lens"].copy()),
+                torch.from_numpy(t["base_span"].copy()))
+
+    def check(self, key):
+        """The session's rows through the tables equal its truth (BASE blocks as the codec's
+        BASE), and the fidelity state table agrees with the span."""
+        bt, sl, span = self.tables()
+        slot = self.pager.slot(key)
+        k, v = elastic_rows(slot, self.k.cpu(), self.v.cpu(), bt, sl, base_span=span)
+        tk, tv = self.truth[key]
+        first, end = self.fid.span(key)
+        assert (int(span[slot, 0]), int(span[slot, 1])) == ((first, end) if end > first
+                                                           else (0, 0))
+        states = self.fid.block_states(key)
+        for j in range(len(states)):
+            rows = slice(j * self.S, min((j + 1) * self.S, len(tk)))
+            if first <= j < end:
+                assert states[j] in (BASE, PROMOTING)
+                for got, want in ((k, tk), (v, tv)):
+                    base, _ = codecs.encode(want[rows], self.fid.codec)
+                    exp = codecs.decode(base, self.dtype).double()
+                    assert torch.equal(got[rows], exp), f"{key} block {j} (BASE)"
+            else:
+                assert states[j] == TARGET
+                assert torch.equal(k[rows], tk[rows].double()), f"{key} block {j} (K)"
+                assert torch.equal(v[rows], tv[rows].double()), f"{key} block {j} (V)"
+
+    def check_all(self):
+        for key in self.pager.sessions():
+            self.check(key)
+        used = sum(1 for p in range(self.pager.num_pages) if self.pager.refcount(p) > 0)
+        assert used + self.pager.free_pages == self.pager.num_pages
+
+
+def start(w: World, lengths: dict):
+    with w.pager.frame() as f:
+        grown = [w.grow(f, key, n) for key, n in lengths.items()]
+    for g in grown:
+        w.write(*g, f.result.copies)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_demote_then_promote_round_trip(dtype):
+    torch.manual_seed(0)
+    w = World(dtype=dtype, min_batch=4, protect_recent=1)
+    start(w, {"a": 9 * w.S + 3, "b": 6 * w.S, "c": 2 * w.S + 1})
+    free0 = w.pager.free_pages
+    with w.pager.frame() as f:
+        got = w.fid.step(f, need=free0 + 5)
+    assert got["demoted"] == 5                      # the shortage (5) beats min_batch (4)
+    assert w.pager.free_pages == free0 + 5          # one page back a pair
+    assert w.fid.stats["demotion_batches"] == 1 and w.fid.stats["base_blocks"] == 10
+    w.check_all()
+    # attention through the tables: the op (BASE via base_span) against the float64 oracle
+    bt, sl, span = w.tables()
+    q = torch.randn(w.pager.max_sessions, 2 * HKV, D).to(dtype)
+    kw = w.fid.attention_kwargs()
+    assert set(kw) == {"base_span"}
+    out, lse = torch.ops.kvops.elastic_attention(
+        q, w.k, w.v, w.pager.device_tables["block_table"], w.pager.device_tables["seq_lens"], **kw)
+    want, want_lse = elastic_oracle(q, w.k, w.v, bt, sl, base_span=span)
+    live = sl > 0
+    torch.testing.assert_close(out[live].double(), want[live], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse[live].double(), want_lse[live], atol=1e-3, rtol=1e-3)
+    # promotion: issued when nothing is short and the reserve has room, mapped a step later
+    with w.pager.frame() as f:
+        got = w.fid.step(f, need=0)
+    assert got["promoted"] == 5 and w.fid.stats["in_flight"] == 5
+    w.check_all()                                   # BASE still executes while in flight
+    assert (w.fid.block_states("a") == PROMOTING).sum() > 0
+    with w.pager.frame() as f:
+        got = w.fid.step(f, need=0)
+    assert got["settled"] == 5 and w.fid.stats["promoted"] == 5
+    assert w.pager.free_pages == free0 and w.fid.attention_kwargs() == {}
+    w.check_all()                                   # TARGET again, bit for bit
+
+
+def test_min_batch_spreads_over_sessions():
+    torch.manual_seed(1)
+    w = World(P=64, L=16, min_batch=6, protect_recent=2)
+    start(w, {k: 10 * w.S for k in "abc"})
+    with w.pager.frame() as f:
+        assert w.fid.step(f, need=w.pager.free_pages + 1)["demoted"] == 6
+    assert [w.fid.span(k) for k in "abc"] == [(0, 4)] * 3     # two pairs each
+    w.check_all()
+
+
+def test_protected_blocks_are_never_demoted():
+    torch.manual_seed(2)
+    w = World(P=40, min_batch=16, protect_first=1, protect_recent=3)
+    start(w, {"a": 8 * w.S + 5})          # 9 blocks: 1 sink, 3 recent (incl. the tail)
+    with w.pager.frame() as f:
+        assert w.fid.step(f, need=w.pager.free_pages + 1)["demoted"] == 2
+    assert w.fid.span("a") == (1, 5)
+    w.check_all()
+
+
+def test_reserve_holds_back_promotion_then_decays():
+    torch.manual_seed(3)
+    w = World(P=24, min_batch=4, protect_recent=1, reserve_decay=0.5)
+    start(w, {"a": 12 * w.S})
+    with w.pager.frame() as f:
+        w.fid.step(f, need=w.pager.free_pages + 4)           # 4 pairs -> 4 pages freed
+    free = w.pager.free_pages
+    assert w.fid.reserve == 4
+    promoted = []
+    for _ in range(2):                                        # spare = free - need - reserve
+        with w.pager.frame() as f:
+            promoted.append(w.fid.step(f, need=free - 5)["promoted"])
+    assert promoted == [0, 1]          # spare 5 - 4 = 1, then 5 - 2 = 3: one pair (two pages)
+
+
+def test_eager_promotion_without_reserve():
+    w = World(P=24, min_batch=2, protect_recent=1, reserve_decay=0.0)
+    start(w, {"a": 12 * w.S})
+    with w.pager.frame() as f:
+        w.fid.step(f, need=w.pager.free_pages + 2)
+    with w.pager.frame() as f:
+        assert w.fid.step(f, need=0)["promoted"] == 2
+
+
+def test_aborted_frame_leaves_pool_and_tables_unchanged():
+    torch.manual_seed(4)
+    w = World(min_batch=3, protect_recent=1)
+    start(w, {"a": 7 * w.S, "b": 5 * w.S})
+    k0, v0, t0 = w.k.clone(), w.v.clone(), [t.clone() for t in w.tables()]
+    free0, epoch = w.pager.free_pages, w.pager.epoch
+    with pytest.raises(RuntimeError, match="boom"):
+        with w.pager.frame() as f:
+            assert w.fid.step(f, need=free0 + 3)["demoted"] == 3
+            raise RuntimeError("boom")
+    assert torch.equal(w.k.view(torch.uint8), k0.view(torch.uint8))
+    assert torch.equal(w.v.view(torch.uint8), v0.view(torch.uint8))
+    assert all(torch.equal(a, b) for a, b in zip(w.tables(), t0))
+    assert (w.pager.free_pages, w.pager.epoch) == (free0, epoch)
+    assert w.fid.span("a") == (0, 0) and w.fid.stats["demoted"] == 0
+    w.check_all()
+    # an aborted promotion: its held pages go back, the pair stays BASE
+    with w.pager.frame() as f:
+        w.fid.step(f, need=free0 + 3)
+    with pytest.raises(RuntimeError, match="boom"):
+        with w.pager.frame() as f:
+            assert w.fid.step(f, need=0)["promoted"] == 3
+            raise RuntimeError("boom")
+    assert w.fid.stats["in_flight"] == 0 and w.pager.free_pages == free0 + 3
+    w.check_all()
+
+
+def test_alias_of_base_blocks_and_trim_inside_span_are_refused():
+    torch.manual_seed(5)
+    w = World(min_batch=2, protect_first=1, protect_recent=1)
+    start(w, {"a": 7 * w.S})
+    with w.pager.frame() as f:
+        w.fid.step(f, need=w.pager.free_pages + 2)
+    assert w.fid.span("a") == (1, 5)
+    k0, free0 = w.k.clone(), w.pager.free_pages
+    with pytest.raises(ValueError, match="alias: session 'x' would share BASE block 1"):
+        with w.pager.frame() as f:
+            f.alias("x", "a", 3 * w.S)
+    with pytest.raises(ValueError, match="trim: block 2 of 'a' is BASE"):
+        with w.pager.frame() as f:
+            f.trim("a", [2])
+    assert torch.equal(w.k.view(torch.uint8), k0.view(torch.uint8))
+    assert w.pager.free_pages == free0 and "x" not in w.pager.sessions()
+    with w.pager.frame() as f:              # a prefix before the span may still be shared
+        f.alias("x", "a", w.S)
+    w.truth["x"] = tuple(t[: w.S] for t in w.truth["a"])
+    w.check_all()
+
+
+def test_session_end_with_promotion_in_flight_leaks_nothing():
+    torch.manual_seed(6)
+    w = World(min_batch=2, protect_recent=1)
+    start(w, {"a": 8 * w.S, "b": 6 * w.S})
+    with w.pager.frame() as f:
+        w.fid.step(f, need=w.pager.free_pages + 4)
+    with w.pager.frame() as f:
+        assert w.fid.step(f, need=0)["promoted"] == 4
+    with w.pager.frame() as f:
+        f.trim("a")
+        f.trim("b")
+    assert w.fid.stats["in_flight"] == 4
+    w.fid.drain()
+    with w.pager.frame() as f:
+        w.fid.step(f)
+    assert w.pager.free_pages == w.pager.num_pages
+    assert w.fid.stats["in_flight"] == 0 and w.fid.stats["base_blocks"] == 0
+
+
+def test_promote_one_session_and_out_of_pages():
+    torch.manual_seed(7)
+    w = World(P=16, min_batch=4, protect_recent=1)
+    start(w, {"a": 10 * w.S, "b": 5 * w.S})           # 15 of 16 pages
+    with w.pager.frame() as f:
+        w.fid.step(f, need=w.pager.free_pages + 4)
+    spans = {k: w.fid.span(k) for k in "ab"}
+    with pytest.raises(OutOfPages):
+        with w.pager.frame() as f:
+            f.reserve("c", 4 * w.S)                    # take all but one free page
+            w.fid.promote(f, "a")
+    assert {k: w.fid.span(k) for k in "ab"} == spans and w.fid.stats["in_flight"] == 0
+    w.check_all()
+    with w.pager.frame() as f:
+        n = w.fid.promote(f, "b")
+    assert n == (spans["b"][1] - spans["b"][0]) // 2 and w.fid.stats["in_flight"] == n
+    with w.pager.frame() as f:
+        w.fid.step(f, need=w.pager.free_pages)
+    assert w.fid.span("b") == (0, 0)
+    w.check_all()
+
+
+def test_bad_arguments_name_themselves():
+    pager = Pager(8, 8, 2, 4)
+    k = torch.zeros(8, 8, HKV, D, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"caches\[1\]: expected torch.float16"):
+        Fidelity(pager, [k, k.float()])
+    with pytest.raises(ValueError, match="min_batch: expected an int >= 1, got 0"):
+        Fidelity(pager, [k], min_batch=0)
+    with pytest.raises(ValueError, match="reserve_decay"):
+        Fidelity(pager, [k], reserve_decay=1.0)
+    with pytest.raises(ValueError, match="codec: expected one of"):
+        Fidelity(pager, [k], codec="e4m3")
+    fid = Fidelity(pager, [k])
+    with pytest.raises(ValueError, match="need: expected an int >= 0, got -1"):
+        with pager.frame() as f:
+            fid.step(f, need=-1)
+
+
+class FidelityMachine(RuleBasedStateMachine):
+    """Random growth, session ends, shortages, promotions and aliases; after every step each
+    session reads back its truth (BASE blocks as the codec's BASE) and no page is lost."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = World(P=40, S=8, B=5, L=12, min_batch=2, protect_recent=1, reserve_decay=0.5)
+        self.n = 0
+
+    @rule(n=st.integers(1, 40), data=st.data())
+    def grow(self, n, data):
+        keys = self.w.pager.sessions()
+        if keys and data.draw(st.booleans()):
+            key = data.draw(st.sampled_from(keys))
+        else:
+            key, self.n = f"s{self.n}", self.n + 1
+        try:
+            with self.w.pager.frame() as f:
+                g = self.w.grow(f, key, n)
+        except (OutOfPages, ValueError):
+            return
+        self.w.write(*g, f.result.copies)
+
+    @precondition(lambda self: self.w.pager.sessions())
+    @rule(data=st.data())
+    def end(self, data):
+        key = data.draw(st.sampled_from(self.w.pager.sessions()))
+        with self.w.pager.frame() as f:
+            f.trim(key)
+        del self.w.truth[key]
+
+    @rule(extra=st.integers(-12, 6))
+    def step(self, extra):
+        with self.w.pager.frame() as f:      # short of pages by ``extra`` when positive
+            self.w.fid.step(f, need=max(0, self.w.pager.free_pages + extra))
+
+    @precondition(lambda self: self.w.pager.sessions())
+    @rule(data=st.data())
+    def promote(self, data):
+        key = data.draw(st.sampled_from(self.w.pager.sessions()))
+        try:
+            with self.w.pager.frame() as f:
+                self.w.fid.promote(f, key)
+        except OutOfPages:
+            pass
+
+    @precondition(lambda self: self.w.pager.sessions())
+    @rule(data=st.data(), blocks=st.integers(0, 6))
+    def alias(self, data, blocks):
+        src = data.draw(st.sampled_from(self.w.pager.sessions()))
+        n = min(blocks * self.w.S, self.w.pager.length(src))
+        first, end = self.w.fid.span(src)
+        dst, self.n = f"s{self.n}", self.n + 1
+        try:
+            with self.w.pager.frame() as f:
+                f.alias(dst, src, n)
+        except ValueError:
+            assert end > first and -(-n // self.w.S) > first
+            return
+        except OutOfPages:
+            return
+        self.w.truth[dst] = tuple(t[:n] for t in self.w.truth[src])
+
+    @invariant()
+    def consistent(self):
+        self.w.check_all()
+
+    def teardown(self):
+        with self.w.pager.frame() as f:
+            for key in self.w.pager.sessions():
+                f.trim(key)
+        self.w.fid.drain()
+        with self.w.pager.frame() as f:
+            self.w.fid.step(f)
+        assert self.w.pager.free_pages == self.w.pager.num_pages
+
+
+TestFidelityMachine = FidelityMachine.TestCase
+TestFidelityMachine.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@given(seed=st.integers(0, 2**16))
+@settings(max_examples=5, deadline=None)
+def test_cuda_side_stream_promotion(seed):
+    """On CUDA: pinned backings, the side stream's refine, and attention reading BASE while the
+    promotion is in flight, then TARGET once it is mapped."""
+    torch.manual_seed(seed)
+    w = World(P=64, S=16, B=4, L=16, dtype=torch.bfloat16, device="cuda", min_batch=4,
+              protect_recent=1)
+    start(w, {"a": 9 * w.S + 2, "b": 7 * w.S})
+    with w.pager.frame() as f:
+        w.fid.step(f, need=w.pager.free_pages + 6)
+    assert all(p.backing.is_pinned() for p in w.fid._pairs.values())
+    with w.pager.frame() as f:
+        assert w.fid.step(f, need=0)["promoted"] == 6
+    q = torch.randn(4, 2 * HKV, D, device="cuda").to(torch.bfloat16)
+    out, _ = torch.ops.kvops.elastic_attention(
+        q, w.k, w.v, w.pager.device_tables["block_table"], w.pager.device_tables["seq_lens"],
+        **w.fid.attention_kwargs())
+    bt, sl, span = w.tables()
+    want, _ = elastic_oracle(q, w.k, w.v, bt, sl, base_span=span)
+    torch.testing.assert_close(out[:2].double().cpu(), want[:2], atol=2e-2, rtol=2e-2)
+    w.check_all()
+    w.fid.drain()
+    with w.pager.frame() as f:
+        assert w.fid.step(f, need=0)["settled"] == 6
+    torch.cuda.synchronize()
+    w.check_all()
