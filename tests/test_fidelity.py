@@ -241,8 +241,24 @@ def test_session_end_with_promotion_in_flight_leaks_nothing():
     w.fid.drain()
     with w.pager.frame() as f:
         w.fid.step(f)
-    assert w.pager.free_pages == w.pager.num_pages
+    assert w.pager.free_pages == w.pager.num_pages and w.fid._host.free == w.pager.num_pages // 2
     assert w.fid.stats["in_flight"] == 0 and w.fid.stats["base_blocks"] == 0
+
+
+def test_host_pairs_bound_demotion_and_slots_come_back():
+    torch.manual_seed(8)
+    w = World(P=48, min_batch=8, protect_recent=1, host_pairs=3)
+    start(w, {"a": 9 * w.S, "b": 9 * w.S})
+    with w.pager.frame() as f:
+        assert w.fid.step(f, need=w.pager.free_pages + 8)["demoted"] == 3
+    assert w.fid._host.free == 0
+    w.check_all()
+    with w.pager.frame() as f:
+        w.fid.promote(f, "a")
+    with w.pager.frame() as f:
+        w.fid.step(f, need=w.pager.free_pages)              # settle, no new promotions
+    assert w.fid.span("a") == (0, 0) and w.fid._host.free == 3 - len(w.fid._pairs)
+    w.check_all()
 
 
 def test_promote_one_session_and_out_of_pages():
@@ -360,6 +376,7 @@ class FidelityMachine(RuleBasedStateMachine):
         with self.w.pager.frame() as f:
             self.w.fid.step(f)
         assert self.w.pager.free_pages == self.w.pager.num_pages
+        assert self.w.fid._host.free == self.w.pager.num_pages // 2
 
 
 TestFidelityMachine = FidelityMachine.TestCase
@@ -378,7 +395,7 @@ def test_cuda_side_stream_promotion(seed):
     start(w, {"a": 9 * w.S + 2, "b": 7 * w.S})
     with w.pager.frame() as f:
         w.fid.step(f, need=w.pager.free_pages + 6)
-    assert all(p.backing.is_pinned() for p in w.fid._pairs.values())
+    assert all(c.is_pinned() for c in w.fid._host.chunks.values())
     with w.pager.frame() as f:
         assert w.fid.step(f, need=0)["promoted"] == 6
     q = torch.randn(4, 2 * HKV, D, device="cuda").to(torch.bfloat16)

@@ -33,11 +33,12 @@ Promotion (asynchronous, on a side stream)
     is its "eager promotion" ablation).
 
 Host backing
-    Kept per BASE page: the pair's backing for every cache, ``[caches, 2, S, Hkv, D]`` (uint8
-    low bytes for float16 codecs, the bfloat16 values for e4m3), a view of one pinned buffer
-    per demotion batch (the buffer lives until every pair of the batch is promoted or its
-    session ends). A promotion batch gathers its pairs' backings into one pinned staging
-    buffer, copies it up once and refines each cache with one call.
+    A host pool of slots ``[caches, 2, S, Hkv, D]`` (uint8 low bytes for float16 codecs, the
+    bfloat16 values for e4m3), pinned on CUDA in chunks of 64 slots allocated on first use,
+    holds each BASE pair's backing for every cache (``host_pairs`` slots at most; demotion
+    stops when they are taken). A batch takes consecutive slots where it can, so a demotion
+    copies its backings down, and a promotion up, in one copy a run of slots, on the side
+    stream. A slot goes back when its pair is promoted or its session ends.
 
 What it does not do (checked, and refused with ``ValueError``)
     ``alias`` of a prefix holding BASE blocks and trimming a BASE block abort their frame:
@@ -59,6 +60,7 @@ blocks, BASE exposure (BASE blocks / live blocks) now and its mean over steps.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -67,17 +69,59 @@ import numpy as np
 import torch
 
 from kvops.layouts import codecs
-from kvops.runtime.pager import Frame, Pager
+from kvops.runtime.pager import Frame, Pager, SpanAllocator
 
 TARGET, BASE, PROMOTING = 0, 1, 2
 
 
+class _HostPool:
+    """Host slots for pair backings, ``[caches, 2, S, Hkv, D]`` each, pinned on CUDA: chunks of
+    ``chunk`` slots allocated when first used, slots handed out as contiguous runs (the
+    pager's span allocator), so a batch's backings move in a few copies and nothing is
+    pinned per batch."""
+
+    def __init__(self, slot_shape, dtype, pin: bool, capacity: int, chunk: int = 64):
+        self.slot_shape, self.dtype, self.pin, self.chunk = tuple(slot_shape), dtype, pin, chunk
+        self.alloc = SpanAllocator(capacity)
+        self.chunks: dict[int, torch.Tensor] = {}
+
+    @property
+    def free(self) -> int:
+        return self.alloc.free
+
+    def take(self, n: int) -> list[int]:
+        slots = [s for start, k in self.alloc.take(n) for s in range(start, start + k)]
+        for c in {s // self.chunk for s in slots} - self.chunks.keys():
+            self.chunks[c] = torch.empty((self.chunk, *self.slot_shape), dtype=self.dtype,
+                                         pin_memory=self.pin)
+        return slots
+
+    def give(self, slot: int) -> None:
+        self.alloc.give(slot)
+
+    def runs(self, slots: list[int]) -> list[tuple[int, int, int]]:
+        """``(i, slot, k)``: slots[i: i + k] are ``slot .. slot + k - 1`` in one chunk."""
+        out, i = [], 0
+        while i < len(slots):
+            k = 1
+            while i + k < len(slots) and slots[i + k] == slots[i] + k and \
+                    (slots[i] + k) % self.chunk:
+                k += 1
+            out.append((i, slots[i], k))
+            i += k
+        return out
+
+    def view(self, slot: int, k: int = 1) -> torch.Tensor:
+        c, at = divmod(slot, self.chunk)
+        return self.chunks[c][at: at + k]
+
+
 @dataclass
 class _Pair:
-    """A BASE pair page: the session and first block it holds, and its host backing."""
+    """A BASE pair page: the session and first block it holds, and its host backing slot."""
     key: Hashable
     j: int
-    backing: torch.Tensor                  # [caches, 2, S, Hkv, D] (host)
+    slot: int
 
 
 @dataclass
@@ -85,6 +129,7 @@ class _Promotion:
     key: Hashable
     j: int
     page: int                              # the BASE page (retained while in flight)
+    slot: int                              # its host backing slot
     new: tuple[int, int]                   # the refined pages (held)
     done: object                           # torch.cuda.Event, or None when already done
     keep: list = field(default_factory=list)   # device tensors the side stream still reads
@@ -112,11 +157,16 @@ class Fidelity:
         Free pages promotion always leaves.
     max_promote : int
         Promotions issued per step at most.
+    host_pairs : int or None
+        Pairs the host backing pool holds at most (default: half the pager's pages, every
+        pair the pool could form). Each takes ``caches * 2 * S * Hkv * D`` backing bytes (one
+        byte a value for float16 codecs, two for e4m3), pinned in chunks of 64 pairs as used.
     """
 
     def __init__(self, pager: Pager, caches: Sequence[torch.Tensor], codec: str | None = None,
                  *, min_batch: int = 16, protect_first: int = 0, protect_recent: int = 2,
-                 reserve_decay: float = 0.9, headroom: int = 0, max_promote: int = 16):
+                 reserve_decay: float = 0.9, headroom: int = 0, max_promote: int = 16,
+                 host_pairs: int | None = None):
         if not caches:
             raise ValueError("caches: expected at least one [P, S, Hkv, D] pool, got none")
         first = caches[0]
@@ -136,6 +186,9 @@ class Fidelity:
             if not isinstance(v, int) or v < (1 if name == "min_batch" else 0):
                 raise ValueError(f"{name}: expected an int >= {1 if name == 'min_batch' else 0}"
                                  f", got {v!r}")
+        host_pairs = pager.num_pages // 2 if host_pairs is None else host_pairs
+        if not isinstance(host_pairs, int) or host_pairs < 1:
+            raise ValueError(f"host_pairs: expected an int >= 1, got {host_pairs!r}")
         if not 0.0 <= reserve_decay < 1.0:
             raise ValueError(f"reserve_decay: expected a float in [0, 1), got {reserve_decay!r}")
         self.pager, self.caches = pager, list(caches)
@@ -146,12 +199,15 @@ class Fidelity:
         self.device = first.device
         self._cuda = self.device.type == "cuda"
         self._side = torch.cuda.Stream(self.device) if self._cuda else None
+        self._host = _HostPool((len(self.caches), 2, *first.shape[1:]),
+                               codecs.backing_dtype(self.codec, first.dtype), self._cuda,
+                               host_pairs)
         self._span: dict[Hashable, tuple[int, int]] = {}       # committed spans
         self._pairs: dict[int, _Pair] = {}                      # BASE page -> pair
         self._by_key: dict[Hashable, set[int]] = {}             # session -> its BASE pages
         self._flight: dict[Hashable, list[_Promotion]] = {}     # per session, top pair first
         self._orphans: list[_Promotion] = []                    # sessions ended in flight
-        self._d2h: list[tuple[object, list]] = []               # (event, device backings)
+        self._d2h: list[tuple[object, torch.Tensor]] = []       # (event, device backing)
         self._mine: set[tuple[Hashable, int]] = set()           # this frame's own remaps
         self.reserve = 0.0
         self.stats = {"demoted": 0, "promoted": 0, "demotion_batches": 0, "in_flight": 0,
@@ -193,9 +249,13 @@ class Fidelity:
         """Host state after a committed EOS: drop the session's pairs; promotions in flight
         become orphans, released once their side-stream work is done."""
         self._span.pop(key)
+        flying = self._flight.pop(key, [])
+        busy = {pr.page for pr in flying}       # their slots go back once the copy is done
         for page in self._by_key.pop(key, ()):
-            del self._pairs[page]
-        self._orphans.extend(self._flight.pop(key, []))
+            pair = self._pairs.pop(page)
+            if page not in busy:
+                self._host.give(pair.slot)
+        self._orphans.extend(flying)
 
     # -- reads -------------------------------------------------------------------------------
     def span(self, key: Hashable) -> tuple[int, int]:
@@ -258,52 +318,51 @@ class Fidelity:
         st["exposure"] = base / live if live else 0.0
 
     # -- demotion ------------------------------------------------------------------------------
-    def _candidates(self, frame: Frame, key) -> tuple[int, int, int]:
-        """(first, end, pairs it could demote now) for a committed session in this frame."""
+    def _start(self, frame: Frame, key) -> tuple[int, int, int] | None:
+        """(first, next pair's block, demotion limit) of a committed session, or None when
+        it cannot grow its span now. The limit keeps the last ``protect_recent`` blocks and
+        a partly filled one TARGET."""
+        if key in self._flight:             # the span's top is promoting: do not grow past it
+            return None
         S = self.pager.page_size
         n = frame.length(key)
-        nb_full, nb = n // S, -(-n // S)
-        limit = min(nb_full, nb - self.protect_recent)
+        limit = min(n // S, -(-n // S) - self.protect_recent)
         first, end = self._span.get(key, (0, 0))
-        if key in self._flight:             # the span's top is promoting: do not grow past it
-            return first, end, 0
-        if first == end:
-            first = end = self.protect_first
+        if first == end:                    # a new span starts at the first eligible pair
+            end = self.protect_first
             while end + 1 < limit and not self._eligible(frame, key, end):
                 end += 1
             first = end
-        count, j = 0, end
-        while j + 1 < limit and self._eligible(frame, key, j):
-            count += 1
-            j += 2
-        return first, end, count
+        return (first, end, limit) if end + 1 < limit else None
 
     def _eligible(self, frame: Frame, key, j: int) -> bool:
         a, b = frame.page(key, j), frame.page(key, j + 1)
         return a >= 0 and b >= 0 and a != b and frame.refcount(a) == 1 and frame.refcount(b) == 1
 
     def _demote(self, frame: Frame, want: int) -> int:
-        import heapq
+        """Pick up to ``want`` pairs, the next one always from the session with the smallest
+        BASE share (each session's pairs checked only as they are reached), and pack them."""
         S = self.pager.page_size
         heap, plan = [], {}
         for key in self.pager.sessions():
-            if not frame.has(key):
-                continue
-            first, end, count = self._candidates(frame, key)
-            if count:
+            got = self._start(frame, key) if frame.has(key) else None
+            if got is not None:
+                first, end, limit = got
                 nb = -(-frame.length(key) // S)
-                plan[key] = [first, end, count, 0]
+                plan[key] = [first, end, end, limit]          # first, span end, next, limit
                 heapq.heappush(heap, ((end - first) / nb, len(plan), key, nb))
         rows, who = [], []
+        want = min(want, self._host.free)
         while heap and len(rows) < want:
             _, order, key, nb = heapq.heappop(heap)
             p = plan[key]
-            j = p[1] + 2 * p[3]
+            j = p[2]
+            if j + 1 >= p[3] or not self._eligible(frame, key, j):
+                continue                                      # this session's span stops here
             rows.append((frame.page(key, j), frame.page(key, j + 1)))
             who.append((key, j))
-            p[3] += 1
-            if p[3] < p[2]:
-                heapq.heappush(heap, ((j + 2 - p[0]) / nb, order, key, nb))
+            p[2] = j + 2
+            heapq.heappush(heap, ((j + 2 - p[0]) / nb, order, key, nb))
         if not rows:
             return 0
         pairs = torch.tensor([(a, b, a) for a, b in rows], dtype=torch.int32,
@@ -315,14 +374,15 @@ class Fidelity:
                                device=self.device)
             torch.ops.kvops.pack_base_pairs(cache, pairs, back, self.codec)
             backs.append(back)
-        frame.on_abort(lambda: self._undo_pack(pairs, backs))
-        host = self._to_host(torch.stack(backs))       # [C, N, 2, S, Hkv, D]
+        slots = self._host.take(len(rows))
+        frame.on_abort(lambda: self._undo_pack(pairs, backs, slots))
+        self._to_host(torch.stack(backs, dim=1), slots)       # [N, C, 2, S, Hkv, D]
         new_pairs: dict[int, _Pair] = {}
         for n, ((a, _), (key, j)) in enumerate(zip(rows, who)):
             self._mine.add((key, j + 1))
             frame.remap(key, j + 1, a)
-            new_pairs[a] = _Pair(key, j, host[:, n])
-        spans = {key: (p[0], p[1] + 2 * p[3]) for key, p in plan.items() if p[3]}
+            new_pairs[a] = _Pair(key, j, slots[n])
+        spans = {key: (p[0], p[2]) for key, p in plan.items() if p[2] > p[1]}
         for key, (first, end) in spans.items():
             frame.edit("base_span", self.pager.slot(key), [first, end])
         def apply():
@@ -333,26 +393,30 @@ class Fidelity:
         frame.on_commit(apply)
         return len(rows)
 
-    def _to_host(self, back: torch.Tensor) -> torch.Tensor:
-        """A batch's device backing -> host. On CUDA, one pinned buffer filled on the side
-        stream after the packs (off the current stream's critical path); the device buffer
-        stays referenced until that copy is done, and promotions, issued on the same side
-        stream, follow it."""
+    def _to_host(self, back: torch.Tensor, slots: list[int]) -> None:
+        """A batch's device backing ``[N, caches, ...]`` -> its host slots, one copy a run of
+        consecutive slots. On CUDA the copies run on the side stream after the packs (off the
+        current stream's critical path); the device buffer stays referenced until they are
+        done. Every later use of a slot (a promotion's copy up, the next demotion into a slot
+        given back) is on the same stream, so it follows."""
         if not self._cuda:
-            return back
+            for i, slot, k in self._host.runs(slots):
+                self._host.view(slot, k).copy_(back[i: i + k])
+            return
         self._side.wait_stream(torch.cuda.current_stream(self.device))
-        host = torch.empty(back.shape, dtype=back.dtype, pin_memory=True)
         with torch.cuda.stream(self._side):
-            host.copy_(back, non_blocking=True)
+            for i, slot, k in self._host.runs(slots):
+                self._host.view(slot, k).copy_(back[i: i + k], non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self._side)
         self._d2h.append((ev, back))
-        return host
 
-    def _undo_pack(self, pairs: torch.Tensor, backs: list[torch.Tensor]) -> None:
+    def _undo_pack(self, pairs: torch.Tensor, backs: list[torch.Tensor], slots) -> None:
         """The frame aborted after its pack: refine the pairs back where they were."""
         for cache, back in zip(self.caches, backs):
             torch.ops.kvops.refine_base_pairs(cache, pairs, back, self.codec)
+        for slot in slots:
+            self._host.give(slot)
 
     def _reap_d2h(self) -> None:
         self._d2h = [(ev, keep) for ev, keep in self._d2h if not ev.query()]
@@ -387,28 +451,30 @@ class Fidelity:
             frame.retain(page)
         rows = torch.tensor([(held[2 * i], held[2 * i + 1], page)
                              for i, page in enumerate(pages)], dtype=torch.int32)
-        # host backings [C, m, 2, S, Hkv, D]: one gather, then one copy to the device
-        backs = [self._pairs[page].backing for page in pages]
+        # the pairs' host slots -> device [m, caches, ...] (a copy a run of slots), then
+        # [caches, m, ...] so each cache's refine reads one contiguous backing
+        slots = [self._pairs[page].slot for page in pages]
+        pool, m = self._host, len(pages)
         keep: list = []
         if self._cuda:
-            staging = torch.empty((len(self.caches), len(pages), *backs[0].shape[1:]),
-                                  dtype=backs[0].dtype, pin_memory=True)
-            torch.stack(backs, dim=1, out=staging)
             self._side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._side):
-                dev = staging.to(self.device, non_blocking=True)
+                dev = torch.empty((m, *pool.slot_shape), dtype=pool.dtype, device=self.device)
+                for i, slot, k in pool.runs(slots):
+                    dev[i: i + k].copy_(pool.view(slot, k), non_blocking=True)
+                per_cache = dev.transpose(0, 1).contiguous()
                 rows_d = rows.to(self.device, non_blocking=True)
-                for cache, back in zip(self.caches, dev):
+                for cache, back in zip(self.caches, per_cache):
                     torch.ops.kvops.refine_base_pairs(cache, rows_d, back, self.codec)
                 done = torch.cuda.Event()
                 done.record(self._side)
-            keep = [staging, dev, rows_d]
+            keep = [dev, per_cache, rows_d]
         else:
-            dev = torch.stack(backs, dim=1)
-            for cache, back in zip(self.caches, dev):
+            dev = torch.cat([pool.view(slot, k) for _, slot, k in pool.runs(slots)])
+            for cache, back in zip(self.caches, dev.transpose(0, 1).contiguous()):
                 torch.ops.kvops.refine_base_pairs(cache, rows, back, self.codec)
             done = None
-        prs = [_Promotion(key, j, page, (held[2 * i], held[2 * i + 1]), done, keep)
+        prs = [_Promotion(key, j, page, slots[i], (held[2 * i], held[2 * i + 1]), done, keep)
                for i, ((key, j), page) in enumerate(zip(picks, pages))]
         frame.on_abort(lambda: done is not None and done.synchronize())
 
@@ -425,6 +491,7 @@ class Fidelity:
             if pr.done is None or pr.done.query():
                 for p in (*pr.new, pr.page):
                     frame.release(p)
+                frame.on_commit(lambda s=pr.slot: self._host.give(s))
             else:
                 orphans_left.append(pr)
         done: dict[Hashable, tuple[int, tuple[int, int]]] = {}
@@ -454,6 +521,7 @@ class Fidelity:
                 for pr in stack[:k]:
                     del self._pairs[pr.page]
                     self._by_key[key].discard(pr.page)
+                    self._host.give(pr.slot)
                 self.stats["promoted"] += k
                 del stack[:k]
                 if not stack:
