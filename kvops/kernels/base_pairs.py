@@ -152,11 +152,13 @@ def _refine_pairs_kernel(
 # 90.9-91.8 us against 92.7-94.0 at 4096 / 8; hi8 and hi8r within 1 % either way;
 # bench/results/2026-11-30-pack-launch-session7.md). Refines take 8192-value chunks too, with
 # 8 warps for the float16 codecs and 16 for e4m3 (-refine-launch-session10.md, three timings
-# each): hi8r at S 16 took 72.0-74.7 us at 4096 / 8 (the slow end is under 3.6 TB/s, as in 6
-# of the 14 full bench runs recorded before) and 71.5 at 8192 / 8; e4m3 68.6 against 72.0 us
-# (S 16) and 275.0 against 282.9 (S 64); hi8 within 1 %. evict_last loads made packs another
-# 2-4 % faster, but they leave the dead source pages in L2 ahead of the next kernels' data (a
-# refine after such a pack: 76 against 72 us), so no hint.
+# each, medians here): hi8r at S 16 took 72.0-74.7 us at 4096 / 8 (the slow end is under
+# 3.6 TB/s, as in 5 of the 13 earlier full bench runs) and 71.5 at 8192 / 8 (70.9 at 8192 / 4,
+# which was 1.7 % slower for hi8 at S 64); e4m3 68.6 against 72.2 us (S 16) and 275.0 against
+# 282.9 (S 64); hi8 1 % faster at S 16, equal at S 64. In the bench's order (each refine right
+# after its pack) hi8r at S 64 ran 1 % slower (286.5 against 284.0). evict_last loads made
+# packs another 2-4 % faster, but they leave the dead source pages in L2 ahead of the next
+# kernels' data (a refine after such a pack: 76 against 72 us), so no hint.
 PACK_LAUNCH = (8192, 16)
 REFINE_LAUNCH = {"hi8": (8192, 8), "hi8r": (8192, 8), "e4m3": (8192, 16)}
 
