@@ -1,20 +1,22 @@
 """GPU benchmark: the ElasticKV fidelity policy's transitions (kvops.runtime.fidelity).
 
 Llama-3-8B-shaped pools (32 layers, K and V each: 64 caches of ``[P, 16, 8, 128]`` float16),
-B sessions of ``ctx`` tokens. A demotion step (``step`` with a shortage of ``pairs`` pages) runs
-one pack per cache on the current stream: its critical path is the host time of ``step`` plus
-the frame's commit, and the device time of the packs (events around the step). A promotion
-step issues ``pairs`` refinements on the side stream; the host time of that step, and the
-side stream's time until the last refine is done, are reported. GB/s: a demotion's device
-bytes (2 pages read, 1 page and the hi8 backing written, a pair and cache) over its packs'
-time; a promotion's backing bytes (one page a pair and cache, host to device) over the side
-stream's time, since that copy bounds it.
+B sessions of ``ctx`` tokens; the caches either 64 separate allocations (a pack or refine call
+each) or slices of one (one call for all, ``Fidelity``'s one-pool view). A demotion step
+(``step`` with a shortage of ``pairs`` pages) packs on the current stream: its critical path
+is the host time of ``step`` plus the frame's commit, and the device time of the packs
+(events around the step). A promotion step issues ``pairs`` refinements on the side stream;
+the host time of that step, and the side stream's time until the last refine is done, are
+reported. GB/s: a demotion's device bytes (2 pages read, 1 page and the hi8 backing written,
+a pair and cache) over its packs' time; a promotion's backing bytes (one page a pair and
+cache, host to device) over the side stream's time, since that copy bounds it.
 
     python -m bench.bench_fidelity            # writes bench/results/<date>-fidelity.md
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
@@ -27,11 +29,15 @@ from kvops.runtime.fidelity import Fidelity
 LAYERS, S, HKV, D = 32, 16, 8, 128
 
 
-def run(B: int, ctx: int, pairs: int, reps: int = 5) -> list:
+def run(B: int, ctx: int, pairs: int, one_pool: bool, reps: int = 5) -> list:
     blocks = ctx // S
     P = B * blocks + 2 * pairs + 8
-    caches = [torch.randn(P, S, HKV, D, device="cuda", dtype=torch.float16)
-              for _ in range(2 * LAYERS)]
+    if one_pool:            # K and V of every layer: slices of one allocation
+        caches = list(torch.randn(2 * LAYERS, P, S, HKV, D, device="cuda",
+                                  dtype=torch.float16).unbind(0))
+    else:
+        caches = [torch.randn(P, S, HKV, D, device="cuda", dtype=torch.float16)
+                  for _ in range(2 * LAYERS)]
     pager = Pager(P, S, B, blocks, device="cuda")
     fid = Fidelity(pager, caches, min_batch=pairs, protect_recent=2, reserve_decay=0.0,
                    max_promote=pairs)
@@ -73,11 +79,12 @@ def run(B: int, ctx: int, pairs: int, reps: int = 5) -> list:
 
 def main():
     rows = []
-    for B, ctx, pairs in [(16, 4096, 16), (16, 4096, 64), (64, 2048, 256)]:
-        got = run(B, ctx, pairs)
+    for (B, ctx, pairs), one_pool in itertools.product(
+            [(16, 4096, 16), (16, 4096, 64), (64, 2048, 256)], (False, True)):
+        got = run(B, ctx, pairs, one_pool)
         for op in ("demote", "promote (side stream)"):
             sel = [r for r in got if r[0] == op][1:]            # the first is a warm-up
-            rows.append([op, B, ctx, sel[0][3],
+            rows.append([op, "one" if one_pool else "64", B, ctx, sel[0][3],
                          *(sorted(r[i] for r in sel)[len(sel) // 2] for i in (4, 5, 6))])
         del got
         torch.cuda.empty_cache()
@@ -85,11 +92,13 @@ def main():
         f"## Fidelity transitions (Llama-3-8B pools: {2 * LAYERS} caches [P, {S}, {HKV}, {D}] "
         "float16, hi8)", "",
         "Medians of 4 timed steps after a warm-up. host us: `step` plus the frame's commit; "
+        "allocations: 64 separate caches, or one allocation sliced into them; "
         "device us: the packs (demotion, current stream; the backing's copy to host runs on "
         "the side stream) or the refines (promotion, side stream, after the backing's "
         "host-to-device copy); GB/s: demotion, 4 pages a pair and cache over the packs; "
         "promotion, the host-to-device backing (1 page a pair and cache).", "",
-        table(["step", "B", "ctx", "pairs", "host us", "device us", "GB/s"], rows)])
+        table(["step", "allocations", "B", "ctx", "pairs", "host us", "device us", "GB/s"],
+              rows)])
     write_result("fidelity", body)
     print(body)
 

@@ -28,12 +28,19 @@ HKV, D = 2, 16
 class World:
     """A pager, a K and a V pool, a fidelity policy, and every session's true K/V rows."""
 
-    def __init__(self, P=48, S=8, B=6, L=24, dtype=torch.float16, device="cpu", **kw):
+    def __init__(self, P=48, S=8, B=6, L=24, dtype=torch.float16, device="cpu", one_pool=False,
+                 **kw):
+        """``one_pool``: K and V are two slices of one allocation (one pack or refine call for
+        both); else two tensors (a call each)."""
         self.S, self.dtype = S, dtype
         self.pager = Pager(P, S, B, L, device=device)
-        self.k = torch.randn(P, S, HKV, D, device=device).to(dtype)
-        self.v = torch.randn(P, S, HKV, D, device=device).to(dtype)
+        if one_pool:
+            self.k, self.v = torch.randn(2, P, S, HKV, D, device=device).to(dtype).unbind(0)
+        else:
+            self.k = torch.randn(P, S, HKV, D, device=device).to(dtype)
+            self.v = torch.randn(P, S, HKV, D, device=device).to(dtype)
         self.fid = Fidelity(self.pager, [self.k, self.v], **kw)
+        assert (self.fid._pool is not None) == one_pool
         self.truth: dict = {}
 
     def grow(self, f, key, n):
@@ -97,10 +104,11 @@ def start(w: World, lengths: dict):
         w.write(*g, f.result.copies)
 
 
+@pytest.mark.parametrize("one_pool", [False, True], ids=["two-pools", "one-pool"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_demote_then_promote_round_trip(dtype):
+def test_demote_then_promote_round_trip(dtype, one_pool):
     torch.manual_seed(0)
-    w = World(dtype=dtype, min_batch=4, protect_recent=1)
+    w = World(dtype=dtype, one_pool=one_pool, min_batch=4, protect_recent=1)
     start(w, {"a": 9 * w.S + 3, "b": 6 * w.S, "c": 2 * w.S + 1})
     free0 = w.pager.free_pages
     with w.pager.frame() as f:
@@ -177,9 +185,10 @@ def test_eager_promotion_without_reserve():
         assert w.fid.step(f, need=0)["promoted"] == 2
 
 
-def test_aborted_frame_leaves_pool_and_tables_unchanged():
+@pytest.mark.parametrize("one_pool", [False, True], ids=["two-pools", "one-pool"])
+def test_aborted_frame_leaves_pool_and_tables_unchanged(one_pool):
     torch.manual_seed(4)
-    w = World(min_batch=3, protect_recent=1)
+    w = World(one_pool=one_pool, min_batch=3, protect_recent=1)
     start(w, {"a": 7 * w.S, "b": 5 * w.S})
     k0, v0, t0 = w.k.clone(), w.v.clone(), [t.clone() for t in w.tables()]
     free0, epoch = w.pager.free_pages, w.pager.epoch
@@ -307,7 +316,8 @@ class FidelityMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.w = World(P=40, S=8, B=5, L=12, min_batch=2, protect_recent=1, reserve_decay=0.5)
+        self.w = World(P=40, S=8, B=5, L=12, one_pool=True, min_batch=2, protect_recent=1,
+                       reserve_decay=0.5)
         self.n = 0
 
     @rule(n=st.integers(1, 40), data=st.data())
@@ -390,8 +400,8 @@ def test_cuda_side_stream_promotion(seed):
     """On CUDA: pinned backings, the side stream's refine, and attention reading BASE while the
     promotion is in flight, then TARGET once it is mapped."""
     torch.manual_seed(seed)
-    w = World(P=64, S=16, B=4, L=16, dtype=torch.bfloat16, device="cuda", min_batch=4,
-              protect_recent=1)
+    w = World(P=64, S=16, B=4, L=16, dtype=torch.bfloat16, device="cuda", one_pool=seed % 2 == 0,
+              min_batch=4, protect_recent=1)
     start(w, {"a": 9 * w.S + 2, "b": 7 * w.S})
     with w.pager.frame() as f:
         w.fid.step(f, need=w.pager.free_pages + 6)

@@ -74,6 +74,21 @@ from kvops.runtime.pager import Frame, Pager, SpanAllocator
 TARGET, BASE, PROMOTING = 0, 1, 2
 
 
+def _one_pool(caches: list[torch.Tensor]) -> torch.Tensor | None:
+    """The caches as one pool ``[caches * P, S, Hkv, D]`` when they are equal, consecutive
+    slices of one allocation (e.g. ``torch.empty(2 * layers, P, S, Hkv, D).unbind(0)``), so a
+    transition is one pack or refine call for all of them; else None (a call a cache)."""
+    c0 = caches[0]
+    step = c0.shape[0] * c0.stride(0)
+    ptr = c0.untyped_storage().data_ptr()
+    for i, c in enumerate(caches):
+        if c.stride() != c0.stride() or c.untyped_storage().data_ptr() != ptr or \
+                c.storage_offset() != c0.storage_offset() + i * step:
+            return None
+    return c0.as_strided((len(caches) * c0.shape[0], *c0.shape[1:]), c0.stride(),
+                         c0.storage_offset())
+
+
 class _HostPool:
     """Host slots for pair backings, ``[caches, 2, S, Hkv, D]`` each, pinned on CUDA: chunks of
     ``chunk`` slots allocated when first used, slots handed out as contiguous runs (the
@@ -199,6 +214,7 @@ class Fidelity:
         self.device = first.device
         self._cuda = self.device.type == "cuda"
         self._side = torch.cuda.Stream(self.device) if self._cuda else None
+        self._pool = _one_pool(self.caches)
         self._host = _HostPool((len(self.caches), 2, *first.shape[1:]),
                                codecs.backing_dtype(self.codec, first.dtype), self._cuda,
                                host_pairs)
@@ -365,18 +381,11 @@ class Fidelity:
             heapq.heappush(heap, ((j + 2 - p[0]) / nb, order, key, nb))
         if not rows:
             return 0
-        pairs = torch.tensor([(a, b, a) for a, b in rows], dtype=torch.int32,
-                             device=self.device)
-        backs = []
-        for cache in self.caches:
-            back = torch.empty((len(rows), 2, *cache.shape[1:]),
-                               dtype=codecs.backing_dtype(self.codec, cache.dtype),
-                               device=self.device)
-            torch.ops.kvops.pack_base_pairs(cache, pairs, back, self.codec)
-            backs.append(back)
+        triples = [(a, b, a) for a, b in rows]
+        back = self._pack(triples)                            # [N, caches, 2, S, Hkv, D]
         slots = self._host.take(len(rows))
-        frame.on_abort(lambda: self._undo_pack(pairs, backs, slots))
-        self._to_host(torch.stack(backs, dim=1), slots)       # [N, C, 2, S, Hkv, D]
+        frame.on_abort(lambda: self._undo_pack(triples, back, slots))
+        self._to_host(back, slots)
         new_pairs: dict[int, _Pair] = {}
         for n, ((a, _), (key, j)) in enumerate(zip(rows, who)):
             self._mine.add((key, j + 1))
@@ -411,12 +420,53 @@ class Fidelity:
             ev.record(self._side)
         self._d2h.append((ev, back))
 
-    def _undo_pack(self, pairs: torch.Tensor, backs: list[torch.Tensor], slots) -> None:
+    def _undo_pack(self, triples, back: torch.Tensor, slots) -> None:
         """The frame aborted after its pack: refine the pairs back where they were."""
-        for cache, back in zip(self.caches, backs):
-            torch.ops.kvops.refine_base_pairs(cache, pairs, back, self.codec)
+        self._refine(triples, back)
         for slot in slots:
             self._host.give(slot)
+
+    # -- the ops over every cache ----------------------------------------------------------------
+    def _rows(self, triples) -> torch.Tensor:
+        """int32 rows on the device: the triples, or for the one-pool view each triple once a
+        cache, offset by the cache's first page (pair-major, so a backing is ``[N, caches]``)."""
+        if self._pool is None:
+            flat = triples
+        else:
+            P = self.pager.num_pages
+            offs = [c * P for c in range(len(self.caches))]
+            flat = [(x + o, y + o, z + o) for x, y, z in triples for o in offs]
+        return torch.tensor(flat, dtype=torch.int32, device=self.device)
+
+    def _pack(self, triples) -> torch.Tensor:
+        """``pack_base_pairs`` of rows ``(src_a, src_b, dst)`` on every cache: one call over the
+        one-pool view, else one a cache. Returns the backing ``[N, caches, 2, S, Hkv, D]``."""
+        N, C = len(triples), len(self.caches)
+        shape = (N, C, *self._host.slot_shape[1:])
+        rows = self._rows(triples)
+        if self._pool is not None:
+            back = torch.empty(shape, dtype=self._host.dtype, device=self.device)
+            torch.ops.kvops.pack_base_pairs(self._pool, rows, back.view(N * C, *shape[2:]),
+                                            self.codec)
+            return back
+        backs = []
+        for cache in self.caches:
+            b = torch.empty((N, *shape[2:]), dtype=self._host.dtype, device=self.device)
+            torch.ops.kvops.pack_base_pairs(cache, rows, b, self.codec)
+            backs.append(b)
+        return torch.stack(backs, dim=1)
+
+    def _refine(self, triples, back: torch.Tensor) -> None:
+        """``refine_base_pairs`` of rows ``(dst_a, dst_b, base_page)`` on every cache, from
+        the contiguous backing ``[N, caches, 2, S, Hkv, D]``."""
+        N, C = back.shape[:2]
+        rows = self._rows(triples)
+        if self._pool is not None:
+            torch.ops.kvops.refine_base_pairs(self._pool, rows, back.view(N * C, *back.shape[2:]),
+                                              self.codec)
+            return
+        for c, cache in enumerate(self.caches):
+            torch.ops.kvops.refine_base_pairs(cache, rows, back[:, c].contiguous(), self.codec)
 
     def _reap_d2h(self) -> None:
         self._d2h = [(ev, keep) for ev, keep in self._d2h if not ev.query()]
@@ -449,10 +499,8 @@ class Fidelity:
         held = frame.hold(2 * len(picks))
         for page in pages:
             frame.retain(page)
-        rows = torch.tensor([(held[2 * i], held[2 * i + 1], page)
-                             for i, page in enumerate(pages)], dtype=torch.int32)
-        # the pairs' host slots -> device [m, caches, ...] (a copy a run of slots), then
-        # [caches, m, ...] so each cache's refine reads one contiguous backing
+        triples = [(held[2 * i], held[2 * i + 1], page) for i, page in enumerate(pages)]
+        # the pairs' host slots -> device [m, caches, ...], a copy a run of slots
         slots = [self._pairs[page].slot for page in pages]
         pool, m = self._host, len(pages)
         keep: list = []
@@ -462,17 +510,12 @@ class Fidelity:
                 dev = torch.empty((m, *pool.slot_shape), dtype=pool.dtype, device=self.device)
                 for i, slot, k in pool.runs(slots):
                     dev[i: i + k].copy_(pool.view(slot, k), non_blocking=True)
-                per_cache = dev.transpose(0, 1).contiguous()
-                rows_d = rows.to(self.device, non_blocking=True)
-                for cache, back in zip(self.caches, per_cache):
-                    torch.ops.kvops.refine_base_pairs(cache, rows_d, back, self.codec)
+                self._refine(triples, dev)
                 done = torch.cuda.Event()
                 done.record(self._side)
-            keep = [dev, per_cache, rows_d]
+            keep = [dev]
         else:
-            dev = torch.cat([pool.view(slot, k) for _, slot, k in pool.runs(slots)])
-            for cache, back in zip(self.caches, dev.transpose(0, 1).contiguous()):
-                torch.ops.kvops.refine_base_pairs(cache, rows, back, self.codec)
+            self._refine(triples, torch.cat([pool.view(slot, k) for _, slot, k in pool.runs(slots)]))
             done = None
         prs = [_Promotion(key, j, page, slots[i], (held[2 * i], held[2 * i + 1]), done, keep)
                for i, ((key, j), page) in enumerate(zip(picks, pages))]
