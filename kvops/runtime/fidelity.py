@@ -430,13 +430,11 @@ class Fidelity:
     def _rows(self, triples) -> torch.Tensor:
         """int32 rows on the device: the triples, or for the one-pool view each triple once a
         cache, offset by the cache's first page (pair-major, so a backing is ``[N, caches]``)."""
-        if self._pool is None:
-            flat = triples
-        else:
-            P = self.pager.num_pages
-            offs = [c * P for c in range(len(self.caches))]
-            flat = [(x + o, y + o, z + o) for x, y, z in triples for o in offs]
-        return torch.tensor(flat, dtype=torch.int32, device=self.device)
+        rows = torch.tensor(triples, dtype=torch.int32)
+        if self._pool is not None:
+            offs = torch.arange(len(self.caches), dtype=torch.int32) * self.pager.num_pages
+            rows = (rows[:, None, :] + offs[None, :, None]).reshape(-1, 3)
+        return rows.to(self.device)
 
     def _pack(self, triples) -> torch.Tensor:
         """``pack_base_pairs`` of rows ``(src_a, src_b, dst)`` on every cache: one call over the
