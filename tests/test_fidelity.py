@@ -10,6 +10,9 @@ codec's BASE for BASE blocks.
 
 from __future__ import annotations
 
+from collections import Counter
+
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -91,10 +94,28 @@ class World:
                 assert torch.equal(v[rows], tv[rows].double()), f"{key} block {j} (V)"
 
     def check_all(self):
-        for key in self.pager.sessions():
+        """Every session reads its truth; every page's refcount is its mappings plus the
+        references promotions in flight hold (two refined pages and the retained BASE page);
+        host slots taken are the BASE pairs plus orphaned promotions; unused span rows are
+        empty; the device tables are the host tables."""
+        pager, fid = self.pager, self.fid
+        for key in pager.sessions():
             self.check(key)
-        used = sum(1 for p in range(self.pager.num_pages) if self.pager.refcount(p) > 0)
-        assert used + self.pager.free_pages == self.pager.num_pages
+        want = Counter(p for key in pager.sessions() for p in pager.pages(key) if p >= 0)
+        for pr in [*fid._orphans, *(pr for stack in fid._flight.values() for pr in stack)]:
+            want.update([*pr.new, pr.page])
+        assert [pager.refcount(p) for p in range(pager.num_pages)] == \
+            [want[p] for p in range(pager.num_pages)]
+        assert sum(1 for p in range(pager.num_pages) if want[p]) + pager.free_pages == \
+            pager.num_pages
+        assert fid._host.alloc.num_pages - fid._host.free == len(fid._pairs) + len(fid._orphans)
+        if not pager.epoch:
+            return                                          # no tables before the first frame
+        live = {pager.slot(key) for key in pager.sessions()}
+        span = pager.host_tables["base_span"]
+        assert all((span[b] == 0).all() for b in range(pager.max_sessions) if b not in live)
+        for name, t in pager.device_tables.items():
+            assert np.array_equal(t.cpu().numpy(), pager.host_tables[name]), name
 
 
 def start(w: World, lengths: dict):
@@ -292,6 +313,77 @@ def test_promote_one_session_and_out_of_pages():
     w.check_all()
 
 
+def test_verbs_in_the_frame_of_a_step_see_its_edits():
+    """One frame holding a step and other verbs (a second reading found each of these broken
+    when the policy read only committed state): the session ending in its first demotion's
+    frame, the last promotion settling in the frame that ends its session, promote then step,
+    alias and trim of pairs demoted in the same frame, a second step, blocks reserved before
+    the step."""
+    S = 8
+    w = World(one_pool=True, min_batch=2, protect_recent=1)
+    start(w, {"a": 6 * S, "b": 6 * S})
+    with w.pager.frame() as f:                       # first demotion and EOS together
+        w.fid.step(f, need=w.pager.free_pages + 4)
+        f.trim("a")
+    del w.truth["a"]
+    assert w.fid.span("a") == (0, 0) and all(p.key != "a" for p in w.fid._pairs.values())
+    start(w, {"c": 5 * S})                           # reuses a's slot: its span row is empty
+    w.check_all()
+    with pytest.raises(ValueError, match="step: already called"):
+        with w.pager.frame() as f:
+            w.fid.step(f, need=0)
+            w.fid.step(f, need=0)
+    w.check_all()
+    with w.pager.frame() as f:                       # promote, then a step in the same frame
+        n = w.fid.promote(f, "b")
+        assert w.fid.step(f, need=w.pager.free_pages + 2)["demoted"] == 2  # c's, not b's
+    assert w.fid.stats["in_flight"] == n and w.fid.span("b") != (0, 0)
+    w.check_all()
+    w.fid.drain()
+    with w.pager.frame() as f:                       # b's promotions settle as b ends
+        assert w.fid.step(f, need=0)["settled"] == n
+        f.trim("b")
+    del w.truth["b"]
+    w.check_all()
+    for verb in (lambda f: f.alias("x", "c", 2 * S), lambda f: f.trim("c", [1])):
+        with pytest.raises(ValueError, match="BASE"):
+            with w.pager.frame() as f:               # c's first pairs became BASE above
+                verb(f)
+    with w.pager.frame() as f:
+        g = w.grow(f, "c", 3 * S)                    # reserved, not written yet
+        w.fid.step(f, need=w.pager.free_pages + 8)
+    w.write(*g, f.result.copies)
+    assert w.fid.span("c")[1] <= 5                   # only blocks committed before the frame
+    w.check_all()
+
+
+def test_aborted_settle_then_trim_is_refused():
+    w = World(min_batch=2, protect_recent=1)
+    start(w, {"a": 6 * w.S})
+    with w.pager.frame() as f:
+        w.fid.step(f, need=w.pager.free_pages + 2)
+    with w.pager.frame() as f:
+        w.fid.step(f, need=0)
+    with pytest.raises(RuntimeError, match="boom"):
+        with w.pager.frame() as f:
+            assert w.fid.step(f, need=0)["settled"] == 2
+            raise RuntimeError("boom")
+    with pytest.raises(ValueError, match="trim: block 0 of 'a' is BASE"):
+        with w.pager.frame() as f:
+            f.trim("a", [0])
+    with w.pager.frame() as f:
+        assert w.fid.step(f, need=0)["settled"] == 2
+    w.check_all()
+
+
+def test_attention_kwargs_always_for_a_fixed_graph():
+    w = World(min_batch=2, protect_recent=1)
+    start(w, {"a": 6 * w.S})
+    assert w.fid.attention_kwargs() == {}
+    table = w.fid.attention_kwargs(always=True)["base_span"]
+    assert table is w.pager.device_tables["base_span"] and not table.any()
+
+
 def test_bad_arguments_name_themselves():
     pager = Pager(8, 8, 2, 4)
     k = torch.zeros(8, 8, HKV, D, dtype=torch.float16)
@@ -373,6 +465,53 @@ class FidelityMachine(RuleBasedStateMachine):
         except OutOfPages:
             return
         self.w.truth[dst] = tuple(t[:n] for t in self.w.truth[src])
+
+    @rule(data=st.data(), acts=st.lists(st.sampled_from(["step", "promote", "end", "alias",
+                                                          "grow"]), min_size=2, max_size=5),
+          abort=st.booleans())
+    def mixed_frame(self, data, acts, abort):
+        """Several verbs in one frame (a step at most once), maybe aborted: the policy must
+        read its own pending edits, and an abort must leave everything as it was."""
+        w, S = self.w, self.w.S
+        grown, aliased, ended, stepped = [], [], [], False
+        try:
+            with w.pager.frame() as f:
+                for act in acts:
+                    live = [k for k in w.pager.sessions() if f.has(k)]
+                    if act == "step" and not stepped:
+                        stepped = True
+                        w.fid.step(f, need=max(0, w.pager.free_pages +
+                                               data.draw(st.integers(-8, 6))))
+                    elif act == "promote" and live:
+                        w.fid.promote(f, data.draw(st.sampled_from(live)))
+                    elif act == "end" and live:
+                        key = data.draw(st.sampled_from(live))
+                        if key not in [g[0] for g in grown]:
+                            f.trim(key)
+                            ended.append(key)
+                    elif act == "alias" and live:
+                        src = data.draw(st.sampled_from(live))
+                        n = min(data.draw(st.integers(0, 6)) * S, w.pager.length(src))
+                        dst, self.n = f"s{self.n}", self.n + 1
+                        f.alias(dst, src, n)
+                        aliased.append((dst, src, n))
+                    elif act == "grow":
+                        key = data.draw(st.sampled_from(live)) if live and \
+                            data.draw(st.booleans()) else f"s{self.n}"
+                        if key == f"s{self.n}":
+                            self.n += 1
+                        grown.append(w.grow(f, key, data.draw(st.integers(1, 20))))
+                if abort:
+                    raise RuntimeError("abort")
+        except (RuntimeError, ValueError, OutOfPages):
+            return
+        apply_copies(w.k, w.v, f.result.copies)
+        truth = {dst: tuple(t[:n] for t in w.truth[src]) for dst, src, n in aliased}
+        for g in grown:
+            w.write(*g)
+        w.truth.update(truth)
+        for key in ended:
+            del w.truth[key]
 
     @invariant()
     def consistent(self):

@@ -40,6 +40,14 @@ Host backing
     copies its backings down, and a promotion up, in one copy a run of slots, on the side
     stream. A slot goes back when its pair is promoted or its session ends.
 
+Frames
+    ``step`` runs once a frame; ``promote``, ``alias``, ``trim`` and ``reserve`` may share its
+    frame. What the policy does in a frame is kept in a pending record that its later calls
+    and its checks read, and becomes the committed state only when the frame commits (an
+    aborted frame also undoes its packs and waits for its promotions' side-stream work).
+    Blocks reserved in the frame are never demoted in it. ``attention_kwargs(always=True)``
+    passes the span table even when nothing is BASE, for a step compiled or captured once.
+
 What it does not do (checked, and refused with ``ValueError``)
     ``alias`` of a prefix holding BASE blocks and trimming a BASE block abort their frame:
     a BASE page is mapped by exactly the two blocks of one session. Promote first (``promote``
@@ -150,6 +158,22 @@ class _Promotion:
     keep: list = field(default_factory=list)   # device tensors the side stream still reads
 
 
+@dataclass
+class _Pending:
+    """What the policy did in one frame, read by its later calls in the same frame and by the
+    hook, and made the committed state only when the frame commits (:meth:`Fidelity._apply`)."""
+    frame: Frame
+    spans: dict = field(default_factory=dict)        # key -> span after the frame ((0, 0): none)
+    new_pairs: dict = field(default_factory=dict)    # page -> _Pair demoted in the frame
+    gone: set = field(default_factory=set)           # BASE pages whose promotion settled
+    settled: dict = field(default_factory=dict)      # key -> promotions settled, stack top first
+    issued: dict = field(default_factory=dict)       # key -> [_Promotion] issued in the frame
+    orphans_done: list = field(default_factory=list)
+    mine: set = field(default_factory=set)           # (key, j) the policy remapped
+    stepped: bool = False
+    demoted: int = 0
+
+
 class Fidelity:
     """ElasticKV fidelity policy over a :class:`~kvops.runtime.Pager` (module doc).
 
@@ -224,11 +248,94 @@ class Fidelity:
         self._flight: dict[Hashable, list[_Promotion]] = {}     # per session, top pair first
         self._orphans: list[_Promotion] = []                    # sessions ended in flight
         self._d2h: list[tuple[object, torch.Tensor]] = []       # (event, device backing)
-        self._mine: set[tuple[Hashable, int]] = set()           # this frame's own remaps
+        self._pend: _Pending | None = None                      # the open frame's record
         self.reserve = 0.0
         self.stats = {"demoted": 0, "promoted": 0, "demotion_batches": 0, "in_flight": 0,
                       "base_blocks": 0, "exposure": 0.0, "exposure_mean": 0.0, "steps": 0}
         pager.attach(self)
+
+    # -- this frame's pending state ------------------------------------------------------------
+    def _now(self, frame: Frame) -> _Pending:
+        """The pending record of ``frame`` (made, and its commit and abort callbacks
+        registered, on the first policy call in the frame)."""
+        pend = self._pend
+        if pend is None or pend.frame is not frame:
+            frame._open()
+            pend = self._pend = _Pending(frame)
+            frame.on_commit(lambda: self._apply(pend))
+            frame.on_abort(lambda: self._forget(pend))
+        return pend
+
+    def _of(self, frame: Frame) -> _Pending | None:
+        pend = self._pend
+        return pend if pend is not None and pend.frame is frame else None
+
+    def _span_now(self, key, pend: _Pending | None) -> tuple[int, int]:
+        if pend is not None and key in pend.spans:
+            return pend.spans[key]
+        return self._span.get(key, (0, 0))
+
+    def _flight_now(self, key, pend: _Pending | None) -> list[_Promotion]:
+        """Promotions of ``key`` in flight as of this frame, top pair first."""
+        stack = self._flight.get(key, [])
+        if pend is None:
+            return stack
+        return stack[pend.settled.get(key, 0):] + pend.issued.get(key, [])
+
+    def _pair_now(self, page: int, pend: _Pending | None) -> _Pair | None:
+        if pend is not None:
+            if page in pend.gone:
+                return None
+            if page in pend.new_pairs:
+                return pend.new_pairs[page]
+        return self._pairs.get(page)
+
+    def _set_span(self, frame: Frame, pend: _Pending, key, span: tuple[int, int]) -> None:
+        pend.spans[key] = span
+        frame.edit("base_span", self.pager.slot(key), list(span))
+
+    def _apply(self, pend: _Pending) -> None:
+        """The frame committed: its promotions settled, pairs demoted, promotions issued and
+        spans become the committed state (before any session it ended is dropped)."""
+        self._pend = None
+        for pr in pend.orphans_done:
+            self._orphans.remove(pr)
+            self._host.give(pr.slot)
+        for key, k in pend.settled.items():
+            stack = self._flight[key]
+            for pr in stack[:k]:
+                del self._pairs[pr.page]
+                self._by_key[key].discard(pr.page)
+                self._host.give(pr.slot)
+            self.stats["promoted"] += k
+            del stack[:k]
+            if not stack:
+                del self._flight[key]
+        for page, pair in pend.new_pairs.items():
+            self._pairs[page] = pair
+            self._by_key.setdefault(pair.key, set()).add(page)
+        for key, prs in pend.issued.items():
+            self._flight.setdefault(key, []).extend(prs)
+        for key, span in pend.spans.items():
+            if span == (0, 0):
+                self._span.pop(key, None)
+                if not self._by_key.get(key, True):
+                    del self._by_key[key]
+            else:
+                self._span[key] = span
+        st = self.stats
+        if pend.stepped:
+            self.reserve = self.reserve * self.reserve_decay + pend.demoted
+            st["demoted"] += pend.demoted
+            st["demotion_batches"] += int(pend.demoted > 0)
+        self._count()
+        if pend.stepped:
+            st["steps"] += 1
+            st["exposure_mean"] += (st["exposure"] - st["exposure_mean"]) / st["steps"]
+
+    def _forget(self, pend: _Pending) -> None:
+        if self._pend is pend:
+            self._pend = None
 
     # -- pager hook ----------------------------------------------------------------------------
     def tables(self) -> dict:
@@ -236,42 +343,45 @@ class Fidelity:
 
     def on_commit(self, frame: Frame, deltas, grown) -> dict:
         """Refuse edits that would break a BASE pair (alias of BASE blocks, trims inside a
-        span); clear the span row of ended sessions."""
+        span), counting this frame's own demotions and promotions; clear the span row of
+        ended sessions and drop their state once the frame has committed."""
+        pend = self._of(frame)
         for d in deltas:
-            span = self._span.get(d.key)
             if d.new:
-                shared = [j for j, p in d.after_overlay.items() if p in self._pairs]
+                shared = [j for j, p in d.after_overlay.items()
+                          if self._pair_now(p, pend) is not None]
                 if shared:
-                    src = self._pairs[d.after_overlay[shared[0]]].key
-                    raise ValueError(f"alias: session {d.key!r} would share BASE block "
-                                     f"{min(shared)} of {src!r}; promote it first "
-                                     f"(Fidelity.promote) or alias fewer blocks")
-                continue
-            if span is None:
+                    j = min(shared)
+                    src = self._pair_now(d.after_overlay[j], pend).key
+                    raise ValueError(f"alias: session {d.key!r} would share BASE block {j} of "
+                                     f"{src!r}; promote it first (Fidelity.promote) or alias "
+                                     f"fewer blocks")
                 continue
             if d.closed:
                 frame.edit("base_span", d.slot, [0, 0])
                 frame.on_commit(lambda k=d.key: self._ended(k))
                 continue
-            first, end = span
-            bad = [j for j in d.after_overlay if first <= j < end and (d.key, j) not in self._mine]
+            first, end = self._span_now(d.key, pend)
+            mine = pend.mine if pend is not None else ()
+            bad = [j for j in d.after_overlay if first <= j < end and (d.key, j) not in mine]
             if bad:
                 raise ValueError(f"trim: block {bad[0]} of {d.key!r} is BASE (span [{first}, "
                                  f"{end})); promote it first (Fidelity.promote)")
-        self._mine = set()
         return {}
 
     def _ended(self, key) -> None:
-        """Host state after a committed EOS: drop the session's pairs; promotions in flight
-        become orphans, released once their side-stream work is done."""
-        self._span.pop(key)
+        """Host state after a committed EOS: drop the session's pairs (their host slots go
+        back), and its promotions in flight become orphans, whose pages and slots go back
+        once their side-stream work is done."""
+        self._span.pop(key, None)
         flying = self._flight.pop(key, [])
-        busy = {pr.page for pr in flying}       # their slots go back once the copy is done
+        busy = {pr.page for pr in flying}
         for page in self._by_key.pop(key, ()):
             pair = self._pairs.pop(page)
             if page not in busy:
                 self._host.give(pair.slot)
         self._orphans.extend(flying)
+        self._count()
 
     # -- reads -------------------------------------------------------------------------------
     def span(self, key: Hashable) -> tuple[int, int]:
@@ -288,41 +398,38 @@ class Fidelity:
             out[pr.j: pr.j + 2] = PROMOTING
         return out
 
-    def attention_kwargs(self) -> dict:
-        """``{"base_span": table}`` while any block is BASE, else ``{}`` (the native path)."""
-        if not self._pairs:
+    def attention_kwargs(self, always: bool = False) -> dict:
+        """``{"base_span": table}`` while any block is BASE, else ``{}`` (the native path).
+        ``always``: the table whatever the state (empty spans read as TARGET), for a decode
+        step compiled or captured once, which must not switch paths between steps."""
+        if not self._pairs and not always:
             return {}
         return {"base_span": self.pager.device_tables["base_span"]}
 
     # -- the step ------------------------------------------------------------------------------
     def step(self, frame: Frame, need: int = 0) -> dict:
-        """Settle finished promotions, then demote on shortage or promote with spare pages.
-        ``need``: pages the caller takes before the next step. Returns this step's counts."""
+        """Settle finished promotions, then demote on shortage or promote with spare pages;
+        once a frame. ``need``: pages the caller takes before the next step (blocks reserved
+        in this frame are never demoted in it). Returns this step's counts."""
         if not isinstance(need, int) or need < 0:
             raise ValueError(f"need: expected an int >= 0, got {need!r}")
-        self._mine = set()
+        pend = self._now(frame)
+        if pend.stepped:
+            raise ValueError(f"step: already called in the frame of epoch {frame.epoch}; "
+                             f"call it once a frame")
+        pend.stepped = True
         self._reap_d2h()
-        settled = self._settle(frame)
+        settled = self._settle(frame, pend)
         free = self.pager._alloc.free
         short = need - free
-        demoted = promoted = 0
+        promoted = 0
         if short > 0:
-            demoted = self._demote(frame, max(short, self.min_batch))
+            pend.demoted = self._demote(frame, pend, max(short, self.min_batch))
         else:
             spare = free - need - math.ceil(self.reserve) - self.headroom
             if spare >= 2:
-                promoted = self._promote(frame, min(spare // 2, self.max_promote))
-        frame.on_commit(lambda: self._account(demoted, promoted))
-        return {"demoted": demoted, "promoted": promoted, "settled": settled}
-
-    def _account(self, demoted: int, promoted: int) -> None:
-        st = self.stats
-        self.reserve = self.reserve * self.reserve_decay + demoted
-        st["demoted"] += demoted
-        st["demotion_batches"] += int(demoted > 0)
-        self._count()
-        st["steps"] += 1
-        st["exposure_mean"] += (st["exposure"] - st["exposure_mean"]) / st["steps"]
+                promoted = self._promote(frame, pend, min(spare // 2, self.max_promote))
+        return {"demoted": pend.demoted, "promoted": promoted, "settled": settled}
 
     def _count(self) -> None:
         st = self.stats
@@ -334,16 +441,16 @@ class Fidelity:
         st["exposure"] = base / live if live else 0.0
 
     # -- demotion ------------------------------------------------------------------------------
-    def _start(self, frame: Frame, key) -> tuple[int, int, int] | None:
+    def _start(self, frame: Frame, pend: _Pending, key) -> tuple[int, int, int] | None:
         """(first, next pair's block, demotion limit) of a committed session, or None when
-        it cannot grow its span now. The limit keeps the last ``protect_recent`` blocks and
-        a partly filled one TARGET."""
-        if key in self._flight:             # the span's top is promoting: do not grow past it
+        it cannot grow its span now. The limit keeps the last ``protect_recent`` blocks, a
+        partly filled one and blocks reserved in this frame TARGET."""
+        if self._flight_now(key, pend):     # the span's top is promoting: do not grow past it
             return None
         S = self.pager.page_size
         n = frame.length(key)
-        limit = min(n // S, -(-n // S) - self.protect_recent)
-        first, end = self._span.get(key, (0, 0))
+        limit = min(min(n, self.pager.length(key)) // S, -(-n // S) - self.protect_recent)
+        first, end = self._span_now(key, pend)
         if first == end:                    # a new span starts at the first eligible pair
             end = self.protect_first
             while end + 1 < limit and not self._eligible(frame, key, end):
@@ -355,13 +462,13 @@ class Fidelity:
         a, b = frame.page(key, j), frame.page(key, j + 1)
         return a >= 0 and b >= 0 and a != b and frame.refcount(a) == 1 and frame.refcount(b) == 1
 
-    def _demote(self, frame: Frame, want: int) -> int:
+    def _demote(self, frame: Frame, pend: _Pending, want: int) -> int:
         """Pick up to ``want`` pairs, the next one always from the session with the smallest
         BASE share (each session's pairs checked only as they are reached), and pack them."""
         S = self.pager.page_size
         heap, plan = [], {}
         for key in self.pager.sessions():
-            got = self._start(frame, key) if frame.has(key) else None
+            got = self._start(frame, pend, key) if frame.has(key) else None
             if got is not None:
                 first, end, limit = got
                 nb = -(-frame.length(key) // S)
@@ -386,20 +493,13 @@ class Fidelity:
         slots = self._host.take(len(rows))
         frame.on_abort(lambda: self._undo_pack(triples, back, slots))
         self._to_host(back, slots)
-        new_pairs: dict[int, _Pair] = {}
         for n, ((a, _), (key, j)) in enumerate(zip(rows, who)):
-            self._mine.add((key, j + 1))
+            pend.mine.add((key, j + 1))
             frame.remap(key, j + 1, a)
-            new_pairs[a] = _Pair(key, j, slots[n])
-        spans = {key: (p[0], p[2]) for key, p in plan.items() if p[2] > p[1]}
-        for key, (first, end) in spans.items():
-            frame.edit("base_span", self.pager.slot(key), [first, end])
-        def apply():
-            self._pairs.update(new_pairs)
-            for page, pair in new_pairs.items():
-                self._by_key.setdefault(pair.key, set()).add(page)
-            self._span.update(spans)
-        frame.on_commit(apply)
+            pend.new_pairs[a] = _Pair(key, j, slots[n])
+        for key, p in plan.items():
+            if p[2] > p[1]:
+                self._set_span(frame, pend, key, (p[0], p[2]))
         return len(rows)
 
     def _to_host(self, back: torch.Tensor, slots: list[int]) -> None:
@@ -470,36 +570,36 @@ class Fidelity:
         self._d2h = [(ev, keep) for ev, keep in self._d2h if not ev.query()]
 
     # -- promotion -----------------------------------------------------------------------------
-    def _promote(self, frame: Frame, want: int, only: Hashable | None = None) -> int:
+    def _promote(self, frame: Frame, pend: _Pending, want: int,
+                 only: Hashable | None = None) -> int:
         """Issue up to ``want`` promotions, top pairs of the sessions with the largest BASE
         share first (``only``: that session's pairs)."""
         S = self.pager.page_size
         picks = []
-        keys = [only] if only is not None else list(self._span)
+        keys = [only] if only is not None else list({**self._span, **pend.spans})
         for key in keys:
-            if not frame.has(key) or key not in self._span:
+            first, end = self._span_now(key, pend)
+            if not frame.has(key) or end <= first:
                 continue
-            first, end = self._span[key]
-            top = end - 2 * len(self._flight.get(key, []))
+            top = end - 2 * len(self._flight_now(key, pend))
             nb = -(-frame.length(key) // S)
             for j in range(top - 2, first - 1, -2):
                 picks.append((-(j + 2 - first) / nb, key, j))
         picks.sort(key=lambda t: t[0])
         picks = [(key, j) for _, key, j in picks[:want]]
         if picks:
-            self._issue(frame, picks)
+            self._issue(frame, pend, picks)
         return len(picks)
 
-    def _issue(self, frame: Frame, picks: list[tuple[Hashable, int]]) -> None:
+    def _issue(self, frame: Frame, pend: _Pending, picks: list[tuple[Hashable, int]]) -> None:
         """One batch of promotions: hold two pages a pair, retain the BASE pages, and on the
-        side stream copy the batch's backings up in one transfer and refine each cache once."""
+        side stream copy the batch's backings up (a copy a run of host slots) and refine."""
         pages = [frame.page(key, j) for key, j in picks]
         held = frame.hold(2 * len(picks))
         for page in pages:
             frame.retain(page)
         triples = [(held[2 * i], held[2 * i + 1], page) for i, page in enumerate(pages)]
-        # the pairs' host slots -> device [m, caches, ...], a copy a run of slots
-        slots = [self._pairs[page].slot for page in pages]
+        slots = [self._pair_now(page, pend).slot for page in pages]
         pool, m = self._host, len(pages)
         keep: list = []
         if self._cuda:
@@ -515,27 +615,20 @@ class Fidelity:
         else:
             self._refine(triples, torch.cat([pool.view(slot, k) for _, slot, k in pool.runs(slots)]))
             done = None
-        prs = [_Promotion(key, j, page, slots[i], (held[2 * i], held[2 * i + 1]), done, keep)
-               for i, ((key, j), page) in enumerate(zip(picks, pages))]
+        for i, ((key, j), page) in enumerate(zip(picks, pages)):
+            pend.issued.setdefault(key, []).append(
+                _Promotion(key, j, page, slots[i], (held[2 * i], held[2 * i + 1]), done, keep))
         frame.on_abort(lambda: done is not None and done.synchronize())
 
-        def apply():
-            for pr in prs:
-                self._flight.setdefault(pr.key, []).append(pr)
-        frame.on_commit(apply)
-
-    def _settle(self, frame: Frame) -> int:
+    def _settle(self, frame: Frame, pend: _Pending) -> int:
         """Map finished promotions (each span's top pair first) and release the pages of
         orphans whose side-stream work is done."""
-        orphans_left = []
         for pr in self._orphans:
             if pr.done is None or pr.done.query():
                 for p in (*pr.new, pr.page):
                     frame.release(p)
-                frame.on_commit(lambda s=pr.slot: self._host.give(s))
-            else:
-                orphans_left.append(pr)
-        done: dict[Hashable, tuple[int, tuple[int, int]]] = {}
+                pend.orphans_done.append(pr)
+        settled = 0
         for key, stack in self._flight.items():
             k = 0
             while k < len(stack) and (stack[k].done is None or stack[k].done.query()):
@@ -544,43 +637,23 @@ class Fidelity:
                 continue
             for pr in stack[:k]:
                 n0, n1 = pr.new
-                self._mine.update({(key, pr.j), (key, pr.j + 1)})
+                pend.mine.update({(key, pr.j), (key, pr.j + 1)})
                 frame.remap(key, pr.j, n0)
                 frame.remap(key, pr.j + 1, n1)
                 for p in (n0, n1, pr.page):
                     frame.release(p)
+                pend.gone.add(pr.page)
             first = self._span[key][0]
             end = stack[k - 1].j
-            span = (first, end) if end > first else (0, 0)
-            frame.edit("base_span", self.pager.slot(key), list(span))
-            done[key] = (k, span)
-
-        def apply():
-            self._orphans = orphans_left
-            for key, (k, span) in done.items():
-                stack = self._flight[key]
-                for pr in stack[:k]:
-                    del self._pairs[pr.page]
-                    self._by_key[key].discard(pr.page)
-                    self._host.give(pr.slot)
-                self.stats["promoted"] += k
-                del stack[:k]
-                if not stack:
-                    del self._flight[key]
-                if span == (0, 0):
-                    del self._span[key]
-                    del self._by_key[key]
-                else:
-                    self._span[key] = span
-        frame.on_commit(apply)
-        return sum(k for k, _ in done.values())
+            self._set_span(frame, pend, key, (first, end) if end > first else (0, 0))
+            pend.settled[key] = k
+            settled += k
+        return settled
 
     def promote(self, frame: Frame, key: Hashable) -> int:
         """Issue promotions of every BASE pair of ``key`` not yet in flight (whatever the
         reserve); raises :class:`~kvops.runtime.OutOfPages` if the pool cannot hold them."""
-        issued = self._promote(frame, 1 << 30, only=key)
-        frame.on_commit(self._count)
-        return issued
+        return self._promote(frame, self._now(frame), 1 << 30, only=key)
 
     def drain(self) -> None:
         """Wait for every promotion in flight (the caller then settles them with ``step``)."""

@@ -355,6 +355,7 @@ class Frame:
         self._edits: list[tuple] = []                  # (setter, where, values, region)
         self._slots_taken: list[int] = []
         self._undo: list = []                          # on_abort callbacks
+        self._after: list = []                         # on_commit callbacks
 
     # -- reads through the shadow ------------------------------------------------------------
     def has(self, key: Hashable) -> bool:
@@ -660,10 +661,12 @@ class Frame:
             raise ValueError(f"{verb}: page must be a live page in [0, {P}), got {page!r}")
 
     def on_commit(self, fn) -> None:
-        """Call ``fn()`` when this frame commits, after its tables are written (a policy's host
-        state that must change only if the frame does)."""
+        """Call ``fn()`` once this frame has committed (tables written and uploaded), in the
+        order registered, hooks' registrations last: a policy's host state that must change
+        only if the frame does. The commit is complete before the first call, so an exception
+        from ``fn`` reaches the caller without undoing it."""
         self._open()
-        self._edits.append((lambda _where, _vals: fn(), None, None, None))
+        self._after.append(fn)
 
     def on_abort(self, fn) -> None:
         """Call ``fn()`` if this frame aborts (a policy undoing device work it did for the
@@ -740,6 +743,8 @@ class Frame:
         except BaseException:
             self.abort()
             raise
+        for fn in self._after:
+            fn()
         return self.result
 
     def abort(self) -> None:
