@@ -20,21 +20,48 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import kvops  # noqa: F401  (registers the ops)
-from kvops.layouts import codecs
-from kvops.runtime import OutOfPages, Pager, apply_copies
+from kvops.layouts import arena_as_pages, codecs
+from kvops.layouts.paged import arena_page
+from kvops.runtime import FarView, OutOfPages, Pager, Transport, apply_copies
 from kvops.runtime.fidelity import BASE, PROMOTING, TARGET, Fidelity
 from tests.oracles_elastic import elastic_oracle, elastic_rows
 
 HKV, D = 2, 16
 
 
+class _Flag:
+    """A stand-in for a promotion's CUDA event on the CPU: done only once set."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.done = True
+
+
+class _SlowFidelity(Fidelity):
+    """The policy with promotions that finish only when a test sets their flag (on the CPU
+    they finish at once), so settles can be partial and sessions can end with work in flight."""
+
+    def _issue(self, frame, pend, picks):
+        before = {k: len(v) for k, v in pend.issued.items()}
+        super()._issue(frame, pend, picks)
+        flag = _Flag()
+        for key, prs in pend.issued.items():
+            for pr in prs[before.get(key, 0):]:
+                pr.done = flag
+
+
 class World:
     """A pager, a K and a V pool, a fidelity policy, and every session's true K/V rows."""
 
     def __init__(self, P=48, S=8, B=6, L=24, dtype=torch.float16, device="cpu", one_pool=False,
-                 **kw):
+                 slow=False, **kw):
         """``one_pool``: K and V are two slices of one allocation (one pack or refine call for
-        both); else two tensors (a call each)."""
+        both); else two tensors (a call each). ``slow``: promotions wait for their flag."""
         self.S, self.dtype = S, dtype
         self.pager = Pager(P, S, B, L, device=device)
         if one_pool:
@@ -42,7 +69,7 @@ class World:
         else:
             self.k = torch.randn(P, S, HKV, D, device=device).to(dtype)
             self.v = torch.randn(P, S, HKV, D, device=device).to(dtype)
-        self.fid = Fidelity(self.pager, [self.k, self.v], **kw)
+        self.fid = (_SlowFidelity if slow else Fidelity)(self.pager, [self.k, self.v], **kw)
         assert (self.fid._pool is not None) == one_pool
         self.truth: dict = {}
 
@@ -71,7 +98,8 @@ class World:
 
     def check(self, key):
         """The session's rows through the tables equal its truth (BASE blocks as the codec's
-        BASE), and the fidelity state table agrees with the span."""
+        BASE; trimmed blocks, never in the span, are skipped), and the fidelity state table
+        agrees with the span."""
         bt, sl, span = self.tables()
         slot = self.pager.slot(key)
         k, v = elastic_rows(slot, self.k.cpu(), self.v.cpu(), bt, sl, base_span=span)
@@ -80,8 +108,12 @@ class World:
         assert (int(span[slot, 0]), int(span[slot, 1])) == ((first, end) if end > first
                                                            else (0, 0))
         states = self.fid.block_states(key)
+        pages = self.pager.pages(key)
         for j in range(len(states)):
             rows = slice(j * self.S, min((j + 1) * self.S, len(tk)))
+            if pages[j] < 0:
+                assert not first <= j < end, f"{key} block {j}: trimmed inside the span"
+                continue
             if first <= j < end:
                 assert states[j] in (BASE, PROMOTING)
                 for got, want in ((k, tk), (v, tv)):
@@ -116,6 +148,26 @@ class World:
         assert all((span[b] == 0).all() for b in range(pager.max_sessions) if b not in live)
         for name, t in pager.device_tables.items():
             assert np.array_equal(t.cpu().numpy(), pager.host_tables[name]), name
+
+
+    def snapshot(self):
+        """What a refused or aborted frame must leave as it was."""
+        live = [p for p in range(self.pager.num_pages) if self.pager.refcount(p)]
+        return (live, self.k[live].view(torch.uint8).clone(),
+                self.v[live].view(torch.uint8).clone(), [t.clone() for t in self.tables()],
+                self.pager.free_pages, self.pager.epoch, self.fid._host.free,
+                dict(self.fid._span), {k: len(v) for k, v in self.fid._flight.items()})
+
+    def unchanged(self, snap):
+        live, k, v, tables, free, epoch, host_free, spans, flight = snap
+        assert [p for p in range(self.pager.num_pages) if self.pager.refcount(p)] == live
+        assert torch.equal(self.k[live].view(torch.uint8), k)
+        assert torch.equal(self.v[live].view(torch.uint8), v)
+        assert all(torch.equal(a, b) for a, b in zip(self.tables(), tables))
+        assert (self.pager.free_pages, self.pager.epoch, self.fid._host.free) == \
+            (free, epoch, host_free)
+        assert dict(self.fid._span) == spans and self.fid._pend is None
+        assert {k: len(v) for k, v in self.fid._flight.items()} == flight
 
 
 def start(w: World, lengths: dict):
@@ -376,6 +428,94 @@ def test_aborted_settle_then_trim_is_refused():
     w.check_all()
 
 
+def test_refused_frames_after_a_demotion_or_before_a_settle():
+    """A second reading of 43ef335 found the first two accepted: a trim of a pair's second
+    block in the frame that demoted the pair (the pair's promotion then failed in every later
+    step), and an alias that took BASE pages whose promotion settled later in its frame (the
+    new session read packed BASE bytes as TARGET). A promotion of a pair trimmed in its frame
+    said only that a page was not live."""
+    S = 8
+    w = World(one_pool=True, min_batch=2, protect_recent=1)
+    start(w, {"a": 6 * S})
+    snap = w.snapshot()
+    with pytest.raises(ValueError, match="trim: block 1 of 'a' is BASE"):
+        with w.pager.frame() as f:
+            w.fid.step(f, need=w.pager.free_pages + 2)
+            f.trim("a", [1])
+    w.unchanged(snap)
+    with w.pager.frame() as f:
+        w.fid.step(f, need=w.pager.free_pages + 2)
+    assert w.fid.span("a") == (0, 4)
+    snap = w.snapshot()
+    with pytest.raises(ValueError, match="promote: BASE blocks 2, 3 of 'a' were trimmed"):
+        with w.pager.frame() as f:
+            f.trim("a", [3])
+            w.fid.promote(f, "a")
+    w.unchanged(snap)
+    with w.pager.frame() as f:
+        w.fid.promote(f, "a")
+    snap = w.snapshot()
+    with pytest.raises(ValueError, match="alias: session 'x' would share BASE block 0 of 'a'"):
+        with w.pager.frame() as f:
+            f.alias("x", "a", 4 * S)
+            assert w.fid.step(f, need=0)["settled"] == 2
+    w.unchanged(snap)
+    with w.pager.frame() as f:              # settle first, then alias: the refined pages
+        assert w.fid.step(f, need=0)["settled"] == 2
+        f.alias("x", "a", 4 * S)
+    w.truth["x"] = tuple(t[: 4 * S] for t in w.truth["a"])
+    w.check_all()
+
+
+def test_transport_window_never_holds_a_demoted_block():
+    """A transport may share the pager when ``protect_recent`` covers its window (refused
+    otherwise, whichever attaches first); its arena then matches the truth through demotions
+    and promotions. A far view is refused."""
+    S, NW = 8, 3
+    page_bytes = S * HKV * D * 2
+    w = World(P=64, one_pool=True, min_batch=2, protect_recent=NW)
+    tr = Transport(w.pager, NW * S, page_bytes)
+    with pytest.raises(ValueError, match="protect_recent: expected >= 4"):
+        Transport(w.pager, 4 * S, page_bytes)
+    with pytest.raises(ValueError, match="Fidelity and FarView"):
+        FarView(w.pager, window_tokens=NW * S, chunk_tokens=2 * S, cap=2, num_layers=1,
+                num_kv_heads=HKV, head_dim=D)
+    other = Pager(8, S, 2, 8, device="cpu")
+    Transport(other, NW * S, page_bytes)
+    with pytest.raises(ValueError, match="protect_recent: expected >= 3"):
+        Fidelity(other, [torch.zeros(8, S, HKV, D, dtype=torch.float16)], protect_recent=2)
+    ka, va = (torch.zeros(w.pager.max_sessions, NW * S, HKV, D, dtype=w.dtype) for _ in "kv")
+
+    def step(need, grow):
+        with w.pager.frame() as f:
+            w.fid.step(f, need=need)
+            grown = [w.grow(f, key, n) for key, n in grow.items()]
+        for g in grown:
+            w.write(*g, f.result.copies)
+        t = w.pager.device_tables
+        torch.ops.kvops.paged_gather_merged(w.k, w.v, t["trains"], t["num_trains"],
+                                            arena_as_pages(ka, S), arena_as_pages(va, S))
+        w.check_all()
+        for key in w.pager.sessions():
+            slot, n = w.pager.slot(key), w.pager.length(key)
+            nb = -(-n // S)
+            for j in range(max(0, nb - NW), nb):
+                rows = slice(j * S, min(n, (j + 1) * S))
+                page = arena_page(slot, j, NW)
+                for arena, truth in ((ka, w.truth[key][0]), (va, w.truth[key][1])):
+                    got = arena_as_pages(arena, S)[page][: rows.stop - rows.start]
+                    assert torch.equal(got, truth[rows]), (key, j)
+
+    torch.manual_seed(11)
+    step(0, {"a": 9 * S, "b": 7 * S + 3})
+    step(w.pager.free_pages + 4, {"a": S})              # demotes, then a's window slides
+    assert w.fid.stats["base_blocks"] >= 4 and tr.last["moves"] >= 1
+    step(w.pager.free_pages + 2, {"a": 2 * S, "b": 5})
+    step(0, {"a": 1})                                   # promotions issued and settled
+    step(0, {"b": 2 * S})
+    assert w.fid.stats["promoted"] >= 1
+
+
 def test_attention_kwargs_always_for_a_fixed_graph():
     w = World(min_batch=2, protect_recent=1)
     start(w, {"a": 6 * w.S})
@@ -402,15 +542,18 @@ def test_bad_arguments_name_themselves():
 
 
 class FidelityMachine(RuleBasedStateMachine):
-    """Random growth, session ends, shortages, promotions and aliases; after every step each
-    session reads back its truth (BASE blocks as the codec's BASE) and no page is lost."""
+    """Random growth, session ends, shortages, promotions (finishing when a rule says so),
+    aliases and trims; after every step each session reads back its truth (BASE blocks as the
+    codec's BASE) and no page is lost; a refused or aborted frame changes nothing."""
 
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.w = World(P=40, S=8, B=5, L=12, one_pool=True, min_batch=2, protect_recent=1,
-                       reserve_decay=0.5)
+        self.w = World(P=40, S=8, B=5, L=12, one_pool=True, slow=True, min_batch=2,
+                       protect_recent=1, reserve_decay=0.5, max_promote=2)
         self.n = 0
+        with self.w.pager.frame():          # the tables exist from the first commit on
+            pass
 
     @rule(n=st.integers(1, 40), data=st.data())
     def grow(self, n, data):
@@ -459,21 +602,38 @@ class FidelityMachine(RuleBasedStateMachine):
         try:
             with self.w.pager.frame() as f:
                 f.alias(dst, src, n)
-        except ValueError:
-            assert end > first and -(-n // self.w.S) > first
+        except ValueError as e:
+            nb = -(-n // self.w.S)
+            if "trimmed" in str(e):
+                assert min(self.w.pager.pages(src)[:nb]) < 0
+            else:
+                assert end > first and nb > first
             return
         except OutOfPages:
             return
         self.w.truth[dst] = tuple(t[:n] for t in self.w.truth[src])
 
+    @precondition(lambda self: self.w.fid.stats["in_flight"])
+    @rule(data=st.data())
+    def finish(self, data):
+        """One batch of promotions finishes on its (stand-in) side stream."""
+        fid = self.w.fid
+        flags = []                          # in a replayable order (not by id)
+        for p in [*fid._orphans, *(p for s in fid._flight.values() for p in s)]:
+            if all(p.done is not g for g in flags):
+                flags.append(p.done)
+        data.draw(st.sampled_from(flags)).done = True
+
     @rule(data=st.data(), acts=st.lists(st.sampled_from(["step", "promote", "end", "alias",
-                                                          "grow"]), min_size=2, max_size=5),
+                                                          "grow", "trim"]),
+                                        min_size=2, max_size=6),
           abort=st.booleans())
     def mixed_frame(self, data, acts, abort):
         """Several verbs in one frame (a step at most once), maybe aborted: the policy must
-        read its own pending edits, and an abort must leave everything as it was."""
+        read its own pending edits, and a refused or aborted frame must change nothing."""
         w, S = self.w, self.w.S
         grown, aliased, ended, stepped = [], [], [], False
+        snap = w.snapshot()
         try:
             with w.pager.frame() as f:
                 for act in acts:
@@ -501,9 +661,15 @@ class FidelityMachine(RuleBasedStateMachine):
                         if key == f"s{self.n}":
                             self.n += 1
                         grown.append(w.grow(f, key, data.draw(st.integers(1, 20))))
+                    elif act == "trim" and live:
+                        key = data.draw(st.sampled_from(live))
+                        nb = -(-f.length(key) // S)
+                        if key not in [g[0] for g in grown] and nb > 1:
+                            f.trim(key, [data.draw(st.integers(0, nb - 2))])
                 if abort:
                     raise RuntimeError("abort")
         except (RuntimeError, ValueError, OutOfPages):
+            w.unchanged(snap)
             return
         apply_copies(w.k, w.v, f.result.copies)
         truth = {dst: tuple(t[:n] for t in w.truth[src]) for dst, src, n in aliased}

@@ -77,7 +77,9 @@ import numpy as np
 import torch
 
 from kvops.layouts import codecs
+from kvops.runtime.far_view import FarView
 from kvops.runtime.pager import Frame, Pager, SpanAllocator
+from kvops.runtime.transport import Transport
 
 TARGET, BASE, PROMOTING = 0, 1, 2
 
@@ -169,7 +171,7 @@ class _Pending:
     settled: dict = field(default_factory=dict)      # key -> promotions settled, stack top first
     issued: dict = field(default_factory=dict)       # key -> [_Promotion] issued in the frame
     orphans_done: list = field(default_factory=list)
-    mine: set = field(default_factory=set)           # (key, j) the policy remapped
+    mine: dict = field(default_factory=dict)         # (key, j) -> page the policy mapped
     stepped: bool = False
     demoted: int = 0
 
@@ -338,6 +340,20 @@ class Fidelity:
             self._pend = None
 
     # -- pager hook ----------------------------------------------------------------------------
+    def check_peer(self, hook) -> None:
+        """Refuse hooks that would read BASE bytes as TARGET (:meth:`Pager.attach` asks):
+        a transport whose window could hold demoted blocks (``protect_recent`` below its
+        ``W / S`` blocks; with it at least that, demoted blocks stay before every window, since
+        a session's length only grows), and a far view, which summarizes pages after they
+        leave the window, when demotion may already have packed them."""
+        if isinstance(hook, Transport) and self.protect_recent < hook.pages_per_window:
+            raise ValueError(f"protect_recent: expected >= {hook.pages_per_window} (the "
+                             f"transport's window blocks) when a Transport shares the pager, "
+                             f"got {self.protect_recent}")
+        if isinstance(hook, FarView):
+            raise ValueError("Fidelity and FarView on one pager: not supported (the far view "
+                             "would summarize pages that demotion packed to BASE)")
+
     def tables(self) -> dict:
         return {"base_span": ((self.pager.max_sessions, 2), 0)}
 
@@ -348,11 +364,15 @@ class Fidelity:
         pend = self._of(frame)
         for d in deltas:
             if d.new:
+                # a page BASE at any point of the frame (a pair settled in it included: an
+                # alias before the settle took the BASE page); released pages go back to the
+                # pool only at the commit, so a fresh block never holds one
                 shared = [j for j, p in d.after_overlay.items()
-                          if self._pair_now(p, pend) is not None]
+                          if p in self._pairs or (pend is not None and p in pend.new_pairs)]
                 if shared:
                     j = min(shared)
-                    src = self._pair_now(d.after_overlay[j], pend).key
+                    page = d.after_overlay[j]
+                    src = (self._pairs.get(page) or pend.new_pairs[page]).key
                     raise ValueError(f"alias: session {d.key!r} would share BASE block {j} of "
                                      f"{src!r}; promote it first (Fidelity.promote) or alias "
                                      f"fewer blocks")
@@ -362,8 +382,9 @@ class Fidelity:
                 frame.on_commit(lambda k=d.key: self._ended(k))
                 continue
             first, end = self._span_now(d.key, pend)
-            mine = pend.mine if pend is not None else ()
-            bad = [j for j in d.after_overlay if first <= j < end and (d.key, j) not in mine]
+            mine = pend.mine if pend is not None else {}
+            bad = [j for j, p in d.after_overlay.items()       # in the span, not as the policy
+                   if first <= j < end and mine.get((d.key, j)) != p]     # left it
             if bad:
                 raise ValueError(f"trim: block {bad[0]} of {d.key!r} is BASE (span [{first}, "
                                  f"{end})); promote it first (Fidelity.promote)")
@@ -494,7 +515,7 @@ class Fidelity:
         frame.on_abort(lambda: self._undo_pack(triples, back, slots))
         self._to_host(back, slots)
         for n, ((a, _), (key, j)) in enumerate(zip(rows, who)):
-            pend.mine.add((key, j + 1))
+            pend.mine[key, j + 1] = a
             frame.remap(key, j + 1, a)
             pend.new_pairs[a] = _Pair(key, j, slots[n])
         for key, p in plan.items():
@@ -595,6 +616,10 @@ class Fidelity:
         """One batch of promotions: hold two pages a pair, retain the BASE pages, and on the
         side stream copy the batch's backings up (a copy a run of host slots) and refine."""
         pages = [frame.page(key, j) for key, j in picks]
+        for (key, j), page in zip(picks, pages):
+            if page < 0 or frame.page(key, j + 1) != page:
+                raise ValueError(f"promote: BASE blocks {j}, {j + 1} of {key!r} were trimmed in "
+                                 f"this frame (a trim of a BASE block is refused at commit)")
         held = frame.hold(2 * len(picks))
         for page in pages:
             frame.retain(page)
@@ -637,7 +662,7 @@ class Fidelity:
                 continue
             for pr in stack[:k]:
                 n0, n1 = pr.new
-                pend.mine.update({(key, pr.j), (key, pr.j + 1)})
+                pend.mine[key, pr.j], pend.mine[key, pr.j + 1] = n0, n1
                 frame.remap(key, pr.j, n0)
                 frame.remap(key, pr.j + 1, n1)
                 for p in (n0, n1, pr.page):

@@ -664,7 +664,8 @@ class Frame:
         """Call ``fn()`` once this frame has committed (tables written and uploaded), in the
         order registered, hooks' registrations last: a policy's host state that must change
         only if the frame does. The commit is complete before the first call, so an exception
-        from ``fn`` reaches the caller without undoing it."""
+        from ``fn`` reaches the caller without undoing it, after the other callbacks ran (the
+        first exception is raised)."""
         self._open()
         self._after.append(fn)
 
@@ -743,8 +744,14 @@ class Frame:
         except BaseException:
             self.abort()
             raise
-        for fn in self._after:
-            fn()
+        errors = []
+        for fn in self._after:          # every callback runs, even after one raised
+            try:
+                fn()
+            except Exception as e:      # noqa: BLE001 - re-raised below
+                errors.append(e)
+        if errors:
+            raise errors[0]
         return self.result
 
     def abort(self) -> None:
@@ -833,7 +840,15 @@ class Pager:
         ``frame.edit`` / ``frame.scatter``, before anything is applied. A hook whose class
         sets ``grown_appends = True`` gets the sessions that appended fresh blocks in
         ``grown``; any other hook gets them as deltas (and ``grown`` holds tail-only growth).
-        Only before the first frame."""
+        Only before the first frame. A hook with a ``check_peer(other)`` method is asked about
+        every other hook on the pager, whichever attached first, and raises to refuse it
+        (nothing is attached then)."""
+        if self._frozen:
+            raise RuntimeError("attach: hooks are fixed once a frame has opened")
+        for other, _ in self._hooks:
+            for a, b in ((other, hook), (hook, other)):
+                if hasattr(a, "check_peer"):
+                    a.check_peer(b)
         for name, (shape, fill) in hook.tables().items():
             self.add_table(name, shape, fill)
         self._hooks.append((hook, bool(getattr(hook, "grown_appends", False))))

@@ -24,8 +24,9 @@ Tables it adds to the pager (all int32): ``trains [B * NW, 3]`` and ``num_trains
 window block's first token to the session's length, so between ``W - S + 1`` and ``W`` tokens
 once the session is longer than the window).
 
-Per step, ``stats`` (also in the commit's ``Commit.stats``) reports ``moves`` (unmerged: one
-descriptor per page), ``groups`` (trains), ``bytes`` (one of K or V) and ``mean_train_bytes``.
+Per step, ``last`` (also the commit's ``Commit.stats["transport"]``) reports ``moves``
+(unmerged: one descriptor per page), ``groups`` (trains), ``bytes`` (one of K or V) and
+``mean_train_bytes``.
 """
 
 from __future__ import annotations
