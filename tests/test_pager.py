@@ -500,3 +500,23 @@ def test_cuda_upload_double_buffer_keeps_every_commit():
     for dev_bt, dev_len, host_bt, host_len in snaps:
         assert np.array_equal(dev_bt.cpu().numpy(), host_bt)
         assert np.array_equal(dev_len.cpu().numpy(), host_len)
+
+
+def test_a_raising_commit_callback_does_not_skip_the_others():
+    """A policy's callback registered after a raising one still runs (its host state follows
+    the commit); the first exception reaches the caller and the commit stands."""
+    pager = Pager(8, 4, 2, 4)
+    log = []
+
+    def boom(tag):
+        log.append(tag)
+        raise Boom(tag)
+
+    with pytest.raises(Boom, match="first"):
+        with pager.frame() as f:
+            f.reserve("a", 4)
+            f.on_commit(lambda: boom("first"))
+            f.on_commit(lambda: log.append("policy"))
+            f.on_commit(lambda: boom("second"))
+    assert log == ["first", "policy", "second"]
+    assert pager.sessions() == ["a"] and pager.epoch == 1

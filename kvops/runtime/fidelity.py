@@ -292,6 +292,15 @@ class Fidelity:
                 return pend.new_pairs[page]
         return self._pairs.get(page)
 
+    def _base_in_frame(self, page: int, pend: _Pending | None) -> _Pair | None:
+        """The pair of ``page`` if it is BASE at any point of the frame: one whose promotion
+        settles in it too (an alias before the settle took the BASE page). Released pages
+        go back to the pool only at the commit, so no fresh block holds one of these."""
+        pair = self._pairs.get(page)
+        if pair is None and pend is not None:
+            pair = pend.new_pairs.get(page)
+        return pair
+
     def _set_span(self, frame: Frame, pend: _Pending, key, span: tuple[int, int]) -> None:
         pend.spans[key] = span
         frame.edit("base_span", self.pager.slot(key), list(span))
@@ -364,15 +373,11 @@ class Fidelity:
         pend = self._of(frame)
         for d in deltas:
             if d.new:
-                # a page BASE at any point of the frame (a pair settled in it included: an
-                # alias before the settle took the BASE page); released pages go back to the
-                # pool only at the commit, so a fresh block never holds one
                 shared = [j for j, p in d.after_overlay.items()
-                          if p in self._pairs or (pend is not None and p in pend.new_pairs)]
+                          if self._base_in_frame(p, pend) is not None]
                 if shared:
                     j = min(shared)
-                    page = d.after_overlay[j]
-                    src = (self._pairs.get(page) or pend.new_pairs[page]).key
+                    src = self._base_in_frame(d.after_overlay[j], pend).key
                     raise ValueError(f"alias: session {d.key!r} would share BASE block {j} of "
                                      f"{src!r}; promote it first (Fidelity.promote) or alias "
                                      f"fewer blocks")

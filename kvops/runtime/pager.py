@@ -744,14 +744,14 @@ class Frame:
         except BaseException:
             self.abort()
             raise
-        errors = []
+        error = None
         for fn in self._after:          # every callback runs, even after one raised
             try:
                 fn()
-            except Exception as e:      # noqa: BLE001 - re-raised below
-                errors.append(e)
-        if errors:
-            raise errors[0]
+            except Exception as e:      # noqa: BLE001 - the first is re-raised below
+                error = error or e
+        if error is not None:
+            raise error
         return self.result
 
     def abort(self) -> None:
