@@ -150,8 +150,8 @@ def _refine_pairs_kernel(
 
 # Launch shapes (values a chunk, warps), H200 sweeps. Packs take 8192 / 16 (bf16 e4m3 at S 16
 # 90.9-91.8 us against 92.7-94.0 at 4096 / 8; hi8 and hi8r within 1 % either way;
-# bench/results/2026-11-30-pack-launch-session7.md). Refines take 8192-value chunks too, with
-# 8 warps for the float16 codecs and 16 for e4m3 (-refine-launch-session10.md, three timings
+# bench/results/2026-11-30-pack-launch.md). Refines take 8192-value chunks too, with
+# 8 warps for the float16 codecs and 16 for e4m3 (-refine-launch.md, three timings
 # each, medians here): hi8r at S 16 took 72.0-74.7 us at 4096 / 8 (the slow end is under
 # 3.6 TB/s, as in 5 of the 13 earlier full bench runs) and 71.5 at 8192 / 8 (70.9 at 8192 / 4,
 # which was 1.7 % slower for hi8 at S 64); e4m3 68.6 against 72.2 us (S 16) and 275.0 against

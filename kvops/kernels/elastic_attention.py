@@ -26,7 +26,7 @@ only. Splits are merged by ``_splitk.merge_splits``. The mixed paths cut long sp
 they cost alike rather than at equal rows (``weighted_from``).
 
 Launch shape (H200 sweeps, bench/results/2026-11-30-elastic-variants.md and
--variants-session4.md): one warp a program, 16-row tiles on the native path and 32-row tiles on
+-variants-0850.md): one warp a program, 16-row tiles on the native path and 32-row tiles on
 the mixed paths (at S 64 a 32-row BASE tile took 758 instructions in the scratch variant that
 introduced one-page tiles, two 16-row ones 958), 4-5 pipeline stages (fewer where a stage's
 tiles would not fit shared memory), and BASE runs one buffered tile deeper than TARGET runs
@@ -121,7 +121,7 @@ def _planes(b_w, CODEC: tl.constexpr, PTX: tl.constexpr):
     (four values a word, joined back into rows) made ptxas shuffle registers and stage V
     through shared memory: 948 instructions a 32-row BASE tile against 875 with planes (both
     loading a page id a row), and all-BASE 1.38x against 1.70x the all-TARGET speed (B 128,
-    4k, S 64; bench/results/2026-11-30-elastic-variants-session4.md).
+    4k, S 64; bench/results/2026-11-30-elastic-variants-0850.md).
     """
     if PTX and CODEC == 0:
         return tl.inline_asm_elementwise(
@@ -628,7 +628,7 @@ def default_num_stages(mode: int, programs_per_sm: float, tile_bytes: int) -> in
     mixed paths take 4 when the grid has at least 6 programs an SM (B 128 at 4k: 7.8; 5 stages
     were 4-10 % slower there) and 5 below (B 64 at 4k, 3.9 an SM: all-BASE 199 us with 4
     stages, 1.29x all-TARGET, 134 us with 5; bench/results/2026-11-30-elastic-planes.md and
-    -variants-session4.md). ``tile_bytes``
+    -variants-0850.md). ``tile_bytes``
     (K and V of one tile) caps it so that even ``stages - 1`` buffered tiles would fit
     ``SMEM_BUDGET`` (large forced tiles, e.g. 64 float32 rows of D 128); triton 3.6 buffers
     ``(stages - 1) // 2`` in these loops (``default_base_stages``), so the cap is loose. The
