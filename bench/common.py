@@ -8,18 +8,15 @@ to ``bench/results/`` (and to ``$OUT`` when set, for the device tool).
 
 from __future__ import annotations
 
-import datetime
 import functools
-import os
-import platform
-import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+
+from kvops.evals.records import markdown_table as table  # noqa: F401  (the benchmarks' tables)
+from kvops.evals.records import write_record
 
 # Ceilings measured on the H200 here (see DEVELOPERS.md): bytes per second.
 READ_CEILING = 4.65e12   # streaming read (a Triton sum)
@@ -112,51 +109,6 @@ def tbps(nbytes: float, us: float) -> float:
     return nbytes / (us * 1e-6) / 1e12
 
 
-def table(headers: list[str], rows: list[list]) -> str:
-    """A Markdown table with right-aligned columns."""
-    cells = [[str(h) for h in headers]] + [[_fmt(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    line = lambda r: "| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |"
-    sep = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
-    return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
-
-
-def _fmt(c) -> str:
-    if isinstance(c, float):
-        return f"{c:.3f}" if abs(c) < 10 else f"{c:.1f}"
-    return str(c)
-
-
-def _commit() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, cwd=RESULTS.parent, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, cwd=RESULTS.parent).stdout.strip()
-        return rev + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("KVOPS_COMMIT", "unknown")
-
-
 def write_result(name: str, body: str) -> Path:
     """Write ``bench/results/<date>-<name>.md`` (and a copy under $OUT) with the run's header."""
-    gpu = (torch.cuda.get_device_name() if torch.cuda.is_available()
-           else f"none (CPU run, {platform.machine()}, {os.cpu_count()} cores)")
-    header = "\n".join([
-        f"# {name}",
-        "",
-        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        f"- gpu: {gpu}",
-        f"- commit: {os.environ.get('KVOPS_COMMIT') or _commit()}",
-        f"- torch {torch.__version__}, triton {triton.__version__}, python {platform.python_version()}",
-        f"- command: `{' '.join(shlex.quote(a) for a in getattr(sys, 'orig_argv', sys.argv))}`",
-        "",
-    ])
-    text = header + body.rstrip() + "\n"
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    path = RESULTS / f"{stamp}-{name}.md"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    if os.environ.get("OUT"):
-        (Path(os.environ["OUT"]) / path.name).write_text(text)
-    return path
+    return write_record(RESULTS, name, body)

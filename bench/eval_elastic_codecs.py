@@ -104,7 +104,7 @@ def base_kv_attention(dtype: torch.dtype, fmt: str | None, errors: list[float]):
 def model_rows(n_tokens: int) -> tuple[list[list], str]:
     """Perplexity and mean per-layer attention error with every K/V block BASE, on SmolLM2."""
     try:
-        from examples.perplexity import dense_ppl, kjv_tokens
+        from kvops.evals.perplexity import dense_ppl, kjv_tokens
         from kvops.models import Llama, ModelUnavailable, Tokenizer
 
         model, tok = Llama.from_gguf(), Tokenizer.from_gguf()

@@ -354,9 +354,10 @@ def test_cuda_graph_replays_far_view_layer_across_commits():
 
 
 def test_decode_with_far_view_matches_the_block_parallel_evaluation(monkeypatch):
-    """Token by token through Pager + FarView + the ops equals what examples/far_view_eval.py
+    """Token by token through Pager + FarView + the ops equals what kvops.evals.far_view
     computes for all positions at once (cap holding every far chunk), bias on and off."""
-    ev = pytest.importorskip("examples.far_view_eval")
+    from kvops.evals import far_view as ev
+
     Wt, cap, T = 32, 8, 120
     monkeypatch.setattr(ev, "WINDOW", Wt)
     monkeypatch.setattr(ev, "PAGE", S)

@@ -2,9 +2,10 @@
 
     python -m pytest -m slow tests/test_far_view_quality.py      # a few minutes on one CPU core
 
-They rerun a small part of ``examples/far_view_eval.py`` and check it against the numbers
-recorded in docs/far_view.md (bench/results/2026-11-30-far_view-*.md), so a change that moves
-the evaluation or the ops under it shows up here. The full tables come from the script.
+They rerun a small part of the evaluation (:mod:`kvops.evals.far_view`, which
+``examples/far_view_eval.py`` runs) and check it against the numbers recorded in
+docs/far_view.md (bench/results/2026-11-30-far_view-*.md), so a change that moves the evaluation
+or the ops under it shows up here. The full tables come from the script.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvops.evals import far_view as ev
+from kvops.evals.perplexity import kjv_tokens
 from kvops.models import Llama, ModelUnavailable, Tokenizer
 
 pytestmark = pytest.mark.slow
-ev = pytest.importorskip("examples.far_view_eval")
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +32,7 @@ def test_perplexity_at_2k_reproduces_the_recorded_table(smollm2):
     """KJV, first 2048 tokens, W 512, sv_chunk 128: dense 4.710, near-only 10.306, far64 with
     the log-count bias 10.261 (bench/results/2026-11-30-far_view-perplexity-2048-4096.md)."""
     model, tok = smollm2
-    ids = ev.kjv_tokens(tok, 2048)
+    ids = kjv_tokens(tok, 2048)
     with torch.no_grad():
         got = {c: ev.perplexity(model, ids, c) for c in ("dense", "near", "far64")}
     assert got["dense"] == pytest.approx(4.710, abs=2e-3)

@@ -238,9 +238,9 @@ def test_cuda_greedy_decode_reduce_overhead_matches_eager():
 
 
 def test_perplexity_through_decode_equals_dense_when_nothing_slides():
-    """examples/perplexity.py: teacher-forced decode (half prefilled) scores every token once,
+    """kvops.evals.perplexity: teacher-forced decode (half prefilled) scores every token once,
     so with W >= N it equals the dense perplexity; with a sliding W it differs."""
-    from examples.perplexity import decode_ppl, dense_ppl
+    from kvops.evals.perplexity import decode_ppl, dense_ppl
 
     model = tiny(seed=11)
     ids = random_prompts([40], TINY.vocab_size, "cpu", seed=11)[0]

