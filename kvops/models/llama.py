@@ -10,7 +10,7 @@ Two paths share the weights:
   fixed when the cache is set up, positions are tensors, nothing syncs with the host: it
   compiles once with ``torch.compile(fullgraph=True)`` and replays in a CUDA graph.
 
-KV pool (CONTRACT.md's paged layout): per layer ``k_cache``, ``v_cache`` ``[P, S, Hkv, D]`` with
+KV pool (the paged layout of docs/contract.md): per layer ``k_cache``, ``v_cache`` ``[P, S, Hkv, D]`` with
 ``P = B * W / S``; sequence ``b`` owns the contiguous pages ``[b * W/S, (b + 1) * W/S)``, so the
 pool viewed as ``[B, W, Hkv, D]`` is every sequence's window arena, with no copy. The arena is a
 ring: the token at absolute position ``p`` lives in slot ``p % W``; after it is written the
