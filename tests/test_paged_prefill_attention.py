@@ -139,8 +139,8 @@ def test_reference_matches_oracle(poison, drawn):
 
 # every G, D and S of the issue at least once, on the default launch rule
 @pytest.mark.parametrize("G,D,S,window", [
-    (1, 64, 8, 0), (2, 96, 16, 0), (3, 128, 64, 0), (4, 256, 8, 0), (7, 64, 16, 9),
-    (8, 128, 64, 0), (7, 256, 64, 0), (3, 96, 8, 20), (4, 128, 16, 1),
+    (1, 64, 8, 0), (2, 96, 16, 0), (3, 128, 64, 20), (4, 256, 8, 1), (7, 64, 64, 9),
+    (8, 128, 16, 0),
 ])
 def test_every_group_and_head_dim(kernel_device, poison, G, D, S, window):
     """Chunk lengths 1, 2, 3, 4, 6 over an empty prefix, a page-boundary prefix, one off it
@@ -342,9 +342,9 @@ def test_cuda_graph_replay_with_new_lengths(dtype):
 @requires_cuda
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_long_prefill_on_cuda(D):
-    """Default launch shapes on a real GPU: 1,000 new tokens over a 700-token prefix and a
+    """Default launch shapes on a real GPU: 400 new tokens over a 300-token prefix and a
     second sequence sharing it, bf16."""
-    case = make_case([(700, 1000), (700, 300)], 16, 2, 4, D, torch.bfloat16, "cuda", seed=D)
+    case = make_case([(300, 400), (300, 100)], 16, 2, 4, D, torch.bfloat16, "cuda", seed=D)
     out, lse = torch.ops.kvops.paged_prefill_attention(**case)
     check_against_oracle(out, lse, case, f"long-D{D}")
 
