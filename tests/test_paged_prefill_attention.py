@@ -239,6 +239,56 @@ def test_base_pages_are_read_as_target_bytes(kernel_device):
     check_against_oracle(out, lse, case, "base-as-target")
 
 
+def test_fidelity_promotes_before_a_prefill_reads_the_prefix():
+    """The BASE rule with the policy: after a demotion the session's span is BASE and a prefill
+    over it would read BASE bytes as TARGET (wrong); promoted and settled (the caller's step
+    before prefilling), the next chunk's prefill over the whole prefix equals the float64
+    oracle over the session's true K/V."""
+    from tests.test_fidelity import World, start
+
+    torch.manual_seed(3)
+    w = World(dtype=torch.float16, min_batch=4, protect_recent=1)
+    S, Hkv, D = w.S, w.k.shape[2], w.k.shape[3]
+    start(w, {"a": 9 * S + 3, "b": 4 * S})
+    with w.pager.frame() as f:
+        w.fid.step(f, need=w.pager.free_pages + 4)
+    assert w.fid.span("a")[1] > w.fid.span("a")[0]
+
+    def prefill(q):
+        slot = w.pager.slot("a")
+        t = w.pager.device_tables
+        case = dict(q=q, k_cache=w.k, v_cache=w.v, block_table=t["block_table"][slot:slot + 1],
+                    query_start=torch.tensor([0, q.shape[0]], dtype=torch.int32),
+                    seq_lens=t["seq_lens"][slot:slot + 1].clone())
+        tk, tv = w.truth["a"]
+        n = tk.shape[0]
+        blocks = -(-n // S)
+        dense_k = torch.zeros(blocks * S, Hkv, D, dtype=w.dtype)
+        dense_v = torch.zeros_like(dense_k)
+        dense_k[:n], dense_v[:n] = tk, tv
+        want = paged_prefill_oracle(q, dense_k.view(blocks, S, Hkv, D),
+                                    dense_v.view(blocks, S, Hkv, D),
+                                    torch.arange(blocks, dtype=torch.int32)[None],
+                                    case["query_start"], case["seq_lens"])
+        return torch.ops.kvops.paged_prefill_attention(**case), want
+
+    q = torch.randn(4, 2 * Hkv, D).half()
+    (out, _), (want, _) = prefill(q)            # the last 4 tokens, BASE blocks in the prefix
+    assert (out.double() - want).abs().max() > 0.05
+    with w.pager.frame() as f:
+        w.fid.promote(f, "a")
+    with w.pager.frame() as f:
+        w.fid.step(f, need=0)
+    assert w.fid.span("a") == (0, 0)
+    with w.pager.frame() as f:
+        grown = w.grow(f, "a", 5)
+    w.write(*grown, f.result.copies)
+    q = torch.randn(5, 2 * Hkv, D).half()
+    (out, lse), (want, want_lse) = prefill(q)
+    assert_close("out", out, want, *ATTN_TOL[torch.float16], "promoted")
+    assert_close("lse", lse, want_lse, LSE_TOL[torch.float16], LSE_TOL[torch.float16], "promoted")
+
+
 @pytest.mark.parametrize("N,B,G,D,dtype,want", [
     (8192, 1, 4, 128, torch.bfloat16, (128, 64, 8, 3)),     # a long prefill, Llama-3-8B
     (512, 1, 7, 128, torch.bfloat16, (128, 64, 8, 3)),      # Qwen2.5-7B: 18 tokens a tile

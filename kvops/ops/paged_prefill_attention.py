@@ -27,7 +27,7 @@ blocks a session has already attended as TARGET, refuses to alias a prefix holdi
 and never demotes a block reserved in the current frame; a caller that prefills over blocks of
 its own that were demoted promotes them first (``Fidelity.promote``, settled by a later step),
 so a prefill never sees a BASE block. A BASE page passed anyway is read as its TARGET bytes
-(tested), never through the codecs.
+(tested, as is a prefill after ``promote`` over a demoted prefix), never through the codecs.
 
 Only positions below ``seq_lens[b]`` whose page id lies in ``[0, P)`` are read; keys on any
 other page (-1 included) are left out of the softmax, so no output depends on an unmapped or
