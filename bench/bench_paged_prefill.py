@@ -66,7 +66,8 @@ def dense(case):
 
 def sdpa_peer(q, k, v, backend):
     """SDPA under one backend: causal when there is no prefix, else a bottom-right causal
-    bias (flash; cuDNN gets a boolean mask). Raises if the backend refuses the inputs."""
+    bias (flash; cuDNN gets a boolean mask), GQA native or, where a path refuses it, over KV
+    heads expanded to Hq. Raises if the backend refuses the inputs."""
     from torch.nn.attention.bias import causal_lower_right
 
     new, n_ctx = q.shape[2], k.shape[2]
@@ -79,10 +80,19 @@ def sdpa_peer(q, k, v, backend):
         kwargs = dict(attn_mask=j[None, :] <= (n_ctx - new + torch.arange(new, device=q.device)
                                               )[:, None])
 
-    def run():
-        with sdpa_kernel([backend]):
-            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kwargs)
-    run()
+    def make(k, v, gqa):
+        def run():
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, **kwargs)
+        return run
+
+    try:
+        run = make(k, v, True)
+        run()
+    except Exception:  # noqa: BLE001 - some mask paths take no GQA: expand the KV heads
+        group = q.shape[1] // k.shape[1]
+        run = make(k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), False)
+        run()
     torch.cuda.synchronize()
     return run
 
