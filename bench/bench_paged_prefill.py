@@ -234,8 +234,8 @@ def tune(shapes):
         results = []
         default = time_graph(lambda c=case: torch.ops.kvops.paged_prefill_attention(**c),
                              iters=10)[1]
-        for bm, bn, (nw, ns) in itertools.product((64, 128), (32, 64, 128),
-                                                  ((4, 2), (4, 3), (8, 2), (8, 3))):
+        for bm, bn, (nw, ns) in itertools.product((64, 128), (64, 128),
+                                                  ((4, 3), (8, 2), (8, 3), (8, 4))):
             fn = lambda c=case, bm=bm, bn=bn, nw=nw, ns=ns: paged_prefill_attention_fwd(
                 **c, block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
             try:
