@@ -222,8 +222,9 @@ def chunked(model="llama3-8b", total=8192, chunk=512):
 
 
 def tune(shapes):
-    """Tile configurations forced on ``shapes`` (model, new, prefix): the three fastest and the
-    launch rule's own, per shape."""
+    """Tile configurations forced on ``shapes`` (model, new, prefix): per shape the rule's tile
+    at 1, 2, 4 and 8 key splits, the three fastest tiles (splits by the rule), and the rules'
+    own choice."""
     from kvops.kernels.paged_prefill_attention import paged_prefill_attention_fwd
 
     rows = []
@@ -246,11 +247,15 @@ def tune(shapes):
             results.append((t, bm, bn, nw, ns))
         results.sort()
         rule = prefill_tile(new, 1, Hq // Hkv, D, DTYPE)
+        for nsp in (1, 2, 4, 8):
+            fn = lambda c=case, n=nsp: paged_prefill_attention_fwd(**c, num_splits=n)
+            t = time_graph(fn, iters=10)[1]
+            rows.append([model, new, prefix, "rule, splits " + str(nsp), t, flops / t / 1e6])
         for t, bm, bn, nw, ns in results[:3]:
             rows.append([model, new, prefix, f"{bm}/{bn}/{nw}/{ns}", t, flops / t / 1e6])
         rows.append([model, new, prefix, "rule " + "/".join(map(str, rule)), default,
                      flops / default / 1e6])
-        print("\n".join(" ".join(str(c) for c in r) for r in rows[-4:]), flush=True)
+        print("\n".join(" ".join(str(c) for c in r) for r in rows[-8:]), flush=True)
         del case
         torch.cuda.empty_cache()
     return table(["model", "new", "prefix", "BM/BN/warps/stages", "us", "TFLOP/s"], rows)

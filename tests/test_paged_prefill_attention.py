@@ -12,7 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvops
-from kvops.kernels.paged_prefill_attention import paged_prefill_attention_fwd, prefill_tile
+from kvops.kernels.paged_prefill_attention import (
+    paged_prefill_attention_fwd,
+    prefill_splits,
+    prefill_tile,
+)
 from kvops.ops.paged_prefill_attention import paged_prefill_attention_ref
 from tests.conftest import capture_graph, counting_backend, requires_cuda
 from tests.oracles_attention import paged_prefill_oracle
@@ -115,17 +119,43 @@ def case_id(chunks, S, Hkv, G, D, dtype, window, extra):
 
 
 @settings(max_examples=8)
-@given(drawn=cases(), block_m=st.sampled_from([None, 16, 32]), block_n=st.sampled_from([None, 16]))
-def test_kernel_matches_oracle(kernel_device, poison, drawn, block_m, block_n):
+@given(drawn=cases(), block_m=st.sampled_from([None, 16, 32]), block_n=st.sampled_from([None, 16]),
+       num_splits=st.sampled_from([None, 1, 3]))
+def test_kernel_matches_oracle(kernel_device, poison, drawn, block_m, block_n, num_splits):
     dims, window, extra, seed = drawn
     G = dims[3]
     if block_m is not None and block_m < G:
         block_m = None
     case = make_case(*dims, device=kernel_device, seed=seed, window=window, **extra)
     out, lse = paged_prefill_attention_fwd(**case, window=window, block_m=block_m,
-                                           block_n=block_n)
-    check_against_oracle(out, lse, case, case_id(*dims, window, extra) + f"-bm{block_m}-bn{block_n}",
-                         window)
+                                           block_n=block_n, num_splits=num_splits)
+    check_against_oracle(out, lse, case, case_id(*dims, window, extra)
+                         + f"-bm{block_m}-bn{block_n}-splits{num_splits}", window)
+
+
+@pytest.mark.parametrize("window", [0, 21])
+def test_split_key_ranges_match_oracle(kernel_device, poison, window):
+    """Tiles whose key ranges are cut in 1, 2, 5 and 16 splits (more splits than key tiles
+    leave some empty) give the oracle's rows, padding rows included."""
+    case = make_case([(70, 9), (0, 5), (33, 17)], 16, 2, 4, 64, torch.float16, kernel_device,
+                     seed=11, window=window, pad=2)
+    for nsp in (1, 2, 5, 16):
+        out, lse = paged_prefill_attention_fwd(**case, window=window, num_splits=nsp,
+                                               block_n=16)
+        check_against_oracle(out, lse, case, f"splits{nsp}-win{window}", window)
+
+
+@pytest.mark.parametrize("programs,max_ctx,block_n,sms,want", [
+    (128, 8192, 64, 132, 1),        # Llama-3-8B, 512-token chunks: a wave already
+    (116, 16896, 64, 132, 1),       # Qwen2.5-7B, 512 over 16k: 0.88 of a wave
+    (32, 16896, 64, 132, 4),        # a 128-token chunk over 16k: 4 splits fill one wave
+    (8, 16896, 64, 132, 8),         # at most MAX_SPLITS
+    (8, 1024, 64, 132, 2),          # short contexts: 8 key tiles a split at least
+    (8, 256, 64, 132, 1),
+    (0, 4096, 64, 4, 4),            # the interpreter's 4 SMs
+])
+def test_prefill_splits_table(programs, max_ctx, block_n, sms, want):
+    assert prefill_splits(programs, max_ctx, block_n, sms) == want
 
 
 @settings(max_examples=8)

@@ -18,6 +18,10 @@ out 0 and lse -inf. A program finds its sequence by counting the ``T_b`` at or b
 tile (the ``B + 1`` starts are read a ``BLOCK_B`` chunk at a time) and exits if its tile lies
 past its sequence's queries. Tiles run last-first, so the longest (latest) tiles of a sequence
 start first.
+
+When the tiles are too few to fill the GPU (a short chunk over a long prefix), each tile's key
+range is cut into ``NUM_SPLITS`` BLOCK_N-aligned parts (grid dim 2, ``prefill_splits``), each
+writing a normalized float32 partial and its lse, merged by ``_splitk.merge_splits``.
 """
 
 from __future__ import annotations
@@ -27,7 +31,14 @@ import triton
 import triton.language as tl
 
 from kvops.kernels._attention import LOG2E, dot
-from kvops.kernels._common import dot_precision, next_pow2
+from kvops.kernels._common import dot_precision, next_pow2, sm_count
+from kvops.kernels._splitk import merge_splits
+
+# Splits of a tile's key range only while the tiles fill less than this share of the SMs, and
+# only as far as each split keeps at least MIN_SPLIT_TILES key tiles of the longest context.
+SPLIT_BELOW_FILL = 0.5
+MIN_SPLIT_TILES = 8
+MAX_SPLITS = 8
 
 
 def prefill_tile(N: int, B: int, G: int, D: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -47,6 +58,21 @@ def prefill_tile(N: int, B: int, G: int, D: int, dtype: torch.dtype) -> tuple[in
     block_m = max(block_m, next_pow2(G))
     block_n = 64 if big else 32
     return block_m, block_n, 8 if block_m >= 128 else 4, 3 if big else 2
+
+
+def prefill_splits(programs: int, max_ctx: int, block_n: int, sms: int) -> int:
+    """Key-range splits for ``programs`` (query tile, KV head) programs over contexts of at most
+    ``max_ctx`` keys (the block table's span: the lengths are on the device). Unsplit while the
+    programs fill at least SPLIT_BELOW_FILL of the ``sms`` SMs (split partials cost a float32
+    write and read of ``out`` per split, and a split run of about one wave gains nothing);
+    below that, enough splits for one wave, at most MAX_SPLITS and at most one per
+    MIN_SPLIT_TILES key tiles of ``max_ctx``.
+    """
+    programs = max(programs, 1)
+    if programs >= SPLIT_BELOW_FILL * sms:
+        return 1
+    want = sms // programs
+    return max(1, min(want, MAX_SPLITS, max_ctx // (MIN_SPLIT_TILES * block_n)))
 
 
 @triton.jit
@@ -91,8 +117,9 @@ def _key_tile(b_q, b_acc, b_m, b_l, KC, VC, p_bt, n, seq_len, P, L, i_h, stride_
 @triton.jit
 def _paged_prefill_kernel(
     Q, KC, VC, BT, QS, SL, O, LSE,
-    N, B, P, L, num_tiles, window, scale_log2,
-    stride_qn, stride_qh, stride_kp, stride_vp, stride_bt, stride_on, stride_oh, stride_ln,
+    N, B, P, L, num_tiles, window, scale_log2, NUM_SPLITS,
+    stride_qn, stride_qh, stride_kp, stride_vp, stride_bt, stride_on, stride_oh, stride_os,
+    stride_ln, stride_lh, stride_ls,
     S: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, WINDOW: tl.constexpr,
@@ -100,6 +127,7 @@ def _paged_prefill_kernel(
 ):
     i_t = num_tiles - 1 - tl.program_id(0)
     i_h = tl.program_id(1)
+    i_s = tl.program_id(2)
     # the sequence: how many tile starts T_k = query_start[k] // BLOCK_Q + k lie at or below i_t
     count = tl.full([], 0, tl.int32)
     for start in range(0, B + 1, BLOCK_B):
@@ -118,8 +146,9 @@ def _paged_prefill_kernel(
     o_tok = t0 + o_r // G
     o_head = i_h * G + o_r % G
     m_r = (o_r < BLOCK_Q * G) & (o_tok < q_hi)
-    p_o = O + o_tok.to(tl.int64)[:, None] * stride_on + o_head[:, None] * stride_oh + o_d[None, :]
-    p_lse = LSE + o_tok.to(tl.int64) * stride_ln + o_head
+    p_o = (O + o_tok.to(tl.int64)[:, None] * stride_on + o_head[:, None] * stride_oh
+           + i_s * stride_os + o_d[None, :])
+    p_lse = LSE + o_tok.to(tl.int64) * stride_ln + o_head * stride_lh + i_s * stride_ls
     m_o = m_r[:, None] & (o_d < D)[None, :]
     if i_b == B:
         tl.store(p_o, tl.zeros([BLOCK_M, BLOCK_D], tl.float32).to(p_o.dtype.element_ty), mask=m_o)
@@ -140,6 +169,11 @@ def _paged_prefill_kernel(
     b_l = tl.zeros([BLOCK_M], tl.float32)
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     p_bt = BT + i_b.to(tl.int64) * stride_bt
+    # split i_s of NUM_SPLITS takes BLOCK_N-aligned keys [s_lo, s_hi) of the tile's range
+    k_lo = lo_key // BLOCK_N * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(tl.maximum(hi - k_lo, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
+    s_lo = k_lo + i_s * chunk
+    s_hi = tl.minimum(s_lo + chunk, hi)
     # interior: keys every row sees (at or before the first row's position, and, WINDOW,
     # inside the last row's window)
     mid_hi = tl.maximum((p_first + 1) // BLOCK_N * BLOCK_N, 0)
@@ -147,17 +181,17 @@ def _paged_prefill_kernel(
     if WINDOW:
         mid_lo = tl.minimum(tl.cdiv(tl.maximum(p_last - window + 1, 0), BLOCK_N) * BLOCK_N,
                             mid_hi)
-        for n in range(lo_key // BLOCK_N * BLOCK_N, mid_lo, BLOCK_N):
+        for n in range(tl.maximum(k_lo, s_lo), tl.minimum(mid_lo, s_hi), BLOCK_N):
             b_acc, b_m, b_l = _key_tile(
                 b_q, b_acc, b_m, b_l, KC, VC, p_bt, n, seq_len, P, L, i_h, stride_kp, stride_vp,
                 b_pos, lo_key, window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, True, True,
                 PRECISION)
-    for n in range(mid_lo, mid_hi, BLOCK_N):
+    for n in range(tl.maximum(mid_lo, s_lo), tl.minimum(mid_hi, s_hi), BLOCK_N):
         b_acc, b_m, b_l = _key_tile(
             b_q, b_acc, b_m, b_l, KC, VC, p_bt, n, seq_len, P, L, i_h, stride_kp, stride_vp,
             b_pos, lo_key, window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, False, WINDOW,
             PRECISION)
-    for n in range(tl.maximum(mid_hi, mid_lo), hi, BLOCK_N):
+    for n in range(tl.maximum(mid_hi, s_lo), s_hi, BLOCK_N):
         b_acc, b_m, b_l = _key_tile(
             b_q, b_acc, b_m, b_l, KC, VC, p_bt, n, seq_len, P, L, i_h, stride_kp, stride_vp,
             b_pos, lo_key, window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, True, WINDOW,
@@ -174,10 +208,11 @@ def paged_prefill_attention_fwd(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     query_start: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None,
     window: int = 0, *, block_m: int | None = None, block_n: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None, num_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Allocate, pick the tile (``prefill_tile``) and launch. Inputs are already checked by the
-    op; the keyword knobs override the rule (tests, benches). Returns ``(out, lse)``."""
+    """Allocate, pick the tile (``prefill_tile``) and the splits (``prefill_splits``), launch,
+    and merge split partials (``_splitk.merge_splits``). Inputs are already checked by the op;
+    the keyword knobs override the rules (tests, benches). Returns ``(out, lse)``."""
     N, Hq, D = q.shape
     P, S, Hkv, _ = k_cache.shape
     B, L = block_table.shape
@@ -193,14 +228,25 @@ def paged_prefill_attention_fwd(
         raise ValueError(f"block_m: expected at least G={G} rows, got {bm}")
     block_q = bm // G
     num_tiles = N // block_q + B + 1
+    nsp = num_splits or prefill_splits(N // block_q * Hkv, L * S, bn, sm_count(q.device))
+    if nsp == 1:
+        part_o, part_l, split_o, split_l = out, lse, 0, 0
+    else:
+        part_o = torch.empty((N, Hq, nsp, D), dtype=torch.float32, device=q.device)
+        part_l = torch.empty((N, Hq, nsp), dtype=torch.float32, device=q.device)
+        split_o, split_l = part_o.stride(2), 1
     scale = D ** -0.5 if scale is None else scale
-    _paged_prefill_kernel[(num_tiles, Hkv)](
-        q, k_cache, v_cache, block_table, query_start, seq_lens, out, lse,
-        N, B, P, L, num_tiles, window, scale * LOG2E.value,
+    _paged_prefill_kernel[(num_tiles, Hkv, nsp)](
+        q, k_cache, v_cache, block_table, query_start, seq_lens, part_o, part_l,
+        N, B, P, L, num_tiles, window, scale * LOG2E.value, nsp,
         q.stride(0), q.stride(1), k_cache.stride(0), v_cache.stride(0),
-        block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0),
+        block_table.stride(0), part_o.stride(0), part_o.stride(1), split_o,
+        part_l.stride(0), part_l.stride(1), split_l,
         S=S, HKV=Hkv, G=G, D=D, BLOCK_Q=block_q, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_D=next_pow2(max(D, 16)), BLOCK_B=min(1024, next_pow2(B + 1)),
         WINDOW=window > 0, PRECISION=dot_precision(q.dtype), num_warps=nw, num_stages=ns,
     )
+    if nsp > 1:
+        merge_splits(part_o.view(N * Hq, nsp, D), part_l.view(N * Hq, nsp), out.view(N * Hq, D),
+                     lse.view(N * Hq))
     return out, lse
