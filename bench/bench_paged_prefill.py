@@ -227,8 +227,8 @@ def chunked(model="llama3-8b", total=8192, chunk=512):
 
 def tune(shapes):
     """Tile configurations forced on ``shapes`` (model, new, prefix): per shape the rule's tile
-    at 1, 2, 4 and 8 key splits, the three fastest tiles (splits by the rule), and the rules'
-    own choice."""
+    at 1, 2, 4 and 8 key splits, with page ids prefetched a tile ahead (two tiles), the three
+    fastest tiles (splits by the rule), and the rules' own choice."""
     from kvops.kernels.paged_prefill_attention import paged_prefill_attention_fwd
 
     rows = []
@@ -254,11 +254,16 @@ def tune(shapes):
             fn = lambda c=case, n=nsp: paged_prefill_attention_fwd(**c, num_splits=n)
             t = time_graph(fn, iters=10)[1]
             rows.append([model, new, prefix, "rule, splits " + str(nsp), t, flops / t / 1e6])
+        for bm, bn, nw, ns in ((rule[0], rule[1], rule[2], rule[3]), (128, 128, 8, 2)):
+            fn = lambda c=case, bm=bm, bn=bn, nw=nw, ns=ns: paged_prefill_attention_fwd(
+                **c, block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, prefetch=True)
+            t = time_graph(fn, iters=10)[1]
+            rows.append([model, new, prefix, f"{bm}/{bn}/{nw}/{ns} prefetch", t, flops / t / 1e6])
         for t, bm, bn, nw, ns in results[:3]:
             rows.append([model, new, prefix, f"{bm}/{bn}/{nw}/{ns}", t, flops / t / 1e6])
         rows.append([model, new, prefix, "rule " + "/".join(map(str, rule)), default,
                      flops / default / 1e6])
-        print("\n".join(" ".join(str(c) for c in r) for r in rows[-8:]), flush=True)
+        print("\n".join(" ".join(str(c) for c in r) for r in rows[-10:]), flush=True)
         del case
         torch.cuda.empty_cache()
     return table(["model", "new", "prefix", "BM/BN/warps/stages", "us", "TFLOP/s"], rows)

@@ -120,29 +120,33 @@ def case_id(chunks, S, Hkv, G, D, dtype, window, extra):
 
 @settings(max_examples=8)
 @given(drawn=cases(), block_m=st.sampled_from([None, 16, 32]), block_n=st.sampled_from([None, 16]),
-       num_splits=st.sampled_from([None, 1, 3]))
-def test_kernel_matches_oracle(kernel_device, poison, drawn, block_m, block_n, num_splits):
+       num_splits=st.sampled_from([None, 1, 3]), prefetch=st.booleans())
+def test_kernel_matches_oracle(kernel_device, poison, drawn, block_m, block_n, num_splits,
+                               prefetch):
     dims, window, extra, seed = drawn
     G = dims[3]
     if block_m is not None and block_m < G:
         block_m = None
     case = make_case(*dims, device=kernel_device, seed=seed, window=window, **extra)
     out, lse = paged_prefill_attention_fwd(**case, window=window, block_m=block_m,
-                                           block_n=block_n, num_splits=num_splits)
+                                           block_n=block_n, num_splits=num_splits,
+                                           prefetch=prefetch)
     check_against_oracle(out, lse, case, case_id(*dims, window, extra)
-                         + f"-bm{block_m}-bn{block_n}-splits{num_splits}", window)
+                         + f"-bm{block_m}-bn{block_n}-splits{num_splits}-pf{prefetch}", window)
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["own-pages", "prefetch"])
 @pytest.mark.parametrize("window", [0, 21])
-def test_split_key_ranges_match_oracle(kernel_device, poison, window):
+def test_split_key_ranges_match_oracle(kernel_device, poison, window, prefetch):
     """Tiles whose key ranges are cut in 1, 2, 5 and 16 splits (more splits than key tiles
-    leave some empty) give the oracle's rows, padding rows included."""
+    leave some empty) give the oracle's rows, padding rows and a hole included, with page ids
+    loaded by each tile or a tile ahead."""
     case = make_case([(70, 9), (0, 5), (33, 17)], 16, 2, 4, 64, torch.float16, kernel_device,
-                     seed=11, window=window, pad=2)
+                     seed=11, window=window, pad=2, hole=True)
     for nsp in (1, 2, 5, 16):
         out, lse = paged_prefill_attention_fwd(**case, window=window, num_splits=nsp,
-                                               block_n=16)
-        check_against_oracle(out, lse, case, f"splits{nsp}-win{window}", window)
+                                               block_n=16, prefetch=prefetch)
+        check_against_oracle(out, lse, case, f"splits{nsp}-win{window}-pf{prefetch}", window)
 
 
 @pytest.mark.parametrize("programs,max_ctx,block_n,sms,want", [

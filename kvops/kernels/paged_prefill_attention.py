@@ -76,21 +76,29 @@ def prefill_splits(programs: int, max_ctx: int, block_n: int, sms: int) -> int:
 
 
 @triton.jit
-def _key_tile(b_q, b_acc, b_m, b_l, KC, VC, p_bt, n, seq_len, P, L, i_h, stride_kp, stride_vp,
-              b_pos, lo_key, window, scale_log2, S: tl.constexpr, HKV: tl.constexpr,
+def _tile_pages(p_bt, n, seq_len, lo_key, L, S: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Page ids of keys ``[n, n + BLOCK_N)``: -1 for a key outside ``[lo_key, seq_len)``."""
+    o_n = n + tl.arange(0, BLOCK_N)
+    m_n = (o_n < seq_len) & (o_n >= lo_key) & (o_n // S < L)
+    return tl.load(p_bt + o_n // S, mask=m_n, other=-1)
+
+
+@triton.jit
+def _key_tile(b_q, b_acc, b_m, b_l, KC, VC, b_page, n, P, i_h, stride_kp, stride_vp,
+              b_pos, window, scale_log2, S: tl.constexpr, HKV: tl.constexpr,
               D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
               MASK: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr):
-    """Fold keys ``[n, n + BLOCK_N)`` into the running softmax of the tile's rows.
+    """Fold keys ``[n, n + BLOCK_N)`` (pages ``b_page`` from ``_tile_pages``) into the running
+    softmax of the tile's rows.
 
-    A key is read only if it lies in ``[lo_key, seq_len)`` and its page id in ``[0, P)``; any
-    other is loaded as 0 and masked, so a NaN there changes nothing. MASK adds each row's
-    causal (and, WINDOW, window) visibility; without it every read key is visible to all rows.
+    A key is read only if its page id lies in ``[0, P)`` (``_tile_pages`` gives -1 outside
+    ``[lo_key, seq_len)``); any other is loaded as 0 and masked, so a NaN there changes nothing.
+    MASK adds each row's causal (and, WINDOW, window) visibility; without it every read key is
+    visible to all rows.
     """
     o_n = n + tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, BLOCK_D)
-    m_n = (o_n < seq_len) & (o_n >= lo_key)
-    b_page = tl.load(p_bt + o_n // S, mask=m_n & (o_n // S < L), other=-1)
-    m_n = m_n & (b_page >= 0) & (b_page < P)
+    m_n = (b_page >= 0) & (b_page < P)
     o_row = ((o_n % S) * (HKV * D) + i_h * D).to(tl.int64)
     m_kv = m_n[:, None] & (o_d < D)[None, :]
     p_k = KC + (b_page.to(tl.int64) * stride_kp + o_row)[:, None] + o_d[None, :]
@@ -115,6 +123,31 @@ def _key_tile(b_q, b_acc, b_m, b_l, KC, VC, p_bt, n, seq_len, P, L, i_h, stride_
 
 
 @triton.jit
+def _key_run(b_q, b_acc, b_m, b_l, KC, VC, p_bt, lo, hi, seq_len, lo_key, P, L, i_h, stride_kp,
+             stride_vp, b_pos, window, scale_log2, S: tl.constexpr, HKV: tl.constexpr,
+             D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr,
+             WINDOW: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr):
+    """Key tiles ``[lo, hi)`` in BLOCK_N steps. PREFETCH loads each tile's page ids one tile
+    ahead (a loop-carried value), so the K/V loads' addresses do not wait on a load of the same
+    iteration; without it each tile loads its own page ids."""
+    if PREFETCH:
+        b_page = _tile_pages(p_bt, lo, seq_len, lo_key, L, S, BLOCK_N)
+        for n in range(lo, hi, BLOCK_N):
+            b_next = _tile_pages(p_bt, n + BLOCK_N, seq_len, lo_key, L, S, BLOCK_N)
+            b_acc, b_m, b_l = _key_tile(
+                b_q, b_acc, b_m, b_l, KC, VC, b_page, n, P, i_h, stride_kp, stride_vp, b_pos,
+                window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, MASK, WINDOW, PRECISION)
+            b_page = b_next
+    else:
+        for n in range(lo, hi, BLOCK_N):
+            b_page = _tile_pages(p_bt, n, seq_len, lo_key, L, S, BLOCK_N)
+            b_acc, b_m, b_l = _key_tile(
+                b_q, b_acc, b_m, b_l, KC, VC, b_page, n, P, i_h, stride_kp, stride_vp, b_pos,
+                window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, MASK, WINDOW, PRECISION)
+    return b_acc, b_m, b_l
+
+
+@triton.jit
 def _paged_prefill_kernel(
     Q, KC, VC, BT, QS, SL, O, LSE,
     N, B, P, L, num_tiles, window, scale_log2, NUM_SPLITS,
@@ -123,7 +156,7 @@ def _paged_prefill_kernel(
     S: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     i_t = num_tiles - 1 - tl.program_id(0)
     i_h = tl.program_id(1)
@@ -181,21 +214,18 @@ def _paged_prefill_kernel(
     if WINDOW:
         mid_lo = tl.minimum(tl.cdiv(tl.maximum(p_last - window + 1, 0), BLOCK_N) * BLOCK_N,
                             mid_hi)
-        for n in range(tl.maximum(k_lo, s_lo), tl.minimum(mid_lo, s_hi), BLOCK_N):
-            b_acc, b_m, b_l = _key_tile(
-                b_q, b_acc, b_m, b_l, KC, VC, p_bt, n, seq_len, P, L, i_h, stride_kp, stride_vp,
-                b_pos, lo_key, window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, True, True,
-                PRECISION)
-    for n in range(tl.maximum(mid_lo, s_lo), tl.minimum(mid_hi, s_hi), BLOCK_N):
-        b_acc, b_m, b_l = _key_tile(
-            b_q, b_acc, b_m, b_l, KC, VC, p_bt, n, seq_len, P, L, i_h, stride_kp, stride_vp,
-            b_pos, lo_key, window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, False, WINDOW,
-            PRECISION)
-    for n in range(tl.maximum(mid_hi, s_lo), s_hi, BLOCK_N):
-        b_acc, b_m, b_l = _key_tile(
-            b_q, b_acc, b_m, b_l, KC, VC, p_bt, n, seq_len, P, L, i_h, stride_kp, stride_vp,
-            b_pos, lo_key, window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, True, WINDOW,
-            PRECISION)
+        b_acc, b_m, b_l = _key_run(
+            b_q, b_acc, b_m, b_l, KC, VC, p_bt, tl.maximum(k_lo, s_lo), tl.minimum(mid_lo, s_hi),
+            seq_len, lo_key, P, L, i_h, stride_kp, stride_vp, b_pos, window, scale_log2, S, HKV,
+            D, BLOCK_N, BLOCK_D, True, True, PRECISION, PREFETCH)
+    b_acc, b_m, b_l = _key_run(
+        b_q, b_acc, b_m, b_l, KC, VC, p_bt, tl.maximum(mid_lo, s_lo), tl.minimum(mid_hi, s_hi),
+        seq_len, lo_key, P, L, i_h, stride_kp, stride_vp, b_pos, window, scale_log2, S, HKV, D,
+        BLOCK_N, BLOCK_D, False, WINDOW, PRECISION, PREFETCH)
+    b_acc, b_m, b_l = _key_run(
+        b_q, b_acc, b_m, b_l, KC, VC, p_bt, tl.maximum(mid_hi, s_lo), s_hi, seq_len, lo_key, P, L,
+        i_h, stride_kp, stride_vp, b_pos, window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, True,
+        WINDOW, PRECISION, PREFETCH)
     b_has = b_l > 0
     b_out = b_acc / tl.where(b_has, b_l, 1.0)[:, None]
     b_lse = tl.where(b_has, (b_m + tl.log2(tl.where(b_has, b_l, 1.0))) * 0.6931471805599453,
@@ -209,10 +239,13 @@ def paged_prefill_attention_fwd(
     query_start: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None,
     window: int = 0, *, block_m: int | None = None, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, num_splits: int | None = None,
+    prefetch: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate, pick the tile (``prefill_tile``) and the splits (``prefill_splits``), launch,
     and merge split partials (``_splitk.merge_splits``). Inputs are already checked by the op;
-    the keyword knobs override the rules (tests, benches). Returns ``(out, lse)``."""
+    the keyword knobs override the rules (tests, benches); ``prefetch`` loads page ids a tile
+    ahead (``_key_run``), off by default until a measurement says it wins. Returns
+    ``(out, lse)``."""
     N, Hq, D = q.shape
     P, S, Hkv, _ = k_cache.shape
     B, L = block_table.shape
@@ -244,7 +277,8 @@ def paged_prefill_attention_fwd(
         part_l.stride(0), part_l.stride(1), split_l,
         S=S, HKV=Hkv, G=G, D=D, BLOCK_Q=block_q, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_D=next_pow2(max(D, 16)), BLOCK_B=min(1024, next_pow2(B + 1)),
-        WINDOW=window > 0, PRECISION=dot_precision(q.dtype), num_warps=nw, num_stages=ns,
+        WINDOW=window > 0, PRECISION=dot_precision(q.dtype), PREFETCH=prefetch, num_warps=nw,
+        num_stages=ns,
     )
     if nsp > 1:
         merge_splits(part_o.view(N * Hq, nsp, D), part_l.view(N * Hq, nsp), out.view(N * Hq, D),
