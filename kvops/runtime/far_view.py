@@ -257,10 +257,11 @@ class FarView:
                     new = np.zeros(idm.shape, dtype=bool)
                     for i, b in enumerate(rank):
                         if fresh.get(b):
-                            new[i] = np.isin(idm[i], fresh[b])
+                            got = set(fresh[b])
+                            new[i] = [x in got for x in lists[i]] + [False] * (n - len(lists[i]))
                     util[:, new] = np.inf
                 order = np.argsort(-util, axis=-1, kind="stable")[..., :C]
-                top = np.take_along_axis(np.broadcast_to(idm, util.shape), order, axis=-1)
+                top = idm[np.arange(len(rank))[:, None], order]       # [L, m, C]
                 want[:, len(few):] = np.sort(top, axis=-1)
             committed = self.pager.host_tables["far_select"].reshape(L, B, C)
             layers, which = np.nonzero((committed[:, cols] != want).any(axis=-1))

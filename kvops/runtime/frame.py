@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Hashable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -199,7 +199,6 @@ class GrownBatch:
         self._lens = self._frame = None
 
 
-@dataclass(slots=True)
 class FrameEdits:
     """The shadow of one frame, read by the pager at commit.
 
@@ -214,25 +213,30 @@ class FrameEdits:
     ``writes``: table writes ``(setter, index, values, table or None)``.
     """
 
-    length: dict = field(default_factory=dict)
-    overlay: dict = field(default_factory=dict)
-    new: dict = field(default_factory=dict)
-    closed: set = field(default_factory=set)
-    grown: dict = field(default_factory=dict)
-    gst: dict = field(default_factory=dict)
-    app: dict = field(default_factory=dict)
-    gmulti: set = field(default_factory=set)
-    ref: dict = field(default_factory=dict)
-    allocated: list = field(default_factory=list)
-    copies: list = field(default_factory=list)
-    aliases: list = field(default_factory=list)
-    writes: list = field(default_factory=list)
-    slots_taken: list = field(default_factory=list)
-    freed_pages: list = field(default_factory=list)
-    freed_slots: list = field(default_factory=list)
-    written: dict = field(default_factory=dict)
-    undo: list = field(default_factory=list)
-    after: list = field(default_factory=list)
+    __slots__ = ("length", "overlay", "new", "closed", "grown", "gst", "app", "gmulti", "ref",
+                 "allocated", "copies", "aliases", "writes", "slots_taken", "freed_pages",
+                 "freed_slots", "written", "undo", "after")
+
+    def __init__(self):
+        self.length = {}
+        self.overlay = {}
+        self.new = {}
+        self.closed = set()
+        self.grown = {}
+        self.gst = {}
+        self.app = {}
+        self.gmulti = set()
+        self.ref = {}
+        self.allocated = []
+        self.copies = []
+        self.aliases = []
+        self.writes = []
+        self.slots_taken = []
+        self.freed_pages = []
+        self.freed_slots = []
+        self.written = {}
+        self.undo = []
+        self.after = []
 
 
 class Frame:
@@ -722,7 +726,8 @@ class Frame:
         except BaseException:
             self.abort()
             raise
-        run_all(self.edits.after)
+        if self.edits.after:
+            run_all(self.edits.after)
         return self.result
 
     def abort(self) -> None:

@@ -49,7 +49,7 @@ import torch
 from kvops.runtime.allocator import OutOfPages, SpanAllocator
 from kvops.runtime.copies import apply_copies, copy_stages
 from kvops.runtime.frame import _EMPTY, Frame, GrownBatch, SessionDelta, const
-from kvops.runtime.policy import Staged, sharing_refusal
+from kvops.runtime.policy import run_all, sharing_refusal
 from kvops.runtime.tables import TableSet
 
 __all__ = ["Commit", "Committed", "Frame", "GrownBatch", "OutOfPages", "Pager", "Session",
@@ -89,6 +89,11 @@ class Commit:
     stats: dict = field(default_factory=dict)
 
 
+def _adopt_all(adopt: list) -> None:
+    """Hand each policy its staged state (every one, even if one raises)."""
+    run_all([partial(fn, state) for fn, state in adopt])
+
+
 class Pager:
     """Page pool + session views + Frame commits. See the module doc for the whole contract.
 
@@ -125,6 +130,7 @@ class Pager:
                                    list(range(max_sessions - 1, -1, -1)))
         self.table_set = TableSet(self.device)
         self.policies: list = []
+        self._plans: list = []                  # (policy, its plan or None)
         self._open: Frame | None = None
         self.add_table("block_table", (max_sessions, max_blocks), fill=-1)
         self.add_table("seq_lens", (max_sessions,), fill=0)
@@ -167,6 +173,7 @@ class Pager:
         for name, (shape, fill) in tables.items():
             self.add_table(name, shape, fill)
         self.policies.append(policy)
+        self._plans.append((policy, getattr(policy, "plan", None)))
 
     # -- frames ------------------------------------------------------------------------------
     def frame(self) -> Frame:
@@ -239,19 +246,20 @@ class Pager:
         slots = batch.slots
         stats: dict = {}
         adopt = []
-        for policy in self.policies:
-            plan = getattr(policy, "plan", None)
+        for policy, plan in self._plans:
             if plan is None:
                 out = policy.on_commit(f, deltas, batch)
-            else:
-                staged = plan(f, deltas, batch)
-                if staged is None:
-                    continue
-                if staged.state is not None:
-                    adopt.append(partial(policy.adopt, staged.state))
-                out = {policy.kind: staged.stats} if staged.stats else None
+                if out:
+                    stats.update(out)
+                continue
+            staged = plan(f, deltas, batch)
+            if staged is None:
+                continue
+            state, out = staged
+            if state is not None:
+                adopt.append((policy.adopt, state))
             if out:
-                stats.update(out)
+                stats[policy.kind] = out
         batch.seal()
         # 2. apply: refcounts and free lists, views, table entries
         refs, give = c.refs, self.allocator.give
@@ -332,7 +340,7 @@ class Pager:
         if track:
             tables.upload(self.epoch, changed)
         if adopt:
-            e.after[:0] = adopt
+            e.after.insert(0, partial(_adopt_all, adopt))
         return Commit(f.epoch, list(e.copies), len(sessions), stats)
 
     # -- reads of the committed (active) descriptor -------------------------------------------

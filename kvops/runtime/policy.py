@@ -25,16 +25,15 @@ raises, then raises the first error.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, slots=True)
-class Staged:
+class Staged(NamedTuple):
     """What :meth:`plan` returns: the host ``state`` to adopt at commit (``None``: nothing to
     adopt) and the ``stats`` the commit reports under the policy's kind."""
 
     state: object = None
-    stats: dict = field(default_factory=dict)
+    stats: dict | None = None
 
 
 def run_all(fns: Iterable[Callable[[], object]]) -> None:
