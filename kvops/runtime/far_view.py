@@ -34,12 +34,15 @@ Utility and selection
     the device (one step old when called after each step).
 
 Commits
-    The far view is a pager hook (:meth:`kvops.runtime.Pager.attach`): its tables
+    The far view is a pager policy (:mod:`kvops.runtime.policy`): its tables
     ``far_select [layers * B, C]`` (chunk ids, ``-1`` empty), ``far_leave_pages [B * max_leave,
-    M]`` and ``far_leave_ids [B * max_leave]`` are edited inside the step's frame and go up
+    M]`` and ``far_leave_ids [B * max_leave]`` are written inside the step's frame and go up
     with the pager's single upload, so the kernel shapes and the one-commit-per-step rule hold.
-    Selection rows are edited only where they change. Host state follows a commit only once the
-    pager's epoch shows that commit happened, so an aborted frame leaves the far view as it was.
+    Selection rows are written only where they change. A queued chunk keeps only its id; its
+    pages are read from the frame's view when its summary is due, and a chunk whose blocks were
+    trimmed meanwhile is dropped. The plan returns the next host state (immutable per-slot
+    records); the pager adopts it once the commit is complete, so an aborted frame leaves the
+    far view as it was.
 
 Bias switch
     ``far_bias = log(M * S)`` for a selected slot when ``log_count_bias`` (a summary stands for
@@ -144,7 +147,9 @@ class FarView:
         self.scores = torch.zeros((num_layers, self.B, self.J + 1), dtype=torch.float32, device=dev)
         self.host_scores = np.zeros((num_layers, self.B, self.J + 1), dtype=np.float32)
         self._slots = [_EMPTY_SLOT] * self.B
-        self._seen = np.zeros(self.B, dtype=np.int64)       # the same ``seen``, as an array
+        # the length at which each slot's next chunk becomes far (a chunk of M blocks is far
+        # once W/S more blocks follow it: length > ((seen + 1) * M + W/S - 1) * S)
+        self._next_len = np.full(self.B, self._first_far(0), dtype=np.int64)
         self._queued: frozenset[int] = frozenset()           # slots with pending chunks
         self._many: frozenset[int] = frozenset()              # slots with more than C summaries
         self._leave_rows: tuple[int, ...] = ()    # far_leave rows the last commit filled
@@ -163,6 +168,13 @@ class FarView:
         return {"far_select": ((self.layers * B, C), -1),
                 "far_leave_pages": ((n, M), -1),
                 "far_leave_ids": ((n,), self.J)}
+
+    def _first_far(self, seen: int) -> int:
+        """Tokens at which chunk ``seen`` becomes far (past the table's length once all ``J``
+        chunks are far)."""
+        if seen >= self.J:
+            return 1 << 62
+        return ((seen + 1) * self.M + self.window_pages - 1) * self.pager.page_size + 1
 
     def plan(self, frame: Frame, deltas: list[SessionDelta], grown: GrownBatch) -> Staged:
         """Policy plan: new far chunks, this commit's summaries and the selection, as table
@@ -184,12 +196,11 @@ class FarView:
                             old.summarized)
             slots[d.slot] = old
         if grown.slots.size:                   # growth-only sessions whose far history grew
-            gs = grown.slots
-            more = np.flatnonzero(self._far_at[grown.after] > self._seen[gs])
-            for i in more.tolist():
+            gs, after = grown.slots, grown.after
+            for i in np.flatnonzero(after >= self._next_len[gs]).tolist():
                 b = int(gs[i])
                 old = self._slots[b]
-                far = int(self._far_at[grown.after[i]])
+                far = int(self._far_at[after[i]])
                 slots[b] = _Slot(old.key, far, old.pending + tuple(range(old.seen, far)),
                                  old.summarized)
         for b in self._queued:                  # untouched sessions still drain their queue
@@ -228,14 +239,21 @@ class FarView:
         # above C, utilities order them, and they are ranked again when the scores were pulled
         # since the last commit or their summaries changed: all such sessions together, all
         # layers at once (padded to the longest list)
-        many = set(self._many)
+        many = self._many
+        few, rank = [], []
         for b, st in slots.items():
-            (many.add if len(st.summarized) > C else many.discard)(b)
-        few = [b for b, st in slots.items() if len(st.summarized) <= C and
-               (st.summarized != self._slots[b].summarized or st is _EMPTY_SLOT)]
-        rank = sorted(many) if self._scores_new else \
-            sorted(b for b in many if b in slots and
-                   slots[b].summarized != self._slots[b].summarized)
+            changed = st.summarized != self._slots[b].summarized or st is _EMPTY_SLOT
+            if len(st.summarized) > C:
+                if b not in many:
+                    many = many | {b}
+                if changed:
+                    rank.append(b)
+            else:
+                if b in many:
+                    many = many - {b}
+                if changed:
+                    few.append(b)
+        rank = sorted(many) if self._scores_new else sorted(rank)
         cols = few + rank
         changed = 0
         if cols:
@@ -271,16 +289,20 @@ class FarView:
             changed = int(layers.size)
         pending = sum(len(st.pending) for st in slots.values())
         last = {"summaries": len(rows), "select_rows_changed": changed, "pending": pending}
-        return Staged((slots, tuple(rows), frozenset(many), last), last)
+        return Staged((slots, tuple(rows), many, last), last)
 
     def adopt(self, state) -> None:
         slots, rows, many, last = state
-        queued = set(self._queued)
+        queued = self._queued
         for b, st in slots.items():
             self._slots[b] = st
-            self._seen[b] = st.seen
-            (queued.add if st.pending else queued.discard)(b)
-        self._queued, self._many = frozenset(queued), many
+            self._next_len[b] = self._first_far(st.seen)
+            if st.pending:
+                if b not in queued:
+                    queued = queued | {b}
+            elif b in queued:
+                queued = queued - {b}
+        self._queued, self._many = queued, many
         self._leave_rows, self.last = rows, last
         self._scores_new = False
 

@@ -43,21 +43,26 @@ Host backing
 Frames
     ``step`` runs once a frame; ``promote``, ``alias``, ``trim`` and ``reserve`` may share its
     frame. What the policy does in a frame is kept in a pending record that its later calls
-    and its checks read, and becomes the committed state only when the frame commits (an
-    aborted frame also undoes its packs and waits for its promotions' side-stream work).
-    Blocks reserved in the frame are never demoted in it. ``attention_kwargs(always=True)``
+    and its checks read; its plan at commit returns it as the staged state, adopted once the
+    commit is complete (an aborted frame drops it, undoes its packs and waits for its
+    promotions' side-stream work, every undo running even if another raises). Blocks reserved
+    in the frame, and pages a copy-on-write copy of the frame reads, are never demoted in it.
+    A demotion's freed pages are reservable in the same frame: ``step(f, need=fid.need(f,
+    reserves))`` then the reserves. ``attention_kwargs(always=True)``
     passes the span table even when nothing is BASE, for a step compiled or captured once.
 
 What it does not do (checked, and refused with ``ValueError``)
-    ``alias`` of a prefix holding BASE blocks and trimming a BASE block abort their frame:
-    a BASE page is mapped by exactly the two blocks of one session. Promote first (``promote``
-    with the session), or alias fewer blocks.
+    ``alias`` of a prefix holding a page BASE at any point of the frame, a copy-on-write copy
+    of a BASE page, and trimming a BASE block abort their frame: a BASE page is mapped by
+    exactly the two blocks of one session. Promote first (``promote`` with the session), or
+    alias fewer blocks.
 
 A decode step::
 
     with pager.frame() as f:
-        fid.step(f, need=pages_the_next_reserves_take)
-        ... f.reserve(...) ...
+        fid.step(f, need=fid.need(f, {"req-3": 1, "req-9": 812}))
+        f.reserve("req-3", 1)
+        f.reserve("req-9", 812)
     # after the commit, attention reads BASE through the span table:
     out, lse = torch.ops.kvops.elastic_attention(q, k_cache, v_cache, tables["block_table"],
                                                  tables["seq_lens"], **fid.attention_kwargs())
@@ -164,7 +169,7 @@ class _Promotion:
 @dataclass
 class _Pending:
     """What the policy did in one frame, read by its later calls in the same frame and by the
-    hook, and made the committed state only when the frame commits (:meth:`Fidelity._apply`)."""
+    plan, and made the committed state when the pager adopts it (:meth:`Fidelity._apply`)."""
     frame: Frame
     spans: dict = field(default_factory=dict)        # key -> span after the frame ((0, 0): none)
     new_pairs: dict = field(default_factory=dict)    # page -> _Pair demoted in the frame

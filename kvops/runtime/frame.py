@@ -210,12 +210,14 @@ class FrameEdits:
     taken from the pool; ``slots_taken``: slots taken from the free list; ``freed_pages`` and
     ``freed_slots``: what verbs freed, reusable in the frame; ``written``: for sessions
     aliased in the frame, how many of their tokens exist before the step writes;
-    ``writes``: table writes ``(setter, index, values, table or None)``.
+    ``writes``: table writes ``(setter, index, values, table or its flat range)``; ``undo``
+    and ``after``: the abort and commit callbacks; ``adopt``: the policies' ``(adopt,
+    state)`` pairs the commit leaves for :meth:`Frame.commit` to hand over.
     """
 
     __slots__ = ("length", "overlay", "new", "closed", "grown", "gst", "app", "gmulti", "ref",
                  "allocated", "copies", "aliases", "writes", "slots_taken", "freed_pages",
-                 "freed_slots", "written", "undo", "after")
+                 "freed_slots", "written", "undo", "after", "adopt")
 
     def __init__(self):
         self.length = {}
@@ -237,6 +239,7 @@ class FrameEdits:
         self.written = {}
         self.undo = []
         self.after = []
+        self.adopt = ()
 
 
 class Frame:
@@ -669,15 +672,16 @@ class Frame:
         the whole table). Unchecked beyond the table's name: policies compute in-range
         indices. ``via``: a view of that host table (e.g. a structured-dtype view) whose
         ``__setitem__`` takes ``index`` and ``values`` instead."""
-        tables = self._tables
-        if table not in tables.shape:
-            tables.check(table)
-        target = tables.host[table] if via is None else via
-        if index.__class__ is np.ndarray and index.ndim == 1 and target.ndim == 1:
-            setter = target.put
+        if via is None:
+            target = self._tables.host.get(table)
+            if target is None:
+                self._tables.check(table)
         else:
-            setter = target.__setitem__
-        self.edits.writes.append((setter, index, values, table))
+            target = via
+        if index.__class__ is np.ndarray and target.ndim == 1 and index.ndim == 1:
+            self.edits.writes.append((target.put, index, values, table))
+        else:
+            self.edits.writes.append((target.__setitem__, index, values, table))
 
     def edit(self, table: str, row: int, values, start: int = 0) -> None:
         """Checked write of ``values`` as a run from ``table[row, start]`` at commit (row-major,
@@ -726,8 +730,20 @@ class Frame:
         except BaseException:
             self.abort()
             raise
-        if self.edits.after:
-            run_all(self.edits.after)
+        e = self.edits
+        error = None
+        for fn, state in e.adopt:       # the policies' staged states, then the callbacks
+            try:
+                fn(state)
+            except BaseException as exc:  # noqa: BLE001 - every one runs; the first is raised
+                error = error or exc
+        if e.after:
+            try:
+                run_all(e.after)
+            except BaseException as exc:  # noqa: BLE001
+                error = error or exc
+        if error is not None:
+            raise error
         return self.result
 
     def abort(self) -> None:

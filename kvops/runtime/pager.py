@@ -41,7 +41,6 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
-from functools import partial
 
 import numpy as np
 import torch
@@ -49,7 +48,7 @@ import torch
 from kvops.runtime.allocator import OutOfPages, SpanAllocator
 from kvops.runtime.copies import apply_copies, copy_stages
 from kvops.runtime.frame import _EMPTY, Frame, GrownBatch, SessionDelta, const
-from kvops.runtime.policy import run_all, sharing_refusal
+from kvops.runtime.policy import sharing_refusal
 from kvops.runtime.tables import TableSet
 
 __all__ = ["Commit", "Committed", "Frame", "GrownBatch", "OutOfPages", "Pager", "Session",
@@ -87,11 +86,6 @@ class Commit:
     copies: list[tuple[int, int]]
     sessions: int
     stats: dict = field(default_factory=dict)
-
-
-def _adopt_all(adopt: list) -> None:
-    """Hand each policy its staged state (every one, even if one raises)."""
-    run_all([partial(fn, state) for fn, state in adopt])
 
 
 class Pager:
@@ -339,8 +333,7 @@ class Pager:
         self._open = None
         if track:
             tables.upload(self.epoch, changed)
-        if adopt:
-            e.after.insert(0, partial(_adopt_all, adopt))
+        e.adopt = adopt
         return Commit(f.epoch, list(e.copies), len(sessions), stats)
 
     # -- reads of the committed (active) descriptor -------------------------------------------

@@ -116,6 +116,7 @@ class Transport:
         self.last: dict = {}
         self._ones = 0                  # leading rows of the committed trains with n == 1
         self._pairs = None              # writes packed moves into the host trains table
+        self._num_trains = None         # the committed num_trains table
         # lookups by session length n (tokens, at most L * S), so a step's window bounds and
         # move destinations cost one fancy index each and no arithmetic: with nb = ceil(n / S)
         # blocks, the window's ring slot win_start = first % W and win_len = n - first, first
@@ -233,7 +234,9 @@ class Transport:
                 groups = len(trains)
                 frame.write("trains", slice(0, groups), trains)
                 ones = 0
-        if groups != self.pager.host_tables["num_trains"][0]:   # committed; rarely changes
+        if self._num_trains is None:
+            self._num_trains = self.pager.host_tables["num_trains"]
+        if groups != self._num_trains[0]:   # committed; rarely changes
             frame.write("num_trains", 0, groups)
         if deltas:
             slots = np.concatenate((slots, np.array(w_slot, dtype=np.int64)))
