@@ -1,5 +1,6 @@
-"""Stateful host side: the KV pager (reserve/alias/trim/frame), the merge-staged transport,
-the far-view policy and the ElasticKV fidelity policy.
+"""Stateful host side: the KV pager (reserve/alias/trim/frame) and the policies that follow
+its commits through one protocol (:mod:`kvops.runtime.policy`): the merge-staged transport, the
+far-view policy and the ElasticKV fidelity policy.
 
 The runtime edits host-side mappings; a frame commits them as fixed-shape device tables that
 the ops read. It never imports models.

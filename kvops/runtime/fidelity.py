@@ -105,6 +105,15 @@ def _one_pool(caches: list[torch.Tensor]) -> torch.Tensor | None:
                          c0.storage_offset())
 
 
+def _transport_rule(fid, transport) -> str | None:
+    """Why a Transport may not share ``fid``'s pager: its window could hold demoted blocks."""
+    if fid.protect_recent < transport.pages_per_window:
+        return (f"protect_recent: expected >= {transport.pages_per_window} (the transport's "
+                f"window blocks), got {fid.protect_recent}: the window would hold demoted "
+                f"blocks")
+    return None
+
+
 class _HostPool:
     """Host slots for pair backings, ``[caches, 2, S, Hkv, D]`` each, pinned on CUDA: chunks of
     ``chunk`` slots allocated when first used, slots handed out as contiguous runs (the
@@ -360,18 +369,10 @@ class Fidelity:
     # -- pager policy --------------------------------------------------------------------------
     kind = "fidelity"
 
-    @staticmethod
-    def _transport_rule(fid, transport) -> str | None:
-        if fid.protect_recent < transport.pages_per_window:
-            return (f"protect_recent: expected >= {transport.pages_per_window} (the transport's "
-                    f"window blocks), got {fid.protect_recent}: the window would hold demoted "
-                    f"blocks")
-        return None
-
     sharing = {
         # demoted blocks stay before every window when protect_recent covers it (a session's
         # length only grows), so the transport never copies BASE bytes into the arena
-        "transport": _transport_rule.__func__,
+        "transport": _transport_rule,
         # the far view summarizes pages after they leave the window, where demotion packs them
         "far_view": "not supported (the far view would summarize pages that demotion packed "
                     "to BASE)",

@@ -47,7 +47,7 @@ import torch
 
 from kvops.runtime.allocator import OutOfPages, SpanAllocator
 from kvops.runtime.copies import apply_copies, copy_stages
-from kvops.runtime.frame import _EMPTY, Frame, GrownBatch, SessionDelta, const
+from kvops.runtime.frame import Frame, GrownBatch, SessionDelta, const
 from kvops.runtime.policy import sharing_refusal
 from kvops.runtime.tables import TableSet
 
@@ -55,6 +55,8 @@ __all__ = ["Commit", "Committed", "Frame", "GrownBatch", "OutOfPages", "Pager", 
            "SessionDelta", "SpanAllocator", "apply_copies", "copy_stages"]
 
 _const = const          # the name the transport and benchmarks import
+_EMPTY = np.zeros(0, dtype=np.int64)
+_EMPTY.flags.writeable = False
 
 
 @dataclass(slots=True)
