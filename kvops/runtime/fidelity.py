@@ -387,7 +387,7 @@ class Fidelity:
         (the policy's own remaps excepted); clear the span row of ended sessions. The staged
         state is the frame's pending record and the sessions it ended."""
         pend = self._of(frame)
-        for dst, src, _, pages in frame.aliases:
+        for dst, _, _, pages in frame.aliases:
             for j, p in enumerate(pages):
                 pair = self._base_in_frame(p, pend)
                 if pair is not None:
