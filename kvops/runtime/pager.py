@@ -278,6 +278,7 @@ class Pager:
                 changed.append(region["seq_lens"])
         idx: list[int] = []
         val: list[int] = []
+        master = tables.master
         bt_off, sl_off = region["block_table"].start, region["seq_lens"].start
         if e.app:                       # fresh blocks of growth-only sessions
             bt = self._block_table
@@ -295,13 +296,14 @@ class Pager:
                     changed.append(slice(row, row + len(pages)))
         for dlt in deltas:
             row = bt_off + dlt.slot * L
-            if dlt.closed:
+            if dlt.closed:              # cleared first: a new session may take the slot
                 del sessions[dlt.key]
                 nb = -(-lens.pop(dlt.key) // S)
-                idx.extend(range(row, row + nb))
-                val.extend([-1] * nb)
-                idx.append(sl_off + dlt.slot)
-                val.append(0)
+                master[row: row + nb] = -1
+                master[sl_off + dlt.slot] = 0
+                if track:
+                    changed.append(slice(row, row + nb))
+                    changed.append(slice(sl_off + dlt.slot, sl_off + dlt.slot + 1))
                 continue
             sess = sessions.get(dlt.key)
             if sess is None:
@@ -320,7 +322,6 @@ class Pager:
                 val.append(dlt.after_length)
         if e.freed_slots:
             c.free_slots.extend(e.freed_slots)
-        master = tables.master
         if idx:
             at = np.asarray(idx, dtype=np.int64)
             master[at] = val
