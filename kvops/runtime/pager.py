@@ -121,6 +121,7 @@ class Pager:
         self.max_sessions, self.max_blocks = max_sessions, max_blocks
         self.device = torch.device(device) if device is not None else None
         self.epoch = 0
+        self.last_commit: Commit | None = None
         self.allocator = SpanAllocator(num_pages)
         self.committed = Committed({}, {}, [0] * num_pages,
                                    list(range(max_sessions - 1, -1, -1)))
@@ -337,7 +338,8 @@ class Pager:
         if track:
             tables.upload(self.epoch, changed)
         e.adopt = adopt
-        return Commit(f.epoch, list(e.copies), len(sessions), stats)
+        self.last_commit = Commit(f.epoch, list(e.copies), len(sessions), stats)
+        return self.last_commit
 
     # -- reads of the committed (active) descriptor -------------------------------------------
     def sessions(self) -> list[Hashable]:

@@ -113,7 +113,6 @@ class Transport:
         self.page_bytes = page_bytes
         self.max_train_bytes = max_train_bytes
         self.copy_tail = copy_tail
-        self.last: dict = {}
         self._ones = 0                  # leading rows of the committed trains with n == 1
         self._pairs = None              # writes packed moves into the host trains table
         self._num_trains = None         # the committed num_trains table
@@ -247,10 +246,16 @@ class Transport:
         nbytes = m * self.page_bytes
         last = {"groups": groups, "bytes": nbytes,
                 "mean_train_bytes": nbytes / groups if groups else 0.0, "moves": m}
-        return Staged((ones, last), last)
+        return Staged(ones if ones != self._ones else None, last)
 
-    def adopt(self, state) -> None:
-        self._ones, self.last = state
+    def adopt(self, ones: int) -> None:
+        self._ones = ones
+
+    @property
+    def last(self) -> dict:
+        """The last commit's stats (``Commit.stats["transport"]``; ``{}`` before the first)."""
+        commit = self.pager.last_commit
+        return commit.stats.get("transport", {}) if commit is not None else {}
 
     def _pair_view(self):
         """A view of the host trains table that takes packed moves ``dst << 32 | src`` into
