@@ -95,6 +95,7 @@ def test_selection_is_top_cap_by_utility_and_fresh_chunks_get_in():
     assert far.selection(0, slot) == [2, 3]
     far.host_scores[0, slot, :4] = [0.5, 0.9, 0.1, 0.2]
     far.host_scores[1, slot, :4] = [0.3, 0.3, 0.3, 0.0]
+    far.pull_scores(far.host_scores.copy())
     commit(pager, far, k, v, {"a": 1})
     assert far.selection(0, slot) == [0, 1]
     assert far.selection(1, slot) == [1, 2]              # ties broken toward the newer chunk
@@ -103,10 +104,12 @@ def test_selection_is_top_cap_by_utility_and_fresh_chunks_get_in():
     assert far.selection(0, slot) == [1, 4]
     assert far.last["select_rows_changed"] == 2
     far.host_scores[:, slot, 4] = 1.0                    # as pull_scores would bring it
+    far.pull_scores(far.host_scores.copy())
     commit(pager, far, k, v, {"a": 1})
     assert far.last["select_rows_changed"] == 0          # no change, no edit
     assert far.selection(1, slot) == [2, 4]
     far.host_scores[0, slot, 4] = 0.0
+    far.pull_scores(far.host_scores.copy())
     commit(pager, far, k, v, {"a": 1})
     assert far.selection(0, slot) == [0, 1]
     # the device table is the committed host table

@@ -48,10 +48,10 @@ class PagerMachine(RuleBasedStateMachine):
 
     def _snapshot(self):
         pg = self.pager
-        return (pg.epoch, pg.free_pages, pg._alloc.spans(), list(pg._refs),
+        return (pg.epoch, pg.free_pages, pg.allocator.spans(), list(pg.committed.refs),
                 {k: (pg.length(k), pg.pages(k), pg.slot(k)) for k in pg.sessions()},
                 pg.host_tables["block_table"].tolist(),
-                sorted(pg._free_slots))
+                sorted(pg.committed.free_slots))
 
     # -- rules -----------------------------------------------------------------------------
     @rule(n=st.integers(1, 14))
@@ -226,15 +226,15 @@ class PagerMachine(RuleBasedStateMachine):
             for page in pg.pages(key):
                 if page >= 0:
                     owners[page] += 1
-        assert list(owners) == pg._refs, "refcounts differ from the mappings"
+        assert list(owners) == pg.committed.refs, "refcounts differ from the mappings"
         free = np.zeros(P, dtype=bool)
-        for start, n in pg._alloc.spans():
+        for start, n in pg.allocator.spans():
             assert not free[start: start + n].any(), "free spans overlap"
             free[start: start + n] = True
         assert not (free & (owners > 0)).any(), "a mapped page is on a free list"
         assert free.sum() + (owners > 0).sum() == P, "a page leaked"
         assert pg.free_pages == free.sum()
-        spans = pg._alloc.spans()
+        spans = pg.allocator.spans()
         for (a, n), (b, _) in zip(spans, spans[1:]):
             assert a + n < b, "adjacent free spans were not coalesced"
 
@@ -272,8 +272,8 @@ class PagerMachine(RuleBasedStateMachine):
         with self.pager.frame() as f:
             for key in list(self.tokens):
                 f.trim(key)
-        assert self.pager.free_pages == P and self.pager._alloc.spans() == [(0, P)]
-        assert not any(self.pager._refs)
+        assert self.pager.free_pages == P and self.pager.allocator.spans() == [(0, P)]
+        assert not any(self.pager.committed.refs)
 
 
 TestPagerMachine = PagerMachine.TestCase
@@ -365,10 +365,10 @@ def test_failing_hook_aborts_the_commit():
     pg.attach(Failing())
     with pg.frame() as f:
         pass
-    before = (pg.epoch, pg.free_pages, pg._alloc.spans(), pg.sessions())
+    before = (pg.epoch, pg.free_pages, pg.allocator.spans(), pg.sessions())
     with pytest.raises(Boom), pg.frame() as f:
         f.reserve("a", 9)
-    assert (pg.epoch, pg.free_pages, pg._alloc.spans(), pg.sessions()) == before
+    assert (pg.epoch, pg.free_pages, pg.allocator.spans(), pg.sessions()) == before
     assert f.aborted and pg.frame() is not None
 
 
@@ -447,7 +447,7 @@ def test_policy_verbs_move_references_and_callbacks_follow_the_frame():
                 (f.remap, ("b", 0, 7), r"remap: page must be a live page in \[0, 8\), got 7"),
                 (f.retain, (9,), r"retain: page must be a live page"),
                 (f.release, (-1,), r"release: page must be a live page"),
-                (f.hold, (-2,), r"hold: n must be an int >= 0, got -2")]:
+                (f.hold, (-2,), r"hold: n: expected an int >= 0, got -2")]:
             with pytest.raises(ValueError, match=msg):
                 verb(*args)
         with pytest.raises(OutOfPages):

@@ -235,8 +235,8 @@ def test_window_tables_drive_static_sliding_attention():
 
 # -- the commit's fast paths against a from-scratch model ------------------------------------
 class _Recorder:
-    """A hook without ``grown_appends``: the pager must hand it appended sessions as deltas
-    and only tail-only growth in ``grown``, as before the fast path existed."""
+    """A policy written against ``on_commit(frame, deltas, grown)``: it records what the
+    commit hands every policy (the deltas, and the growth batch with appended blocks)."""
 
     def tables(self):
         return {}
@@ -246,7 +246,8 @@ class _Recorder:
                        [d.page_after(j) for j in range(-(-d.after_length // FS))])
                       for d in deltas],
                      list(zip(grown.keys, grown.slots.tolist(), grown.before.tolist(),
-                              grown.after.tolist(), grown.tails.tolist())))
+                              grown.after.tolist(), grown.tails.tolist(),
+                              grown.appended.tolist())))
         return {}
 
 
@@ -292,8 +293,8 @@ class TransportMachine(RuleBasedStateMachine):
 
     def _snapshot(self):
         pg = self.pager
-        return (pg.epoch, pg.free_pages, pg._alloc.spans(), list(pg._refs), self._views(),
-                pg._master.copy().tolist(), sorted(pg._free_slots), list(self.tr._ones))
+        return (pg.epoch, pg.free_pages, pg.allocator.spans(), list(pg.committed.refs), self._views(),
+                pg.table_set.master.copy().tolist(), sorted(pg.committed.free_slots), self.tr._ones)
 
     @rule(data=st.data(), abort=st.integers(0, 7))
     def frame(self, data, abort):
@@ -335,7 +336,7 @@ class TransportMachine(RuleBasedStateMachine):
         self._check_pager(after)
         self._check_trains(before, after, f.result.stats["transport"])
         self._check_windows(after)
-        self._check_legacy(before, after)
+        self._check_policy_view(before, after)
         self._model_step(before, after, f.result.copies, alias_len)
 
     def _check_pager(self, after):
@@ -350,9 +351,9 @@ class TransportMachine(RuleBasedStateMachine):
             for page in pages:
                 if page >= 0:
                     owners[page] += 1
-        assert owners == pg._refs
+        assert owners == pg.committed.refs
         assert pg.free_pages + sum(r > 0 for r in owners) == FP
-        for start, n in pg._alloc.spans():
+        for start, n in pg.allocator.spans():
             assert not any(owners[start: start + n])
 
     def teardown(self):
@@ -360,7 +361,7 @@ class TransportMachine(RuleBasedStateMachine):
             with self.pager.frame() as f:
                 for key in self.pager.sessions():
                     f.trim(key)
-            assert self.pager.free_pages == FP and not any(self.pager._refs)
+            assert self.pager.free_pages == FP and not any(self.pager.committed.refs)
 
     def _moves(self, before, after):
         """The transport's moves, from the committed views before and after the commit."""
@@ -389,7 +390,7 @@ class TransportMachine(RuleBasedStateMachine):
         T = int(host["num_trains"][0])
         assert host["trains"][:T].tolist() == want.tolist()
         assert stats["moves"] == len(moves) and stats["groups"] == T
-        assert (host["trains"][: self.tr._ones[0], 2] == 1).all()
+        assert (host["trains"][: self.tr._ones, 2] == 1).all()
 
     def _check_windows(self, after):
         host = self.pager.host_tables
@@ -401,7 +402,7 @@ class TransportMachine(RuleBasedStateMachine):
             got = (int(host["win_start"][slot]), int(host["win_len"][slot]))
             assert got == live.get(slot, (0, 0)), f"slot {slot}"
 
-    def _check_legacy(self, before, after):
+    def _check_policy_view(self, before, after):
         deltas, grown = self.rec.seen
         seen = set()
         for key, slot, new, closed, b_len, a_len, pages in deltas:
@@ -411,11 +412,13 @@ class TransportMachine(RuleBasedStateMachine):
                 assert (a_len, pages, slot) == after[key]
             if not new:
                 assert b_len == before[key][0]
-        for key, slot, b_len, a_len, tail in grown:
+        for key, slot, b_len, a_len, tail, appended in grown:
             seen.add(key)
             n, pages, s = after[key]
+            old = before[key][1]
             assert (s, a_len) == (slot, n) and b_len == before[key][0] < n
-            assert pages == before[key][1], "a tail-only session's blocks changed"
+            assert pages[: len(old)] == old, "a growth-only session's blocks changed"
+            assert appended == (len(pages) > len(old))
             assert tail == pages[(n - 1) // FS]
         changed = {k for k in set(before) | set(after) if before.get(k) != after.get(k)}
         assert changed <= seen

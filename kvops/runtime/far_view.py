@@ -34,12 +34,15 @@ Utility and selection
     the device (one step old when called after each step).
 
 Commits
-    The far view is a pager hook (:meth:`kvops.runtime.Pager.attach`): its tables
+    The far view is a pager policy (:mod:`kvops.runtime.policy`): its tables
     ``far_select [layers * B, C]`` (chunk ids, ``-1`` empty), ``far_leave_pages [B * max_leave,
-    M]`` and ``far_leave_ids [B * max_leave]`` are edited inside the step's frame and go up
+    M]`` and ``far_leave_ids [B * max_leave]`` are written inside the step's frame and go up
     with the pager's single upload, so the kernel shapes and the one-commit-per-step rule hold.
-    Selection rows are edited only where they change. Host state follows a commit only once the
-    pager's epoch shows that commit happened, so an aborted frame leaves the far view as it was.
+    Selection rows are written only where they change. A queued chunk keeps only its id; its
+    pages are read from the frame's view when its summary is due, and a chunk whose blocks were
+    trimmed meanwhile is dropped. The plan returns the next host state (immutable per-slot
+    records); the pager adopts it once the commit is complete, so an aborted frame leaves the
+    far view as it was.
 
 Bias switch
     ``far_bias = log(M * S)`` for a selected slot when ``log_count_bias`` (a summary stands for
@@ -61,22 +64,30 @@ host-sync free (compiles once, replays in a CUDA graph).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from kvops.runtime.pager import Frame, Pager, SessionDelta
+from kvops.runtime.frame import Frame, GrownBatch, SessionDelta
+from kvops.runtime.pager import Pager
+from kvops.runtime.policy import Staged
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class _Slot:
-    """Host state of one session slot."""
+    """Host state of one session slot (replaced, never mutated, so a staged commit can hold
+    it): chunks ``[0, seen)`` have become far; ``pending`` chunk ids wait for a summary, in
+    order; ``summarized`` are stored."""
 
-    seen: int = 0                        # chunks [0, seen) have become far
-    pending: list[tuple[int, list[int]]] = field(default_factory=list)  # (chunk, its pages)
-    summarized: list[int] = field(default_factory=list)
+    key: object = None
+    seen: int = 0
+    pending: tuple[int, ...] = ()
+    summarized: tuple[int, ...] = ()
+
+
+_EMPTY_SLOT = _Slot()
 
 
 class FarView:
@@ -135,126 +146,177 @@ class FarView:
         self.v_store = torch.zeros(store, dtype=dtype, device=dev)
         self.scores = torch.zeros((num_layers, self.B, self.J + 1), dtype=torch.float32, device=dev)
         self.host_scores = np.zeros((num_layers, self.B, self.J + 1), dtype=np.float32)
-        self._slots = [_Slot() for _ in range(self.B)]
-        self._leave_rows: list[int] = []     # far_leave rows the last settled commit filled
-        self._staged: tuple[int, dict, list[int]] | None = None
+        self._slots = [_EMPTY_SLOT] * self.B
+        # the length at which each slot's next chunk becomes far (a chunk of M blocks is far
+        # once W/S more blocks follow it: length > ((seen + 1) * M + W/S - 1) * S)
+        self._next_len = np.full(self.B, self._first_far(0), dtype=np.int64)
+        self._queued: frozenset[int] = frozenset()           # slots with pending chunks
+        self._many: frozenset[int] = frozenset()              # slots with more than C summaries
+        self._leave_rows: tuple[int, ...] = ()    # far_leave rows the last commit filled
+        self._scores_new = False                  # pull_scores ran since the last commit
+        # far chunks of a session of n tokens (a lookup by length, as the transport's)
+        n = np.arange(pager.max_blocks * S + 1, dtype=np.int64)
+        self._far_at = np.clip((-(-n // S) - self.window_pages) // self.M, 0, self.J)
         self.last: dict = {}
         pager.attach(self)
 
-    # -- pager hook ---------------------------------------------------------------------------
+    # -- pager policy -------------------------------------------------------------------------
+    kind = "far_view"
+
     def tables(self) -> dict:
         B, C, M, n = self.B, self.C, self.M, self.B * self.max_leave
         return {"far_select": ((self.layers * B, C), -1),
                 "far_leave_pages": ((n, M), -1),
                 "far_leave_ids": ((n,), self.J)}
 
-    def _settle(self) -> None:
-        """Adopt the state staged by the last on_commit once its commit is visible."""
-        if self._staged is not None and self.pager.epoch >= self._staged[0]:
-            _, slots, rows = self._staged
-            for b, st in slots.items():
-                self._slots[b] = st
-            self._leave_rows = rows
-        self._staged = None
+    def _first_far(self, seen: int) -> int:
+        """Tokens at which chunk ``seen`` becomes far (past the table's length once all ``J``
+        chunks are far)."""
+        if seen >= self.J:
+            return 1 << 62
+        return ((seen + 1) * self.M + self.window_pages - 1) * self.pager.page_size + 1
 
-    def _far_chunks(self, d: SessionDelta) -> int:
-        nb = -(-d.after_length // self.pager.page_size)
-        return max(0, nb - self.window_pages) // self.M
-
-    def on_commit(self, frame: Frame, deltas: list[SessionDelta], grown=None) -> dict:
-        """Pager hook: new far chunks, this commit's summaries, and the selection, as edits.
-
-        ``grown`` (the pager's tail-only growth batch) needs nothing here: growth inside a
-        session's last page adds no block, so no chunk becomes far.
+    def plan(self, frame: Frame, deltas: list[SessionDelta], grown: GrownBatch) -> Staged:
+        """Policy plan: new far chunks, this commit's summaries and the selection, as table
+        writes; the host state to adopt. Python work is per session with general edits, per
+        session whose far history grows and per summary; the growth batch is three array ops.
         """
-        self._settle()
         M, J, C, B, L = self.M, self.J, self.C, self.B, self.layers
-        slots: dict[int, _Slot] = {}
-        for d in deltas:
-            if d.closed or d.new:
-                slots[d.slot] = _Slot()
+        slots: dict[int, _Slot] = {}           # touched slots' next state
+        views: dict[int, SessionDelta] = {}
+        for d in deltas:                       # EOS first: a reused slot starts empty
             if d.closed:
+                slots[d.slot] = _EMPTY_SLOT
                 continue
-            old = slots.get(d.slot) or self._slots[d.slot]
-            st = _Slot(old.seen, list(old.pending), list(old.summarized))
-            far = min(self._far_chunks(d), J)
-            for j in range(st.seen, far):
-                pages = [d.page_after(i) for i in range(j * M, (j + 1) * M)]
-                if min(pages) >= 0:
-                    st.pending.append((j, pages))
-            st.seen = max(st.seen, far)
-            slots[d.slot] = st
-        for b, st in enumerate(self._slots):          # untouched sessions still drain their queue
-            if b not in slots and st.pending:
-                slots[b] = _Slot(st.seen, list(st.pending), list(st.summarized))
-        # this commit's summaries
-        rows, fresh = [], {}
+            views[d.slot] = d
+            old = _Slot(d.key) if d.new else slots.get(d.slot, self._slots[d.slot])
+            far = int(self._far_at[d.after_length])
+            if far > old.seen:
+                old = _Slot(d.key, far, old.pending + tuple(range(old.seen, far)),
+                            old.summarized)
+            slots[d.slot] = old
+        if grown.slots.size:                   # growth-only sessions whose far history grew
+            gs, after = grown.slots, grown.after
+            for i in np.flatnonzero(after >= self._next_len[gs]).tolist():
+                b = int(gs[i])
+                old = self._slots[b]
+                far = int(self._far_at[after[i]])
+                slots[b] = _Slot(old.key, far, old.pending + tuple(range(old.seen, far)),
+                                 old.summarized)
+        for b in self._queued:                  # untouched sessions still drain their queue
+            if b not in slots:
+                slots[b] = self._slots[b]
+        # this commit's summaries: each queued chunk's pages as the frame maps them now; a
+        # chunk with a trimmed block is dropped, never summarized
+        rows, pages, ids, fresh = [], [], [], {}
+        for b, st in list(slots.items()):
+            if not st.pending:
+                continue
+            d = views.get(b)
+            take, left = [], list(st.pending)
+            while left and len(take) < self.max_leave:
+                j = left.pop(0)
+                got = [d.page_after(i) if d is not None else frame.page(st.key, i)
+                       for i in range(j * M, (j + 1) * M)]
+                if min(got) >= 0:
+                    rows.append(b * self.max_leave + len(take))
+                    pages.append(got)
+                    ids.append(j)
+                    take.append(j)
+            fresh[b] = take
+            slots[b] = _Slot(st.key, st.seen, tuple(left), st.summarized + tuple(take))
+        if rows:
+            at = np.array(rows, dtype=np.int64)
+            frame.write("far_leave_pages", at, np.array(pages, dtype=np.int32))
+            frame.write("far_leave_ids", at, np.array(ids, dtype=np.int32))
+        stale = set(self._leave_rows).difference(rows)
+        if stale:                               # last commit's rows: nothing to summarize
+            at = np.array(sorted(stale), dtype=np.int64)
+            frame.write("far_leave_pages", at, -1)
+            frame.write("far_leave_ids", at, J)
+        # selection, written only where it changes. A session with at most C summaries shows
+        # them all, so its rows change only with its summaries (new ones, or the slot reset);
+        # above C, utilities order them, and they are ranked again when the scores were pulled
+        # since the last commit or their summaries changed: all such sessions together, all
+        # layers at once (padded to the longest list)
+        many = self._many
+        few, rank = [], []
         for b, st in slots.items():
-            take, st.pending = st.pending[: self.max_leave], st.pending[self.max_leave:]
-            for i, (j, pages) in enumerate(take):
-                r = b * self.max_leave + i
-                frame.edit("far_leave_pages", r, pages)
-                frame.edit("far_leave_ids", r, [j])
-                rows.append(r)
-            fresh[b] = [j for j, _ in take]
-            st.summarized = st.summarized + fresh[b]
-        for r in set(self._leave_rows) - set(rows):   # last commit's rows: nothing to summarize
-            frame.edit("far_leave_pages", r, [-1] * M)
-            frame.edit("far_leave_ids", r, [J])
-        # selection, edited only where it changes. A session with at most C summaries shows
-        # all of them, so its rows change only when its summaries do (new ones, or the slot
-        # reset); above C, utilities order them: those sessions are ranked together, all layers
-        # at once (padded to the longest list), so a commit costs a fixed number of array ops
-        committed = self.pager.host_tables["far_select"].reshape(L, B, C)
-        reset = {d.slot for d in deltas if d.new or d.closed}
-        few, many = [], []
-        for b in range(B):
-            st = slots.get(b) or self._slots[b]
+            changed = st.summarized != self._slots[b].summarized or st is _EMPTY_SLOT
             if len(st.summarized) > C:
-                many.append((b, st.summarized))
-            elif fresh.get(b) or b in reset:
-                few.append((b, st.summarized))
-        cols = [b for b, _ in few] + [b for b, _ in many]
-        want = np.full((L, len(cols), C), -1, dtype=np.int32)
-        for i, (_, ids) in enumerate(few):                 # every summary fits: all layers alike
-            want[:, i, : len(ids)] = np.sort(ids)
-        if many:
-            # each session's chunks newest first, so a stable sort by utility breaks ties
-            # toward the newer chunk; padding (-1) ranks last, this commit's summaries first
-            n = max(len(ids) for _, ids in many)
-            bs = np.array([b for b, _ in many])
-            ids = np.full((len(many), n), -1, dtype=np.int64)
-            new = np.zeros((len(many), n), dtype=bool)
-            for i, (b, got) in enumerate(many):
-                ids[i, : len(got)] = got[::-1]
-                if fresh.get(b):
-                    new[i, : len(got)] = np.isin(got[::-1], fresh[b])
-            util = self.host_scores[:, bs[:, None], np.maximum(ids, 0)]      # [L, m, n]
-            util[:, ids < 0] = -np.inf
-            util[:, new] = np.inf
-            order = np.argsort(-util, axis=-1, kind="stable")[..., :C]
-            top = np.take_along_axis(np.broadcast_to(ids, util.shape), order, axis=-1)
-            want[:, len(few):] = np.sort(top, axis=-1)
+                if b not in many:
+                    many = many | {b}
+                if changed:
+                    rank.append(b)
+            else:
+                if b in many:
+                    many = many - {b}
+                if changed:
+                    few.append(b)
+        rank = sorted(many) if self._scores_new else sorted(rank)
+        cols = few + rank
         changed = 0
         if cols:
+            want = np.full((L, len(cols), C), -1, dtype=np.int32)
+            for i, b in enumerate(few):                 # every summary fits: all layers alike
+                got = slots[b].summarized
+                want[:, i, : len(got)] = np.sort(got)
+            if rank:
+                # each session's chunks newest first, so a stable sort by utility breaks ties
+                # toward the newer chunk; padding (-1) ranks last, this commit's summaries first
+                lists = [slots.get(b, self._slots[b]).summarized[::-1] for b in rank]
+                n = max(len(x) for x in lists)
+                idm = np.full((len(rank), n), -1, dtype=np.int64)
+                for i, x in enumerate(lists):
+                    idm[i, : len(x)] = x
+                util = self.host_scores[:, np.array(rank)[:, None], np.maximum(idm, 0)]
+                util[:, idm < 0] = -np.inf
+                if any(fresh.get(b) for b in rank):
+                    new = np.zeros(idm.shape, dtype=bool)
+                    for i, b in enumerate(rank):
+                        if fresh.get(b):
+                            got = set(fresh[b])
+                            new[i] = [x in got for x in lists[i]] + [False] * (n - len(lists[i]))
+                    util[:, new] = np.inf
+                order = np.argsort(-util, axis=-1, kind="stable")[..., :C]
+                top = idm[np.arange(len(rank))[:, None], order]       # [L, m, C]
+                want[:, len(few):] = np.sort(top, axis=-1)
+            committed = self.pager.host_tables["far_select"].reshape(L, B, C)
             layers, which = np.nonzero((committed[:, cols] != want).any(axis=-1))
             if layers.size:                                # one write for every changed row
-                frame._put("far_select", layers * B + np.asarray(cols)[which],
-                           want[layers, which])
-            changed = layers.size
-        self._staged = (frame.epoch, slots, rows)
-        self.last = {"summaries": len(rows), "select_rows_changed": changed,
-                     "pending": sum(len(st.pending) for st in slots.values())}
-        return {"far_view": self.last}
+                frame.write("far_select", layers * B + np.asarray(cols)[which],
+                            want[layers, which])
+            changed = int(layers.size)
+        pending = sum(len(st.pending) for st in slots.values())
+        last = {"summaries": len(rows), "select_rows_changed": changed, "pending": pending}
+        return Staged((slots, tuple(rows), many, last), last)
+
+    def adopt(self, state) -> None:
+        slots, rows, many, last = state
+        queued = self._queued
+        for b, st in slots.items():
+            self._slots[b] = st
+            self._next_len[b] = self._first_far(st.seen)
+            if st.pending:
+                if b not in queued:
+                    queued = queued | {b}
+            elif b in queued:
+                queued = queued - {b}
+        self._queued, self._many = queued, many
+        self._leave_rows, self.last = rows, last
+        self._scores_new = False
 
     # -- host reads ---------------------------------------------------------------------------
-    def pull_scores(self) -> None:
-        """Copy the device utilities to the host (ranked at the next commit); syncs the device."""
-        self.host_scores[...] = self.scores.cpu().numpy()
+    def pull_scores(self, values=None) -> None:
+        """Copy the device utilities to the host (ranked at the next commit); syncs the device.
+        ``values``: host utilities ``[layers, B, J + 1]`` to rank instead (e.g. from a replay).
+        The host ranks only at commits after a pull: utilities that did not change cannot
+        change the selection."""
+        self.host_scores[...] = self.scores.cpu().numpy() if values is None else values
+        self._scores_new = True
 
     def summarized(self, slot: int) -> list[int]:
         """Chunk ids of ``slot`` whose summaries are stored (after the last commit's step)."""
-        self._settle()
         return list(self._slots[slot].summarized)
 
     def selection(self, layer: int, slot: int) -> list[int]:
@@ -263,10 +325,7 @@ class FarView:
 
     # -- device side (fixed shapes, no host sync) ---------------------------------------------
     def _tables(self) -> dict[str, Tensor]:
-        tables = self.pager.device_tables
-        if not tables:
-            raise RuntimeError("FarView: the pager has no device tables (give it a device)")
-        return tables
+        return self.pager.device_tables
 
     def absorb(self, layer: int, k_cache: Tensor, v_cache: Tensor) -> None:
         """Summarize the chunks this commit made far (``far_leave_*``) into ``layer``'s store."""

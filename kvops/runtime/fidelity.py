@@ -43,21 +43,26 @@ Host backing
 Frames
     ``step`` runs once a frame; ``promote``, ``alias``, ``trim`` and ``reserve`` may share its
     frame. What the policy does in a frame is kept in a pending record that its later calls
-    and its checks read, and becomes the committed state only when the frame commits (an
-    aborted frame also undoes its packs and waits for its promotions' side-stream work).
-    Blocks reserved in the frame are never demoted in it. ``attention_kwargs(always=True)``
+    and its checks read; its plan at commit returns it as the staged state, adopted once the
+    commit is complete (an aborted frame drops it, undoes its packs and waits for its
+    promotions' side-stream work, every undo running even if another raises). Blocks reserved
+    in the frame, and pages a copy-on-write copy of the frame reads, are never demoted in it.
+    A demotion's freed pages are reservable in the same frame: ``step(f, need=fid.need(f,
+    reserves))`` then the reserves. ``attention_kwargs(always=True)``
     passes the span table even when nothing is BASE, for a step compiled or captured once.
 
 What it does not do (checked, and refused with ``ValueError``)
-    ``alias`` of a prefix holding BASE blocks and trimming a BASE block abort their frame:
-    a BASE page is mapped by exactly the two blocks of one session. Promote first (``promote``
-    with the session), or alias fewer blocks.
+    ``alias`` of a prefix holding a page BASE at any point of the frame, a copy-on-write copy
+    of a BASE page, and trimming a BASE block abort their frame: a BASE page is mapped by
+    exactly the two blocks of one session. Promote first (``promote`` with the session), or
+    alias fewer blocks.
 
 A decode step::
 
     with pager.frame() as f:
-        fid.step(f, need=pages_the_next_reserves_take)
-        ... f.reserve(...) ...
+        fid.step(f, need=fid.need(f, {"req-3": 1, "req-9": 812}))
+        f.reserve("req-3", 1)
+        f.reserve("req-9", 812)
     # after the commit, attention reads BASE through the span table:
     out, lse = torch.ops.kvops.elastic_attention(q, k_cache, v_cache, tables["block_table"],
                                                  tables["seq_lens"], **fid.attention_kwargs())
@@ -77,9 +82,10 @@ import numpy as np
 import torch
 
 from kvops.layouts import codecs
-from kvops.runtime.far_view import FarView
-from kvops.runtime.pager import Frame, Pager, SpanAllocator
-from kvops.runtime.transport import Transport
+from kvops.runtime.allocator import SpanAllocator
+from kvops.runtime.frame import Frame, as_int
+from kvops.runtime.pager import Pager
+from kvops.runtime.policy import Staged
 
 TARGET, BASE, PROMOTING = 0, 1, 2
 
@@ -97,6 +103,15 @@ def _one_pool(caches: list[torch.Tensor]) -> torch.Tensor | None:
             return None
     return c0.as_strided((len(caches) * c0.shape[0], *c0.shape[1:]), c0.stride(),
                          c0.storage_offset())
+
+
+def _transport_rule(fid, transport) -> str | None:
+    """Why a Transport may not share ``fid``'s pager: its window could hold demoted blocks."""
+    if fid.protect_recent < transport.pages_per_window:
+        return (f"protect_recent: expected >= {transport.pages_per_window} (the transport's "
+                f"window blocks), got {fid.protect_recent}: the window would hold demoted "
+                f"blocks")
+    return None
 
 
 class _HostPool:
@@ -163,7 +178,7 @@ class _Promotion:
 @dataclass
 class _Pending:
     """What the policy did in one frame, read by its later calls in the same frame and by the
-    hook, and made the committed state only when the frame commits (:meth:`Fidelity._apply`)."""
+    plan, and made the committed state when the pager adopts it (:meth:`Fidelity._apply`)."""
     frame: Frame
     spans: dict = field(default_factory=dict)        # key -> span after the frame ((0, 0): none)
     new_pairs: dict = field(default_factory=dict)    # page -> _Pair demoted in the frame
@@ -211,16 +226,18 @@ class Fidelity:
         if not caches:
             raise ValueError("caches: expected at least one [P, S, Hkv, D] pool, got none")
         first = caches[0]
+        P, S = pager.num_pages, pager.page_size
         for i, c in enumerate(caches):
             if not isinstance(c, torch.Tensor) or c.dim() != 4:
-                raise ValueError(f"caches[{i}]: expected a [P, S, Hkv, D] tensor, got "
+                raise ValueError(f"caches[{i}]: expected a [P={P}, S={S}, Hkv, D] tensor, got "
                                  f"{getattr(c, 'shape', type(c).__name__)}")
-            if c.shape[:2] != (pager.num_pages, pager.page_size) or c.shape != first.shape \
-                    or c.dtype != first.dtype or c.device != first.device:
+            if c.shape[:2] != (P, S):
+                raise ValueError(f"caches[{i}]: expected shape [P={P}, S={S}, Hkv, D] (the "
+                                 f"pager's pages and page size), got {list(c.shape)}")
+            if c.shape != first.shape or c.dtype != first.dtype or c.device != first.device:
                 raise ValueError(f"caches[{i}]: expected {first.dtype} on {first.device} of shape "
-                                 f"[{pager.num_pages}, {pager.page_size}, Hkv, D] like caches[0] "
-                                 f"{list(first.shape)}, got {c.dtype} on {c.device} "
-                                 f"{list(c.shape)}")
+                                 f"{list(first.shape)} like caches[0], got {c.dtype} on "
+                                 f"{c.device} {list(c.shape)}")
         for name, v in (("min_batch", min_batch), ("protect_first", protect_first),
                         ("protect_recent", protect_recent), ("headroom", headroom),
                         ("max_promote", max_promote)):
@@ -258,13 +275,12 @@ class Fidelity:
 
     # -- this frame's pending state ------------------------------------------------------------
     def _now(self, frame: Frame) -> _Pending:
-        """The pending record of ``frame`` (made, and its commit and abort callbacks
-        registered, on the first policy call in the frame)."""
+        """The pending record of ``frame`` (made, and its abort callback registered, on the
+        first policy call in the frame); the commit adopts it (:meth:`adopt`)."""
         pend = self._pend
         if pend is None or pend.frame is not frame:
-            frame._open()
+            frame.check_open()
             pend = self._pend = _Pending(frame)
-            frame.on_commit(lambda: self._apply(pend))
             frame.on_abort(lambda: self._forget(pend))
         return pend
 
@@ -337,6 +353,8 @@ class Fidelity:
         st = self.stats
         if pend.stepped:
             self.reserve = self.reserve * self.reserve_decay + pend.demoted
+            if self.reserve < 1.0:          # less than a page holds nothing back
+                self.reserve = 0.0
             st["demoted"] += pend.demoted
             st["demotion_batches"] += int(pend.demoted > 0)
         self._count()
@@ -348,52 +366,62 @@ class Fidelity:
         if self._pend is pend:
             self._pend = None
 
-    # -- pager hook ----------------------------------------------------------------------------
-    def check_peer(self, hook) -> None:
-        """Refuse hooks that would read BASE bytes as TARGET (:meth:`Pager.attach` asks):
-        a transport whose window could hold demoted blocks (``protect_recent`` below its
-        ``W / S`` blocks; with it at least that, demoted blocks stay before every window, since
-        a session's length only grows), and a far view, which summarizes pages after they
-        leave the window, when demotion may already have packed them."""
-        if isinstance(hook, Transport) and self.protect_recent < hook.pages_per_window:
-            raise ValueError(f"protect_recent: expected >= {hook.pages_per_window} (the "
-                             f"transport's window blocks) when a Transport shares the pager, "
-                             f"got {self.protect_recent}")
-        if isinstance(hook, FarView):
-            raise ValueError("Fidelity and FarView on one pager: not supported (the far view "
-                             "would summarize pages that demotion packed to BASE)")
+    # -- pager policy --------------------------------------------------------------------------
+    kind = "fidelity"
+
+    sharing = {
+        # demoted blocks stay before every window when protect_recent covers it (a session's
+        # length only grows), so the transport never copies BASE bytes into the arena
+        "transport": _transport_rule,
+        # the far view summarizes pages after they leave the window, where demotion packs them
+        "far_view": "not supported (the far view would summarize pages that demotion packed "
+                    "to BASE)",
+    }
 
     def tables(self) -> dict:
         return {"base_span": ((self.pager.max_sessions, 2), 0)}
 
-    def on_commit(self, frame: Frame, deltas, grown) -> dict:
-        """Refuse edits that would break a BASE pair (alias of BASE blocks, trims inside a
-        span), counting this frame's own demotions and promotions; clear the span row of
-        ended sessions and drop their state once the frame has committed."""
+    def plan(self, frame: Frame, deltas, grown) -> Staged:
+        """Refuse edits that would read or break a BASE pair: an alias sharing a page that is
+        BASE at any point of the frame, a copy-on-write copy of one, a trim inside a span
+        (the policy's own remaps excepted); clear the span row of ended sessions. The staged
+        state is the frame's pending record and the sessions it ended."""
         pend = self._of(frame)
+        for dst, _, _, pages in frame.aliases:
+            for j, p in enumerate(pages):
+                pair = self._base_in_frame(p, pend)
+                if pair is not None:
+                    raise ValueError(f"alias: session {dst!r} would share BASE block {j} of "
+                                     f"{pair.key!r}; promote it first (Fidelity.promote) or "
+                                     f"alias fewer blocks")
+        for src, _ in frame.copies:
+            pair = self._base_in_frame(src, pend)
+            if pair is not None:
+                raise ValueError(f"reserve: a copy-on-write copy would read BASE page {src} of "
+                                 f"{pair.key!r} as TARGET; promote it first (Fidelity.promote)")
+        ended = []
+        mine = pend.mine if pend is not None else {}
         for d in deltas:
             if d.new:
-                shared = [j for j, p in d.after_overlay.items()
-                          if self._base_in_frame(p, pend) is not None]
-                if shared:
-                    j = min(shared)
-                    src = self._base_in_frame(d.after_overlay[j], pend).key
-                    raise ValueError(f"alias: session {d.key!r} would share BASE block {j} of "
-                                     f"{src!r}; promote it first (Fidelity.promote) or alias "
-                                     f"fewer blocks")
                 continue
             if d.closed:
-                frame.edit("base_span", d.slot, [0, 0])
-                frame.on_commit(lambda k=d.key: self._ended(k))
+                frame.write("base_span", d.slot, 0)
+                ended.append(d.key)
                 continue
             first, end = self._span_now(d.key, pend)
-            mine = pend.mine if pend is not None else {}
             bad = [j for j, p in d.after_overlay.items()       # in the span, not as the policy
                    if first <= j < end and mine.get((d.key, j)) != p]     # left it
             if bad:
                 raise ValueError(f"trim: block {bad[0]} of {d.key!r} is BASE (span [{first}, "
                                  f"{end})); promote it first (Fidelity.promote)")
-        return {}
+        return Staged((pend, tuple(ended)))
+
+    def adopt(self, state) -> None:
+        pend, ended = state
+        if pend is not None:
+            self._apply(pend)
+        for key in ended:
+            self._ended(key)
 
     def _ended(self, key) -> None:
         """Host state after a committed EOS: drop the session's pairs (their host slots go
@@ -428,17 +456,22 @@ class Fidelity:
         """``{"base_span": table}`` while any block is BASE, else ``{}`` (the native path).
         ``always``: the table whatever the state (empty spans read as TARGET), for a decode
         step compiled or captured once, which must not switch paths between steps."""
-        if not self._pairs and not always:
+        if not always and not self._pairs:      # ``always`` first: no guard on the pairs
             return {}
         return {"base_span": self.pager.device_tables["base_span"]}
 
     # -- the step ------------------------------------------------------------------------------
+    def need(self, frame: Frame, reserves) -> int:
+        """Pages the reserves ``{session: n_tokens}`` (or ``(session, n_tokens)`` pairs) about
+        to be made in ``frame`` take: the ``need`` to give :meth:`step` before making them."""
+        items = reserves.items() if hasattr(reserves, "items") else reserves
+        return sum(frame.pages_needed(key, n) for key, n in items)
+
     def step(self, frame: Frame, need: int = 0) -> dict:
         """Settle finished promotions, then demote on shortage or promote with spare pages;
         once a frame. ``need``: pages the caller takes before the next step (blocks reserved
         in this frame are never demoted in it). Returns this step's counts."""
-        if not isinstance(need, int) or need < 0:
-            raise ValueError(f"need: expected an int >= 0, got {need!r}")
+        need = as_int("need", need)
         pend = self._now(frame)
         if pend.stepped:
             raise ValueError(f"step: already called in the frame of epoch {frame.epoch}; "
@@ -446,7 +479,7 @@ class Fidelity:
         pend.stepped = True
         self._reap_d2h()
         settled = self._settle(frame, pend)
-        free = self.pager._alloc.free
+        free = frame.free_pages
         short = need - free
         promoted = 0
         if short > 0:
@@ -485,8 +518,12 @@ class Fidelity:
         return (first, end, limit) if end + 1 < limit else None
 
     def _eligible(self, frame: Frame, key, j: int) -> bool:
+        """Blocks ``j, j + 1`` can form a pair: two live unshared pages, neither the source of
+        a copy this frame makes (the copy runs after the pack, and must read TARGET bytes)."""
         a, b = frame.page(key, j), frame.page(key, j + 1)
-        return a >= 0 and b >= 0 and a != b and frame.refcount(a) == 1 and frame.refcount(b) == 1
+        if a < 0 or b < 0 or a == b or frame.refcount(a) != 1 or frame.refcount(b) != 1:
+            return False
+        return not frame.copies or all(s != a and s != b for s, _ in frame.copies)
 
     def _demote(self, frame: Frame, pend: _Pending, want: int) -> int:
         """Pick up to ``want`` pairs, the next one always from the session with the smallest

@@ -7,7 +7,7 @@ kept in ring order: logical block ``j`` lives in arena page ``b * NW + j % NW``,
 sits in arena slot ``p % W``. As the window slides, blocks already in the arena stay where
 they are.
 
-At every frame commit (the transport is a pager hook, :meth:`Pager.attach`), for each session
+At every frame commit (the transport is a pager policy, :mod:`kvops.runtime.policy`), for each session
 the frame touched, the blocks of its new window whose contents or mapping changed become page
 moves: the blocks that received new tokens (unless ``copy_tail=False``: the model writes new
 tokens into the arena itself), blocks whose page changed (copy-on-write, alias), and every
@@ -37,9 +37,11 @@ import numpy as np
 
 from kvops.layouts.paged import arena_page
 from kvops.layouts.trains import plan_trains
-from kvops.runtime.pager import Frame, GrownBatch, Pager, SessionDelta, _const
+from kvops.runtime.frame import Frame, GrownBatch, SessionDelta, const
+from kvops.runtime.pager import Pager
+from kvops.runtime.policy import Staged
 
-_CONTINUES = _const((1 << 32) + 1)      # packed move continuing the previous one
+_CONTINUES = const((1 << 32) + 1)      # packed move continuing the previous one
 _LITTLE = sys.byteorder == "little"
 
 
@@ -65,6 +67,18 @@ def _src_dst(key: np.ndarray) -> np.ndarray:
     return np.stack((key & 0xFFFFFFFF, key >> 32), axis=1).astype(np.int32)
 
 
+class _PackedColumns:
+    """Big-endian hosts: ``view[rows] = keys`` writes packed moves as ``(src, dst)``."""
+
+    ndim = 2
+
+    def __init__(self, cols: np.ndarray):
+        self.cols = cols
+
+    def __setitem__(self, where, key: np.ndarray) -> None:
+        self.cols[where] = _src_dst(key)
+
+
 class Transport:
     """Ring-window transport for one pager. Attach it before the pager's first frame.
 
@@ -85,7 +99,7 @@ class Transport:
         new sessions and remapped blocks are moved.
     """
 
-    grown_appends = True        # the pager's growth batch includes sessions that appended blocks
+    kind = "transport"
 
     def __init__(self, pager: Pager, window_tokens: int, page_bytes: int,
                  max_train_bytes: int = 131072, copy_tail: bool = True):
@@ -99,9 +113,9 @@ class Transport:
         self.page_bytes = page_bytes
         self.max_train_bytes = max_train_bytes
         self.copy_tail = copy_tail
-        self.last: dict = {}
-        self._ones = [0]                # leading rows of the committed trains with n == 1
+        self._ones = 0                  # leading rows of the committed trains with n == 1
         self._pairs = None              # writes packed moves into the host trains table
+        self._num_trains = None         # the committed num_trains table
         # lookups by session length n (tokens, at most L * S), so a step's window bounds and
         # move destinations cost one fancy index each and no arithmetic: with nb = ceil(n / S)
         # blocks, the window's ring slot win_start = first % W and win_len = n - first, first
@@ -153,8 +167,8 @@ class Transport:
                 dst.append(arena_page(d.slot, j, NW))
         return src, dst
 
-    def on_commit(self, frame: Frame, deltas: list[SessionDelta], grown: GrownBatch) -> dict:
-        """Pager hook: plan the step's trains and window bounds into the frame's tables.
+    def plan(self, frame: Frame, deltas: list[SessionDelta], grown: GrownBatch) -> Staged:
+        """Policy plan: plan the step's trains and window bounds into the frame's tables.
 
         Sessions with general edits go through :meth:`moves` (Python, O(edits)). The
         growth-only batch costs a few numpy calls whatever its size: with ``copy_tail`` each of
@@ -205,47 +219,54 @@ class Transport:
         elif key is not None:
             key.sort()                      # one move per slot: destination order is slot order
         m = 0 if key is None else int(key.size)
-        groups = 0
+        groups, ones = 0, self._ones
         if m:
             trains = plan_packed(key, self.page_bytes, self.max_train_bytes)
-            ones = self._ones[0]
             if trains is None:              # one-page trains: (src, dst) columns, n = 1
                 groups = m
-                pairs = self._pairs or self._pair_setter()
-                frame._put_with(pairs, "trains", slice(0, m), key)
+                frame.write("trains", slice(0, m), key,
+                            via=self._pair_view() if self._pairs is None else self._pairs)
                 if m > ones:
-                    frame._put("trains", (slice(ones, m), 2), 1)
-                    frame._put_host(self._ones, 0, m)
+                    frame.write("trains", (slice(ones, m), 2), 1)
+                    ones = m
             else:
                 groups = len(trains)
-                frame._put("trains", slice(0, groups), trains)
-                if ones:
-                    frame._put_host(self._ones, 0, 0)
-        if groups != self.pager.host_tables["num_trains"][0]:   # committed; rarely changes
-            frame._put("num_trains", 0, groups)
+                frame.write("trains", slice(0, groups), trains)
+                ones = 0
+        if self._num_trains is None:
+            self._num_trains = self.pager.host_tables["num_trains"]
+        if groups != self._num_trains[0]:   # committed; rarely changes
+            frame.write("num_trains", 0, groups)
         if deltas:
             slots = np.concatenate((slots, np.array(w_slot, dtype=np.int64)))
             after = np.concatenate((after, np.array(w_after, dtype=np.int64)))
         if slots.size:                      # the window: the last NW blocks
-            frame._put_rows("win_start", slots, self._win_start_at[after])
-            frame._put_rows("win_len", slots, self._win_len_at[after])
+            frame.write("win_start", slots, self._win_start_at[after])
+            frame.write("win_len", slots, self._win_len_at[after])
         nbytes = m * self.page_bytes
-        self.last = {"groups": groups, "bytes": nbytes,
-                     "mean_train_bytes": nbytes / groups if groups else 0.0, "moves": m}
-        return {"transport": self.last}
+        last = {"groups": groups, "bytes": nbytes,
+                "mean_train_bytes": nbytes / groups if groups else 0.0, "moves": m}
+        return Staged(ones if ones != self._ones else None, last)
 
-    def _pair_setter(self):
-        """``set(rows, key)``: write packed moves into the ``(src, dst)`` columns of ``rows`` of
-        the host trains table. On little-endian hosts an int64 at a row's start is ``dst << 32
-        | src``, so a (strided, unaligned) int64 view of the first two columns takes the keys in
-        one copy."""
+    def adopt(self, ones: int) -> None:
+        self._ones = ones
+
+    @property
+    def last(self) -> dict:
+        """The last commit's stats (``Commit.stats["transport"]``; ``{}`` before the first)."""
+        commit = self.pager.last_commit
+        return commit.stats.get("transport", {}) if commit is not None else {}
+
+    def _pair_view(self):
+        """A view of the host trains table that takes packed moves ``dst << 32 | src`` into
+        the ``(src, dst)`` columns of its rows. On little-endian hosts an int64 at a row's start
+        is exactly that, so a (strided, unaligned) int64 view of the first two columns takes
+        the keys in one copy."""
         host = self.pager.host_tables["trains"]
         if _LITTLE:
-            rows = host.view(np.dtype([("sd", "<i8"), ("n", "<i4")])).reshape(-1)["sd"]
-            self._pairs = rows.__setitem__
+            self._pairs = host.view(np.dtype([("sd", "<i8"), ("n", "<i4")])).reshape(-1)["sd"]
         else:
-            cols = host[:, :2]
-            self._pairs = lambda where, key: cols.__setitem__(where, _src_dst(key))
+            self._pairs = _PackedColumns(host[:, :2])
         return self._pairs
 
     def window_of(self, session) -> tuple[int, int]:
