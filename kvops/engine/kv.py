@@ -123,18 +123,14 @@ class PagedKV:
         if not self.prefix_sharing or not req.hash_ids:
             return None, 0
         src, hit, chain = None, 0, ()
-        for i, h in enumerate(req.hash_ids):
+        for i, h in enumerate(req.hash_ids):      # a holder of a chain holds its prefixes too
             chain = chain + (h,)
             end = (i + 1) * req.hash_block
             holders = self._holders.get(chain)
             if not holders or end > len(req.prompt) - 1:
                 break
-            if src is None or src not in holders:
-                if i and src is not None:
-                    break             # keep one source: its blocks are the chain so far
-                src = holders[-1]
-            hit = end
-        return (src, hit) if hit else (None, 0)
+            src, hit = holders[-1], end
+        return src, hit
 
     def _register(self, req: Request) -> None:
         key, have = req.key, self._chains.setdefault(req.key, [])

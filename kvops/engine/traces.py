@@ -186,3 +186,34 @@ def repeated_block_tokens(requests: list[Request]) -> int:
             seen.add(chain)
         total += hit
     return total
+
+
+def synthetic_burst_rows(num_requests: int = 64, seed: int = 0) -> list[TraceRow]:
+    """The shipped synthetic trace (``data/synthetic_burst.jsonl`` is this function's output):
+    two bursts (five eighths of the requests in the first 2 s, the rest in 6-8 s), prompts
+    log-normal around 1,000 tokens (128-3,500), half the outputs short as if ended by EOS
+    (4-32 tokens) and half long (64-600), and 60 % of the requests opening with one of four
+    shared system prompts of one or two 512-token blocks (Mooncake ``hash_ids``)."""
+    rng = np.random.default_rng(seed)
+    first = num_requests * 5 // 8
+    t = np.sort(np.concatenate([rng.uniform(0, 2, first),
+                                rng.uniform(6, 8, num_requests - first)]))
+    rows, next_id = [], 100
+    families = [(0,), (1, 2), (3,), (4, 5)]
+    for i in range(num_requests):
+        n_in = int(np.clip(rng.lognormal(np.log(1000), 0.6), 128, 3500))
+        short = rng.random() < 0.5
+        n_out = int(rng.integers(4, 33)) if short else int(np.clip(rng.lognormal(np.log(200), 0.6), 64, 600))
+        fam = families[rng.integers(0, 4)] if rng.random() < 0.6 else ()
+        nb = -(-n_in // HASH_BLOCK)
+        own = list(range(next_id, next_id + nb - len(fam)))
+        next_id += len(own)
+        rows.append(TraceRow(float(round(t[i], 3)), n_in, n_out, tuple(fam[:nb]) + tuple(own)))
+    return rows
+
+
+def write_mooncake(rows: list[TraceRow], path: str | Path) -> None:
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps({"timestamp": int(round(r.arrival * 1000)), "input_length": r.input_len,
+                                "output_length": r.output_len, "hash_ids": list(r.hash_ids)}) + "\n")
