@@ -1,5 +1,6 @@
-"""The ``kvops`` command: ``kvops replay`` (trace replay through the engine's configurations,
-the main job) and ``kvops generate`` (greedy text from SmolLM2 through the engine)."""
+"""The ``kvops`` command (and ``python -m kvops``): ``kvops replay`` (trace replay through the
+engine's configurations, the main job, also what a bare ``kvops`` runs), ``kvops generate``
+(greedy text from SmolLM2 through the engine) and ``kvops demo`` (the attention-stack demo)."""
 
 from __future__ import annotations
 
@@ -76,8 +77,16 @@ def generate(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:
+        from kvops.__main__ import demo_main
+
+        return demo_main(argv[1:])
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv.insert(0, "replay")
     ap = argparse.ArgumentParser(prog="kvops", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("demo", help="the attention-stack demo (python -m kvops demo --help)")
     _replay_parser(sub)
     g = sub.add_parser("generate", help="greedy text from SmolLM2 through the engine")
     g.add_argument("prompt", nargs="+")
