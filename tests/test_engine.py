@@ -13,12 +13,18 @@ import torch
 from kvops.engine import CONFIGS, Engine, KVBudget, Request, SchedulerConfig, Status, make_kv
 from kvops.engine.configs import decode_kind
 from kvops.engine.runner import bucket_of
-from kvops.engine.traces import (TraceRow, build_requests, densest_window, load_rows,
-                                 parse_azure_time, repeated_block_tokens)
+from kvops.engine.traces import (
+    TraceRow,
+    build_requests,
+    densest_window,
+    load_rows,
+    parse_azure_time,
+    repeated_block_tokens,
+)
 from kvops.models.config import LlamaConfig
 from kvops.models.paged import random_llama
 
-DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "traces"
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "traces"
 CFG = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                   hidden_dim=128, max_seq_len=1024)
 

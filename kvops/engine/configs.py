@@ -1,13 +1,15 @@
 """The KV-RM configurations of one engine (the paper's Table 5 and its dynamic baseline), and
 how one KV budget in bytes becomes each configuration's KV manager.
 
-| name | KV | decode attention | transport |
-|---|---|---|---|
-| ``static`` | a worst-case arena row per request (``max_context`` tokens) | ``static_sliding_attention`` over the arena | none |
-| ``pager`` | pager pages + window arenas | ``static_sliding_attention`` over the window | every move its own copy (no merging), tail pages copied each step |
-| ``pager+merge`` | same | same | merged trains (128 KiB), write-through: only arrivals, aliases and COW move |
-| ``kvrm`` | same, plus the far view | same, plus far summaries | same |
-| ``paged`` | pager pages only | ``elastic_attention`` over block tables (native path) | none |
+- ``static``: a worst-case arena row per request (``max_context`` tokens); decode with
+  ``static_sliding_attention`` over the row; no pager, no transport.
+- ``pager``: pager pages plus window arenas; decode with ``static_sliding_attention`` over the
+  window; every page move its own copy (no merging), tail pages copied each step.
+- ``pager+merge``: the same with merged trains (up to 128 KiB) and write-through, so only
+  arrivals, aliases and copy-on-write remaps move.
+- ``kvrm``: ``pager+merge`` plus the far view (summaries of far chunks in the far slots).
+- ``paged``: pager pages only; decode with ``elastic_attention``'s native path over block
+  tables (a vLLM-style paged runtime).
 
 Every configuration gets the same byte budget: ``static`` divides it into rows of
 ``max_context`` tokens (so it binds first), the arena configurations spend ``max_seqs x

@@ -182,8 +182,7 @@ class PagedKV:
                 f.reserve(req.key, n)
         self._ends = []
         commit = f.result
-        for req, _, hit, _ in admits:
-            self.prefix_hit_tokens += hit
+        self.prefix_hit_tokens += sum(hit for _, _, hit, _ in admits)
         if commit.copies:
             for layer in range(self.layers):
                 apply_copies(self.k_pool[layer], self.v_pool[layer], commit.copies)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvops.engine._pending_ops import paged_kv_write, paged_prefill_attention
 from kvops.layouts import arena_as_pages
 from kvops.models.paged import forward_packed, logits
 
@@ -132,10 +131,12 @@ class ModelRunner:
         seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
 
         def attend(i, q, k, v):
-            paged_kv_write(k, v, kv.k_pool[i], kv.v_pool[i], pool_map)
+            torch.ops.kvops.paged_kv_write(k, v, kv.k_pool[i], kv.v_pool[i], pool_map)
             if self.write_arena:
-                paged_kv_write(k, v, self.k_arena_pages[i], self.v_arena_pages[i], arena_map)
-            o, _ = paged_prefill_attention(q, kv.k_pool[i], kv.v_pool[i], bt, q_start, seq_lens)
+                torch.ops.kvops.paged_kv_write(k, v, self.k_arena_pages[i], self.v_arena_pages[i],
+                                               arena_map)
+            o, _ = torch.ops.kvops.paged_prefill_attention(q, kv.k_pool[i], kv.v_pool[i], bt,
+                                                            q_start, seq_lens)
             return o
 
         hidden = forward_packed(self.model, tokens, positions, attend)
@@ -154,9 +155,10 @@ class ModelRunner:
         slot_map, arena_map = self._slot[:bk], self._aslot[:bk]
 
         def attend(i, q, k, v):
-            paged_kv_write(k, v, kv.k_pool[i], kv.v_pool[i], slot_map)
+            torch.ops.kvops.paged_kv_write(k, v, kv.k_pool[i], kv.v_pool[i], slot_map)
             if self.write_arena:
-                paged_kv_write(k, v, self.k_arena_pages[i], self.v_arena_pages[i], arena_map)
+                torch.ops.kvops.paged_kv_write(k, v, self.k_arena_pages[i], self.v_arena_pages[i],
+                                               arena_map)
             if self.decode == "paged":
                 o, _ = torch.ops.kvops.elastic_attention(
                     q, kv.k_pool[i], kv.v_pool[i], t["block_table"][:bk], t["seq_lens"][:bk])
