@@ -86,6 +86,18 @@ def test_prefix_hits_equal_the_traces_repeated_blocks(model):
     assert kv.free_pages() == kv.total_pages
 
 
+def test_prefix_sharing_mid_page_copies_on_write(model):
+    # hash blocks of 77 tokens (lengths x 0.15): an alias ends inside a page, whose first write
+    # copies it; tokens stay those of unshared serving, every page comes back
+    rows = [TraceRow(100.0 * i, 1100 + 50 * i, 60, (1, 2 + i % 2, 10 + i)) for i in range(6)]
+    reqs, kv, m = serve(model, rows, length_scale=0.15, max_context=256)
+    assert m["finished"] == 6
+    assert reqs[0].hash_block == 77 and m["prefix_hit_tokens"] == repeated_block_tokens(reqs) > 0
+    assert m["cow_copies"] > 0 and kv.free_pages() == kv.total_pages
+    plain, _, _ = serve(model, rows, length_scale=0.15, max_context=256, prefix=False)
+    assert [r.output for r in reqs] == [r.output for r in plain]
+
+
 def test_static_paged_and_pager_merge_give_identical_tokens(model):
     outs = {}
     for config in ("static", "paged", "pager+merge", "pager"):

@@ -91,6 +91,7 @@ class Engine:
                 progress.update(self.produced)
         self.drain()
         extra = {"prefix_hit_tokens": self.kv.prefix_hit_tokens,
+                 "cow_copies": self.kv.cow_copies,
                  "graph_captures": self.runner.captures,
                  "recaptures": self.runner.captures - len(self.runner.buckets_used)
                  if self.runner.graphs else 0,

@@ -64,7 +64,9 @@ class PagedKV:
         self._chains: dict[str, list[tuple]] = {}        # session -> chains it registered
         self._cached: OrderedDict[str, None] = OrderedDict()   # finished, kept as prefixes
         self._ends: list[tuple[str, list[int] | None]] = []     # trims for the next frame
+        self._partial: set[str] = set()     # sessions that share a partly filled page
         self.prefix_hit_tokens = 0
+        self.cow_copies = 0
         self.last_commit = None
 
     # -- capacity ------------------------------------------------------------------------------
@@ -97,7 +99,10 @@ class PagedKV:
         start = req.num_computed if running else hit
         need = _blocks(start + n, S) - _blocks(start, S)
         if start % S:                       # the tokens land in a partly filled tail page
-            if not running or self.pager.refcount(self.pager.pages(req.key)[start // S]) > 1:
+            if not running:                 # aliased mid-page: its first write copies the page
+                need += 1
+            elif req.key in self._partial and \
+                    self.pager.refcount(self.pager.pages(req.key)[start // S]) > 1:
                 need += 1
         return need
 
@@ -113,6 +118,7 @@ class PagedKV:
         key, _ = self._cached.popitem(last=False)
         freed = sum(1 for p in self.pager.pages(key) if p >= 0 and self.pager.refcount(p) == 1)
         self._drop_chains(key)
+        self._partial.discard(key)
         self._ends.append((key, None))
         return freed
 
@@ -162,6 +168,7 @@ class PagedKV:
             self._cached[key] = None
             return
         self._drop_chains(key)
+        self._partial.discard(key)
         self._ends.append((key, None))
 
     def commit_step(self, admits: list[tuple[Request, str | None, int, int]],
@@ -175,6 +182,8 @@ class PagedKV:
             for req, src, hit, n in admits:
                 if hit:
                     f.alias(req.key, src, hit)
+                    if hit % self.S:
+                        self._partial.update((req.key, src))
                     if src in self._cached:
                         self._cached.move_to_end(src)
                 f.reserve(req.key, n)
@@ -183,6 +192,7 @@ class PagedKV:
         self._ends = []
         commit = f.result
         self.prefix_hit_tokens += sum(hit for _, _, hit, _ in admits)
+        self.cow_copies += len(commit.copies)
         if commit.copies:
             for layer in range(self.layers):
                 apply_copies(self.k_pool[layer], self.v_pool[layer], commit.copies)
@@ -266,6 +276,7 @@ class StaticKV:
                         "win_start": torch.zeros(slots, dtype=torch.int32, device=device)}
         self._tables["win_len"] = self._tables["seq_lens"]
         self.prefix_hit_tokens = 0
+        self.cow_copies = 0
         self.prefix_sharing = False
 
     total_pages = property(lambda self: self.max_sessions * self.max_blocks)

@@ -115,8 +115,7 @@ def _warmup(engine: Engine, vocab: int) -> None:
             bk = bucket_of(b, runner.rows) if not runner.full_rows else runner.rows
             if bk not in seen:
                 seen.add(bk)
-                runner._slot.fill_(-1)
-                runner._aslot.fill_(-1)
+                runner._pos.fill_(-1)           # rows that decode nothing: no writes
                 runner._replay(bk)
             b += 1
     engine.steps.clear()

@@ -15,8 +15,8 @@ A step runs, in order:
    window arena (``pager``, ``pager+merge``, ``kvrm``, with the far slots). On CUDA each bucket's
    decode step is captured once in a CUDA graph and replayed; captures are counted.
 
-Rows of the decode batch that decode nothing this step (free slots, slots in prefill) write
-nothing (slot ``-1``) and their logits are not read.
+Rows of the decode batch that decode nothing this step (free slots, slots in prefill) have
+position ``-1``: they write nothing and their logits are not read.
 """
 
 from __future__ import annotations
@@ -63,8 +63,7 @@ class ModelRunner:
         dev, B = self.device, self.rows
         self._tok = torch.zeros(B, dtype=torch.int64, device=dev)
         self._pos = torch.zeros(B, dtype=torch.int64, device=dev)
-        self._slot = torch.full((B,), -1, dtype=torch.int64, device=dev)
-        self._aslot = torch.full((B,), -1, dtype=torch.int64, device=dev)
+        self._rows = torch.arange(B, dtype=torch.int64, device=dev)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self.captures = 0
@@ -149,10 +148,21 @@ class ModelRunner:
         return dict(zip(done, nxt))
 
     def _decode_forward(self, bk: int) -> torch.Tensor:
-        """The fixed-shape decode step over rows ``[0, bk)`` of the input buffers: next tokens."""
-        kv = self.kv
+        """The fixed-shape decode step over rows ``[0, bk)`` (row = KV slot): next tokens.
+        Inputs are the token and position buffers (position ``-1``: the row decodes nothing);
+        the pool and arena slots come from the device block table, so the host fills two
+        small buffers a step."""
+        kv, S = self.kv, self.S
         t = kv.tables()
-        slot_map, arena_map = self._slot[:bk], self._aslot[:bk]
+        pos_in = self._pos[:bk]
+        valid = pos_in >= 0
+        pos = pos_in.clamp(min=0)
+        page = t["block_table"][:bk].gather(1, (pos // S)[:, None].to(torch.int64))[:, 0]
+        none = torch.full_like(pos, -1)
+        slot_map = torch.where(valid & (page >= 0), page.to(torch.int64) * S + pos % S, none)
+        if self.write_arena:
+            W = kv.window
+            arena_map = torch.where(valid, self._rows[:bk] * W + pos % W, none)
 
         def attend(i, q, k, v):
             torch.ops.kvops.paged_kv_write(k, v, kv.k_pool[i], kv.v_pool[i], slot_map)
@@ -173,7 +183,7 @@ class ModelRunner:
             kv.far.observe(i, q, fk, fb, lse)
             return o
 
-        hidden = forward_packed(self.model, self._tok[:bk], self._pos[:bk], attend)
+        hidden = forward_packed(self.model, self._tok[:bk], pos, attend)
         return logits(self.model, hidden).argmax(-1)
 
     def _decode(self, items: list) -> dict:
@@ -181,20 +191,14 @@ class ModelRunner:
         slots = [kv.slot(req) for req, _, _ in items]
         bk = self.rows if self.full_rows else bucket_of(max(slots) + 1, self.rows)
         self.buckets_used.add(bk)
-        tok = np.zeros(bk, dtype=np.int64)
-        pos = np.zeros(bk, dtype=np.int64)
-        pool = np.full(bk, -1, dtype=np.int64)
-        arena = np.full(bk, -1, dtype=np.int64)
-        for (req, start, _), s in zip(items, slots):
-            p, pl, ar = self._slots(req, start, 1)
-            tok[s], pos[s], pool[s], arena[s] = req.token(start), start, pl[0], ar[0]
-        host = torch.from_numpy(np.stack([tok, pos, pool, arena])).to(self.device)
-        for dst, row in zip((self._tok, self._pos, self._slot, self._aslot), host):
-            dst[:bk].copy_(row)
-        if self.graphs:
-            nxt = self._replay(bk)
-        else:
-            nxt = self._decode_forward(bk)
+        host = np.zeros((2, bk), dtype=np.int64)
+        host[1] = -1
+        host[0, slots] = [req.token(start) for req, start, _ in items]
+        host[1, slots] = [start for _, start, _ in items]
+        dev = torch.from_numpy(host).to(self.device)
+        self._tok[:bk].copy_(dev[0])
+        self._pos[:bk].copy_(dev[1])
+        nxt = self._replay(bk) if self.graphs else self._decode_forward(bk)
         nxt = nxt.tolist()
         return {req: nxt[s] for (req, _, _), s in zip(items, slots)}
 
