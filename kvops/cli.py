@@ -38,6 +38,9 @@ def _replay_parser(sub) -> None:
     p.add_argument("--no-prefix-sharing", action="store_true")
     p.add_argument("--no-graphs", action="store_true", help="CUDA: decode eagerly")
     p.add_argument("--out", default="replay-out", help="directory for JSON, Markdown, figures")
+    p.add_argument("--record", default=None, metavar="NAME",
+                   help="also write bench/results/<date>-NAME.md (date, device, commit, command, "
+                        "table)")
     p.add_argument("--no-figures", action="store_true")
     p.add_argument("--no-progress", action="store_true")
 
@@ -62,9 +65,34 @@ def replay(args) -> int:
     for name, r in result["results"].items():
         for e in r["errors"]:
             print(f"{name}: refused: {e}")
+    if args.record:
+        path = record(args.record, result, table)
+        print(f"(recorded: {path})")
     print(f"(written: {args.out}/replay.json, replay.md"
           f"{'' if args.no_figures else ', timeline.png, cdf.png'})")
     return 0
+
+
+def record(name: str, result: dict, table: str) -> str:
+    """``bench/results/<date>-<name>.md``: date, device, commit, command and the table."""
+    import datetime
+    import subprocess
+    from pathlib import Path
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    now = datetime.datetime.now(datetime.timezone.utc)
+    path = Path("bench/results") / f"{now:%Y-%m-%d}-{name}.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = (f"# kvops replay: {name}\n\n- date: {now:%Y-%m-%d %H:%M} UTC\n"
+            f"- device: {result['device_name']} ({result['dtype']}), torch {torch.__version__}\n"
+            f"- commit: {commit}\n- command: `python -m kvops {' '.join(sys.argv[1:])}`\n\n"
+            f"{table}\n")
+    path.write_text(text)
+    return str(path)
 
 
 def generate(args) -> int:
