@@ -5,7 +5,8 @@ its next chunk), then waiting requests in arrival order while budget, slots and 
 last; no chunk is longer than ``long_prefill_tokens``. A running request whose growth finds too
 few free pages first ends cached prefixes, then preempts by the policy (recompute: its cache
 is dropped and it goes back to the head of the queue), and waits a step for the pages, which
-the pager returns at the commit. Admission stops at the first waiting request that does not
+the pager returns at the commit; no waiting request is admitted in such a step. Admission
+stops at the first waiting request that does not
 fit (no overtaking). A request whose context can never fit is refused when it arrives.
 """
 
@@ -81,6 +82,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         cfg, kv, plan = self.cfg, self.kv, StepPlan()
         budget, free, coming = cfg.max_num_batched_tokens, kv.free_pages(), 0
+        starved = False                            # a running request waits for pages
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -103,13 +105,15 @@ class Scheduler:
                 victim = self.policy(later)
                 coming += self._preempt(victim)
                 plan.preempted.append(victim)
+            starved = True
             if need > free + coming:               # nothing left to free but itself
                 self._preempt(req)
                 plan.preempted.append(req)
                 continue
             i += 1                                 # runs once the pages are back
         slots = kv.free_slots()
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        while (self.waiting and not starved and budget > 0
+               and len(self.running) < cfg.max_num_seqs):
             req = self.waiting[0]
             if slots < 1:
                 kv.evict_cached()
