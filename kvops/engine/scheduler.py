@@ -6,7 +6,8 @@ last; no chunk is longer than ``long_prefill_tokens``. A running request whose g
 few free pages first ends cached prefixes, then preempts by the policy (recompute: its cache
 is dropped and it goes back to the head of the queue), and waits a step for the pages, which
 the pager returns at the commit; no waiting request is admitted in such a step. Admission
-stops at the first waiting request that does not fit (no overtaking). A request whose context can never fit is refused when it arrives.
+stops at the first waiting request that does not fit (no overtaking). A request whose
+context can never fit is refused when it arrives.
 """
 
 from __future__ import annotations
