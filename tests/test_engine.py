@@ -106,6 +106,18 @@ def test_static_paged_and_pager_merge_give_identical_tokens(model):
     assert outs["paged"] == outs["static"] == outs["pager+merge"] == outs["pager"]
 
 
+def test_kvrm_gives_far_pages_back_once_summarized(model):
+    # W 32 and far chunks of 32 tokens: long decodes leave the window; their summarized
+    # chunks' pages return, so kvrm maps fewer pages than pager+merge at the same tokens in view
+    rows = [TraceRow(0.001 * i, 600 + 50 * i, 400, (1, 2 + i % 2) if i % 3 else ())
+            for i in range(6)]
+    kw = dict(window=32, max_context=192)
+    (_, kv_m, m), (reqs, kv_k, k) = (serve(model, rows, c, **kw) for c in ("pager+merge", "kvrm"))
+    assert k["finished"] == m["finished"] == 6 and all(len(r.output) == 50 for r in reqs)
+    assert k["reserved_gib_mean"] < m["reserved_gib_mean"]
+    assert kv_k.free_pages() == kv_k.total_pages and kv_m.free_pages() == kv_m.total_pages
+
+
 def test_a_request_that_can_never_fit_is_refused_and_the_rest_finish(model):
     rows = burst(4) + [TraceRow(0.002, 8000, 80)]           # 1000 + 10 tokens > context 192
     reqs, kv, m = serve(model, rows)

@@ -7,7 +7,8 @@ how one KV budget in bytes becomes each configuration's KV manager.
   window; every page move its own copy (no merging), tail pages copied each step.
 - ``pager+merge``: the same with merged trains (up to 128 KiB) and write-through, so only
   arrivals, aliases and copy-on-write remaps move.
-- ``kvrm``: ``pager+merge`` plus the far view (summaries of far chunks in the far slots).
+- ``kvrm``: ``pager+merge`` plus the far view (summaries of far chunks in the far slots), whose
+  summarized far blocks go back to the pool (the bounded budget).
 - ``paged``: pager pages only; decode with ``elastic_attention``'s native path over block
   tables (a vLLM-style paged runtime).
 

@@ -38,7 +38,8 @@ class PagedKV:
     def __init__(self, *, num_pages: int, page_size: int, max_sessions: int, max_blocks: int,
                  layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, window: int = 0, max_train_bytes: int = 131072,
-                 copy_tail: bool = False, far: dict | None = None, prefix_sharing: bool = True):
+                 copy_tail: bool = False, far: dict | None = None, prefix_sharing: bool = True,
+                 far_trim: bool = True):
         self.S, self.layers, self.device = page_size, layers, device
         self.max_sessions, self.max_blocks = max_sessions, max_blocks
         self.token_bytes = 2 * layers * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
@@ -60,6 +61,8 @@ class PagedKV:
                                cap=far["cap"], num_layers=layers, num_kv_heads=kv_heads,
                                head_dim=head_dim, dtype=dtype, device=device)
         self.prefix_sharing = prefix_sharing
+        self.far_trim = far_trim and self.far is not None
+        self._far_trimmed: dict[str, int] = {}    # session -> leading blocks trimmed as far
         self._holders: dict[tuple, list[str]] = {}       # hash chain -> sessions holding it
         self._chains: dict[str, list[tuple]] = {}        # session -> chains it registered
         self._cached: OrderedDict[str, None] = OrderedDict()   # finished, kept as prefixes
@@ -139,6 +142,8 @@ class PagedKV:
         return src, hit
 
     def _register(self, req: Request) -> None:
+        if req.key in self._far_trimmed:
+            return
         key, have = req.key, self._chains.setdefault(req.key, [])
         full = min(req.num_computed, len(req.prompt)) // req.hash_block
         for i in range(len(have), min(full, len(req.hash_ids))):
@@ -169,6 +174,7 @@ class PagedKV:
             return
         self._drop_chains(key)
         self._partial.discard(key)
+        self._far_trimmed.pop(key, None)
         self._ends.append((key, None))
 
     def commit_step(self, admits: list[tuple[Request, str | None, int, int]],
@@ -176,6 +182,8 @@ class PagedKV:
         """One frame: pending trims, then ``admits`` ``(req, src, hit, n)`` (alias ``hit``
         tokens of ``src``, then reserve ``n``) and ``grows`` ``(req, n)``; one commit. Returns
         the :class:`~kvops.runtime.Commit`."""
+        if self.far_trim:
+            self._trim_far(grows)
         with self.pager.frame() as f:
             for key, blocks in self._ends:
                 f.trim(key, blocks)
@@ -198,6 +206,25 @@ class PagedKV:
                 apply_copies(self.k_pool[layer], self.v_pool[layer], commit.copies)
         self.last_commit = commit
         return commit
+
+    def _trim_far(self, grows) -> None:
+        """``kvrm``'s bounded budget: once a decoding request's leading far chunks are
+        summarized (absorbed in an earlier step), their blocks go back. A request still in
+        prefill keeps them (its prefill attends to the whole prefix); a request with trimmed
+        blocks serves no prefix."""
+        M = self.far.M
+        for req, _ in grows:
+            if req.num_computed < len(req.prompt):
+                continue
+            done = set(self.far.summarized(self.pager.slot(req.key)))
+            k = 0
+            while k in done:
+                k += 1
+            have = self._far_trimmed.get(req.key, 0)
+            if k * M > have:
+                self._ends.append((req.key, list(range(have, k * M))))
+                self._far_trimmed[req.key] = k * M
+                self._drop_chains(req.key)
 
     def after_step(self, reqs: list[Request]) -> None:
         """The step's K/V is written: register the hash blocks it completed."""
