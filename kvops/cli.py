@@ -23,6 +23,8 @@ def _replay_parser(sub) -> None:
     p.add_argument("--time-scale", type=float, default=None, help="multiply arrival times")
     p.add_argument("--length-scale", type=float, default=None, help="multiply lengths")
     p.add_argument("--max-requests", type=int, default=None)
+    p.add_argument("--window-s", type=float, default=None,
+                   help="azure: replay the densest window of this many seconds (default 60)")
     p.add_argument("--rate", type=float, default=None, help="sharegpt: requests/s")
     p.add_argument("--arrival", choices=["poisson", "gamma"], default=None)
     p.add_argument("--cv", type=float, default=None)
@@ -50,7 +52,8 @@ def replay(args) -> int:
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     kw = {k: getattr(args, k) for k in (
-        "trace", "kind", "model", "dtype", "time_scale", "length_scale", "max_requests", "rate",
+        "trace", "kind", "model", "dtype", "time_scale", "length_scale", "max_requests",
+        "window_s", "rate",
         "arrival", "cv", "budget_gib", "max_seqs", "max_context", "window", "far_cap",
         "far_chunk", "max_num_batched_tokens", "long_prefill_tokens", "preemption")}
     if args.configs:

@@ -103,10 +103,22 @@ def _requests(s: ReplaySettings, vocab: int, max_seq_len: int) -> list[Request]:
                           max_requests=s.max_requests, max_context=max_seq_len, seed=s.seed)
 
 
-def _warmup(engine: Engine, vocab: int) -> None:
-    """Two short requests through the engine (prefill and decode kernels compile), then a
-    capture of every decode bucket; the engine's records start again afterwards."""
-    reqs = [Request(-1 - i, 0.0, [(7 * i + j) % vocab for j in range(40)], 3) for i in range(2)]
+def _warmup(engine: Engine, vocab: int, max_context: int) -> None:
+    """Requests through the engine so that the kernels compile before the measured replay (on
+    CUDA: prefill packs of one to eight sequences, token counts with and without a factor of
+    16, a single-token prompt, chunked prompts, each Triton specialization the replay is likely
+    to meet), then a capture of every decode bucket; the engine's records start again after."""
+    long = engine.scheduler.cfg.long_prefill_tokens
+    if engine.runner.device.type == "cuda":
+        lengths = [1, 16, 17, 48, 100, 257, long + 37, 2 * long]
+    else:
+        lengths = [40, 40]
+    lengths = [max(1, min(n, max_context - 8)) for n in lengths]
+    reqs = [Request(-1 - i, 0.0, [(7 * i + j) % vocab for j in range(n)], 4)
+            for i, n in enumerate(lengths)]
+    if engine.runner.device.type == "cuda":
+        reqs += [Request(-20 - i, 1e3, [(3 * i + j) % vocab for j in range(n)], 3)
+                 for i, n in enumerate((33, 64))]
     engine.replay(reqs)
     runner = engine.runner
     if runner.graphs:
@@ -149,7 +161,7 @@ def run(settings: ReplaySettings, progress: bool = True) -> dict:
     for name in settings.configs:
         kv = make_kv(name, budget, cfg, dtype, device, prefix_sharing=settings.prefix_sharing)
         engine = Engine(model, kv, decode_kind(name), sched, graphs=settings.graphs)
-        _warmup(engine, cfg.vocab_size)
+        _warmup(engine, cfg.vocab_size, budget.max_context)
         reqs = _requests(settings, cfg.vocab_size, cfg.max_seq_len)
         bar = None
         if progress:
@@ -167,6 +179,10 @@ def run(settings: ReplaySettings, progress: bool = True) -> dict:
         res["warmup_captures"] = engine.warm_captures
         res["recaptures"] = engine.runner.captures - engine.warm_captures
         res["errors"] = sorted({r.error for r in reqs if r.status is Status.REFUSED})[:3]
+        print(f"{name}: {res['finished']}/{len(reqs)} done, {res['output_tok_s']:.1f} out tok/s, "
+              f"TTFT p99 {res['ttft_ms']['p99']:.1f} ms, TPOT p50/p99 "
+              f"{res['tpot_ms']['median']:.2f}/{res['tpot_ms']['p99']:.2f} ms, reserved "
+              f"{res['reserved_gib_mean']:.3f} GiB, {res['wall_s']:.1f} s", flush=True)
         out["results"][name] = res
         out["steps"][name] = steps_as_dict(engine.steps)
         out["tokens"][name] = [r.output for r in reqs]
