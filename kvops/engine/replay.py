@@ -8,6 +8,7 @@ measured replay are counted as re-captures.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import time
 from pathlib import Path
@@ -195,7 +196,8 @@ def run(settings: ReplaySettings, progress: bool = True) -> dict:
              "preemptions": r.preemptions, "prefix_hit": r.prefix_hit,
              "status": r.status.value} for r in reqs]
         del engine, kv
-        if device.type == "cuda":
+        if device.type == "cuda":                  # the next configuration gets the memory
+            gc.collect()
             torch.cuda.empty_cache()
     return out
 
