@@ -96,10 +96,13 @@ def plot(result: dict, out_dir: Path) -> None:
         t = np.array([x["t"] for x in st])
         ax[1].plot(t, [x["running"] for x in st], label=f"{name} running")
         ax[1].plot(t, [x["waiting"] for x in st], "--", label=f"{name} waiting")
-        ax[2].plot(t, np.array([x["reserved_bytes"] for x in st]) / 2**30, label=name)
+        line, = ax[2].plot(t, np.array([x["reserved_bytes"] for x in st]) / 2**30,
+                           label=f"{name} reserved")
+        ax[2].plot(t, np.array([x["used_bytes"] for x in st]) / 2**30, ":",
+                   color=line.get_color(), label=f"{name} used")
         ax[3].plot(t, np.array([x["step_s"] for x in st]) * 1e3, ".", ms=2, label=name)
     ax[1].set_ylabel("requests")
-    ax[2].set_ylabel("reserved KV GiB")
+    ax[2].set_ylabel("KV GiB")
     ax[3].set_ylabel("step ms")
     ax[3].set_xlabel("replay time (s)")
     for a in ax[1:]:
