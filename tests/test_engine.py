@@ -219,3 +219,11 @@ def test_replay_cli_writes_table_json_and_figures(tmp_path, capsys):
     assert set(res["results"]) == {"static", "paged", "kvrm"}
     assert all(r["finished"] == 6 for r in res["results"].values())
     assert (tmp_path / "timeline.png").stat().st_size > 0 and (tmp_path / "cdf.png").is_file()
+
+
+def test_kvrm_with_shared_prefixes_and_far_trims(model):
+    # hash prefixes aliased from sessions whose far blocks go back in the same steps
+    rows = [TraceRow(0.05 * i, 900 + 40 * i, 300, (1, 2, 3 + i)) for i in range(8)]
+    reqs, kv, m = serve(model, rows, "kvrm", window=32, max_context=192)
+    assert m["finished"] == 8 and all(len(r.output) == r.output_len for r in reqs)
+    assert m["prefix_hit_tokens"] > 0 and kv.free_pages() == kv.total_pages

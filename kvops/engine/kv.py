@@ -182,8 +182,8 @@ class PagedKV:
         """One frame: pending trims, then ``admits`` ``(req, src, hit, n)`` (alias ``hit``
         tokens of ``src``, then reserve ``n``) and ``grows`` ``(req, n)``; one commit. Returns
         the :class:`~kvops.runtime.Commit`."""
-        if self.far_trim:
-            self._trim_far(grows)
+        if self.far_trim:                   # not a session this step aliases from
+            self._trim_far(grows, {src for _, src, hit, _ in admits if hit})
         with self.pager.frame() as f:
             for key, blocks in self._ends:
                 f.trim(key, blocks)
@@ -207,14 +207,14 @@ class PagedKV:
         self.last_commit = commit
         return commit
 
-    def _trim_far(self, grows) -> None:
+    def _trim_far(self, grows, keep: set) -> None:
         """``kvrm``'s bounded budget: once a decoding request's leading far chunks are
         summarized (absorbed in an earlier step), their blocks go back. A request still in
         prefill keeps them (its prefill attends to the whole prefix); a request with trimmed
         blocks serves no prefix."""
         M = self.far.M
         for req, _ in grows:
-            if req.num_computed < len(req.prompt):
+            if req.num_computed < len(req.prompt) or req.key in keep:
                 continue
             done = set(self.far.summarized(self.pager.slot(req.key)))
             k = 0
