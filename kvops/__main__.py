@@ -1,4 +1,5 @@
-"""``python -m kvops`` (or ``kvops-demo``): the main job.
+"""``python -m kvops``: the main job, ``kvops replay`` on the shipped synthetic burst (see
+:mod:`kvops.cli`); ``python -m kvops demo`` (or ``kvops-demo``) runs the attention-stack demo:
 
 1. The attention-stack demo (``kvops.demo``): a Llama-shaped decoder with random weights whose
    decode steps run through ``torch.ops.kvops``, checked against dense SDPA; it fails loudly if
@@ -18,8 +19,9 @@ import sys
 PROMPT = "What is the capital of France? Answer in one sentence."
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvops", description=__doc__.splitlines()[0])
+def demo_main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvops demo", description="the attention-stack demo and "
+                                 "SmolLM2 answering a prompt, every decode step through kvops")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     ap.add_argument("--steps", type=int, default=None, help="demo decode steps (default per device)")
     ap.add_argument("--prompt", default=PROMPT, help="prompt for the real model")
@@ -55,4 +57,6 @@ def generate_text(prompt: str, max_new_tokens: int, device: str | None) -> None:
 
 
 if __name__ == "__main__":
+    from kvops.cli import main
+
     sys.exit(main())

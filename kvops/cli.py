@@ -1,0 +1,132 @@
+"""The ``kvops`` command (and ``python -m kvops``): ``kvops replay`` (trace replay through the
+engine's configurations, the main job, also what a bare ``kvops`` runs), ``kvops generate``
+(greedy text from SmolLM2 through the engine) and ``kvops demo`` (the attention-stack demo)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+
+def _replay_parser(sub) -> None:
+    p = sub.add_parser("replay", help="replay a trace through engine configurations")
+    p.add_argument("--configs", default=None,
+                   help="comma-separated: static, pager, pager+merge, kvrm, paged "
+                        "(default static,paged,kvrm)")
+    p.add_argument("--trace", default=None, help="trace file (default: the shipped synthetic burst)")
+    p.add_argument("--kind", choices=["azure", "mooncake", "sharegpt"], default=None)
+    p.add_argument("--model", choices=["smollm2", "smollm2-random", "llama3-8b", "tiny"], default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16")
+    p.add_argument("--time-scale", type=float, default=None, help="multiply arrival times")
+    p.add_argument("--length-scale", type=float, default=None, help="multiply lengths")
+    p.add_argument("--max-requests", type=int, default=None)
+    p.add_argument("--window-s", type=float, default=None,
+                   help="azure: replay the densest window of this many seconds (default 60)")
+    p.add_argument("--rate", type=float, default=None, help="sharegpt: requests/s")
+    p.add_argument("--arrival", choices=["poisson", "gamma"], default=None)
+    p.add_argument("--cv", type=float, default=None)
+    p.add_argument("--budget-gib", type=float, default=None, help="KV budget, every configuration")
+    p.add_argument("--max-seqs", type=int, default=None)
+    p.add_argument("--max-context", type=int, default=None)
+    p.add_argument("--window", type=int, default=None)
+    p.add_argument("--far-cap", type=int, default=None)
+    p.add_argument("--far-chunk", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--long-prefill-tokens", type=int, default=None)
+    p.add_argument("--preemption", choices=["newest", "longest"], default=None)
+    p.add_argument("--no-prefix-sharing", action="store_true")
+    p.add_argument("--no-graphs", action="store_true", help="CUDA: decode eagerly")
+    p.add_argument("--out", default="replay-out", help="directory for JSON, Markdown, figures")
+    p.add_argument("--record", default=None, metavar="NAME",
+                   help="also write bench/results/<date>-NAME.md (date, device, commit, command, "
+                        "table)")
+    p.add_argument("--no-figures", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def replay(args) -> int:
+    from kvops.engine.replay import ReplaySettings, run, write
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    kw = {k: getattr(args, k) for k in (
+        "trace", "kind", "model", "dtype", "time_scale", "length_scale", "max_requests",
+        "window_s", "rate",
+        "arrival", "cv", "budget_gib", "max_seqs", "max_context", "window", "far_cap",
+        "far_chunk", "max_num_batched_tokens", "long_prefill_tokens", "preemption")}
+    if args.configs:
+        kw["configs"] = tuple(c.strip() for c in args.configs.split(",") if c.strip())
+    kw["device"] = str(device)
+    kw["prefix_sharing"] = not args.no_prefix_sharing
+    kw["graphs"] = False if args.no_graphs else None
+    settings = ReplaySettings.for_device(device, **kw)
+    result = run(settings, progress=not args.no_progress)
+    table = write(result, args.out, figures=not args.no_figures)
+    print(table)
+    for name, r in result["results"].items():
+        for e in r["errors"]:
+            print(f"{name}: refused: {e}")
+    if args.record:
+        path = record(args.record, result, table)
+        print(f"(recorded: {path})")
+    print(f"(written: {args.out}/replay.json, replay.md"
+          f"{'' if args.no_figures else ', timeline.png, cdf.png'})")
+    return 0
+
+
+def record(name: str, result: dict, table: str) -> str:
+    """``bench/results/<date>-<name>.md``: date, device, commit, command and the table."""
+    import datetime
+    import subprocess
+    from pathlib import Path
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    now = datetime.datetime.now(datetime.timezone.utc)
+    path = Path("bench/results") / f"{now:%Y-%m-%d}-{name}.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = (f"# kvops replay: {name}\n\n- date: {now:%Y-%m-%d %H:%M} UTC\n"
+            f"- device: {result['device_name']} ({result['dtype']}), torch {torch.__version__}\n"
+            f"- commit: {commit}\n- command: `python -m kvops {' '.join(sys.argv[1:])}`\n\n"
+            f"{table}\n")
+    path.write_text(text)
+    return str(path)
+
+
+def generate(args) -> int:
+    from kvops.engine.generate import generate_texts
+
+    for prompt, text in zip(args.prompt, generate_texts(args.prompt, args.max_new_tokens,
+                                                        device=args.device, chat=not args.raw)):
+        print(f"> {prompt}\n{text}\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:
+        from kvops.__main__ import demo_main
+
+        return demo_main(argv[1:])
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv.insert(0, "replay")
+    ap = argparse.ArgumentParser(prog="kvops", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("demo", help="the attention-stack demo (python -m kvops demo --help)")
+    _replay_parser(sub)
+    g = sub.add_parser("generate", help="greedy text from SmolLM2 through the engine")
+    g.add_argument("prompt", nargs="+")
+    g.add_argument("--max-new-tokens", type=int, default=48)
+    g.add_argument("--device", default=None)
+    g.add_argument("--raw", action="store_true", help="no chat template")
+    args = ap.parse_args(argv)
+    return replay(args) if args.cmd == "replay" else generate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""The KV-RM configurations of one engine (the paper's Table 5 and its dynamic baseline), and
+how one KV budget in bytes becomes each configuration's KV manager.
+
+- ``static``: a worst-case arena row per request (``max_context`` tokens); decode with
+  ``static_sliding_attention`` over the row; no pager, no transport.
+- ``pager``: pager pages plus window arenas; decode with ``static_sliding_attention`` over the
+  window; every page move its own copy (no merging), tail pages copied each step.
+- ``pager+merge``: the same with merged trains (up to 128 KiB) and write-through, so only
+  arrivals, aliases and copy-on-write remaps move.
+- ``kvrm``: ``pager+merge`` plus the far view (summaries of far chunks in the far slots), whose
+  summarized far blocks go back to the pool (the bounded budget).
+- ``paged``: pager pages only; decode with ``elastic_attention``'s native path over block
+  tables (a vLLM-style paged runtime).
+
+Every configuration gets the same byte budget: ``static`` divides it into rows of
+``max_context`` tokens (so it binds first), the arena configurations spend ``max_seqs x
+window`` tokens of it on the arenas and the rest on pages, ``paged`` spends it all on pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvops.engine.kv import PagedKV, StaticKV
+
+CONFIGS = ("static", "pager", "pager+merge", "kvrm", "paged")
+
+
+@dataclass
+class KVBudget:
+    bytes: int              # K and V, every layer
+    max_seqs: int           # slots of the pager's tables (and window arenas)
+    max_context: int        # tokens: a static row, the pager's block-table length
+    window: int = 1024      # W of the arena configurations
+    page_size: int = 16
+    far_chunk: int = 128    # kvrm: tokens per far chunk
+    far_cap: int = 16       # kvrm: far slots per session
+
+
+def make_kv(name: str, budget: KVBudget, model_cfg, dtype: torch.dtype, device: torch.device,
+            prefix_sharing: bool = True):
+    if name not in CONFIGS:
+        raise ValueError(f"config: expected one of {', '.join(CONFIGS)}, got {name!r}")
+    S = budget.page_size
+    tok = 2 * model_cfg.n_layers * model_cfg.n_kv_heads * model_cfg.head_dim \
+        * torch.empty(0, dtype=dtype).element_size()
+    geo = dict(layers=model_cfg.n_layers, kv_heads=model_cfg.n_kv_heads,
+               head_dim=model_cfg.head_dim, dtype=dtype, device=device)
+    max_context = -(-budget.max_context // S) * S
+    if name == "static":
+        slots = min(budget.bytes // (max_context * tok), budget.max_seqs)
+        if slots < 1:
+            raise ValueError(f"budget: {budget.bytes} bytes hold no static row of {max_context} "
+                             f"tokens ({max_context * tok} bytes)")
+        return StaticKV(slots=slots, slot_tokens=max_context, page_size=S, **geo)
+    window = min(-(-budget.window // S) * S, max_context) if name != "paged" else 0
+    arena = budget.max_seqs * window * tok
+    pages = (budget.bytes - arena) // (S * tok)
+    if pages < 1:
+        raise ValueError(f"budget: {budget.bytes} bytes leave no pages after the window arenas "
+                         f"({arena} bytes for {budget.max_seqs} x {window} tokens)")
+    kw = dict(num_pages=int(pages), page_size=S, max_sessions=budget.max_seqs,
+              max_blocks=max_context // S, prefix_sharing=prefix_sharing, **geo)
+    if name == "paged":
+        return PagedKV(**kw)
+    page_bytes = S * model_cfg.n_kv_heads * model_cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
+    if name == "pager":
+        return PagedKV(window=window, max_train_bytes=page_bytes, copy_tail=True, **kw)
+    far = None
+    if name == "kvrm":
+        far = {"chunk_tokens": min(budget.far_chunk, window), "cap": budget.far_cap}
+    return PagedKV(window=window, max_train_bytes=131072, copy_tail=False, far=far, **kw)
+
+
+def decode_kind(name: str) -> str:
+    return {"static": "static", "paged": "paged"}.get(name, "arena")

@@ -1,0 +1,101 @@
+"""The engine loop: arrivals, schedule, one frame commit, the forwards, the new tokens.
+
+    while requests remain:
+        admit the requests that have arrived            (refused when they can never fit)
+        plan = scheduler.schedule()                     (budget, chunks, pages, preemption)
+        kv.commit_step(plan)                            (one Frame: trims, aliases, reserves)
+        next_tokens = runner.run(plan.items())          (prefill chunks, then decodes)
+        append tokens; finished requests end            (their trims go into the next frame)
+
+The clock is wall time since the replay started; while nothing is in flight it jumps to the
+next arrival (no request waits then, so no latency changes).
+"""
+
+from __future__ import annotations
+
+import time
+
+from kvops.engine.metrics import StepRecord, summarize
+from kvops.engine.request import Request, Status
+from kvops.engine.runner import ModelRunner
+from kvops.engine.scheduler import Scheduler, SchedulerConfig
+
+
+class Engine:
+    def __init__(self, model, kv, decode: str, sched: SchedulerConfig | None = None, *,
+                 graphs: bool | None = None):
+        self.model, self.kv = model, kv
+        self.scheduler = Scheduler(sched or SchedulerConfig(), kv)
+        self.runner = ModelRunner(model, kv, decode, graphs=graphs)
+        self.steps: list[StepRecord] = []
+        self._t0 = time.perf_counter()
+        self._skip = 0.0
+
+    def now(self) -> float:
+        return time.perf_counter() - self._t0 + self._skip
+
+    def step(self) -> StepRecord:
+        sched, kv = self.scheduler, self.kv
+        t0 = time.perf_counter()
+        plan = sched.schedule()
+        t1 = time.perf_counter()
+        kv.commit_step(plan.admits, plan.grows)
+        t2 = time.perf_counter()
+        items = plan.items()
+        nxt = self.runner.run(items) if items else {}
+        self.produced = len(nxt)
+        now = self.now()
+        for req, start, n in items:
+            req.num_computed = start + n
+            tok = nxt.get(req)
+            if tok is not None:
+                req.output.append(tok)
+                req.token_times.append(now)
+                if req.done:
+                    req.status, req.finish_time = Status.FINISHED, now
+                    sched.finish(req)
+        kv.after_step([r for r, _, _ in items if r.status is Status.RUNNING])
+        used = sum(r.num_computed for r in sched.running) * kv.token_bytes
+        d = kv.dma()
+        rec = StepRecord(
+            t=now, step_s=time.perf_counter() - t0, schedule_s=t1 - t0, commit_s=t2 - t1,
+            running=len(sched.running), waiting=len(sched.waiting),
+            tokens=sum(n for _, _, n in items), decodes=sum(n == 1 for _, _, n in items),
+            reserved_bytes=kv.reserved_bytes(), used_bytes=used, groups=d["groups"],
+            moving_sessions=d["sessions"], train_bytes=d["bytes"], far_groups=d["far_groups"])
+        self.steps.append(rec)
+        return rec
+
+    def drain(self) -> None:
+        """End every cached prefix and commit, so the pool is as it started."""
+        while self.kv.evict_cached() is not None:
+            pass
+        self.kv.commit_step([], [])
+
+    def replay(self, requests: list[Request], progress=None) -> dict:
+        """Serve ``requests`` at their arrival times; returns :func:`summarize`'s metrics."""
+        pending = sorted(requests, key=lambda r: (r.arrival, r.rid))
+        sched, i = self.scheduler, 0
+        self._t0, self._skip = time.perf_counter(), 0.0
+        while i < len(pending) or sched.waiting or sched.running:
+            now = self.now()
+            while i < len(pending) and pending[i].arrival <= now:
+                sched.add(pending[i])
+                i += 1
+            if not sched.waiting and not sched.running:
+                if i < len(pending):
+                    self._skip += pending[i].arrival - now
+                continue
+            self.step()
+            if progress is not None:
+                progress.update(self.produced)
+        self.drain()
+        extra = {"prefix_hit_tokens": self.kv.prefix_hit_tokens,
+                 "cow_copies": self.kv.cow_copies,
+                 "graph_captures": self.runner.captures,
+                 "recaptures": self.runner.captures - len(self.runner.buckets_used)
+                 if self.runner.graphs else 0,
+                 "decode_buckets": sorted(self.runner.buckets_used),
+                 "kv_free_pages_end": self.kv.free_pages() if self.kv.kind == "paged" else None,
+                 "cached_prefix_sessions_end": self.kv.cached_sessions()}
+        return summarize(requests, self.steps, extra)

@@ -1,0 +1,48 @@
+"""Text in, text out through the engine: SmolLM2-135M-Instruct, every prompt a request of
+the ``paged`` configuration, greedy, stopping at EOS (``kvops generate``)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvops.engine.configs import KVBudget, make_kv
+from kvops.engine.engine import Engine
+from kvops.engine.request import Request
+from kvops.engine.scheduler import SchedulerConfig
+
+
+def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, *, eos_id: int | None = None,
+                 config: str = "paged", page_size: int = 16, budget_tokens: int | None = None,
+                 sched: SchedulerConfig | None = None) -> list[list[int]]:
+    """Greedy continuations of token-id ``prompts`` served together by the engine (stopping
+    after ``eos_id`` when given)."""
+    from kvops.engine.configs import decode_kind
+
+    dev = model.output.weight.device
+    dtype = model.output.weight.dtype
+    ctx = max(len(p) for p in prompts) + max_new_tokens
+    ctx = -(-ctx // page_size) * page_size
+    n = len(prompts)
+    c = model.cfg
+    tok = 2 * c.n_layers * c.n_kv_heads * c.head_dim * torch.empty(0, dtype=dtype).element_size()
+    tokens = budget_tokens or n * ctx * 2
+    budget = KVBudget(bytes=tokens * tok, max_seqs=n, max_context=ctx, window=ctx,
+                      page_size=page_size)
+    kv = make_kv(config, budget, c, dtype, dev)
+    engine = Engine(model, kv, decode_kind(config), sched or SchedulerConfig(max_num_seqs=n))
+    reqs = [Request(i, 0.0, list(p), max_new_tokens, ignore_eos=eos_id is None, eos_id=eos_id)
+            for i, p in enumerate(prompts)]
+    engine.replay(reqs)
+    return [r.output for r in reqs]
+
+
+def generate_texts(prompts: list[str], max_new_tokens: int = 48, *, device: str | None = None,
+                   chat: bool = True) -> list[str]:
+    from kvops.models import Llama, Tokenizer
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model, tok = Llama.from_gguf(dtype=dtype, device=dev), Tokenizer.from_gguf()
+    ids = [tok.encode(tok.chat_prompt(p) if chat else p) for p in prompts]
+    outs = generate_ids(model, ids, max_new_tokens, eos_id=tok.eos_id)
+    return [tok.decode(o) for o in outs]

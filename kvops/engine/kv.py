@@ -1,0 +1,369 @@
+"""Where requests' K/V live: :class:`PagedKV` (pages mapped by the :class:`~kvops.runtime.Pager`,
+optionally a ring-window arena fed by the :class:`~kvops.runtime.Transport` and a
+:class:`~kvops.runtime.FarView`) and :class:`StaticKV` (one worst-case contiguous arena row per
+request, the static-graph baseline).
+
+Both take the scheduler's decisions for a step in :meth:`commit_step`: ends (finished or
+preempted requests), admissions and growth by ``n`` tokens. :class:`PagedKV` turns them into one
+Frame (trims, aliases, reserves), one commit and its copy-on-write copies; pages a trim gives
+back are free from the next step on (the pager returns them at commit). Prefix sharing: a
+request whose leading Mooncake ``hash_ids`` chain equals a live session's (whose K/V for those
+blocks is already computed) is opened with ``alias`` over the shared whole blocks; finished
+requests stay mapped as cached prefixes (trimmed to their hashed blocks) until pages or slots are
+needed, least recently used first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from kvops.engine.request import Request
+from kvops.runtime import FarView, Pager, Transport, apply_copies
+
+
+def _blocks(n: int, S: int) -> int:
+    return -(-n // S)
+
+
+class PagedKV:
+    """Pool ``[layers, P, S, Hkv, D]`` mapped by a pager; ``window`` > 0 adds the arenas
+    ``[layers, B, W, Hkv, D]`` and a transport (``max_train_bytes``, ``copy_tail``); ``far`` a
+    far view (``{"chunk_tokens", "cap"}``)."""
+
+    kind = "paged"
+
+    def __init__(self, *, num_pages: int, page_size: int, max_sessions: int, max_blocks: int,
+                 layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, window: int = 0, max_train_bytes: int = 131072,
+                 copy_tail: bool = False, far: dict | None = None, prefix_sharing: bool = True,
+                 far_trim: bool = True):
+        self.S, self.layers, self.device = page_size, layers, device
+        self.max_sessions, self.max_blocks = max_sessions, max_blocks
+        self.token_bytes = 2 * layers * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+        self.pager = Pager(num_pages, page_size, max_sessions, max_blocks, device=device)
+        pool = (layers, num_pages, page_size, kv_heads, head_dim)
+        self.k_pool = torch.zeros(pool, dtype=dtype, device=device)
+        self.v_pool = torch.zeros(pool, dtype=dtype, device=device)
+        self.window = window
+        self.transport = self.far = None
+        self.k_arena = self.v_arena = None
+        if window:
+            page_bytes = page_size * kv_heads * head_dim * self.k_pool.element_size()
+            self.transport = Transport(self.pager, window, page_bytes, max_train_bytes, copy_tail)
+            arena = (layers, max_sessions, window, kv_heads, head_dim)
+            self.k_arena = torch.zeros(arena, dtype=dtype, device=device)
+            self.v_arena = torch.zeros(arena, dtype=dtype, device=device)
+        if far:
+            self.far = FarView(self.pager, window_tokens=window, chunk_tokens=far["chunk_tokens"],
+                               cap=far["cap"], num_layers=layers, num_kv_heads=kv_heads,
+                               head_dim=head_dim, dtype=dtype, device=device)
+        self.prefix_sharing = prefix_sharing
+        self.far_trim = far_trim and self.far is not None
+        self._far_trimmed: dict[str, int] = {}    # session -> leading blocks trimmed as far
+        self._holders: dict[tuple, list[str]] = {}       # hash chain -> sessions holding it
+        self._chains: dict[str, list[tuple]] = {}        # session -> chains it registered
+        self._cached: OrderedDict[str, None] = OrderedDict()   # finished, kept as prefixes
+        self._ends: list[tuple[str, list[int] | None]] = []     # trims for the next frame
+        self._partial: set[str] = set()     # sessions that share a partly filled page
+        self.prefix_hit_tokens = 0
+        self.cow_copies = 0
+        self.last_commit = None
+
+    # -- capacity ------------------------------------------------------------------------------
+    @property
+    def total_pages(self) -> int:
+        return self.pager.num_pages
+
+    def free_pages(self) -> int:
+        return self.pager.free_pages
+
+    def free_slots(self) -> int:
+        return self.max_sessions - len(self.pager.sessions())
+
+    def refuse_reason(self, req: Request) -> str | None:
+        n = req.max_tokens
+        nb = _blocks(n, self.S)
+        if nb > self.max_blocks:
+            return (f"request {req.rid}: needs {n} tokens of context ({nb} blocks of {self.S}), "
+                    f"a session holds at most {self.max_blocks} blocks")
+        if nb > self.total_pages:
+            return (f"request {req.rid}: needs {n} tokens of context ({nb} pages of {self.S}), "
+                    f"the pool holds {self.total_pages} pages")
+        return None
+
+    def pages_for(self, req: Request, n: int, hit: int = 0) -> int:
+        """Free pages growing ``req`` by ``n`` tokens takes (``hit`` aliased tokens first when
+        it is new): new blocks plus a copy-on-write of a shared partly filled tail."""
+        S = self.S
+        running = req.status.name == "RUNNING"
+        start = req.num_computed if running else hit
+        need = _blocks(start + n, S) - _blocks(start, S)
+        if start % S:                       # the tokens land in a partly filled tail page
+            if not running:                 # aliased mid-page: its first write copies the page
+                need += 1
+            elif req.key in self._partial and \
+                    self.pager.refcount(self.pager.pages(req.key)[start // S]) > 1:
+                need += 1
+        return need
+
+    def pages_of(self, req: Request) -> int:
+        """Pages a preemption of ``req`` gives back (those not shared)."""
+        return sum(1 for p in self.pager.pages(req.key) if p >= 0 and self.pager.refcount(p) == 1)
+
+    def evict_cached(self) -> int | None:
+        """End the least recently used cached prefix (freed at the next commit); returns the
+        pages that gives back (0 when all are shared), None when none is cached."""
+        if not self._cached:
+            return None
+        key, _ = self._cached.popitem(last=False)
+        freed = sum(1 for p in self.pager.pages(key) if p >= 0 and self.pager.refcount(p) == 1)
+        self._drop_chains(key)
+        self._partial.discard(key)
+        self._ends.append((key, None))
+        return freed
+
+    # -- prefix sharing ------------------------------------------------------------------------
+    def prefix_lookup(self, req: Request) -> tuple[str | None, int]:
+        """The session to alias and how many leading tokens: whole hash blocks that a live
+        session computed, never the prompt's last token."""
+        if not self.prefix_sharing or not req.hash_ids:
+            return None, 0
+        src, hit, chain = None, 0, ()
+        for i, h in enumerate(req.hash_ids):      # a holder of a chain holds its prefixes too
+            chain = chain + (h,)
+            end = (i + 1) * req.hash_block
+            holders = self._holders.get(chain)
+            if not holders or end > len(req.prompt) - 1:
+                break
+            src, hit = holders[-1], end
+        return src, hit
+
+    def _register(self, req: Request) -> None:
+        if req.key in self._far_trimmed:
+            return
+        key, have = req.key, self._chains.setdefault(req.key, [])
+        full = min(req.num_computed, len(req.prompt)) // req.hash_block
+        for i in range(len(have), min(full, len(req.hash_ids))):
+            chain = tuple(req.hash_ids[:i + 1])
+            self._holders.setdefault(chain, []).append(key)
+            have.append(chain)
+
+    def _drop_chains(self, key: str) -> None:
+        for chain in self._chains.pop(key, []):
+            holders = self._holders.get(chain, [])
+            if key in holders:
+                holders.remove(key)
+            if not holders:
+                self._holders.pop(chain, None)
+
+    # -- a step ----------------------------------------------------------------------------------
+    def end(self, req: Request, keep_prefix: bool = False) -> None:
+        """``req`` finished (``keep_prefix``: stay cached over its hashed blocks) or was
+        preempted; its trim goes into the next frame."""
+        key = req.key
+        if keep_prefix and self.prefix_sharing and self._chains.get(key):
+            n_keep = len(self._chains[key]) * req.hash_block
+            nb = _blocks(self.pager.length(key), self.S)
+            cold = list(range(_blocks(n_keep, self.S), nb))
+            if cold:
+                self._ends.append((key, cold))
+            self._cached[key] = None
+            return
+        self._drop_chains(key)
+        self._partial.discard(key)
+        self._far_trimmed.pop(key, None)
+        self._ends.append((key, None))
+
+    def commit_step(self, admits: list[tuple[Request, str | None, int, int]],
+                    grows: list[tuple[Request, int]]):
+        """One frame: pending trims, then ``admits`` ``(req, src, hit, n)`` (alias ``hit``
+        tokens of ``src``, then reserve ``n``) and ``grows`` ``(req, n)``; one commit. Returns
+        the :class:`~kvops.runtime.Commit`."""
+        if self.far_trim:                   # not a session this step aliases from
+            self._trim_far(grows, {src for _, src, hit, _ in admits if hit})
+        with self.pager.frame() as f:
+            for key, blocks in self._ends:
+                f.trim(key, blocks)
+            for req, src, hit, n in admits:
+                if hit:
+                    f.alias(req.key, src, hit)
+                    if hit % self.S:
+                        self._partial.update((req.key, src))
+                    if src in self._cached:
+                        self._cached.move_to_end(src)
+                f.reserve(req.key, n)
+            for req, n in grows:
+                f.reserve(req.key, n)
+        self._ends = []
+        commit = f.result
+        self.prefix_hit_tokens += sum(hit for _, _, hit, _ in admits)
+        self.cow_copies += len(commit.copies)
+        if commit.copies:
+            for layer in range(self.layers):
+                apply_copies(self.k_pool[layer], self.v_pool[layer], commit.copies)
+        self.last_commit = commit
+        return commit
+
+    def _trim_far(self, grows, keep: set) -> None:
+        """``kvrm``'s bounded budget: once a decoding request's leading far chunks are
+        summarized (absorbed in an earlier step), their blocks go back. A request still in
+        prefill keeps them (its prefill attends to the whole prefix); a request with trimmed
+        blocks serves no prefix."""
+        M = self.far.M
+        for req, _ in grows:
+            if req.num_computed < len(req.prompt) or req.key in keep:
+                continue
+            done = set(self.far.summarized(self.pager.slot(req.key)))
+            k = 0
+            while k in done:
+                k += 1
+            have = self._far_trimmed.get(req.key, 0)
+            if k * M > have:
+                self._ends.append((req.key, list(range(have, k * M))))
+                self._far_trimmed[req.key] = k * M
+                self._drop_chains(req.key)
+
+    def after_step(self, reqs: list[Request]) -> None:
+        """The step's K/V is written: register the hash blocks it completed."""
+        if self.prefix_sharing:
+            for r in reqs:
+                if r.hash_ids:
+                    self._register(r)
+
+    # -- reads for the runner and the metrics --------------------------------------------------
+    def slot(self, req: Request) -> int:
+        return self.pager.slot(req.key)
+
+    def pages(self, req: Request) -> list[int]:
+        return self.pager.pages(req.key)
+
+    def tables(self) -> dict:
+        return self.pager.device_tables
+
+    def reserved_bytes(self) -> int:
+        used_pages = self.pager.num_pages - self.pager.free_pages
+        arena = self.max_sessions * self.window if self.window else 0
+        return (used_pages * self.S + arena) * self.token_bytes
+
+    def cached_sessions(self) -> int:
+        return len(self._cached)
+
+    def dma(self) -> dict:
+        """This commit's copy trains: groups, moving sessions, bytes (one of K or V, a layer)."""
+        c = self.last_commit
+        if c is None or self.transport is None:
+            return {"groups": 0, "sessions": 0, "bytes": 0, "far_groups": 0}
+        t = c.stats.get("transport", {})
+        groups = int(t.get("groups", 0))
+        sessions = 0
+        if groups:
+            tr = self.pager.host_tables["trains"][:groups]
+            nw = self.window // self.S
+            rows = np.repeat(tr[:, 1], tr[:, 2]) + np.concatenate(
+                [np.arange(n) for n in tr[:, 2]])
+            sessions = len(np.unique(rows // nw))
+        far = int(c.stats.get("far_view", {}).get("summaries", 0)) if self.far else 0
+        return {"groups": groups, "sessions": sessions, "bytes": int(t.get("bytes", 0)),
+                "far_groups": far}
+
+
+class StaticKV:
+    """The static-graph baseline: ``slots`` arena rows of ``slot_tokens`` each (the worst-case
+    context), ``[layers, slots, slot_tokens, Hkv, D]``, seen as a pool whose row ``b`` is pages
+    ``[b * L, (b + 1) * L)``. A request holds one whole row from admission to finish."""
+
+    kind = "static"
+    window = 0
+    transport = far = None
+
+    def __init__(self, *, slots: int, slot_tokens: int, page_size: int, layers: int,
+                 kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        if slot_tokens % page_size:
+            raise ValueError(f"slot_tokens: expected a multiple of page_size={page_size}, "
+                             f"got {slot_tokens}")
+        self.S, self.layers, self.device = page_size, layers, device
+        self.max_sessions, self.slot_tokens = slots, slot_tokens
+        self.max_blocks = slot_tokens // page_size
+        self.token_bytes = 2 * layers * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+        pool = (layers, slots * self.max_blocks, page_size, kv_heads, head_dim)
+        self.k_pool = torch.zeros(pool, dtype=dtype, device=device)
+        self.v_pool = torch.zeros(pool, dtype=dtype, device=device)
+        self.k_arena = self.k_pool.view(layers, slots, slot_tokens, kv_heads, head_dim)
+        self.v_arena = self.v_pool.view(layers, slots, slot_tokens, kv_heads, head_dim)
+        self._free = list(range(slots - 1, -1, -1))
+        self._slot: dict[str, int] = {}
+        self._len = np.zeros(slots, dtype=np.int32)
+        self._host = np.zeros((2, slots), dtype=np.int32)       # seq_lens, win_start (zeros)
+        bt = np.arange(slots * self.max_blocks, dtype=np.int32).reshape(slots, self.max_blocks)
+        self._tables = {"block_table": torch.from_numpy(bt).to(device),
+                        "seq_lens": torch.zeros(slots, dtype=torch.int32, device=device),
+                        "win_start": torch.zeros(slots, dtype=torch.int32, device=device)}
+        self._tables["win_len"] = self._tables["seq_lens"]
+        self.prefix_hit_tokens = 0
+        self.cow_copies = 0
+        self.prefix_sharing = False
+
+    total_pages = property(lambda self: self.max_sessions * self.max_blocks)
+
+    def free_pages(self) -> int:
+        return 1 << 62            # admission is by slot: a slot holds the worst case
+
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def refuse_reason(self, req: Request) -> str | None:
+        if req.max_tokens > self.slot_tokens:
+            return (f"request {req.rid}: needs {req.max_tokens} tokens of context, a static "
+                    f"arena slot holds {self.slot_tokens}")
+        return None
+
+    def pages_for(self, req: Request, n: int, hit: int = 0) -> int:
+        return 0
+
+    def pages_of(self, req: Request) -> int:
+        return 0
+
+    def evict_cached(self) -> None:
+        return None
+
+    def prefix_lookup(self, req: Request):
+        return None, 0
+
+    def end(self, req: Request, keep_prefix: bool = False) -> None:
+        slot = self._slot.pop(req.key)
+        self._len[slot] = 0
+        self._free.append(slot)
+
+    def commit_step(self, admits, grows):
+        for req, _, _, n in admits:
+            slot = self._slot[req.key] = self._free.pop()
+            self._len[slot] = n
+        for req, n in grows:
+            self._len[self._slot[req.key]] += n
+        self._tables["seq_lens"].copy_(torch.from_numpy(self._len))
+        return None
+
+    def after_step(self, reqs) -> None:
+        pass
+
+    def slot(self, req: Request) -> int:
+        return self._slot[req.key]
+
+    def pages(self, req: Request) -> list[int]:
+        b = self._slot[req.key]
+        return list(range(b * self.max_blocks, (b + 1) * self.max_blocks))
+
+    def tables(self) -> dict:
+        return self._tables
+
+    def reserved_bytes(self) -> int:
+        return self.max_sessions * self.slot_tokens * self.token_bytes
+
+    def cached_sessions(self) -> int:
+        return 0
+
+    def dma(self) -> dict:
+        return {"groups": 0, "sessions": 0, "bytes": 0, "far_groups": 0}

@@ -1,0 +1,220 @@
+"""Replay one trace through several configurations of the engine: the main job and
+``kvops replay``. Every configuration gets the same model, the same requests (same tokens),
+the same KV budget in bytes and the same scheduler settings; on CUDA each is warmed up first
+(two short requests and a capture of every decode bucket), so compiles and captures during the
+measured replay are counted as re-captures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from kvops.engine.configs import CONFIGS, KVBudget, decode_kind, make_kv
+from kvops.engine.engine import Engine
+from kvops.engine.metrics import steps_as_dict
+from kvops.engine.request import Request, Status
+from kvops.engine.runner import bucket_of
+from kvops.engine.scheduler import SchedulerConfig
+from kvops.engine.traces import build_requests, load_rows
+
+MODELS = ("smollm2", "smollm2-random", "llama3-8b", "tiny")
+
+
+def load_model(name: str, device: torch.device, dtype: torch.dtype):
+    """``(model, note)``: SmolLM2-135M from its GGUF, or random weights of SmolLM2's,
+    Llama-3-8B's or a tiny shape."""
+    from kvops.models import SMOLLM2_135M, Llama, LlamaConfig, ModelUnavailable
+    from kvops.models.paged import LLAMA3_8B, random_llama
+
+    if name == "smollm2":
+        try:
+            return Llama.from_gguf(dtype=dtype, device=device), "SmolLM2-135M-Instruct (GGUF)"
+        except ModelUnavailable as exc:
+            print(f"(SmolLM2 weights unavailable, random weights of its shape instead: {exc})")
+            name = "smollm2-random"
+    if name == "smollm2-random":
+        return random_llama(SMOLLM2_135M, dtype=dtype, device=device), "SmolLM2-135M shape, random weights"
+    if name == "llama3-8b":
+        return random_llama(LLAMA3_8B, dtype=dtype, device=device), "Llama-3-8B shape, random weights"
+    if name == "tiny":
+        cfg = LlamaConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                          hidden_dim=128, max_seq_len=4096)
+        return random_llama(cfg, dtype=dtype, device=device, std=0.5), "tiny random Llama"
+    raise ValueError(f"model: expected one of {', '.join(MODELS)}, got {name!r}")
+
+
+@dataclasses.dataclass
+class ReplaySettings:
+    configs: tuple[str, ...] = ("static", "paged", "kvrm")
+    model: str = "smollm2"
+    trace: str | None = None             # path; None: the shipped synthetic burst
+    kind: str | None = None              # azure | mooncake | sharegpt (default: from the name)
+    time_scale: float = 1.0
+    length_scale: float = 1.0
+    max_requests: int | None = None
+    rate: float = 4.0                    # sharegpt: requests/s
+    arrival: str = "poisson"             # sharegpt: poisson | gamma
+    cv: float = 1.0                      # sharegpt gamma: coefficient of variation
+    window_s: float = 60.0               # azure: densest window
+    budget_gib: float = 0.25             # KV bytes, every configuration
+    max_seqs: int = 16
+    max_context: int = 512
+    window: int = 128
+    page_size: int = 16
+    far_chunk: int = 64
+    far_cap: int = 8
+    max_num_batched_tokens: int = 256
+    long_prefill_tokens: int = 128
+    preemption: str = "newest"
+    prefix_sharing: bool = True
+    graphs: bool | None = None           # default: on CUDA
+    device: str | None = None
+    dtype: str | None = None
+    seed: int = 0
+
+    @classmethod
+    def for_device(cls, dev: torch.device, **kw) -> ReplaySettings:
+        """Defaults at the device's scale: SmolLM2 on a CPU (the first 16 requests, lengths / 8,
+        a 0.135 GiB budget: 6 static rows of 512 tokens; 12 sessions, W 128),
+        a random Llama-3-8B in bf16 on a GPU (full lengths, a 16 GiB budget: 16 static rows of
+        8k tokens; 64 sessions, W 1024)."""
+        if dev.type == "cuda":
+            base = dict(model="llama3-8b", length_scale=1.0, budget_gib=16.0, max_seqs=64,
+                        max_context=8192, window=1024, far_chunk=128, far_cap=16,
+                        max_num_batched_tokens=2048, long_prefill_tokens=512)
+        else:
+            base = dict(model="smollm2", length_scale=0.125, max_requests=16, budget_gib=0.135,
+                        max_seqs=12,
+                        max_context=512, window=128, far_chunk=64, far_cap=8,
+                        max_num_batched_tokens=256, long_prefill_tokens=128)
+        base.update({k: v for k, v in kw.items() if v is not None})
+        return cls(**base)
+
+
+def _requests(s: ReplaySettings, vocab: int, max_seq_len: int) -> list[Request]:
+    rows = load_rows(s.trace, kind=s.kind, window_s=s.window_s, num_requests=s.max_requests or 64,
+                     rate=s.rate, arrival=s.arrival, cv=s.cv, seed=s.seed)
+    return build_requests(rows, vocab, time_scale=s.time_scale, length_scale=s.length_scale,
+                          max_requests=s.max_requests, max_context=max_seq_len, seed=s.seed)
+
+
+def _warmup(engine: Engine, vocab: int, max_context: int) -> None:
+    """Requests through the engine so that the kernels compile before the measured replay (on
+    CUDA: prefill packs of one to eight sequences, token counts with and without a factor of
+    16, a single-token prompt, chunked prompts, each Triton specialization the replay is likely
+    to meet), then a capture of every decode bucket; the engine's records start again after."""
+    long = engine.scheduler.cfg.long_prefill_tokens
+    if engine.runner.device.type == "cuda":
+        lengths = [1, 16, 17, 48, 100, 257, long + 37, 2 * long]
+    else:
+        lengths = [40, 40]
+    lengths = [max(1, min(n, max_context - 8)) for n in lengths]
+    reqs = [Request(-1 - i, 0.0, [(7 * i + j) % vocab for j in range(n)], 4)
+            for i, n in enumerate(lengths)]
+    if engine.runner.device.type == "cuda":
+        reqs += [Request(-20 - i, 1e3, [(3 * i + j) % vocab for j in range(n)], 3)
+                 for i, n in enumerate((33, 64))]
+    engine.replay(reqs)
+    runner = engine.runner
+    if runner.graphs:
+        b, seen = 1, set()
+        while b <= runner.rows:
+            bk = bucket_of(b, runner.rows) if not runner.full_rows else runner.rows
+            if bk not in seen:
+                seen.add(bk)
+                runner._pos.fill_(-1)           # rows that decode nothing: no writes
+                runner._replay(bk)
+            b += 1
+    engine.steps.clear()
+    engine.kv.prefix_hit_tokens = 0
+    runner.buckets_used.clear()
+    engine.warm_captures = runner.captures
+
+
+def run(settings: ReplaySettings, progress: bool = True) -> dict:
+    """Replay ``settings.trace`` through each configuration; returns ``{"settings", "model",
+    "device", "results": {config: metrics}, "steps": {config: [step records]}, "tokens":
+    {config: [outputs]}}``."""
+    for c in settings.configs:
+        if c not in CONFIGS:
+            raise ValueError(f"configs: expected names from {', '.join(CONFIGS)}, got {c!r}")
+    device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, settings.dtype) if settings.dtype else (
+        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model, note = load_model(settings.model, device, dtype)
+    cfg = model.cfg
+    budget = KVBudget(bytes=int(settings.budget_gib * 2**30), max_seqs=settings.max_seqs,
+                      max_context=min(settings.max_context, cfg.max_seq_len),
+                      window=settings.window, page_size=settings.page_size,
+                      far_chunk=settings.far_chunk, far_cap=settings.far_cap)
+    sched = SchedulerConfig(settings.max_num_batched_tokens, settings.max_seqs,
+                            settings.long_prefill_tokens, settings.preemption)
+    out = {"settings": dataclasses.asdict(settings), "model": note, "device": str(device),
+           "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "dtype": str(dtype).replace("torch.", ""), "results": {}, "steps": {}, "tokens": {},
+           "arrivals": []}
+    for name in settings.configs:
+        kv = make_kv(name, budget, cfg, dtype, device, prefix_sharing=settings.prefix_sharing)
+        engine = Engine(model, kv, decode_kind(name), sched, graphs=settings.graphs)
+        _warmup(engine, cfg.vocab_size, budget.max_context)
+        reqs = _requests(settings, cfg.vocab_size, cfg.max_seq_len)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=sum(r.output_len for r in reqs), desc=f"{name:12s}", unit="tok",
+                       leave=False)
+        t0 = time.perf_counter()
+        res = engine.replay(reqs, progress=bar)
+        if bar is not None:
+            bar.close()
+        res["wall_s"] = time.perf_counter() - t0
+        res["config"] = name
+        res["kv_slots"] = kv.max_sessions
+        res["kv_pages"] = kv.total_pages if kv.kind == "paged" else None
+        res["warmup_captures"] = engine.warm_captures
+        res["recaptures"] = engine.runner.captures - engine.warm_captures
+        res["errors"] = sorted({r.error for r in reqs if r.status is Status.REFUSED})[:3]
+        print(f"{name}: {res['finished']}/{len(reqs)} done, {res['output_tok_s']:.1f} out tok/s, "
+              f"TTFT p99 {res['ttft_ms']['p99']:.1f} ms, TPOT p50/p99 "
+              f"{res['tpot_ms']['median']:.2f}/{res['tpot_ms']['p99']:.2f} ms, reserved "
+              f"{res['reserved_gib_mean']:.3f} GiB, {res['wall_s']:.1f} s", flush=True)
+        out["results"][name] = res
+        out["steps"][name] = steps_as_dict(engine.steps)
+        out["tokens"][name] = [r.output for r in reqs]
+        out["arrivals"] = [r.arrival for r in reqs]
+        out.setdefault("requests", {})[name] = [
+            {"rid": r.rid, "arrival": r.arrival, "prompt": len(r.prompt), "output": len(r.output),
+             "ttft": r.token_times[0] - r.arrival if r.token_times else None,
+             "tpot": ((r.token_times[-1] - r.token_times[0]) / (len(r.output) - 1)
+                      if len(r.output) > 1 else None),
+             "preemptions": r.preemptions, "prefix_hit": r.prefix_hit,
+             "status": r.status.value} for r in reqs]
+        del engine, kv
+        if device.type == "cuda":                  # the next configuration gets the memory
+            gc.collect()
+            torch.cuda.empty_cache()
+    return out
+
+
+def write(result: dict, out_dir: str | Path, figures: bool = True) -> str:
+    """``replay.json``, ``replay.md`` and (with matplotlib) ``timeline.png``, ``cdf.png`` in
+    ``out_dir``; returns the Markdown table."""
+    from kvops.engine.report import markdown, plot
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "replay.json").write_text(json.dumps(result, indent=1, default=str))
+    table = markdown(result)
+    (out_dir / "replay.md").write_text(table + "\n")
+    if figures:
+        try:
+            plot(result, out_dir)
+        except ImportError as exc:
+            print(f"(figures skipped: {exc}; pip install matplotlib)")
+    return table

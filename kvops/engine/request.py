@@ -1,0 +1,93 @@
+"""A request and its lifecycle: what the scheduler, the KV manager and the metrics read.
+
+A request carries its prompt tokens, the number of tokens to generate and, from Mooncake
+traces, one ``hash_id`` per 512-token block of its prompt (equal ids are an equal prefix).
+``num_computed`` counts the tokens whose K/V is in the cache; each step the scheduler gives a
+request ``n`` tokens starting there, and when those reach the end of ``prompt + output`` the
+step's logits give the next token. Decode is the case ``n = 1``; preemption by recompute sets
+``num_computed`` back to 0, so the next prefill runs over the prompt and the tokens generated
+so far, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+HASH_BLOCK = 512
+"""Tokens per Mooncake ``hash_id`` block."""
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    REFUSED = "refused"
+
+
+@dataclass(eq=False)
+class Request:
+    """One request. ``arrival`` in seconds from the start of the replay; ``output_len`` is the
+    number of tokens to generate (replay forces it and ignores EOS); with ``ignore_eos=False``
+    generation also stops after ``eos_id``."""
+
+    rid: int
+    arrival: float
+    prompt: list[int]
+    output_len: int
+    hash_ids: tuple[int, ...] = ()
+    hash_block: int = HASH_BLOCK         # prompt tokens per hash id (scaled with the lengths)
+    ignore_eos: bool = True
+    eos_id: int | None = None
+    # state
+    status: Status = Status.WAITING
+    output: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    prefix_hit: int = 0                  # tokens aliased from another session at admission
+    preemptions: int = 0
+    error: str | None = None
+    token_times: list[float] = field(default_factory=list)   # wall time of each output token
+    finish_time: float | None = None
+
+    def __post_init__(self):
+        if not self.prompt:
+            raise ValueError(f"request {self.rid}: prompt: expected at least one token, got 0")
+        if self.output_len < 1:
+            raise ValueError(f"request {self.rid}: output_len: expected >= 1, got {self.output_len}")
+
+    @property
+    def key(self) -> str:
+        """The request's pager session key (a new one after each preemption, since the pager
+        takes a key again only in a later frame)."""
+        return f"r{self.rid}.{self.preemptions}"
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def max_tokens(self) -> int:
+        """Context the request reaches at most: prompt plus every output token but the last
+        (the last token is sampled, never fed back)."""
+        return len(self.prompt) + self.output_len - 1
+
+    def token(self, i: int) -> int:
+        n = len(self.prompt)
+        return self.prompt[i] if i < n else self.output[i - n]
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        return (self.prompt + self.output)[start:stop]
+
+    @property
+    def done(self) -> bool:
+        if len(self.output) >= self.output_len:
+            return True
+        return (not self.ignore_eos and self.eos_id is not None and bool(self.output)
+                and self.output[-1] == self.eos_id)
+
+    def reset_for_recompute(self) -> None:
+        """Preemption by recompute: the cache is dropped, the tokens stay."""
+        self.num_computed = 0
+        self.prefix_hit = 0
+        self.preemptions += 1
+        self.status = Status.WAITING

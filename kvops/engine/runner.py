@@ -1,0 +1,221 @@
+"""The model runner: one engine step's forwards through kvops ops on the KV manager's tables.
+
+A step runs, in order:
+
+1. the transport's copy trains into the window arenas (``paged_gather_merged``, one call a
+   layer) when the configuration has arenas;
+2. the prefill chunks, packed: K/V written into the pool with ``paged_kv_write`` (and into the
+   arena ring for tokens inside the window, write-through), attention with
+   ``paged_prefill_attention`` over each request's block table;
+3. the far view's summaries of chunks this commit made far (``kvrm``);
+4. the decode tokens, one row per KV slot up to a batch bucket (1, 2, 4, 8, then multiples of
+   8, and of 16 above 64; ``kvrm`` always all rows, since the far view's tables are per slot),
+   with the configuration's decode attention: ``elastic_attention`` over block tables
+   (``paged``), ``static_sliding_attention`` over the worst-case arena (``static``) or over the
+   window arena (``pager``, ``pager+merge``, ``kvrm``, with the far slots). On CUDA each bucket's
+   decode step is captured once in a CUDA graph and replayed; captures are counted.
+
+Rows of the decode batch that decode nothing this step (free slots, slots in prefill) have
+position ``-1``: they write nothing and their logits are not read.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvops.layouts import arena_as_pages
+from kvops.models.paged import forward_packed, logits
+
+
+def bucket_of(rows: int, max_rows: int) -> int:
+    """The decode batch bucket for ``rows``: 1, 2, 4, 8, then multiples of 8 up to 64 and of
+    16 beyond, at most ``max_rows``."""
+    if rows <= 8:
+        b = 1 << max(rows - 1, 0).bit_length()
+    elif rows <= 64:
+        b = -(-rows // 8) * 8
+    else:
+        b = -(-rows // 16) * 16
+    return min(b, max_rows)
+
+
+class ModelRunner:
+    """Runs steps of ``model`` on ``kv`` with decode attention ``decode`` (``paged``,
+    ``static`` or ``arena``); ``graphs`` captures decode buckets (CUDA only)."""
+
+    def __init__(self, model, kv, decode: str, *, graphs: bool | None = None):
+        if decode not in ("paged", "static", "arena"):
+            raise ValueError(f"decode: expected 'paged', 'static' or 'arena', got {decode!r}")
+        self.model, self.kv, self.decode = model, kv, decode
+        self.device = kv.k_pool.device
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        if self.graphs and self.device.type != "cuda":
+            raise ValueError("graphs: CUDA graphs need a CUDA device")
+        self.S = kv.S
+        self.rows = kv.max_sessions
+        self.full_rows = kv.far is not None
+        self.write_arena = kv.transport is not None
+        if self.write_arena:
+            S = self.S
+            self.k_arena_pages = [arena_as_pages(kv.k_arena[i], S) for i in range(kv.layers)]
+            self.v_arena_pages = [arena_as_pages(kv.v_arena[i], S) for i in range(kv.layers)]
+        dev, B = self.device, self.rows
+        self._tok = torch.zeros(B, dtype=torch.int64, device=dev)
+        self._pos = torch.zeros(B, dtype=torch.int64, device=dev)
+        self._rows = torch.arange(B, dtype=torch.int64, device=dev)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        self.captures = 0
+        self.buckets_used: set[int] = set()
+
+    # -- slot arithmetic --------------------------------------------------------------------------
+    def _slots(self, req, start: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Positions, pool slots and arena slots (``-1``: outside the window) of ``n`` tokens
+        from ``start``."""
+        S = self.S
+        pos = np.arange(start, start + n)
+        pages = np.asarray(self.kv.pages(req), dtype=np.int64)
+        pool = pages[pos // S] * S + pos % S
+        if not self.write_arena:
+            return pos, pool, pool
+        W = self.kv.window
+        first_block = max(-(-(start + n) // S) - W // S, 0)
+        arena = np.where(pos // S >= first_block, self.kv.slot(req) * W + pos % W, -1)
+        return pos, pool, arena
+
+    # -- the step ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def run(self, items: list) -> dict:
+        """Compute ``items`` ``(request, start, n)``; returns ``{request: next token}`` for
+        the requests whose tokens reach the end of what they have."""
+        kv = self.kv
+        if kv.transport is not None:
+            t = kv.tables()
+            for i in range(kv.layers):
+                torch.ops.kvops.paged_gather_merged(
+                    kv.k_pool[i], kv.v_pool[i], t["trains"], t["num_trains"],
+                    self.k_arena_pages[i], self.v_arena_pages[i])
+        prefill = [it for it in items if it[2] > 1]
+        decode = [it for it in items if it[2] == 1]
+        out = self._prefill(prefill) if prefill else {}
+        if kv.far is not None:
+            for i in range(kv.layers):
+                kv.far.absorb(i, kv.k_pool[i], kv.v_pool[i])
+        if decode:
+            out.update(self._decode(decode))
+        if kv.far is not None:
+            kv.far.pull_scores()
+        return out
+
+    def _prefill(self, items: list) -> dict:
+        kv, dev = self.kv, self.device
+        toks, poss, pools, arenas, qs, lens, slots = [], [], [], [], [0], [], []
+        for req, start, n in items:
+            pos, pool, arena = self._slots(req, start, n)
+            toks.append(req.tokens(start, start + n))
+            poss.append(pos)
+            pools.append(pool)
+            arenas.append(arena)
+            qs.append(qs[-1] + n)
+            lens.append(start + n)
+            slots.append(kv.slot(req))
+        tokens = torch.tensor(np.concatenate(toks), dtype=torch.int64, device=dev)
+        positions = torch.from_numpy(np.concatenate(poss)).to(dev)
+        pool_map = torch.from_numpy(np.concatenate(pools)).to(dev)
+        arena_map = torch.from_numpy(np.concatenate(arenas)).to(dev)
+        t = kv.tables()
+        bt = t["block_table"].index_select(0, torch.tensor(slots, device=dev))
+        q_start = torch.tensor(qs, dtype=torch.int32, device=dev)
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+
+        def attend(i, q, k, v):
+            torch.ops.kvops.paged_kv_write(k, v, kv.k_pool[i], kv.v_pool[i], pool_map)
+            if self.write_arena:
+                torch.ops.kvops.paged_kv_write(k, v, self.k_arena_pages[i], self.v_arena_pages[i],
+                                               arena_map)
+            o, _ = torch.ops.kvops.paged_prefill_attention(q, kv.k_pool[i], kv.v_pool[i], bt,
+                                                            q_start, seq_lens)
+            return o
+
+        hidden = forward_packed(self.model, tokens, positions, attend)
+        last = [qs[j + 1] - 1 for j, (req, start, n) in enumerate(items)
+                if start + n == req.num_tokens]
+        done = [it[0] for it in items if it[1] + it[2] == it[0].num_tokens]
+        if not done:
+            return {}
+        nxt = logits(self.model, hidden[torch.tensor(last, device=dev)]).argmax(-1).tolist()
+        return dict(zip(done, nxt))
+
+    def _decode_forward(self, bk: int) -> torch.Tensor:
+        """The fixed-shape decode step over rows ``[0, bk)`` (row = KV slot): next tokens.
+        Inputs are the token and position buffers (position ``-1``: the row decodes nothing);
+        the pool and arena slots come from the device block table, so the host fills two
+        small buffers a step."""
+        kv, S = self.kv, self.S
+        t = kv.tables()
+        pos_in = self._pos[:bk]
+        valid = pos_in >= 0
+        pos = pos_in.clamp(min=0)
+        page = t["block_table"][:bk].gather(1, (pos // S)[:, None].to(torch.int64))[:, 0]
+        none = torch.full_like(pos, -1)
+        slot_map = torch.where(valid & (page >= 0), page.to(torch.int64) * S + pos % S, none)
+        if self.write_arena:
+            W = kv.window
+            arena_map = torch.where(valid, self._rows[:bk] * W + pos % W, none)
+
+        def attend(i, q, k, v):
+            torch.ops.kvops.paged_kv_write(k, v, kv.k_pool[i], kv.v_pool[i], slot_map)
+            if self.write_arena:
+                torch.ops.kvops.paged_kv_write(k, v, self.k_arena_pages[i], self.v_arena_pages[i],
+                                               arena_map)
+            if self.decode == "paged":
+                o, _ = torch.ops.kvops.elastic_attention(
+                    q, kv.k_pool[i], kv.v_pool[i], t["block_table"][:bk], t["seq_lens"][:bk])
+                return o
+            ka, va = kv.k_arena[i][:bk], kv.v_arena[i][:bk]
+            ws, wl = t["win_start"][:bk], t["win_len"][:bk]
+            if kv.far is None:
+                o, _ = torch.ops.kvops.static_sliding_attention(q, ka, va, ws, wl)
+                return o
+            fk, fv, fb = kv.far.view(i)
+            o, lse = torch.ops.kvops.static_sliding_attention(q, ka, va, ws, wl, fk, fv, fb)
+            kv.far.observe(i, q, fk, fb, lse)
+            return o
+
+        hidden = forward_packed(self.model, self._tok[:bk], pos, attend)
+        return logits(self.model, hidden).argmax(-1)
+
+    def _decode(self, items: list) -> dict:
+        kv = self.kv
+        slots = [kv.slot(req) for req, _, _ in items]
+        bk = self.rows if self.full_rows else bucket_of(max(slots) + 1, self.rows)
+        self.buckets_used.add(bk)
+        host = np.zeros((2, bk), dtype=np.int64)
+        host[1] = -1
+        host[0, slots] = [req.token(start) for req, start, _ in items]
+        host[1, slots] = [start for _, start, _ in items]
+        dev = torch.from_numpy(host).to(self.device)
+        self._tok[:bk].copy_(dev[0])
+        self._pos[:bk].copy_(dev[1])
+        nxt = self._replay(bk) if self.graphs else self._decode_forward(bk)
+        nxt = nxt.tolist()
+        return {req: nxt[s] for (req, _, _), s in zip(items, slots)}
+
+    def _replay(self, bk: int) -> torch.Tensor:
+        entry = self._graphs.get(bk)
+        if entry is None:
+            s = torch.cuda.Stream(self.device)
+            s.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(s):                 # warm-up: Triton compiles, allocator
+                self._decode_forward(bk)
+            torch.cuda.current_stream(self.device).wait_stream(s)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self._pool):
+                out = self._decode_forward(bk)
+            entry = self._graphs[bk] = (g, out)
+            self.captures += 1
+        entry[0].replay()
+        return entry[1]

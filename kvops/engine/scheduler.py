@@ -1,0 +1,144 @@
+"""Continuous batching under a per-step token budget with chunked prefill (vLLM's policy).
+
+Each step: running requests first, in order (a decode takes one token, an unfinished prefill
+its next chunk), then waiting requests in arrival order while budget, slots and free pages
+last; no chunk is longer than ``long_prefill_tokens``. A running request whose growth finds too
+few free pages first ends cached prefixes, then preempts by the policy (recompute: its cache
+is dropped and it goes back to the head of the queue), and waits a step for the pages, which
+the pager returns at the commit; no waiting request is admitted in such a step. Admission
+stops at the first waiting request that does not fit (no overtaking). A request whose
+context can never fit is refused when it arrives.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvops.engine.request import Request, Status
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 512   # tokens a step computes (prefill chunks + decodes)
+    max_num_seqs: int = 64              # running requests at most
+    long_prefill_tokens: int = 256      # the longest prefill chunk one request takes a step
+    preemption: str = "newest"          # a name in PREEMPTION_POLICIES
+
+
+PREEMPTION_POLICIES: dict[str, Callable[[list[Request]], Request]] = {
+    # vLLM: the lowest-priority running request, the one admitted last
+    "newest": lambda candidates: candidates[-1],
+    # the one holding the most KV (frees the most pages)
+    "longest": lambda candidates: max(candidates, key=lambda r: r.num_computed),
+}
+
+
+@dataclass
+class StepPlan:
+    admits: list[tuple[Request, str | None, int, int]] = field(default_factory=list)
+    grows: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    def items(self) -> list[tuple[Request, int, int]]:
+        """``(request, first position, tokens)`` for every request the step computes."""
+        return ([(r, hit, n) for r, _, hit, n in self.admits]
+                + [(r, r.num_computed, n) for r, n in self.grows])
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, kv):
+        if cfg.preemption not in PREEMPTION_POLICIES:
+            raise ValueError(f"preemption: expected one of {sorted(PREEMPTION_POLICIES)}, got "
+                             f"{cfg.preemption!r}")
+        if min(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.long_prefill_tokens) < 1:
+            raise ValueError(f"scheduler: token budget, max_num_seqs and long_prefill_tokens "
+                             f"must be >= 1, got {cfg}")
+        self.cfg, self.kv = cfg, kv
+        self.policy = PREEMPTION_POLICIES[cfg.preemption]
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.refused: list[Request] = []
+        self.preemptions = 0
+
+    def add(self, req: Request) -> None:
+        reason = self.kv.refuse_reason(req)
+        if reason:
+            req.status, req.error = Status.REFUSED, reason
+            self.refused.append(req)
+        else:
+            self.waiting.append(req)
+
+    def _preempt(self, req: Request) -> int:
+        freed = self.kv.pages_of(req)
+        self.running.remove(req)
+        self.kv.end(req)
+        req.reset_for_recompute()
+        self.waiting.appendleft(req)
+        self.preemptions += 1
+        return freed
+
+    def schedule(self) -> StepPlan:
+        cfg, kv, plan = self.cfg, self.kv, StepPlan()
+        budget, free, coming = cfg.max_num_batched_tokens, kv.free_pages(), 0
+        starved = False                            # a running request waits for pages
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed, budget, cfg.long_prefill_tokens)
+            need = kv.pages_for(req, n)
+            if need <= free:
+                free -= need
+                budget -= n
+                plan.grows.append((req, n))
+                i += 1
+                continue
+            while need > free + coming:            # make room for the next step
+                got = kv.evict_cached()
+                if got is not None:
+                    coming += got
+                    continue
+                later = self.running[i + 1:]
+                if not later:
+                    break
+                victim = self.policy(later)
+                coming += self._preempt(victim)
+                plan.preempted.append(victim)
+            starved = True
+            if need > free + coming:               # nothing left to free but itself
+                self._preempt(req)
+                plan.preempted.append(req)
+                continue
+            i += 1                                 # runs once the pages are back
+        slots = kv.free_slots()
+        while (self.waiting and not starved and budget > 0
+               and len(self.running) < cfg.max_num_seqs):
+            req = self.waiting[0]
+            if slots < 1:
+                kv.evict_cached()
+                break
+            src, hit = kv.prefix_lookup(req)
+            n = min(req.num_tokens - hit, budget, cfg.long_prefill_tokens)
+            need = kv.pages_for(req, n, hit)
+            if need > free:
+                while need > free + coming:
+                    got = kv.evict_cached()
+                    if got is None:
+                        break
+                    coming += got
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            req.num_computed = hit
+            req.prefix_hit = hit
+            free -= need
+            budget -= n
+            slots -= 1
+            self.running.append(req)
+            plan.admits.append((req, src, hit, n))
+        return plan
+
+    def finish(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.end(req, keep_prefix=True)

