@@ -73,12 +73,50 @@ def parse_config(name: str) -> tuple[str, int, bool, int]:
     sink = max(sink, 0)
     if base in ("dense", "near"):
         return base, 0, False, sink
+    if base.startswith("ret") and not plus:
+        top, _, suffix = base[3:].partition("-")
+        if top.isdigit() and int(top) > 0 and (suffix == "" or suffix.startswith("every")
+                                               and suffix[5:].isdigit() and int(suffix[5:]) > 0):
+            return "ret", int(top), False, 0
     if base.startswith("far"):
         cap, _, suffix = base[3:].partition("-")
         if cap.isdigit() and suffix in ("", "nobias"):
             return "far", int(cap), suffix == "", sink
     raise ValueError(f"config: expected dense, near, sink<n>, far<cap> or far<cap>-nobias "
-                     f"(+sink<n>), got {name!r}")
+                     f"(+sink<n>), ret<K> or ret<K>-every<N>, got {name!r}")
+
+
+def retrieval_every(name: str) -> int:
+    """``ret<K>-every<N>`` -> N (selection every N positions); 1 for any other config."""
+    _, _, suffix = name.partition("-every")
+    return int(suffix) if name.startswith("ret") and suffix else 1
+
+
+def page_bounds(k):
+    """Per-channel key min and max of every complete page of ``k [T, Hkv, D]`` through
+    ``torch.ops.kvops.far_page_summarize``: ``[1, T // PAGE, Hkv, D]`` each."""
+    T, Hkv, D = k.shape
+    n = T // PAGE
+    pages = torch.arange(n, dtype=torch.int32, device=k.device).view(1, n)
+    return torch.ops.kvops.far_page_summarize(k[: n * PAGE].reshape(n, PAGE, Hkv, D), pages)
+
+
+def retrieval_pages(q, bounds, t, n_pages, top_k: int, every: int = 1):
+    """Far pages each query position ``t`` attends to under the retrieval far view: the
+    ``top_k`` pages of highest key-bound score (``torch.ops.kvops.far_page_select``) among its
+    far pages ``[0, n_pages[t])``, chosen with the query of position ``t - t % every`` (and its
+    far pages: selection every ``every`` steps). ``q`` holds the queries of positions ``t``
+    (``t - t % every`` must be among them). Returns a bool mask ``[len(t), pages]``."""
+    lo, hi = bounds
+    N = lo.shape[1]
+    at = t - t % every
+    row = torch.searchsorted(t, at)
+    qs, nf = q[row], n_pages[at].to(torch.int32)
+    idx, _ = torch.ops.kvops.far_page_select(qs, lo.expand(len(t), -1, -1, -1),
+                                             hi.expand(len(t), -1, -1, -1), nf, min(top_k, N))
+    sel = torch.zeros(len(t), N + 1, dtype=torch.bool, device=q.device)
+    sel.scatter_(1, torch.where(idx >= 0, idx, N).long(), True)
+    return sel[:, :N]
 
 
 def window_geometry(T: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -93,13 +131,19 @@ def window_geometry(T: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 
 @torch.no_grad()
-def attention_far(q, k, v, mode: str, cap: int, bias: bool, q_block: int = 256):
+def attention_far(q, k, v, mode: str, cap: int, bias: bool, q_block: int = 256, every: int = 1):
     """One layer's attention for every position: q [T, Hq, D], k, v [T, Hkv, D] -> [T, Hq, D]."""
     T, Hkv, D = k.shape
     win_start, win_len, n_far = window_geometry(T, q.device)
     pad = q.new_zeros(WINDOW, Hkv, D)
     kp, vp = torch.cat([pad, k]), torch.cat([pad, v])
     far = None
+    if mode == "ret":
+        bounds = page_bounds(k)
+        n_pages = (torch.arange(T, device=q.device) - win_len + 1) // PAGE
+        N = bounds[0].shape[1]
+        kpg = k[: N * PAGE].reshape(N, PAGE, Hkv, D)
+        vpg = v[: N * PAGE].reshape(N, PAGE, Hkv, D)
     if mode == "far" and T >= CHUNK:
         far = (*far_summaries(k, v), math.log(CHUNK) if bias else 0.0)
     out = torch.empty_like(q)
@@ -110,7 +154,18 @@ def attention_far(q, k, v, mode: str, cap: int, bias: bool, q_block: int = 256):
         vw = vp.as_strided((n, WINDOW, Hkv, D), (row, row, D, 1), (t0 + 1) * row)
         ws, wl = win_start[t0:t0 + n], win_len[t0:t0 + n]
         args = ()
-        if mode == "far":
+        if mode == "ret" and N:
+            t = torch.arange(t0 - t0 % every, t0 + n, device=q.device)
+            sel = retrieval_pages(q[t], bounds, t, n_pages, cap, every)[-n:]     # [n, N]
+            K = min(cap, N)
+            idx = torch.where(sel, torch.arange(N, device=q.device), N).sort(dim=1).values[:, :K]
+            live = idx < N
+            rows = idx.clamp(max=N - 1).flatten()
+            fk = kpg[rows].view(n, K * PAGE, Hkv, D)
+            fv = vpg[rows].view(n, K * PAGE, Hkv, D)
+            fb = torch.where(live, 0.0, float("-inf")).repeat_interleave(PAGE, dim=1)
+            args = (fk, fv, fb.to(torch.float32))
+        elif mode == "far":
             slot = torch.arange(cap, device=q.device)
             live = slot[None, :] < n_far[t0:t0 + n, None]                 # [n, cap]
             if far is None:
@@ -138,14 +193,17 @@ def far_summaries(k, v):
 
 @torch.no_grad()
 def attention_banded(q, k, v, mode: str, cap: int, bias: bool, sink: int = 0, q_block: int = 256,
-                     q0: int = 0):
+                     q0: int = 0, every: int = 1):
     """The same attention as :func:`attention_far` in one SDPA call per block of queries: the
     block's keys are the contiguous band ``[t0 - W, t0 + n)`` (no per-query copies) plus the
     far summaries, with a mask (window bounds, far chunk counts) carrying the far bias. This is
     what the evaluation runs; :func:`check_paths` compares it with the kvops-op path at start.
     ``sink`` (diagnostic) adds the first ``sink`` tokens exact where the window lacks them.
     ``mode="dense"``: causal attention over every earlier key. ``q0``: ``q`` holds only the
-    queries of positions ``[q0, T)`` (``k, v`` all ``T``); the output is theirs."""
+    queries of positions ``[q0, T)`` (``k, v`` all ``T``); the output is theirs.
+    ``mode="ret"``: the window plus the exact tokens of the ``cap`` far pages
+    :func:`retrieval_pages` picks for each query (bias 0); with ``every > 1``, ``q0`` must be
+    a multiple of ``every``."""
     T = k.shape[0]
     win_start, win_len, n_far = window_geometry(T, q.device)
     first = torch.arange(T, device=q.device) - win_len + 1                  # first visible key
@@ -155,13 +213,23 @@ def attention_banded(q, k, v, mode: str, cap: int, bias: bool, sink: int = 0, q_
         raise ValueError(f"far{cap}: {int(n_far.max())} far chunks at T={T} exceed the cap; "
                          f"the block-parallel evaluation needs every chunk to fit")
     far = far_summaries(k, v) if mode == "far" and T >= CHUNK else None
+    if mode == "ret":
+        if q0 % every:
+            raise ValueError(f"attention_banded: q0={q0} is not a multiple of every={every}")
+        bounds = page_bounds(k)
+        n_pages = first // PAGE
+        q_block = max(every, q_block - q_block % every)
     out = torch.empty_like(q)
     for t0 in range(q0, T, q_block):
         n = min(q_block, T - t0)
-        lo = 0 if mode == "dense" else max(0, t0 - WINDOW)
+        lo = 0 if mode in ("dense", "ret") else max(0, t0 - WINDOW)
         keys = torch.arange(lo, t0 + n, device=q.device)
         t = torch.arange(t0, t0 + n, device=q.device)
         mask = (keys[None, :] >= first[t, None]) & (keys[None, :] <= t[:, None])
+        if mode == "ret" and bounds[0].shape[1]:
+            sel = retrieval_pages(q[t0 - q0:t0 - q0 + n], bounds, t, n_pages, cap, every)
+            tok = sel.repeat_interleave(PAGE, dim=1)                     # [n, pages * PAGE]
+            mask[:, : tok.shape[1]] |= tok[:, : mask.shape[1]]
         bias_ = torch.where(mask, 0.0, float("-inf"))
         kb, vb = k[lo:t0 + n], v[lo:t0 + n]
         if sink:                            # the first `sink` tokens, where not in the window
@@ -188,7 +256,9 @@ def attention_dense(q, k, v, q0: int = 0):
     ``k, v [T, Hkv, D]``: the keys before ``q0`` unmasked and the keys from ``q0`` causal, two
     calls of PyTorch's CPU flash kernel merged by their log-sum-exp. The same attention as
     ``attention_banded(..., "dense", q0=q0)``, several times faster on the CPU (a masked SDPA
-    materializes every score)."""
+    materializes every score). On CUDA it is the banded path's dense mode."""
+    if q.device.type != "cpu":
+        return attention_banded(q, k, v, "dense", 0, False, q0=q0)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     g = q.shape[1] // k.shape[1]
     qh = q.transpose(0, 1)[None]
@@ -214,9 +284,13 @@ def check_paths(model: Llama, ids: torch.Tensor, configs: list[str]) -> float:
         mode, cap, bias, _ = parse_config(c)
         if mode == "dense":
             continue
-        cap = max(cap, chunks)            # a --sequential cap may be smaller; check the paths
-        a = attention_banded(q, k, v, mode, cap, bias)
-        b = attention_far(q, k, v, mode, cap, bias)
+        every = retrieval_every(c)
+        if mode == "ret":                 # fewer pages than are far, so the selection binds
+            cap = min(cap, 8)
+        else:
+            cap = max(cap, chunks)        # a --sequential cap may be smaller; check the paths
+        a = attention_banded(q, k, v, mode, cap, bias, every=every)
+        b = attention_far(q, k, v, mode, cap, bias, q_block=64, every=every)
         worst = max(worst, (a - b).abs().max().item())
     return worst
 
@@ -233,7 +307,8 @@ def hidden_states(model: Llama, ids: torch.Tensor, config: str) -> torch.Tensor:
     for block in model.layers:
         att = block.attention
         q, k, v = att._qkv(block.attention_norm(x), cos, sin)
-        x = x + att.wo(attention_banded(q, k, v, mode, cap, bias, sink).flatten(-2))
+        o = attention_banded(q, k, v, mode, cap, bias, sink, every=retrieval_every(config))
+        x = x + att.wo(o.flatten(-2))
         x = x + block.feed_forward(block.ffn_norm(x))
     return model.norm(x)
 
@@ -261,7 +336,8 @@ def hidden_states_from(model: Llama, ids: torch.Tensor, config: str, start: int 
         if mode == "dense":
             o = attention_dense(q, k, v, start)
         else:
-            o = attention_banded(q, k, v, mode, cap, bias, sink, q0=start)
+            o = attention_banded(q, k, v, mode, cap, bias, sink, q0=start,
+                                 every=retrieval_every(config))
         x = x + att.wo(o.flatten(-2))
         x = x + block.feed_forward(block.ffn_norm(x))
     return model.norm(x), kvs
@@ -384,13 +460,14 @@ def passkey_hits(model, tok, n_tokens, configs, prompts, seed=0) -> tuple[dict, 
         cache, base, hits[c] = None, None, []
         for i in order:
             depth, prompt, answer = cases[i]
-            ids = torch.tensor(prompt + answer)
+            ids = torch.tensor(prompt + answer, device=model.rope_cos.device)
             n = len(answer)
             start = 0
             if cache is not None:
                 m = min(len(base), len(ids) - n - 1)
                 same = (base[:m] == ids[:m]).tolist()
                 start = same.index(False) if False in same else m
+                start -= start % retrieval_every(c)   # a selection step's query is recomputed
             hidden, kvs = hidden_states_from(model, ids, c, start, cache)
             if cache is None:
                 cache, base = kvs, ids
@@ -407,6 +484,78 @@ def passkey_hits(model, tok, n_tokens, configs, prompts, seed=0) -> tuple[dict, 
     return hits, seconds, alias
 
 
+COLORS = ["red", "blue", "green", "gold", "silver", "black", "white", "pink"]
+
+
+def multikey_prompt(tok: Tokenizer, n_tokens: int, depths: list[float], keys: list[str],
+                    ask: int) -> tuple[list[int], list[int]]:
+    """(prompt ids, answer ids) of about ``n_tokens`` tokens: one key sentence per key, the
+    ``i``-th named ``COLORS[i]`` and placed after ``depths[i]`` of the filler, then the question
+    for key ``ask`` (chat format)."""
+    head = tok.encode(tok.chat_prompt(INTRO).split(INTRO)[0] + INTRO)
+    needles = [tok.encode(f"The {COLORS[i]} pass key is {key}. Remember it. {key} is the "
+                          f"{COLORS[i]} pass key.\n") for i, key in enumerate(keys)]
+    tail = tok.encode(f"\nWhat is the {COLORS[ask]} pass key?<|im_end|>\n<|im_start|>assistant\n"
+                      f"The {COLORS[ask]} pass key is")
+    filler = tok.encode(FILLER)
+    answer = tok.encode(" " + keys[ask])
+    used = len(head) + sum(map(len, needles)) + len(tail) + len(answer)
+    reps = max(1, (n_tokens - used) // len(filler))
+    body, at = [], 0
+    for d, needle in sorted(zip(depths, needles), key=lambda p: p[0]):
+        upto = round(d * reps)
+        body += filler * (upto - at) + needle
+        at = upto
+    body += filler * (reps - at)
+    return head + body + tail, answer
+
+
+def multikey_cases(tok: Tokenizer, n_tokens: int, trials: int, needles: int, seed: int = 0):
+    """Per trial, ``needles`` keys at stratified random depths (key ``i`` in the ``i``-th of
+    ``needles`` equal bands of the filler), each asked for once: a list of (trial, key index,
+    depth, prompt ids, answer ids), a trial's questions together (they share the context)."""
+    if not 1 <= needles <= len(COLORS):
+        raise ValueError(f"needles: expected 1..{len(COLORS)}, got {needles}")
+    rng = random.Random(seed)
+    cases = []
+    for r in range(trials):
+        depths = [(i + rng.random()) / needles for i in range(needles)]
+        keys = [str(rng.randint(10000, 99999)) for _ in range(needles)]
+        for i in range(needles):
+            cases.append((r, i, depths[i], *multikey_prompt(tok, n_tokens, depths, keys, i)))
+    return cases
+
+
+def multikey_hits(model, tok, n_tokens, configs, trials, needles, seed=0) -> tuple[dict, dict]:
+    """Per config: the (trial, key) pairs answered (every digit the argmax, as for passkey)
+    and the seconds it took. Each question reuses the K/V of the previous one's common prefix
+    (a trial's questions share the whole context; trials share the filler before their first
+    key)."""
+    cases = multikey_cases(tok, n_tokens, trials, needles, seed)
+    hits, seconds = {}, {}
+    for c in configs:
+        t = time.perf_counter()
+        cache, base, hits[c] = None, None, []
+        for r, i, depth, prompt, answer in cases:
+            ids = torch.tensor(prompt + answer, device=model.rope_cos.device)
+            n, start = len(answer), 0
+            if cache is not None:
+                m = min(len(base), len(ids) - n - 1)
+                same = (base[:m] == ids[:m]).tolist()
+                start = same.index(False) if False in same else m
+                start -= start % retrieval_every(c)
+            hidden, cache = hidden_states_from(model, ids, c, start, cache)
+            base = ids
+            got = model.output(hidden[-n - 1:-1]).argmax(-1).tolist()
+            if got == answer:
+                hits[c].append((r, i))
+            print(f"{c} trial {r} key {i} depth {depth:.2f} from {start}/{len(ids)}: "
+                  f"{'hit' if got == answer else 'miss'} (total {len(hits[c])}, "
+                  f"{time.perf_counter() - t:.0f} s)", flush=True)
+        seconds[c] = time.perf_counter() - t
+    return hits, seconds
+
+
 def depth_ranges(indices: list[int], prompts: int) -> str:
     """Retrieved prompt indices as depth ranges: ``"0.00-0.12, 0.86-1.00"``."""
     runs = []
@@ -419,32 +568,41 @@ def depth_ranges(indices: list[int], prompts: int) -> str:
     return ", ".join(d(a) if a == b else f"{d(a)}-{d(b)}" for a, b in runs) or "none"
 
 
+def device_name(device: str) -> str:
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(torch.device(device))
+    return "CPU"
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--task", choices=["perplexity", "passkey"], default="perplexity")
+    ap.add_argument("--task", choices=["perplexity", "passkey", "multikey"], default="perplexity")
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192])
     ap.add_argument("--configs", nargs="+",
                     default=["dense", "near", "far64", "far64-nobias", "far128", "far128-nobias"])
-    ap.add_argument("--prompts", type=int, default=50)
+    ap.add_argument("--prompts", type=int, default=50,
+                    help="passkey prompts per length; multikey: trials per length")
+    ap.add_argument("--needles", type=int, default=4, help="multikey: keys per context")
     ap.add_argument("--sequential", action="store_true",
                     help="perplexity of far configs by token-by-token decode through Pager + "
                          "FarView (any cap; slow)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    ap.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda)")
     ap.add_argument("--tag", default="", help="appended to the result file's name")
     args = ap.parse_args(argv)
     for c in args.configs:
         parse_config(c)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tok = Llama.from_gguf(), Tokenizer.from_gguf()
-    worst = check_paths(model, kjv_tokens(tok, 1100), args.configs)
+    model, tok = Llama.from_gguf(device=args.device), Tokenizer.from_gguf()
+    worst = check_paths(model, kjv_tokens(tok, 1100).to(args.device), args.configs)
     print(f"banded vs kvops-op attention, layer 0, 1100 tokens: max abs diff {worst:.2e}")
     if worst > 1e-4:
         raise AssertionError(f"the banded evaluation disagrees with the kvops ops ({worst:.2e})")
     rows, notes = [], []
     for n in args.contexts:
         if args.task == "perplexity":
-            ids = kjv_tokens(tok, n)
+            ids = kjv_tokens(tok, n).to(args.device)
             for c in args.configs:
                 t = time.perf_counter()
                 mode, cap, bias, sink = parse_config(c)
@@ -454,6 +612,18 @@ def main(argv: list[str] | None = None) -> None:
                 else:
                     ppl = perplexity(model, ids, c)
                 rows.append([n, c, f"{ppl:.3f}", time.perf_counter() - t])
+                print(rows[-1], flush=True)
+        elif args.task == "multikey":
+            hits, seconds = multikey_hits(model, tok, n, args.configs, args.prompts, args.needles)
+            total = args.prompts * args.needles
+            for c in args.configs:
+                k = len(hits[c])
+                full = sum(all((r, i) in hits[c] for i in range(args.needles))
+                           for r in range(args.prompts))
+                per_key = "/".join(str(sum((r, i) in hits[c] for r in range(args.prompts)))
+                                   for i in range(args.needles))
+                rows.append([n, c, args.prompts, args.needles, k, f"{k / total:.2f}", full,
+                             per_key, f"{seconds[c]:.0f}"])
                 print(rows[-1], flush=True)
         else:
             t = time.perf_counter()
@@ -470,10 +640,15 @@ def main(argv: list[str] | None = None) -> None:
     head = ["context N", "config", "perplexity", "seconds"] if args.task == "perplexity" else \
         ["context N", "config", "prompts", "retrieved", "accuracy", "retrieved at depths",
          "seconds"]
+    if args.task == "multikey":
+        head = ["context N", "config", "trials", "keys each", "keys answered", "accuracy",
+                "trials with every key", "answered per key (shallow to deep)", "seconds"]
     body = "\n".join([
-        f"SmolLM2-135M-Instruct (GGUF, float32, CPU). Near window W={WINDOW}, pages of {PAGE}, "
+        f"SmolLM2-135M-Instruct (GGUF, float32, {device_name(args.device)}). Near window W={WINDOW}, pages of {PAGE}, "
         f"sv_chunk {CHUNK}; far<cap> = window + far-chunk summaries (log-count bias unless "
-        "-nobias); near = window only. See examples/far_view_eval.py for the method.",
+        "-nobias); near = window only; ret<K> = window + the K far pages (of 16 tokens) of "
+        "highest key-bound score for each query, exact, bias 0 (-every<N>: selection every N "
+        "positions). See examples/far_view_eval.py for the method.",
         f"Banded evaluation vs the kvops-op path (layer 0, 1100 tokens): max abs diff {worst:.2e}.",
         "",
         table(head, rows),
