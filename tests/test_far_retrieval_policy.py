@@ -118,6 +118,51 @@ def test_selection_is_the_top_k_by_bound_and_gathers_exact_pages():
                 assert (far_bias[b, rows] == 0).all()
 
 
+def check_slots(pager, ret, k, v, key, layer):
+    """Every slot of ``key`` at ``layer`` holds its block's page exact (bias 0) or is empty."""
+    b = pager.slot(key)
+    far_k, far_v, far_bias = ret.view(layer)
+    for slot, j in enumerate(ret.index[layer, b].tolist()):
+        rows = slice(slot * S, (slot + 1) * S)
+        if j < 0:
+            assert torch.isneginf(far_bias[b, rows]).all()
+            continue
+        page = pager.pages(key)[j]
+        assert torch.equal(far_k[b, rows], k[layer, page]), (key, layer, slot)
+        assert torch.equal(far_v[b, rows], v[layer, page]), (key, layer, slot)
+        assert (far_bias[b, rows] == 0).all()
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["pool", "strided-pool"])
+def test_successive_selections_keep_every_slot_exact(strided):
+    """Pages chosen again keep their slots (not copied), new ones fill the freed slots; a
+    strided pool takes the gather-everything path. Either way every slot stays exact."""
+    pager, ret, k, v = setup(top_k=3)
+    if strided:                                       # one layer of a [P, layers, ...] pool
+        k = k.transpose(0, 1).contiguous().transpose(0, 1)
+        v = v.transpose(0, 1).contiguous().transpose(0, 1)
+        assert not k[0].is_contiguous()
+    step(pager, ret, k, v, {"a": 9 * S, "b": 5 * S}, select=False)
+    for _ in range(6):
+        step(pager, ret, k, v, {"a": 1, "b": 1}, select=False)
+    for t in range(6):
+        before = ret.index.clone()
+        step(pager, ret, k, v, {"a": 1, "b": 2}, q=queries(30 + t))
+        for layer in range(LAYERS):
+            for key in ("a", "b"):
+                check_slots(pager, ret, k, v, key, layer)
+                b = pager.slot(key)
+                score = expected_pages(pager, ret, k, key, layer,
+                                       queries(30 + t)[layer, b], int(ret.done[b]))
+                n = min(3, int(ret.done[b]))
+                got = [j for j in ret.index[layer, b].tolist() if j >= 0]
+                assert sorted(got) == sorted(score.topk(n).indices.tolist())
+                # a page chosen again sits in the slot it had
+                for slot, j in enumerate(before[layer, b].tolist()):
+                    if j >= 0 and j in got:
+                        assert ret.index[layer, b, slot] == j
+
+
 def test_far_slots_in_the_kernel_equal_attention_over_window_and_pages():
     """The view fed to static_sliding_attention is attention over window + chosen pages."""
     pager, ret, k, v = setup(top_k=2, sessions=1)
