@@ -343,6 +343,39 @@ def hidden_states_from(model: Llama, ids: torch.Tensor, config: str, start: int 
     return model.norm(x), kvs
 
 
+@torch.no_grad()
+def selection_churn(model: Llama, ids: torch.Tensor, top_k: int, lags=(1, 2, 4, 8, 16)):
+    """How fast the retrieval far view's choice moves along ``ids`` (under ``ret<top_k>``):
+    per lag ``n``, the share of the pages chosen at position ``t`` that were not chosen at
+    ``t - n`` (pages that left the window in between count as new), over every layer and every
+    pair of positions that both choose ``top_k`` pages. This is the copy work a selection does
+    (only new pages are copied) and what a selection every ``n`` steps misses."""
+    T = ids.shape[0]
+    cos, sin = model.rope_cos[:T], model.rope_sin[:T]
+    x = model.tok_embeddings(ids)
+    new = {n: 0 for n in lags}
+    total = {n: 0 for n in lags}
+    t_all = torch.arange(T, device=ids.device)
+    for block in model.layers:
+        att = block.attention
+        q, k, v = att._qkv(block.attention_norm(x), cos, sin)
+        _, win_len, _ = window_geometry(T, ids.device)
+        n_pages = (t_all - win_len + 1) // PAGE
+        bounds = page_bounds(k)
+        sel = torch.cat([retrieval_pages(q[i:i + 256], bounds, t_all[i:i + 256], n_pages, top_k)
+                         for i in range(0, T, 256)])
+        full = sel.sum(dim=1) == top_k
+        for n in lags:
+            both = full[n:] & full[:-n]
+            fresh = (sel[n:] & ~sel[:-n]).sum(dim=1)
+            new[n] += int(fresh[both].sum())
+            total[n] += int(both.sum()) * top_k
+        o = attention_banded(q, k, v, "ret", top_k, False)
+        x = x + att.wo(o.flatten(-2))
+        x = x + block.feed_forward(block.ffn_norm(x))
+    return {n: new[n] / max(total[n], 1) for n in lags}
+
+
 def perplexity(model, ids, config) -> float:
     hidden = hidden_states(model, ids, config)
     return math.exp(nll_sum(model, hidden[:-1], ids[1:]) / (ids.shape[0] - 1))
@@ -576,7 +609,8 @@ def device_name(device: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--task", choices=["perplexity", "passkey", "multikey"], default="perplexity")
+    ap.add_argument("--task", choices=["perplexity", "passkey", "multikey", "churn"],
+                    default="perplexity")
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192])
     ap.add_argument("--configs", nargs="+",
                     default=["dense", "near", "far64", "far64-nobias", "far128", "far128-nobias"])
@@ -613,6 +647,16 @@ def main(argv: list[str] | None = None) -> None:
                     ppl = perplexity(model, ids, c)
                 rows.append([n, c, f"{ppl:.3f}", time.perf_counter() - t])
                 print(rows[-1], flush=True)
+        elif args.task == "churn":
+            ids = kjv_tokens(tok, n).to(args.device)
+            for c in args.configs:
+                mode, cap, _, _ = parse_config(c)
+                if mode != "ret":
+                    continue
+                t = time.perf_counter()
+                for lag, share in selection_churn(model, ids, cap).items():
+                    rows.append([n, c, lag, f"{share:.3f}", f"{time.perf_counter() - t:.0f}"])
+                    print(rows[-1], flush=True)
         elif args.task == "multikey":
             hits, seconds = multikey_hits(model, tok, n, args.configs, args.prompts, args.needles)
             total = args.prompts * args.needles
@@ -640,6 +684,8 @@ def main(argv: list[str] | None = None) -> None:
     head = ["context N", "config", "perplexity", "seconds"] if args.task == "perplexity" else \
         ["context N", "config", "prompts", "retrieved", "accuracy", "retrieved at depths",
          "seconds"]
+    if args.task == "churn":
+        head = ["context N", "config", "lag (steps)", "share of chosen pages new", "seconds"]
     if args.task == "multikey":
         head = ["context N", "config", "trials", "keys each", "keys answered", "accuracy",
                 "trials with every key", "answered per key (shallow to deep)", "seconds"]
