@@ -173,7 +173,7 @@ class FarRetrieval:
         """Pick ``layer``'s top-K far pages for ``q [B, Hq, D]`` and bring them exact into its
         far buffers. A page chosen last time keeps its slot and is not copied again; the new
         ones go to the freed slots, copied by ``paged_gather_merged`` (one one-page train
-        each, the others zero pages: the copy costs only what changed). Returns the logical
+        each, their count on the device: the copy costs only what changed). Returns the logical
         block of each slot, int32 [B, K] (-1 empty)."""
         B, K, S, L = self.B, self.K, self.S, self.L
         new, _ = torch.ops.kvops.far_page_select(q, self.k_min[layer, :, :L],
@@ -196,6 +196,9 @@ class FarRetrieval:
         dst = torch.arange(B, device=new.device)[:, None] * K + dest.clamp(max=K - 1)
         trains = torch.stack([torch.where(fresh, page, 0), dst.to(page.dtype),
                               fresh.to(page.dtype)], dim=-1).view(B * K, 3).to(torch.int32)
+        flat = fresh.flatten()                    # the copies first, their count on the device
+        trains = trains[torch.argsort((~flat).to(torch.int8), stable=True)]
+        self._num_trains.copy_(flat.sum(dtype=torch.int32).view(1))
         shape = (B * K, S, *k_cache.shape[2:])
         if k_cache.is_contiguous() and v_cache.is_contiguous():
             torch.ops.kvops.paged_gather_merged(k_cache, v_cache, trains, self._num_trains,
