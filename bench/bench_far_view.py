@@ -12,14 +12,31 @@ torch form of the op.
 
     python -m bench.bench_far_view            # the sweep, writes bench/results/
     python -m bench.bench_far_view --tune     # kernel tile sweep on two shapes
+
+``--retrieval``: the retrieval far view's decode step (one layer, Llama-3-8B heads Hq 32, Hkv 8,
+D 128, fp16, S 16, W 512, K 64 pages = 1024 far tokens) at B x context, against a dense window of
+``W + K * S`` tokens and dense attention over the whole context (kvops' kernel over one window
+of the whole context, and SDPA flash). The step with selection is ``absorb`` (the step's leaving
+page per sequence: ``far_page_summarize`` + scatter) + ``select`` (``far_page_select`` over
+every far page, gather of the K pages into the far buffers) + ``static_sliding_attention``; the
+step without selection is absorb + attention. Selection copies only the pages it did not choose
+the time before: timed with rotating random queries (every page new, the worst case) and with
+the same query (no copy). Every N steps selection amortizes to ``(with + (N - 1) * without) /
+N`` (worst case). Each row also gives the eager host time per call (the
+Python and launch cost of one un-captured call, no sync). ``--smoke`` runs every path once on
+tiny CPU shapes (no timing) to check the code.
+
+    python -m bench.bench_far_view --retrieval          # B 16 and 32 at 32k; writes bench/results/
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import time
 
 import torch
+import torch.nn.functional as F
 
 from bench.common import READ_CEILING, rotation, table, tbps, time_graph, write_result
 from kvops.kernels.far_view_summarize import default_blocks, far_view_summarize_fwd
@@ -100,10 +117,197 @@ def tune():
     return table(["B", "C", "block_t", "block_f", "warps", "us", "TB/s"], rows)
 
 
+def host_us(fn, calls: int = 20) -> float:
+    """Eager host time of one call in microseconds (launches queued, no sync inside)."""
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t) / calls * 1e6
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return host
+
+
+# share of the chosen pages that are new from one decode step to the next on SmolLM2-135M (KJV,
+# 2k tokens, K 64, every layer): `python -m examples.far_view_eval --task churn`,
+# bench/results/2026-12-01-far_view-churn-2048-ret.md
+CHURN = 0.086
+
+
+def churn_queries(ret, q, k_pool, v_pool, target, n=4):
+    """``n`` queries near ``q`` whose consecutive selections differ in about ``target`` of
+    their pages (the noise scale found by bisection on the device), and the share measured."""
+    noise = [torch.randn_like(q) for _ in range(n)]
+    lo, hi, best = 0.0, 4.0, None
+    for _ in range(14):
+        eps = (lo + hi) / 2
+        qs = [q + eps * z for z in noise]
+        new = []
+        for a, b in zip(qs, qs[1:] + qs[:1]):
+            ia = ret.select(0, a, k_pool, v_pool).clone()
+            ib = ret.select(0, b, k_pool, v_pool)
+            new.append((~(ib[:, :, None] == ia[:, None, :]).any(-1)).float().mean().item())
+        share = sum(new) / len(new)
+        best = (qs, share)
+        lo, hi = (eps, hi) if share < target else (lo, eps)
+    return best
+
+
+def retrieval_setup(B, T, device, *, hq=32, hkv=8, d=128, S=16, W=512, K=64, dtype=DTYPE):
+    """A pager of B sessions of T - S + 1 tokens (every far page in the pool and its summary
+    absorbed but the one the step's token pushes out of the window), a one-layer FarRetrieval
+    on it, a dense window, and the whole-context K/V."""
+    from kvops.runtime import FarRetrieval, Pager
+
+    if T % S:
+        raise ValueError(f"context: expected a multiple of S={S}, got {T}")
+    blocks = T // S
+    P = B * blocks + B
+    pager = Pager(P, S, max_sessions=B, max_blocks=blocks + 1, device=device)
+    ret = FarRetrieval(pager, window_tokens=W, top_k=K, num_layers=1, num_kv_heads=hkv,
+                       head_dim=d, dtype=dtype, max_leave=1)
+    with pager.frame() as f:
+        for b in range(B):
+            f.reserve(b, T - S)
+    ret.begin_step()                          # adopts the new sessions (resets their slots)
+    k_pool = torch.randn(P, S, hkv, d, device=device, dtype=dtype)
+    v_pool = torch.randn(P, S, hkv, d, device=device, dtype=dtype)
+    bt = pager.device_tables["block_table"]
+    nf = int(ret.far_pages()[0])
+    lo, hi = torch.ops.kvops.far_page_summarize(k_pool, bt[:, :nf].contiguous())
+    ret.k_min[0, :, :nf], ret.k_max[0, :, :nf] = lo, hi
+    ret.done.fill_(nf)
+    with pager.frame() as f:                  # the decode step's token opens a block: one leaves
+        for b in range(B):
+            f.reserve(b, 1)
+    ret.begin_step()
+    q = torch.randn(B, hq, d, device=device, dtype=dtype)
+    kw = torch.randn(B, W, hkv, d, device=device, dtype=dtype)
+    vw = torch.randn(B, W, hkv, d, device=device, dtype=dtype)
+    ws = torch.zeros(B, dtype=torch.int32, device=device)
+    wl = torch.full((B,), W, dtype=torch.int32, device=device)
+    wide = W + K * S
+    kd = torch.randn(B, wide, hkv, d, device=device, dtype=dtype)
+    vd = torch.randn(B, wide, hkv, d, device=device, dtype=dtype)
+    wld = torch.full((B,), wide, dtype=torch.int32, device=device)
+    kf = torch.randn(B, T, hkv, d, device=device, dtype=dtype)
+    vf = torch.randn(B, T, hkv, d, device=device, dtype=dtype)
+    wlf = torch.full((B,), T, dtype=torch.int32, device=device)
+    attn = torch.ops.kvops.static_sliding_attention
+
+    qs_new = [torch.randn_like(q) for _ in range(4)]     # rotating queries: new pages each call
+    qs_churn, churn = churn_queries(ret, q, k_pool, v_pool, CHURN)
+
+    def select_step(q=q):
+        ret.absorb(0, k_pool)
+        ret.select(0, q, k_pool, v_pool)
+        return attn(q, kw, vw, ws, wl, *ret.view(0))
+
+    def reuse_step():
+        ret.absorb(0, k_pool)
+        return attn(q, kw, vw, ws, wl, *ret.view(0))
+
+    fns = {
+        "step with selection, pages changing": [lambda x=x: select_step(x) for x in qs_new],
+        f"step with selection, {churn:.0%} of pages new": [lambda x=x: select_step(x)
+                                                            for x in qs_churn],
+        "step with selection, same pages": select_step,
+        "step without selection": reuse_step,
+        "  absorb (summarize + scatter)": lambda: ret.absorb(0, k_pool),
+        "  select, pages changing (score, top-k, copy)": [
+            lambda x=x: ret.select(0, x, k_pool, v_pool) for x in qs_new],
+        "  select, same pages": lambda: ret.select(0, q, k_pool, v_pool),
+        "  score + top-k only": lambda: torch.ops.kvops.far_page_select(
+            q, ret.k_min[0, :, :-1], ret.k_max[0, :, :-1], ret.done, K),
+        "  attention W + K*S far slots": lambda: attn(q, kw, vw, ws, wl, *ret.view(0)),
+        f"dense window {wide}": lambda: attn(q, kd, vd, ws, wld),
+        f"dense whole context {T} (kvops)": lambda: attn(q, kf, vf, ws, wlf),
+    }
+    if device != "cpu":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        qs, ks, vs = q.unsqueeze(2), kf.transpose(1, 2).contiguous(), vf.transpose(1, 2).contiguous()
+        for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
+                              ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                              ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+            def sdpa(backend=backend):
+                with sdpa_kernel([backend]):
+                    return F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True)
+            try:
+                sdpa()
+                torch.cuda.synchronize()
+            except RuntimeError as e:
+                print(f"SDPA {name}: not available here ({str(e).splitlines()[0][:60]})")
+                continue
+            fns[f"dense whole context {T} (SDPA {name})"] = sdpa
+    return ret, fns, nf
+
+
+def retrieval(batches, T, smoke=False):
+    rows, notes = [], []
+    device = "cpu" if smoke else "cuda"
+    for B in batches:
+        if smoke:
+            ret, fns, nf = retrieval_setup(B, T, device, hq=4, hkv=2, d=32, S=16, W=64, K=4,
+                                           dtype=torch.float32)
+        else:
+            ret, fns, nf = retrieval_setup(B, T, device)
+        fns["step with selection, same pages"]()
+        live = int((ret.far_bias[0] == 0).sum()) // ret.S
+        assert live == B * ret.K, f"expected {B * ret.K} live far pages, got {live}"
+        if smoke:
+            for name, fn in fns.items():
+                for f in fn if isinstance(fn, list) else [fn]:
+                    f()
+                print(f"smoke B {B}: {name.strip()} ran", flush=True)
+            continue
+        times = {}
+        for name, fn in fns.items():
+            times[name] = time_graph(fn)[1]
+            rows.append([B, T, name, times[name], host_us(fn[0] if isinstance(fn, list) else fn)])
+            print(rows[-1], flush=True)
+        wide = [n for n in times if n.startswith("dense window")][0]
+        full = min(t for n, t in times.items() if n.startswith("dense whole"))
+        worst = times["step with selection, pages changing"]
+        typical = [t for n, t in times.items() if n.endswith("of pages new")][0]
+        without = times["step without selection"]
+        for every in (1, 2, 4, 8, 16):
+            step = (typical + (every - 1) * without) / every
+            step_worst = (worst + (every - 1) * without) / every
+            notes.append([B, T, every, step, step / times[wide], full / step, step_worst,
+                          step_worst / times[wide]])
+        del ret, fns
+        torch.cuda.empty_cache()
+    if smoke:
+        return "smoke only"
+    body = table(["B", "context", "call", "graph us", "eager host us"], rows)
+    body += ("\n\nAmortized step with selection every N steps: with the measured share of new "
+             f"pages ({CHURN:.1%} a step on SmolLM2), and with every page new (worst case):\n\n")
+    body += table(["B", "context", "select every N", "step us", "x dense window W+K*S",
+                   "x faster than dense whole context (best)", "worst-case step us",
+                   "worst x dense window"], notes)
+    return body
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--retrieval", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="with --retrieval: tiny CPU run")
+    ap.add_argument("--batches", type=int, nargs="+", default=[16, 32])
+    ap.add_argument("--context", type=int, default=32768)
     args = ap.parse_args()
+    if args.retrieval:
+        if args.smoke:
+            print(retrieval((2, 3), 400, smoke=True))
+            return
+        body = retrieval(args.batches, args.context)
+        print(write_result("far_retrieval-step", body))
+        print(body)
+        return
     if args.tune:
         body = tune()
         write_result("far_view_summarize-tune", body)

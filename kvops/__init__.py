@@ -16,6 +16,8 @@ Importing kvops registers the ``torch.ops.kvops.*`` ops. Public names:
 from kvops._config import backend, validate
 from kvops.ops import (
     elastic_attention,
+    far_page_select,
+    far_page_summarize,
     far_view_summarize,
     pack_base_pairs,
     paged_gather_merged,
@@ -27,5 +29,5 @@ from kvops.ops import (
 
 __all__ = ["backend", "validate", "static_sliding_attention", "paged_gather_merged",
            "pack_base_pairs", "refine_base_pairs", "elastic_attention", "far_view_summarize",
-           "paged_kv_write", "paged_prefill_attention"]
+           "paged_kv_write", "paged_prefill_attention", "far_page_summarize", "far_page_select"]
 __version__ = "0.1.0"

@@ -71,6 +71,34 @@ def test_far_view_summarize(benchmark):
     assert v_sum.shape == (B, C, HKV, D)
 
 
+def test_far_page_summarize(benchmark):
+    """B 4, 256 pages each: per-channel key min and max of every page."""
+    gen = torch.Generator().manual_seed(3)
+    P, S, B, N = 1024, 16, 4, 256
+    kc = torch.randn(P, S, HKV, D, generator=gen)
+    pages = torch.randperm(P, generator=gen)[:B * N].reshape(B, N).int()
+    lo, hi = benchmark(torch.ops.kvops.far_page_summarize, kc, pages)
+    rows = kc[pages.long()]                                   # [B, N, S, Hkv, D]
+    assert torch.equal(lo, rows.min(dim=2).values) and torch.equal(hi, rows.max(dim=2).values)
+
+
+def test_far_page_select(benchmark):
+    """B 4, 2048 far pages, top 64: the chosen pages are the best by the key bound."""
+    gen = torch.Generator().manual_seed(4)
+    B, N, K = 4, 2048, 64
+    lo = torch.randn(B, N, HKV, D, generator=gen)
+    hi = lo + torch.rand(B, N, HKV, D, generator=gen)
+    q = torch.randn(B, HQ, D, generator=gen)
+    num_far = torch.full((B,), N, dtype=torch.int32)
+    idx, val = benchmark(torch.ops.kvops.far_page_select, q, lo, hi, num_far, K)
+    qg = q.view(B, HKV, HQ // HKV, D)
+    bound = (torch.einsum("bhgd,bnhd->bnhg", qg.clamp(min=0), hi)
+             + torch.einsum("bhgd,bnhd->bnhg", qg.clamp(max=0), lo)).amax(dim=(2, 3))
+    want = bound.topk(K, dim=1).values
+    torch.testing.assert_close(val, want, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(bound.gather(1, idx.long()), val, atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype,codec", [(torch.float16, "hi8"), (torch.bfloat16, "e4m3")],
                          ids=["fp16-hi8", "bf16-e4m3"])
 def test_pack_then_refine_base_pairs(benchmark, dtype, codec):

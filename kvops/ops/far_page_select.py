@@ -1,0 +1,99 @@
+"""``torch.ops.kvops.far_page_select``: the far pages a query may attend to most (Quest scoring).
+
+Given the per-channel key bounds of a sequence's far pages (``far_page_summarize``), the logit
+of query head ``q`` against any key of page ``j`` is at most
+
+    u_j(q) = sum_c max(q_c * kmin_jc, q_c * kmax_jc)
+
+(each channel's product is largest at one end of its interval). A sequence keeps ONE page list
+for all its heads: a page's score is the best bound over every query head (with GQA, the best
+over each KV head's group, then over the KV heads), so a page any head needs is kept. The op
+returns the ``top_k`` pages of highest score among the candidates ``j < num_far[b]``.
+
+- q [B, Hq, D] (float16, bfloat16 or float32); k_min, k_max [B, N, Hkv, D] in q's dtype, last
+  dim contiguous, other strides free (a table shared by every row may be expanded with stride 0);
+  ``Hq`` a multiple of ``Hkv``.
+- num_far int32 [B]: candidates are entries ``[0, num_far[b])`` (clamped to ``[0, N]``).
+- top_k: 1 <= top_k <= N.
+- Returns index int32 [B, top_k] (entries in decreasing score; ``-1`` past the candidates) and
+  score float32 [B, top_k] (``-inf`` where index is -1). Scores accumulate in float32; the order
+  of equal scores is unspecified. No scale: the ranking does not depend on it.
+
+Implementations: CUDA tensors run the scoring kernel ``kvops.kernels.far_page_select`` then
+``torch.topk``; CPU tensors run :func:`far_page_select_ref` (or the interpreted kernel under
+backend "triton"). Output shapes depend on input shapes only, and nothing syncs the host.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvops import _checks
+from kvops._config import use_triton
+
+
+def _check(q, k_min, k_max, num_far, top_k) -> None:
+    _checks.tensor("q", q, rank=3, dtypes=_checks.KV_DTYPES)
+    dev = q.device
+    B, Hq, D = q.shape
+    _checks.head_dim("q", D)
+    for name, t in (("k_min", k_min), ("k_max", k_max)):
+        _checks.tensor(name, t, rank=4, device=dev)
+        _checks.same_dtype(name, t, "q", q)
+        _checks.shape(name, t, (B, None, None, D), "B N Hkv D")
+        if t.numel() and t.stride(3) != 1:
+            raise ValueError(f"{name}: expected the last dim (D) contiguous, got strides "
+                             f"{t.stride()}")
+    _checks.shape("k_max", k_max, tuple(k_min.shape), "B N Hkv D")
+    N, Hkv = k_min.shape[1], k_min.shape[2]
+    _checks.heads("q", Hq, "k_min", Hkv)
+    _checks.tensor("num_far", num_far, rank=1, dtypes=(torch.int32,), device=dev)
+    _checks.shape("num_far", num_far, (B,), "B")
+    if not isinstance(top_k, int) or not 1 <= top_k <= N:
+        raise ValueError(f"top_k: expected an int in [1, N={N}], got {top_k!r}")
+
+
+def page_scores_ref(q: Tensor, k_min: Tensor, k_max: Tensor, num_far: Tensor) -> Tensor:
+    """Scores float32 [B, N]: the best bound over query heads, ``-inf`` past ``num_far``."""
+    B, Hq, D = q.shape
+    N, Hkv = k_min.shape[1], k_min.shape[2]
+    qf = q.float().view(B, Hkv, Hq // Hkv, D)
+    pos, neg = qf.clamp(min=0), qf.clamp(max=0)
+    bound = (torch.einsum("bhgd,bnhd->bhgn", pos, k_max.float())
+             + torch.einsum("bhgd,bnhd->bhgn", neg, k_min.float()))
+    score = bound.amax(dim=(1, 2))
+    cand = torch.arange(N, device=q.device)[None, :] < num_far.long()[:, None]
+    return torch.where(cand, score, float("-inf"))
+
+
+def _top(score: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
+    val, idx = torch.topk(score, top_k, dim=1)
+    idx = torch.where(val > float("-inf"), idx, -1).to(torch.int32)
+    return idx, val
+
+
+def far_page_select_ref(q: Tensor, k_min: Tensor, k_max: Tensor, num_far: Tensor,
+                        top_k: int) -> tuple[Tensor, Tensor]:
+    """PyTorch reference; the CPU implementation. Shapes as in the module doc."""
+    return _top(page_scores_ref(q, k_min, k_max, num_far), top_k)
+
+
+@torch.library.custom_op("kvops::far_page_select", mutates_args=())
+def far_page_select(q: Tensor, k_min: Tensor, k_max: Tensor, num_far: Tensor,
+                    top_k: int) -> tuple[Tensor, Tensor]:
+    """The ``top_k`` far pages of highest key-bound score per sequence; see the module doc."""
+    _check(q, k_min, k_max, num_far, top_k)
+    if use_triton(q.device):
+        from kvops.kernels.far_page_select import far_page_scores_fwd
+
+        return _top(far_page_scores_fwd(q, k_min, k_max, num_far), top_k)
+    return far_page_select_ref(q, k_min, k_max, num_far, top_k)
+
+
+@far_page_select.register_fake
+def _(q, k_min, k_max, num_far, top_k):
+    _check(q, k_min, k_max, num_far, top_k)
+    B = q.shape[0]
+    return (q.new_empty((B, top_k), dtype=torch.int32),
+            q.new_empty((B, top_k), dtype=torch.float32))

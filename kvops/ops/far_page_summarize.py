@@ -1,0 +1,74 @@
+"""``torch.ops.kvops.far_page_summarize``: per-page, per-channel key bounds of paged K.
+
+The retrieval far view (``kvops.runtime.FarRetrieval``) keeps, for every page that has left a
+session's near window, the per-channel minimum and maximum of the page's ``S`` keys (the Quest
+summary). From them :func:`kvops.ops.far_page_select.far_page_select` bounds every query's
+logit against the page without reading the page. This op computes the bounds once per page.
+
+- k_cache [P, S, Hkv, D] (NHD pool; float16, bfloat16 or float32); each page's ``[Hkv, D]`` rows
+  dense (``stride(3) == 1``, ``stride(2) == D``); page and token strides free.
+- pages int32 [B, N]: the pages to summarize; ``-1`` (or any id outside ``[0, P)``) is an empty
+  entry, which is not read.
+- Returns k_min, k_max [B, N, Hkv, D] in the cache dtype (exact: a min and a max round nothing);
+  zeros for an empty entry.
+
+Validation mode (``kvops.validate(True)``) raises IndexError for an id outside ``[0, P)`` other
+than ``-1``. Implementations: CUDA tensors run ``kvops.kernels.far_page_summarize`` (Triton);
+CPU tensors run :func:`far_page_summarize_ref` (or the interpreted kernel under backend
+"triton"). Output shapes depend on input shapes only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvops import _checks
+from kvops._config import use_triton, validate
+
+
+def _check(k_cache, pages) -> None:
+    _checks.tensor("k_cache", k_cache, rank=4, dtypes=_checks.KV_DTYPES)
+    P, S, Hkv, D = k_cache.shape
+    if P < 1 or Hkv < 1:
+        raise ValueError(f"k_cache: expected at least one page and one KV head, got shape "
+                         f"{tuple(k_cache.shape)}")
+    _checks.page_size("k_cache", S)
+    _checks.head_dim("k_cache", D)
+    if k_cache.stride(3) != 1 or k_cache.stride(2) != D:
+        raise ValueError(f"k_cache: expected each page's [Hkv, D] rows dense (strides (..., {D}, "
+                         f"1)), got strides {k_cache.stride()}")
+    _checks.tensor("pages", pages, rank=2, dtypes=(torch.int32,), device=k_cache.device)
+
+
+def far_page_summarize_ref(k_cache: Tensor, pages: Tensor) -> tuple[Tensor, Tensor]:
+    """PyTorch reference; the CPU implementation. Shapes as in the module doc."""
+    P, S, Hkv, D = k_cache.shape
+    B, N = pages.shape
+    idx = pages.long()
+    live = (idx >= 0) & (idx < P)
+    rows = k_cache.index_select(0, torch.where(live, idx, 0).flatten()).view(B, N, S, Hkv, D)
+    keep = live[..., None, None]
+    zero = torch.zeros((), dtype=k_cache.dtype, device=k_cache.device)
+    return (torch.where(keep, rows.amin(dim=2), zero), torch.where(keep, rows.amax(dim=2), zero))
+
+
+@torch.library.custom_op("kvops::far_page_summarize", mutates_args=())
+def far_page_summarize(k_cache: Tensor, pages: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-channel min and max of the keys of each listed page; see the module doc."""
+    _check(k_cache, pages)
+    if validate():
+        _checks.index_range("pages", pages, 0, k_cache.shape[0], allow=-1)
+    if use_triton(k_cache.device):
+        from kvops.kernels.far_page_summarize import far_page_summarize_fwd
+
+        return far_page_summarize_fwd(k_cache, pages)
+    return far_page_summarize_ref(k_cache, pages)
+
+
+@far_page_summarize.register_fake
+def _(k_cache, pages):
+    _check(k_cache, pages)
+    B, N = pages.shape
+    _, _, Hkv, D = k_cache.shape
+    return k_cache.new_empty((B, N, Hkv, D)), k_cache.new_empty((B, N, Hkv, D))

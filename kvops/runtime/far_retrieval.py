@@ -1,0 +1,218 @@
+"""Retrieval far view: exact far pages chosen per step by the query (Quest-style bounds).
+
+A second far-view policy beside :class:`kvops.runtime.FarView` with the same fixed-shape
+interface to the decode kernel: ``static_sliding_attention(q, k, v, win_start, win_len, far_k,
+far_v, far_bias)``, here with ``far_k, far_v [B, K * S, Hkv, D]`` holding the exact tokens of
+``K`` far pages (``far_bias`` 0 for them, ``-inf`` for an empty slot), so the kernel sees a
+fixed ``W + K * S`` width.
+
+Far pages
+    A session's far pages are its logical blocks before the near window (the transport's last
+    ``W / S`` blocks): ``nf = max(0, ceil(len / S) - W / S)``. Every far block is full and
+    immutable, so its key summary never changes. The pages stay in the pool: retrieval reads
+    them exact (the caller must not trim far blocks it wants retrievable; a trimmed block is
+    never gathered).
+
+Summaries, once per page, on the device
+    :meth:`begin_step` (once per step, after the frame's commit) reads the device
+    ``block_table`` and ``seq_lens`` and picks, per session, the next ``max_leave`` far blocks
+    not summarized yet (a device counter ``done [B]``); :meth:`absorb` (per layer) runs
+    ``far_page_summarize`` on them and scatters the per-channel key min and max into the layer's
+    summary table ``[B, L + 1, Hkv, D]`` (row ``L`` a sink). A prefill that makes many blocks
+    far at once drains ``max_leave`` per step. The summary tables cost ``2 / S`` of the K pool
+    of a full-length session.
+
+Selection, on the device, no host sync
+    :meth:`select` (per layer, with the layer's query) runs ``far_page_select`` over blocks
+    ``[0, done)``: the score of a page is the best bound ``sum_c max(q_c kmin_c, q_c kmax_c)``
+    over all query heads (one page list per session), the top ``K`` pages win, and their
+    tokens are brought exact into the layer's persistent ``far_k, far_v`` buffers: a page
+    chosen the time before keeps its slot, only the newly chosen pages are copied (one
+    ``paged_gather_merged`` call, whose cost is the pages that changed), and a block trimmed
+    since its summary gets bias ``-inf``. :meth:`view` returns the buffers. Selection
+    may run every step or every ``N`` steps (the host decides which step graph to replay; the
+    buffers keep the last selection, which stays valid because far pages do not change); the
+    page that leaves the window between two selections is in neither until the next one.
+
+Host side
+    Nothing but one table, ``far_ret_gen [B]``: the commit that opens or closes a session in a
+    slot bumps the slot's entry, and :meth:`begin_step` resets that slot's counter and far
+    buffers on the device when it sees a new value. The hook's only host work per commit is a
+    pass over the commit's general deltas.
+
+A decode step, after the frame's commit::
+
+    ret.begin_step()
+    for l, layer in enumerate(layers):
+        ret.absorb(l, k_cache[l])
+        if selecting:                      # every step, or every N steps
+            ret.select(l, q, k_cache[l], v_cache[l])
+        far_k, far_v, far_bias = ret.view(l)
+        out, lse = torch.ops.kvops.static_sliding_attention(q, k_win, v_win, win_start,
+                                                            win_len, far_k, far_v, far_bias)
+
+Every device method is fixed-shape, in place on persistent buffers, and host-sync free, so the
+step compiles once and replays in one CUDA graph (one graph with selection, one without).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvops.runtime.pager import Frame, Pager, SessionDelta
+
+_GEN_WRAP = 2**30
+
+
+class FarRetrieval:
+    """Retrieval far-view policy for one pager; attach before the pager's first frame.
+
+    Parameters
+    ----------
+    pager : Pager
+        Maps sessions to pages of the pools ``[P, S, Hkv, D]`` (one pair per layer); needs a
+        device (the policy reads the device tables).
+    window_tokens : int
+        ``W``, the near window in tokens (a multiple of ``S``; the transport's window).
+    top_k : int
+        ``K``, far pages per session and layer the kernel sees (``K * S`` far tokens).
+    num_layers, num_kv_heads, head_dim : int
+        Model geometry; one summary table and one far buffer per layer.
+    dtype, device
+        Of the KV pools (summaries and far buffers are kept in the pool dtype).
+    max_leave : int
+        Far pages per session summarized per step (a prefill drains at this rate).
+    """
+
+    def __init__(self, pager: Pager, *, window_tokens: int, top_k: int, num_layers: int,
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float16,
+                 device: torch.device | str | None = None, max_leave: int = 4):
+        S = pager.page_size
+        if window_tokens < S or window_tokens % S:
+            raise ValueError(f"window_tokens: expected a positive multiple of the page size "
+                             f"S={S}, got {window_tokens}")
+        L = pager.max_blocks
+        if not 1 <= top_k <= L:
+            raise ValueError(f"top_k: expected a page count in [1, L={L}], got {top_k}")
+        if max_leave < 1 or num_layers < 1:
+            raise ValueError(f"max_leave and num_layers must be >= 1, got {max_leave}, "
+                             f"{num_layers}")
+        dev = torch.device(device) if device is not None else pager.device
+        if dev is None:
+            raise ValueError("FarRetrieval: the pager has no device and none was given")
+        self.pager, self.S, self.L, self.B = pager, S, L, pager.max_sessions
+        self.window_pages, self.K, self.layers, self.max_leave = window_tokens // S, top_k, \
+            num_layers, max_leave
+        B, K = self.B, top_k
+        bounds = (num_layers, B, L + 1, num_kv_heads, head_dim)
+        self.k_min = torch.zeros(bounds, dtype=dtype, device=dev)
+        self.k_max = torch.zeros(bounds, dtype=dtype, device=dev)
+        far = (num_layers, B, K * S, num_kv_heads, head_dim)
+        self.far_k = torch.zeros(far, dtype=dtype, device=dev)
+        self.far_v = torch.zeros(far, dtype=dtype, device=dev)
+        self.far_bias = torch.full((num_layers, B, K * S), float("-inf"), device=dev)
+        self.index = torch.full((num_layers, B, K), -1, dtype=torch.int32, device=dev)
+        self.done = torch.zeros(B, dtype=torch.int32, device=dev)
+        self.gen = torch.zeros(B, dtype=torch.int32, device=dev)
+        self.leave_pages = torch.full((B, max_leave), -1, dtype=torch.int32, device=dev)
+        self.leave_ids = torch.full((B, max_leave), L, dtype=torch.int64, device=dev)
+        self._offsets = torch.arange(max_leave, dtype=torch.int32, device=dev)
+        self._num_trains = torch.full((1,), B * K, dtype=torch.int32, device=dev)
+        pager.attach(self)
+
+    # -- pager hook ---------------------------------------------------------------------------
+    def tables(self) -> dict:
+        return {"far_ret_gen": ((self.B,), 0)}
+
+    def on_commit(self, frame: Frame, deltas: list[SessionDelta], grown=None) -> dict:
+        """Pager hook: bump the generation of every slot a session opens or closes in."""
+        gen = self.pager.host_tables["far_ret_gen"]
+        slots = sorted({d.slot for d in deltas if d.new or d.closed})
+        if slots:
+            frame.scatter("far_ret_gen", slots, [(int(gen[s]) + 1) % _GEN_WRAP for s in slots])
+        return {"far_retrieval": {"reset_slots": len(slots)}}
+
+    # -- device side (fixed shapes, in place, no host sync) -----------------------------------
+    def _tables(self) -> dict[str, Tensor]:
+        tables = self.pager.device_tables
+        if not tables:
+            raise RuntimeError("FarRetrieval: the pager has no device tables (give it a device)")
+        return tables
+
+    def far_pages(self) -> Tensor:
+        """int32 [B]: far blocks per session at the committed lengths (before the window)."""
+        lens = self._tables()["seq_lens"]
+        blocks = (lens + self.S - 1) // self.S
+        return (blocks - self.window_pages).clamp(min=0).to(torch.int32)
+
+    def begin_step(self) -> None:
+        """Once per step after the commit: reset reopened slots, pick the pages to summarize."""
+        t = self._tables()
+        gen = t["far_ret_gen"]
+        reset = gen != self.gen
+        self.gen.copy_(gen)
+        self.done.copy_(torch.where(reset, 0, self.done))
+        self.far_bias.copy_(torch.where(reset[None, :, None], float("-inf"), self.far_bias))
+        self.index.copy_(torch.where(reset[None, :, None], -1, self.index))
+        j = self.done[:, None] + self._offsets[None, :]                          # [B, n]
+        take = j < self.far_pages()[:, None]
+        page = t["block_table"].gather(1, j.clamp(max=self.L - 1).long())
+        self.leave_pages.copy_(torch.where(take, page, -1))
+        self.leave_ids.copy_(torch.where(take, j, self.L).long())
+        self.done.add_(take.sum(dim=1, dtype=torch.int32))
+
+    def absorb(self, layer: int, k_cache: Tensor) -> None:
+        """Key bounds of the pages :meth:`begin_step` picked, into ``layer``'s summary table."""
+        lo, hi = torch.ops.kvops.far_page_summarize(k_cache, self.leave_pages)
+        at = self.leave_ids[..., None, None].expand_as(lo)
+        self.k_min[layer].scatter_(1, at, lo)
+        self.k_max[layer].scatter_(1, at, hi)
+
+    def select(self, layer: int, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        """Pick ``layer``'s top-K far pages for ``q [B, Hq, D]`` and bring them exact into its
+        far buffers. A page chosen last time keeps its slot and is not copied again; the new
+        ones go to the freed slots, copied by ``paged_gather_merged`` (one one-page train
+        each, their count on the device: the copy costs only what changed). Returns the logical
+        block of each slot, int32 [B, K] (-1 empty)."""
+        B, K, S, L = self.B, self.K, self.S, self.L
+        new, _ = torch.ops.kvops.far_page_select(q, self.k_min[layer, :, :L],
+                                                 self.k_max[layer, :, :L], self.done, K)
+        bt = self._tables()["block_table"]
+        page = bt.gather(1, new.clamp(min=0).long())
+        new = torch.where((new >= 0) & (page >= 0), new, -1)          # trimmed: never gathered
+        old = self.index[layer]
+        same = (new[:, :, None] == old[:, None, :]) & (new >= 0)[:, :, None]     # [B, K, K]
+        fresh = (new >= 0) & ~same.any(dim=2)                           # new pages to copy
+        kept = same.any(dim=1)                                          # old slots still chosen
+        # the r-th fresh page goes to the r-th slot not kept
+        free = torch.argsort(kept.to(torch.int8), dim=1, stable=True)   # free slots first
+        rank = (torch.cumsum(fresh.to(torch.int32), dim=1) - 1).clamp(min=0)
+        dest = torch.where(fresh, free.gather(1, rank.long()), K)       # K: no slot
+        slots = torch.cat([torch.where(kept, old, -1), old.new_full((B, 1), -1)], dim=1)
+        slots.scatter_(1, dest, torch.where(fresh, new, -1))
+        self.index[layer].copy_(slots[:, :K])
+        # copies: slot dest of sequence b <- page; zero pages where nothing changes
+        dst = torch.arange(B, device=new.device)[:, None] * K + dest.clamp(max=K - 1)
+        trains = torch.stack([torch.where(fresh, page, 0), dst.to(page.dtype),
+                              fresh.to(page.dtype)], dim=-1).view(B * K, 3).to(torch.int32)
+        flat = fresh.flatten()                    # the copies first, their count on the device
+        trains = trains[torch.argsort((~flat).to(torch.int8), stable=True)]
+        self._num_trains.copy_(flat.sum(dtype=torch.int32).view(1))
+        shape = (B * K, S, *k_cache.shape[2:])
+        if k_cache.is_contiguous() and v_cache.is_contiguous():
+            torch.ops.kvops.paged_gather_merged(k_cache, v_cache, trains, self._num_trains,
+                                                self.far_k[layer].view(shape),
+                                                self.far_v[layer].view(shape))
+        else:                                     # a strided pool: gather every slot's page
+            rows = bt.gather(1, self.index[layer].clamp(min=0).long()).clamp(min=0).flatten()
+            self.far_k[layer].copy_(k_cache.index_select(0, rows).view(self.far_k[layer].shape))
+            self.far_v[layer].copy_(v_cache.index_select(0, rows).view(self.far_v[layer].shape))
+        live = torch.where(self.index[layer] >= 0, 0.0, float("-inf")).to(torch.float32)
+        self.far_bias[layer].copy_(live.repeat_interleave(S, dim=1))
+        return self.index[layer]
+
+    def view(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
+        """``far_k, far_v [B, K * S, Hkv, D]`` and ``far_bias float32 [B, K * S]`` of ``layer``
+        (the last selection's pages)."""
+        return self.far_k[layer], self.far_v[layer], self.far_bias[layer]

@@ -1,0 +1,303 @@
+"""far_page_summarize and far_page_select (the retrieval far view's ops): kernels and
+references against float64 loop oracles, plus the op contract (opcheck, compile without
+recompiles, CUDA graphs, input errors, validation mode)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kvops
+from kvops.kernels.far_page_select import far_page_scores_fwd
+from kvops.kernels.far_page_summarize import far_page_summarize_fwd
+from kvops.ops.far_page_select import far_page_select_ref
+from kvops.ops.far_page_summarize import far_page_summarize_ref
+from tests.conftest import capture_graph, counting_backend, requires_cuda
+from tests.oracles_far_retrieval import far_page_summarize_oracle, page_scores_oracle
+from tests.tolerances import assert_close
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+def make_pool(P, S, Hkv, D, dtype, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(P, S, Hkv, D, generator=gen).to(dtype).to(device)
+
+
+def make_pages(B, N, P, seed, empty=0.25):
+    """Page ids with repeats, about ``empty`` of them -1 or out of the pool."""
+    gen = torch.Generator().manual_seed(seed)
+    pages = torch.randint(0, P, (B, N), generator=gen, dtype=torch.int32)
+    hole = torch.rand(B, N, generator=gen) < empty
+    bad = torch.randint(0, 3, (B, N), generator=gen)
+    pages[hole] = torch.where(bad[hole] == 0, P, torch.where(bad[hole] == 1, -3, -1)).to(torch.int32)
+    return pages
+
+
+def check_bounds(lo, hi, k_cache, pages, name):
+    want_lo, want_hi = far_page_summarize_oracle(k_cache, pages)
+    B, N = pages.shape
+    assert lo.shape == hi.shape == (B, N, *k_cache.shape[2:]) and lo.dtype == k_cache.dtype, name
+    # a min and a max of values of the cache dtype are exact
+    assert_close("k_min", lo, want_lo, 0.0, 0.0, name)
+    assert_close("k_max", hi, want_hi, 0.0, 0.0, name)
+
+
+summarize_shapes = st.tuples(
+    st.integers(1, 3),                        # B
+    st.integers(1, 6),                        # N
+    st.sampled_from([8, 16, 32]),             # S
+    st.sampled_from([1, 2, 3]),               # Hkv (3: F not a power of two)
+    st.sampled_from([16, 64, 128]),           # D
+    st.sampled_from(DTYPES),
+    st.integers(0, 2**31 - 1),
+)
+
+
+@given(shape=summarize_shapes, blocks=st.sampled_from([(None, None), (4, 64), (1, 128), (8, 32)]))
+def test_summarize_kernel_matches_oracle(kernel_device, poison, shape, blocks):
+    B, N, S, Hkv, D, dtype, seed = shape
+    P = B * N + 2
+    k_cache = make_pool(P, S, Hkv, D, dtype, kernel_device, seed)
+    pages = make_pages(B, N, P, seed).to(kernel_device)
+    lo, hi = far_page_summarize_fwd(k_cache, pages, block_t=blocks[0], block_f=blocks[1])
+    check_bounds(lo, hi, k_cache, pages, f"{shape} blocks {blocks}")
+
+
+@given(shape=summarize_shapes)
+def test_summarize_reference_matches_oracle(shape):
+    B, N, S, Hkv, D, dtype, seed = shape
+    P = B * N + 2
+    k_cache = make_pool(P, S, Hkv, D, dtype, "cpu", seed)
+    pages = make_pages(B, N, P, seed)
+    check_bounds(*far_page_summarize_ref(k_cache, pages), k_cache, pages, str(shape))
+
+
+def test_summarize_strided_pool_and_table(kernel_device):
+    """One layer of a [P, layers, 2, S, Hkv, D] pool and a strided page table."""
+    gen = torch.Generator().manual_seed(1)
+    pool = torch.randn(7, 2, 2, 8, 2, 32, generator=gen).to(kernel_device)
+    k_cache = pool[:, 1, 0]
+    pages = torch.randint(0, 7, (2, 10), generator=gen, dtype=torch.int32).to(kernel_device)[:, ::2]
+    assert not k_cache.is_contiguous() and not pages.is_contiguous()
+    check_bounds(*far_page_summarize_fwd(k_cache, pages), k_cache, pages, "strided")
+
+
+def make_select_case(B, N, Hkv, G, D, dtype, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    lo = torch.randn(B, N, Hkv, D, generator=gen)
+    hi = lo + torch.rand(B, N, Hkv, D, generator=gen)
+    q = torch.randn(B, Hkv * G, D, generator=gen)
+    num_far = torch.randint(-1, N + 2, (B,), generator=gen, dtype=torch.int32)
+    cast = lambda t: t.to(dtype).to(device)
+    return cast(q), cast(lo), cast(hi), num_far.to(device)
+
+
+def score_tol(dtype, D):
+    # products of two values of the input dtype are exact in float32; only the float32 sum of
+    # D of them rounds (the oracle sums in float64)
+    return 1e-5 * D if dtype != torch.float32 else 2e-6 * D
+
+
+def check_selection(idx, val, q, lo, hi, num_far, top_k, name, tol):
+    want = page_scores_oracle(q, lo, hi, num_far)                          # [B, N] float64
+    B, N = want.shape
+    assert idx.shape == val.shape == (B, top_k) and idx.dtype == torch.int32, name
+    for b in range(B):
+        nf = min(max(int(num_far[b]), 0), N)
+        got = idx[b].tolist()
+        n = min(top_k, nf)
+        assert all(j == -1 for j in got[n:]), f"{name} row {b}: {got} past {n} candidates"
+        assert torch.isneginf(val[b, n:]).all(), name
+        chosen = got[:n]
+        assert len(set(chosen)) == n and all(0 <= j < nf for j in chosen), f"{name} row {b}: {got}"
+        if n:
+            kth = want[b, :nf].sort(descending=True).values[n - 1].item()
+            assert min(want[b, j].item() for j in chosen) >= kth - tol, f"{name} row {b}"
+            assert_close("score", val[b, :n].cpu(), want[b, chosen], tol, 1e-5, name)
+
+
+select_shapes = st.tuples(
+    st.integers(1, 3),                        # B
+    st.integers(1, 70),                       # N (past one 64-page block)
+    st.sampled_from([1, 2, 3]),               # Hkv
+    st.sampled_from([1, 3, 4]),               # G
+    st.sampled_from([16, 64, 128]),           # D
+    st.sampled_from(DTYPES),
+    st.integers(0, 2**31 - 1),
+)
+
+
+@given(shape=select_shapes, k=st.integers(1, 8), block_n=st.sampled_from([None, 16]))
+def test_select_kernel_matches_oracle(kernel_device, poison, shape, k, block_n):
+    B, N, Hkv, G, D, dtype, seed = shape
+    q, lo, hi, num_far = make_select_case(B, N, Hkv, G, D, dtype, kernel_device, seed)
+    score = far_page_scores_fwd(q, lo, hi, num_far, block_n=block_n)
+    want = page_scores_oracle(q, lo, hi, num_far)
+    assert_close("score", score, want, score_tol(dtype, D), 1e-5, str(shape))
+    top_k = min(k, N)
+    with kvops.backend("triton"):
+        idx, val = torch.ops.kvops.far_page_select(q, lo, hi, num_far, top_k)
+    check_selection(idx.cpu(), val.cpu(), q, lo, hi, num_far.cpu(), top_k, str(shape),
+                    score_tol(dtype, D))
+
+
+@given(shape=select_shapes, k=st.integers(1, 8))
+def test_select_reference_matches_oracle(shape, k):
+    B, N, Hkv, G, D, dtype, seed = shape
+    q, lo, hi, num_far = make_select_case(B, N, Hkv, G, D, dtype, "cpu", seed)
+    top_k = min(k, N)
+    idx, val = far_page_select_ref(q, lo, hi, num_far, top_k)
+    check_selection(idx, val, q, lo, hi, num_far, top_k, str(shape), score_tol(dtype, D))
+
+
+def test_select_bound_is_an_upper_bound_and_finds_the_planted_page(kernel_device):
+    """Every key's logit is at most its page's score; a page holding the query direction
+    outranks pages of noise."""
+    gen = torch.Generator().manual_seed(3)
+    P, S, Hkv, G, D = 12, 8, 2, 2, 32
+    k_cache = torch.randn(P, S, Hkv, D, generator=gen)
+    q = torch.randn(1, Hkv * G, D, generator=gen)
+    k_cache[7, 3, 1] = 4 * q[0, 2]                       # head 2 is in KV head 1's group
+    pages = torch.arange(P, dtype=torch.int32)[None]
+    lo, hi = far_page_summarize_ref(k_cache, pages)
+    dev = kernel_device
+    score = far_page_scores_fwd(q.to(dev), lo.to(dev), hi.to(dev),
+                                torch.tensor([P], dtype=torch.int32, device=dev)).cpu()
+    logits = torch.einsum("hd,pshd->psh", q[0], k_cache.repeat_interleave(G, dim=2))
+    assert (logits.amax(dim=(1, 2)) <= score[0] + 1e-4).all()
+    with kvops.backend("triton"):
+        idx, _ = torch.ops.kvops.far_page_select(q.to(dev), lo.to(dev), hi.to(dev),
+                                                 torch.tensor([P], dtype=torch.int32,
+                                                              device=dev), 1)
+    assert idx.tolist() == [[7]]
+
+
+def test_select_expanded_table(kernel_device):
+    """One summary table shared by many query rows (stride 0 over B), as the evaluation uses."""
+    q, lo, hi, _ = make_select_case(1, 20, 2, 2, 32, torch.float32, kernel_device, seed=4)
+    qs = torch.randn(5, 4, 32).to(kernel_device)
+    nf = torch.tensor([20, 3, 0, 11, 20], dtype=torch.int32, device=kernel_device)
+    score = far_page_scores_fwd(qs, lo.expand(5, -1, -1, -1), hi.expand(5, -1, -1, -1), nf)
+    want = page_scores_oracle(qs, lo.expand(5, -1, -1, -1), hi.expand(5, -1, -1, -1), nf)
+    assert_close("score", score, want, 1e-4, 1e-5, "expanded")
+
+
+def test_opcheck():
+    k_cache = make_pool(6, 8, 2, 32, torch.float32, "cpu", 5)
+    pages = make_pages(2, 3, 6, 5)
+    torch.library.opcheck(torch.ops.kvops.far_page_summarize.default, (k_cache, pages))
+    q, lo, hi, nf = make_select_case(2, 9, 2, 2, 32, torch.float32, "cpu", 6)
+    # distinct scores, so the order is defined
+    torch.library.opcheck(torch.ops.kvops.far_page_select.default, (q, lo, hi, nf, 4))
+
+
+def test_compiled_retrieval_step_never_recompiles():
+    """Summarize, select, gather and attend with tables changing every step: one compile."""
+    torch._dynamo.reset()
+    backend, calls = counting_backend()
+    B, N, K, S, Hkv, G, D, W = 2, 6, 2, 8, 2, 2, 32, 16
+    P = B * N
+    k_cache, v_cache = (make_pool(P, S, Hkv, D, torch.float32, "cpu", s) for s in (7, 8))
+    win = torch.randn(2, B, W, Hkv, D)
+    ws = torch.zeros(B, dtype=torch.int32)
+    wl = torch.full((B,), W, dtype=torch.int32)
+
+    def step(q, pages, num_far):
+        lo, hi = torch.ops.kvops.far_page_summarize(k_cache, pages)
+        idx, _ = torch.ops.kvops.far_page_select(q, lo, hi, num_far, K)
+        page = pages.gather(1, idx.clamp(min=0).long())
+        live = (idx >= 0) & (page >= 0)
+        rows = torch.where(live, page, 0).flatten()
+        fk = k_cache.index_select(0, rows).view(B, K * S, Hkv, D)
+        fv = v_cache.index_select(0, rows).view(B, K * S, Hkv, D)
+        fb = torch.where(live, 0.0, float("-inf")).repeat_interleave(S, dim=1)
+        return torch.ops.kvops.static_sliding_attention(q, win[0], win[1], ws, wl, fk, fv, fb)
+
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    gen = torch.Generator().manual_seed(9)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for t in range(6):
+            q = torch.randn(B, Hkv * G, D, generator=gen)
+            pages = torch.randperm(P, generator=gen)[: B * N].view(B, N).to(torch.int32)
+            num_far = torch.tensor([t % (N + 1), N], dtype=torch.int32)
+            out, lse = compiled(q, pages, num_far)
+            want, want_lse = step(q, pages, num_far)
+            torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+    assert len(calls) == 1
+
+
+@requires_cuda
+def test_cuda_graph_replay_with_new_inputs():
+    """One capture of summarize + select; new pools, pages, queries and counts replay right."""
+    B, N, S, Hkv, G, D, K = 4, 96, 16, 8, 4, 128, 8
+    P = B * N
+    static = dict(k=make_pool(P, S, Hkv, D, torch.float16, "cuda", 0),
+                  pages=make_pages(B, N, P, 0).cuda(),
+                  q=torch.randn(B, Hkv * G, D, device="cuda", dtype=torch.float16),
+                  nf=torch.full((B,), N, dtype=torch.int32, device="cuda"))
+
+    def fn():
+        lo, hi = torch.ops.kvops.far_page_summarize(static["k"], static["pages"])
+        return (lo, hi, *torch.ops.kvops.far_page_select(static["q"], lo, hi, static["nf"], K))
+
+    graph, (lo, hi, idx, val) = capture_graph(fn)
+    for seed in range(1, 4):
+        static["k"].copy_(make_pool(P, S, Hkv, D, torch.float16, "cuda", seed))
+        static["pages"].copy_(make_pages(B, N, P, seed).cuda())
+        static["q"].normal_()
+        static["nf"].copy_(torch.tensor([N, 5, 0, 70], dtype=torch.int32))
+        graph.replay()
+        check_bounds(lo, hi, static["k"], static["pages"], f"graph-{seed}")
+        check_selection(idx.cpu(), val.cpu(), static["q"], lo, hi, static["nf"].cpu(), K,
+                        f"graph-{seed}", score_tol(torch.float16, D))
+
+
+def _bad_inputs():
+    k = make_pool(6, 8, 2, 32, torch.float16, "cpu", 0)
+    pages = make_pages(2, 3, 6, 0)
+    yield "sum-k-rank", torch.ops.kvops.far_page_summarize, (k[0], pages), ValueError, \
+        "k_cache: expected rank 4"
+    yield "sum-k-dtype", torch.ops.kvops.far_page_summarize, (k.double(), pages), TypeError, \
+        "k_cache: expected dtype"
+    yield "sum-page-size", torch.ops.kvops.far_page_summarize, (k[:, :6], pages), ValueError, \
+        "S=6"
+    yield "sum-heads-strided", torch.ops.kvops.far_page_summarize, \
+        (k.transpose(2, 3).contiguous().transpose(2, 3), pages), ValueError, "each page's"
+    yield "sum-pages-dtype", torch.ops.kvops.far_page_summarize, (k, pages.long()), TypeError, \
+        "pages: expected dtype"
+    yield "sum-pages-rank", torch.ops.kvops.far_page_summarize, (k, pages[0]), ValueError, \
+        "pages: expected rank 2"
+    q, lo, hi, nf = make_select_case(2, 5, 2, 2, 32, torch.float16, "cpu", 0)
+    sel = torch.ops.kvops.far_page_select
+    yield "sel-q-rank", sel, (q[0], lo, hi, nf, 2), ValueError, "q: expected rank 3"
+    yield "sel-dtype", sel, (q, lo.float(), hi, nf, 2), TypeError, "k_min: expected dtype"
+    yield "sel-shape", sel, (q, lo, hi[:, :4], nf, 2), ValueError, "k_max: expected shape"
+    yield "sel-heads", sel, (q[:, :3], lo, hi, nf, 2), ValueError, "Hq=3"
+    yield "sel-num-far", sel, (q, lo, hi, nf.long(), 2), TypeError, "num_far: expected dtype"
+    yield "sel-num-far-shape", sel, (q, lo, hi, nf[:1], 2), ValueError, "num_far: expected shape"
+    yield "sel-top-k", sel, (q, lo, hi, nf, 6), ValueError, "top_k: expected an int in"
+    yield "sel-top-k-0", sel, (q, lo, hi, nf, 0), ValueError, "top_k"
+    yield "sel-last-dim", sel, (q, lo.transpose(1, 3).contiguous().transpose(1, 3), hi, nf, 2), \
+        ValueError, "last dim"
+
+
+@pytest.mark.parametrize("name,op,args,exc,msg", list(_bad_inputs()),
+                         ids=[c[0] for c in _bad_inputs()])
+def test_bad_inputs_raise(name, op, args, exc, msg):
+    with pytest.raises(exc, match=msg):
+        op(*args)
+
+
+def test_validation_mode_raises_on_out_of_range_pages():
+    k = make_pool(6, 8, 2, 32, torch.float32, "cpu", 0)
+    ok = torch.tensor([[0, -1, 5]], dtype=torch.int32)
+    with kvops.validate(True):
+        torch.ops.kvops.far_page_summarize(k, ok)
+        with pytest.raises(IndexError, match="pages"):
+            torch.ops.kvops.far_page_summarize(k, torch.tensor([[0, 6]], dtype=torch.int32))
+    lo, hi = torch.ops.kvops.far_page_summarize(k, torch.tensor([[0, 6, -2]], dtype=torch.int32))
+    assert not lo[0, 1:].any() and not hi[0, 1:].any()
