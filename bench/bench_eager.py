@@ -1,0 +1,182 @@
+"""Eager cost of every op beside SDPA's on the same tensors: host us a call, wall us a call,
+and graph-replay us.
+
+- host us/call: time the host spends in a call (N calls back to back, timed before the
+  device sync; shapes are small so the device never holds the host back);
+- wall us/call: the same loop timed through the final sync;
+- graph us: the median CUDA-graph replay time of one call (``bench.common.time_graph``).
+
+The attention rows use Llama-3-8B heads (Hq 32, Hkv 8, D 128), bf16, B 4, 512 tokens (pages of
+16). Copy and pool ops use the same pool; their peers are torch's own indexing ops.
+
+On a CPU machine the bench measures what it can of the host path: the dispatcher and the
+cached checks (an op call minus its PyTorch reference on tiny tensors), and each launcher's own
+Python (plan lookup, allocations) with the Triton launch stubbed out, beside SDPA's dispatch on
+the same tiny tensors.
+
+    python3 -m bench.bench_eager            # writes bench/results/<date>-eager.md on CUDA
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+import kvops  # noqa: F401  (registers the ops)
+
+HQ, HKV, D, S = 32, 8, 128, 16
+
+
+def host_and_wall(fn, n: int = 2000, warm: int = 50) -> tuple[float, float]:
+    """(host us, wall us) a call of ``fn`` over ``n`` back-to-back calls."""
+    for _ in range(warm):
+        fn()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    if cuda:
+        torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return (t1 - t0) / n * 1e6, (t2 - t0) / n * 1e6
+
+
+def cases(device, dtype=torch.bfloat16, B=4, ctx=512):
+    """name -> (op call, peer name, peer call) on shared tensors."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype)
+    L = ctx // S
+    P = B * L + 4
+    q = rnd(B, HQ, D)
+    k, v = rnd(B, ctx, HKV, D), rnd(B, ctx, HKV, D)
+    ws = torch.zeros(B, dtype=torch.int32, device=device)
+    wl = torch.full((B,), ctx, dtype=torch.int32, device=device)
+    kc, vc = rnd(P, S, HKV, D), rnd(P, S, HKV, D)
+    table = torch.arange(B * L, dtype=torch.int32, device=device).view(B, L)
+    seq = torch.full((B,), ctx, dtype=torch.int32, device=device)
+    span = torch.tensor([[2, 6]] * B, dtype=torch.int32, device=device)
+    q4 = q.unsqueeze(2)
+    kd, vd = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+    sdpa = lambda: F.scaled_dot_product_attention(q4, kd, vd, enable_gqa=True)
+    Q = 8
+    k_out, v_out = rnd(Q, S, HKV, D), rnd(Q, S, HKV, D)
+    trains = torch.tensor([[0, 0, 4], [10, 4, 4]], dtype=torch.int32, device=device)
+    num = torch.tensor([2], dtype=torch.int32, device=device)
+    src = torch.arange(8, device=device)
+    chunks = torch.arange(B * 2 * 4, dtype=torch.int32, device=device).view(B, 2, 4)
+    pairs = torch.tensor([[0, 1, 0], [2, 3, 2]], dtype=torch.int32, device=device)
+    backing = torch.empty(2, 2, S, HKV, D, dtype=dtype, device=device)
+    ops = torch.ops.kvops
+    return {
+        "static_sliding_attention": (lambda: ops.static_sliding_attention(q, k, v, ws, wl),
+                                     "sdpa", sdpa),
+        "elastic_attention (native)": (lambda: ops.elastic_attention(q, kc, vc, table, seq),
+                                       "sdpa", sdpa),
+        "elastic_attention (structured)": (
+            lambda: ops.elastic_attention(q, kc, vc, table, seq, base_span=span), "sdpa", sdpa),
+        "paged_gather_merged": (lambda: ops.paged_gather_merged(kc, vc, trains, num, k_out, v_out),
+                                "index_select x2",
+                                lambda: (kc.index_select(0, src), vc.index_select(0, src))),
+        "far_view_summarize": (lambda: ops.far_view_summarize(kc, vc, chunks), "sdpa", sdpa),
+        "pack_base_pairs": (lambda: ops.pack_base_pairs(kc, pairs, backing), "sdpa", sdpa),
+        "refine_base_pairs": (lambda: ops.refine_base_pairs(kc, pairs, backing), "sdpa", sdpa),
+    }
+
+
+def cuda_rows():
+    from bench.common import time_graph
+
+    rows = []
+    sdpa_host = None
+    for name, (op, peer_name, peer) in cases(torch.device("cuda")).items():
+        host, wall = host_and_wall(op)
+        graph = time_graph(op)[1]
+        p_host, p_wall = host_and_wall(peer)
+        p_graph = time_graph(peer)[1]
+        if peer_name == "sdpa":
+            sdpa_host = p_host
+        rows.append([name, host, wall, graph, peer_name, p_host, p_wall, p_graph,
+                     host / p_host, host / sdpa_host if sdpa_host else float("nan")])
+        print(rows[-1], flush=True)
+    headers = ["op", "host us", "wall us", "graph us", "peer", "peer host us", "peer wall us",
+               "peer graph us", "host / peer", "host / sdpa"]
+    return headers, rows
+
+
+def cpu_rows():
+    """Dispatcher + cached checks (op minus reference), launcher Python with the launch
+    stubbed, and SDPA on the same tiny tensors."""
+    import kvops.kernels._launch as launch_mod
+    import kvops.kernels._splitk as splitk
+    import kvops.kernels.elastic_attention as ea
+    import kvops.kernels.static_sliding_attention as ssa
+    from kvops.ops.elastic_attention import elastic_attention_ref
+    from kvops.ops.static_sliding_attention import static_sliding_attention_ref
+
+    dev = torch.device("cpu")
+    B, ctx = 1, 32
+    dt = torch.float32
+    q = torch.randn(B, HQ, D, dtype=dt)
+    k, v = torch.randn(B, ctx, HKV, D, dtype=dt), torch.randn(B, ctx, HKV, D, dtype=dt)
+    ws = torch.zeros(B, dtype=torch.int32)
+    wl = torch.full((B,), ctx, dtype=torch.int32)
+    kc, vc = torch.randn(4, S, HKV, D, dtype=dt), torch.randn(4, S, HKV, D, dtype=dt)
+    table = torch.arange(2, dtype=torch.int32).view(1, 2)
+    seq = torch.full((B,), ctx, dtype=torch.int32)
+    q4, kd, vd = q.unsqueeze(2), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+    ops = torch.ops.kvops
+    sdpa = lambda: F.scaled_dot_product_attention(q4, kd, vd, enable_gqa=True)
+    rows = []
+    t_sdpa = host_and_wall(sdpa, n=3000)[0]
+    for name, op, ref in (
+        ("static_sliding_attention", lambda: ops.static_sliding_attention(q, k, v, ws, wl),
+         lambda: static_sliding_attention_ref(q, k, v, ws, wl)),
+        ("elastic_attention", lambda: ops.elastic_attention(q, kc, vc, table, seq),
+         lambda: elastic_attention_ref(q, kc, vc, table, seq)),
+    ):
+        t_op = host_and_wall(op, n=3000)[0]
+        t_ref = host_and_wall(ref, n=3000)[0]
+        rows.append([name, "dispatcher + cached checks", t_op - t_ref, t_sdpa])
+    stub = lambda *a, **kw: None
+    saved = (ssa.launch, ea.launch, splitk.launch)
+    ssa.launch = ea.launch = splitk.launch = stub
+    try:
+        for name, fn in (
+            ("static_sliding_attention", lambda: ssa.static_sliding_attention_fwd(q, k, v, ws, wl)),
+            ("elastic_attention", lambda: ea.elastic_attention_fwd(q, kc, vc, table, seq)),
+        ):
+            rows.append([name, "launcher Python (launch stubbed)",
+                         host_and_wall(fn, n=3000)[0], t_sdpa])
+    finally:
+        ssa.launch, ea.launch, splitk.launch = saved
+    del launch_mod, dev
+    return ["op", "part", "host us", "sdpa host us (CPU, whole call)"], rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.parse_args()
+    from bench.common import table, write_result
+
+    if torch.cuda.is_available():
+        headers, rows = cuda_rows()
+        text = table(headers, rows)
+        path = write_result("eager", "Llama-3-8B heads, bf16, B 4 x 512 (pages of 16).\n\n"
+                            + text)
+    else:
+        headers, rows = cpu_rows()
+        text = table(headers, rows)
+        path = None
+    print(text)
+    if path:
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
