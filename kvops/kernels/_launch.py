@@ -56,8 +56,8 @@ def launch(kernel, grid: tuple, key, args: tuple, meta: dict) -> None:
             compiled, tail = hit
             g = grid + (1,) * (3 - len(grid))
             stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
-            head = (g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata,
-                    None, None, None)
+            head = (g[0], g[1], g[2], stream, compiled.function,
+                    getattr(compiled, "packed_metadata", None), None, None, None)
             mode = _STATE["tail"]
             if mode is True:
                 compiled.run(*head, *args, *tail)
@@ -66,9 +66,9 @@ def launch(kernel, grid: tuple, key, args: tuple, meta: dict) -> None:
                 compiled.run(*head, *args)
                 return
             for tail_mode, full in ((True, args + tail), (False, args)):
-                try:
+                try:       # a launcher that rejects its arguments launches nothing
                     compiled.run(*head, *full)
-                except (TypeError, ValueError, IndexError, SystemError):
+                except Exception:  # noqa: BLE001 - any refusal: try the other convention
                     continue
                 _STATE["tail"] = tail_mode
                 return
