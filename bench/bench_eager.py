@@ -72,6 +72,8 @@ def cases(device, dtype=torch.bfloat16, B=4, ctx=512):
     chunks = torch.arange(B * 2 * 4, dtype=torch.int32, device=device).view(B, 2, 4)
     pairs = torch.tensor([[0, 1, 0], [2, 3, 2]], dtype=torch.int32, device=device)
     backing = torch.empty(2, 2, S, HKV, D, dtype=dtype, device=device)
+    slots = torch.arange(B, dtype=torch.int32, device=device) * S
+    q_start = torch.arange(B + 1, dtype=torch.int32, device=device)
     ops = torch.ops.kvops
     return {
         "static_sliding_attention": (lambda: ops.static_sliding_attention(q, k, v, ws, wl),
@@ -86,6 +88,13 @@ def cases(device, dtype=torch.bfloat16, B=4, ctx=512):
         "far_view_summarize": (lambda: ops.far_view_summarize(kc, vc, chunks), "sdpa", sdpa),
         "pack_base_pairs": (lambda: ops.pack_base_pairs(kc, pairs, backing), "sdpa", sdpa),
         "refine_base_pairs": (lambda: ops.refine_base_pairs(kc, pairs, backing), "sdpa", sdpa),
+        "paged_kv_write": (lambda: ops.paged_kv_write(q[:, :HKV], q[:, :HKV], kc, vc, slots),
+                           "index_put_ x2", lambda: (kc.view(-1, HKV, D).index_put_((slots.long(),),
+                                                                               q[:, :HKV]),
+                                                     vc.view(-1, HKV, D).index_put_((slots.long(),),
+                                                                               q[:, :HKV]))),
+        "paged_prefill_attention": (
+            lambda: ops.paged_prefill_attention(q, kc, vc, table, q_start, seq), "sdpa", sdpa),
     }
 
 

@@ -16,7 +16,8 @@ from kvops.layouts import codecs
 from tests.conftest import requires_cuda
 
 OPS = ["static_sliding_attention", "elastic_attention", "paged_gather_merged",
-       "far_view_summarize", "pack_base_pairs", "refine_base_pairs"]
+       "far_view_summarize", "pack_base_pairs", "refine_base_pairs", "paged_kv_write",
+       "paged_prefill_attention"]
 PAGES_MSG = r"expected contiguous pages \[S, Hkv, D\] \(any page stride\)"
 
 
@@ -67,7 +68,20 @@ def _calls(k, v, device):
                                           back)
         return packed, kc, before
 
+    def write(kc, vc):
+        kc, vc = kc.clone() if kc.is_contiguous() else kc, vc.clone() if vc.is_contiguous() else vc
+        new = torch.ones(3, Hkv, D, dtype=k.dtype, device=device)
+        slots = torch.tensor([0, S + 3, -1], dtype=torch.int32, device=device)
+        torch.ops.kvops.paged_kv_write(new, -new, kc, vc, slots)
+        return kc, vc
+
+    qs = torch.tensor([0, 2, 3], dtype=torch.int32, device=device)
+    qp = q[:, :, :].reshape(B * Hkv * 2, D)[:3].reshape(3, 1, D).expand(3, Hkv * 2, D)
+    qp = qp.contiguous()
     return {
+        "paged_kv_write": write,
+        "paged_prefill_attention": lambda kc, vc: torch.ops.kvops.paged_prefill_attention(
+            qp, kc, vc, table, qs, seq),
         "elastic_attention": lambda kc, vc: torch.ops.kvops.elastic_attention(q, kc, vc, table,
                                                                               seq),
         "elastic_attention (structured)": lambda kc, vc: torch.ops.kvops.elastic_attention(

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from kvops.kernels._attention import LOG2E, dot
 from kvops.kernels._common import dot_precision, next_pow2
+from kvops.kernels._launch import launch
 
 
 def prefill_tile(N: int, B: int, G: int, D: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -194,13 +195,16 @@ def paged_prefill_attention_fwd(
     block_q = bm // G
     num_tiles = N // block_q + B + 1
     scale = D ** -0.5 if scale is None else scale
-    _paged_prefill_kernel[(num_tiles, Hkv)](
-        q, k_cache, v_cache, block_table, query_start, seq_lens, out, lse,
-        N, B, P, L, num_tiles, window, scale * LOG2E.value,
-        q.stride(0), q.stride(1), k_cache.stride(0), v_cache.stride(0),
-        block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0),
-        S=S, HKV=Hkv, G=G, D=D, BLOCK_Q=block_q, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_D=next_pow2(max(D, 16)), BLOCK_B=min(1024, next_pow2(B + 1)),
-        WINDOW=window > 0, PRECISION=dot_precision(q.dtype), num_warps=nw, num_stages=ns,
-    )
+    ints = (N, B, P, L, num_tiles, window)
+    strides = (q.stride(0), q.stride(1), k_cache.stride(0), v_cache.stride(0),
+               block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0))
+    meta = dict(S=S, HKV=Hkv, G=G, D=D, BLOCK_Q=block_q, BLOCK_M=bm, BLOCK_N=bn,
+                BLOCK_D=next_pow2(max(D, 16)), BLOCK_B=min(1024, next_pow2(B + 1)),
+                WINDOW=window > 0, PRECISION=dot_precision(q.dtype), num_warps=nw, num_stages=ns)
+    key = (ints, strides, q.dtype, q.device, tuple(meta.values()),
+           tuple(t.data_ptr() % 16 for t in (q, k_cache, v_cache, block_table, query_start,
+                                             seq_lens)))
+    launch(_paged_prefill_kernel, (num_tiles, Hkv), key,
+           (q, k_cache, v_cache, block_table, query_start, seq_lens, out, lse, *ints,
+            scale * LOG2E.value, *strides), meta)
     return out, lse
