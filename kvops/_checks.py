@@ -120,3 +120,13 @@ def index_range(name: str, t: torch.Tensor, lo: int, hi: int, *, allow: int | No
         first = t[bad].flatten()[0].item()
         extra = f" or {allow}" if allow is not None else ""
         raise IndexError(f"{name}: values must lie in [{lo}, {hi}){extra}, found {first}")
+
+
+def signature(t):
+    """One tensor's part of an argument signature (None stays None): shape, strides, dtype,
+    device index (-1 on the CPU; meta and fake tensors never reach an implementation) and
+    whether its data is 16-byte aligned, which compiled kernels specialize on. Ops cache their
+    checks and launch plans by the signatures of their arguments."""
+    if t is None:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16 == 0)

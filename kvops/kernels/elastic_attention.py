@@ -50,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvops._checks import signature as sig
 from kvops.kernels._attention import (
     dot,
     finish_rows,
@@ -701,6 +702,7 @@ def ptx_decode_ok(codec: int, props: DeviceProps) -> bool:
 
 
 _PLANS: dict = {}
+_NO_KNOBS = (None,) * 7
 
 
 def _plan(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, scale, knobs):
@@ -757,6 +759,7 @@ def elastic_attention_fwd(
     *, num_splits: int | None = None, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None,
     base_stages: int | None = None, ptx_decode: bool | None = None, pdl: bool | None = None,
+    signature=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the elastic paged decode kernel. Inputs are already checked by the op (BASE
     paths: 4-byte aligned pools with even page strides; general path: fewer than 2**30 pages).
@@ -768,17 +771,15 @@ def elastic_attention_fwd(
     runs' depth, ``base_stages`` BASE runs'); ``ptx_decode`` picks the inline-PTX BASE decode
     (``_planes``; default, and allowed, on compiled NVIDIA code, for e4m3 on sm_89 and newer;
     ``ValueError`` if forced elsewhere), ``pdl`` programmatic dependent launch (default on
-    Hopper and newer, see ``_splitk.use_pdl``). A launch's plan is kept per argument signature.
+    Hopper and newer, see ``_splitk.use_pdl``). A launch's plan is kept per argument signature
+    (``signature``: the op's, else one is computed here).
     """
     knobs = (block_n, num_splits, num_warps, num_stages, base_stages, ptx_decode, pdl)
-    key = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(),
-           v_cache.stride(), k_cache.dtype, block_table.shape, block_table.stride(),
-           None if block_mode is None else block_mode.stride(),
-           None if base_span is None else base_span.stride(), scale, knobs,
-           q.data_ptr() % 16, k_cache.data_ptr() % 16, v_cache.data_ptr() % 16,
-           block_table.data_ptr() % 16, seq_lens.data_ptr() % 16,
-           None if block_mode is None else block_mode.data_ptr() % 16,
-           None if base_span is None else base_span.data_ptr() % 16)
+    if signature is not None and knobs == _NO_KNOBS:
+        key = signature
+    else:
+        key = (knobs, sig(q), sig(k_cache), sig(v_cache), sig(block_table), sig(seq_lens),
+               sig(block_mode), sig(base_span), scale)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _plan(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, scale,

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvops._checks import signature as sig
 from kvops.kernels._attention import (
     LOG2E,
     finish_rows,
@@ -173,6 +174,7 @@ def sliding_launch(B: int, Hkv: int, W: int, D: int, itemsize: int, has_far: boo
 
 
 _PLANS: dict = {}
+_NO_KNOBS = (None,) * 5
 
 
 def _plan(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale, knobs):
@@ -214,6 +216,7 @@ def static_sliding_attention_fwd(
     far_bias: torch.Tensor | None = None, scale: float | None = None,
     *, num_splits: int | None = None, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, pdl: bool | None = None,
+    signature=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the sliding-window decode kernel. Inputs are already checked by the op.
 
@@ -221,16 +224,16 @@ def static_sliding_attention_fwd(
     far_k, far_v [B, C, Hkv, D] and far_bias float32 [B, C], or all None.
     Returns out [B, Hq, D] (q.dtype) and lse float32 [B, Hq].
     The keyword-only knobs override the launch rule (``sliding_launch``; benchmarks and tests
-    use them). A launch's plan (rule, strides, constants) is kept per argument signature.
+    use them). A launch's plan (rule, strides, constants) is kept per argument signature:
+    ``signature`` is the op's (``kvops.ops._library.sig`` of every argument), else one is
+    computed here.
     """
     knobs = (block_n, num_splits, num_warps, num_stages, pdl)
-    key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), v.stride(), k.dtype,
-           None if far_k is None else (far_k.shape, far_k.stride(), far_v.stride()),
-           None if far_bias is None else far_bias.stride(), scale, knobs,
-           q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16,
-           0 if far_k is None else (far_k.data_ptr() % 16, far_v.data_ptr() % 16,
-                                    far_bias.data_ptr() % 16),
-           win_start.data_ptr() % 16, win_len.data_ptr() % 16)
+    if signature is not None and knobs == _NO_KNOBS:
+        key = signature
+    else:
+        key = (knobs, sig(q), sig(k), sig(v), sig(win_start), sig(win_len), sig(far_k),
+               sig(far_v), sig(far_bias), scale)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _plan(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale, knobs)

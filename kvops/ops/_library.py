@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import torch
 
+from kvops._checks import signature as sig  # noqa: F401  (re-exported for the ops)
+
 LIB = torch.library.Library("kvops", "DEF")
 
 # Checked argument signatures a cache keeps before it starts over (a serving process sees a
@@ -60,10 +62,3 @@ class CheckedSignatures:
             self._seen.clear()
         self._seen[key] = value
         return value
-
-
-def sig(t):
-    """One tensor's part of a signature (None stays None)."""
-    if t is None:
-        return None
-    return (t.shape, t.stride(), t.dtype, t.device)

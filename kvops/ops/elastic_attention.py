@@ -137,9 +137,9 @@ _checked = CheckedSignatures(_check)
 
 def _impl(q, k_cache, v_cache, block_table, seq_lens, block_mode=None, base_span=None,
           scale=None):
-    _checked((sig(q), sig(k_cache), sig(v_cache), sig(block_table), sig(seq_lens),
-              sig(block_mode), sig(base_span), type(scale)),
-             q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, scale)
+    key = (sig(q), sig(k_cache), sig(v_cache), sig(block_table), sig(seq_lens), sig(block_mode),
+           sig(base_span), scale)
+    _checked(key, q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, scale)
     if validate():
         _validate(k_cache, block_table, seq_lens, block_mode, base_span)
     if use_triton(q.device):
@@ -152,7 +152,7 @@ def _impl(q, k_cache, v_cache, block_table, seq_lens, block_mode=None, base_span
                                      f"4-byte aligned pool, got address % 4 = {c.data_ptr() % 4}")
 
         return elastic_attention_fwd(q, k_cache, v_cache, block_table, seq_lens, block_mode,
-                                     base_span, scale)
+                                     base_span, scale, signature=key)
     return elastic_attention_ref(q, k_cache, v_cache, block_table, seq_lens, block_mode,
                                  base_span, scale)
 

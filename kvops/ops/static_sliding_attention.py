@@ -114,16 +114,16 @@ def static_sliding_attention_ref(
 
 
 def _impl(q, k, v, win_start, win_len, far_k=None, far_v=None, far_bias=None, scale=None):
-    _checked((sig(q), sig(k), sig(v), sig(win_start), sig(win_len), sig(far_k), sig(far_v),
-              sig(far_bias), type(scale)),
-             q, k, v, win_start, win_len, far_k, far_v, far_bias, scale)
+    key = (sig(q), sig(k), sig(v), sig(win_start), sig(win_len), sig(far_k), sig(far_v),
+           sig(far_bias), scale)
+    _checked(key, q, k, v, win_start, win_len, far_k, far_v, far_bias, scale)
     if validate():
         _validate(k, win_start, win_len)
     if use_triton(q.device):
         from kvops.kernels.static_sliding_attention import static_sliding_attention_fwd
 
         return static_sliding_attention_fwd(q, k, v, win_start, win_len, far_k, far_v, far_bias,
-                                            scale)
+                                            scale, signature=key)
     return static_sliding_attention_ref(q, k, v, win_start, win_len, far_k, far_v, far_bias,
                                         scale)
 
