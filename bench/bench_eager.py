@@ -30,7 +30,7 @@ import kvops  # noqa: F401  (registers the ops)
 HQ, HKV, D, S = 32, 8, 128, 16
 
 
-def host_and_wall(fn, n: int = 2000, warm: int = 50) -> tuple[float, float]:
+def host_and_wall(fn, n: int = 1000, warm: int = 30) -> tuple[float, float]:
     """(host us, wall us) a call of ``fn`` over ``n`` back-to-back calls."""
     for _ in range(warm):
         fn()

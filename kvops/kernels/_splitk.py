@@ -100,3 +100,20 @@ def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor
            (part_o, part_lse, out, lse, part_o.stride(0), part_o.stride(1), out.stride(0), NSP),
            dict(D=D, BLOCK_S=next_pow2(NSP), BLOCK_D=next_pow2(D), USE_PDL=pdl,
                 num_warps=merge_warps(D), **({"launch_pdl": True} if pdl else {})))
+
+
+def merge_plan(B: int, Hq: int, nsp: int, D: int, dtype: torch.dtype, pdl: bool):
+    """What :func:`merge_split_outputs` launches for ``split_outputs(B, Hq, D, nsp, ...)``'s
+    tensors, computed once per launch plan: (grid, key, runtime integers, constants)."""
+    R = B * Hq
+    ints = (nsp * D, D, D, nsp)
+    meta = dict(D=D, BLOCK_S=next_pow2(nsp), BLOCK_D=next_pow2(D), USE_PDL=pdl,
+                num_warps=merge_warps(D), **({"launch_pdl": True} if pdl else {}))
+    return (R,), ("merge", ints, dtype, pdl), ints, meta
+
+
+def merge_split_outputs(plan, part_o, part_l, out, lse) -> None:
+    """Merge the partials of ``split_outputs`` into ``out``/``lse`` by a :func:`merge_plan`
+    (fresh allocations: contiguous and 16-byte aligned)."""
+    grid, key, ints, meta = plan
+    launch(_merge_splits_kernel, grid, key, (part_o, part_l, out, lse, *ints), meta)

@@ -71,7 +71,13 @@ from kvops.kernels._common import (
     next_pow2,
 )
 from kvops.kernels._launch import launch
-from kvops.kernels._splitk import default_num_splits, merge_splits, split_outputs, use_pdl
+from kvops.kernels._splitk import (
+    default_num_splits,
+    merge_plan,
+    merge_split_outputs,
+    split_outputs,
+    use_pdl,
+)
 from kvops.layouts.codecs import CODEC_IDS
 
 
@@ -748,7 +754,9 @@ def _plan(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, sca
         halves = ((triton.cdiv(block_table.numel(), 1024),),
                   (block_table.numel(), NB, block_table.stride(0), block_mode.stride(0)),
                   dict(BLOCK=1024, PDL_TRIGGER=pdl_wait, num_warps=4))
-    return (B, Hq, D, nsp, pdl, scale * LOG2E, ints, meta, (B * Hkv, nsp), halves_table, halves)
+    merge = merge_plan(B, Hq, nsp, D, q.dtype, pdl) if nsp > 1 else None
+    return (B, Hq, D, nsp, pdl, scale * LOG2E, ints, meta, (B * Hkv, nsp), halves_table, halves,
+            merge)
 
 
 def elastic_attention_fwd(
@@ -787,7 +795,7 @@ def elastic_attention_fwd(
         if len(_PLANS) >= 4096:
             _PLANS.clear()
         _PLANS[key] = plan
-    B, Hq, D, nsp, pdl, scale_log2, ints, meta, grid, halves_table, halves = plan
+    B, Hq, D, nsp, pdl, scale_log2, ints, meta, grid, halves_table, halves, merge = plan
     out, lse, part_o, part_l, _ = split_outputs(B, Hq, D, nsp, q.dtype, q.device)
     if B == 0:
         return out, lse
@@ -804,7 +812,6 @@ def elastic_attention_fwd(
     launch(_elastic_decode_kernel, grid, key,
            (q, k_cache, v_cache, table, seq_lens, block_mode, base_span, part_o, part_l,
             scale_log2, *ints), meta)
-    if nsp > 1:
-        merge_splits(part_o.view(B * Hq, nsp, D), part_l.view(B * Hq, nsp),
-                     out.view(B * Hq, D), lse.view(B * Hq), pdl=pdl)
+    if merge is not None:
+        merge_split_outputs(merge, part_o, part_l, out, lse)
     return out, lse

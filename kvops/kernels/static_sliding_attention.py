@@ -38,7 +38,13 @@ from kvops.kernels._common import (
     next_pow2,
 )
 from kvops.kernels._launch import launch
-from kvops.kernels._splitk import default_num_splits, merge_splits, split_outputs, use_pdl
+from kvops.kernels._splitk import (
+    default_num_splits,
+    merge_plan,
+    merge_split_outputs,
+    split_outputs,
+    use_pdl,
+)
 
 
 @triton.jit
@@ -206,7 +212,8 @@ def _plan(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale, knobs):
     meta = dict(G=G, D=D, BLOCK_G=max(16, next_pow2(G)), BLOCK_D=next_pow2(D),
                 BLOCK_N=lp.block_n, HAS_FAR=has_far, PRECISION=dot_precision(q.dtype),
                 USE_PDL=pdl, num_warps=lp.warps, num_stages=lp.stages)
-    return (B, Hq, D, nsp, pdl, scale * LOG2E_F, ints, meta, (B * Hkv, nsp))
+    merge = merge_plan(B, Hq, nsp, D, q.dtype, pdl) if nsp > 1 else None
+    return (B, Hq, D, nsp, pdl, scale * LOG2E_F, ints, meta, (B * Hkv, nsp), merge)
 
 
 def static_sliding_attention_fwd(
@@ -240,14 +247,13 @@ def static_sliding_attention_fwd(
         if len(_PLANS) >= 4096:
             _PLANS.clear()
         _PLANS[key] = plan
-    B, Hq, D, nsp, pdl, scale_log2, ints, meta, grid = plan
+    B, Hq, D, nsp, pdl, scale_log2, ints, meta, grid, merge = plan
     out, lse, part_o, part_l, _ = split_outputs(B, Hq, D, nsp, q.dtype, q.device)
     if far_k is None:
         far_k, far_v, far_bias = k, v, lse
     launch(_sliding_window_kernel, grid, key,
            (q, k, v, win_start, win_len, far_k, far_v, far_bias, part_o, part_l, scale_log2,
             *ints), meta)
-    if nsp > 1:
-        merge_splits(part_o.view(B * Hq, nsp, D), part_l.view(B * Hq, nsp),
-                     out.view(B * Hq, D), lse.view(B * Hq), pdl=pdl)
+    if merge is not None:
+        merge_split_outputs(merge, part_o, part_l, out, lse)
     return out, lse
