@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvops.kernels._attention import LOG2E, dot
+from kvops.kernels._attention import LN2, LOG2E, dot
 from kvops.kernels._common import dot_precision, next_pow2
 from kvops.kernels._launch import launch
 
@@ -165,7 +165,7 @@ def _paged_prefill_kernel(
             PRECISION)
     b_has = b_l > 0
     b_out = b_acc / tl.where(b_has, b_l, 1.0)[:, None]
-    b_lse = tl.where(b_has, (b_m + tl.log2(tl.where(b_has, b_l, 1.0))) * 0.6931471805599453,
+    b_lse = tl.where(b_has, (b_m + tl.log2(tl.where(b_has, b_l, 1.0))) * LN2,
                      float("-inf"))
     tl.store(p_o, b_out.to(p_o.dtype.element_ty), mask=m_o)
     tl.store(p_lse, b_lse, mask=m_r)
