@@ -304,3 +304,22 @@ def test_validation_mode_raises_on_out_of_range():
     with kvops.validate(True), pytest.raises(IndexError, match="win_start"):
         torch.ops.kvops.static_sliding_attention(**case)
     assert kvops.validate() is False
+
+
+def test_transformers_layout_is_named_or_poisoned():
+    """K/V in transformers' [B, Hkv, T, D]: when Hq % T != 0 the heads error names the layout;
+    when the shapes fit (T divides Hq) and win_len = T exceeds W (read as Hkv), the rows are
+    NaN, and validation mode raises naming the layout."""
+    B, Hq, Hkv, D = 2, 8, 2, 32
+    q = torch.randn(B, Hq, D)
+    bad = torch.randn(B, Hkv, 3, D)                         # T = 3 does not divide Hq
+    wl = torch.full((B,), 3, dtype=torch.int32)
+    ws = torch.zeros(B, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"\[B, Hkv, T, D\]"):
+        torch.ops.kvops.static_sliding_attention(q, bad, bad, ws, wl)
+    fits = torch.randn(B, Hkv, 4, D)                        # T = 4 divides Hq: shapes pass
+    wl.fill_(4)
+    out, lse = torch.ops.kvops.static_sliding_attention(q, fits, fits, ws, wl)
+    assert out.isnan().all() and lse.isnan().all()
+    with kvops.validate(True), pytest.raises(IndexError, match=r"\[B, Hkv, T, D\]"):
+        torch.ops.kvops.static_sliding_attention(q, fits, fits, ws, wl)

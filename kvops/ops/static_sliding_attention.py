@@ -169,7 +169,8 @@ def static_sliding_attention(
     win_len above W is what K/V in transformers' [B, Hkv, T, D] layout look like when
     Hq % T == 0 lets the shapes pass (W is then read as Hkv). Validation mode
     (``kvops.validate(True)``) checks win_start and win_len on the host and raises IndexError
-    naming that layout.
+    naming that layout. When the shapes do not fit, the heads error names it. One case no check
+    can tell apart: T == Hkv with win_len <= T (a square [Hkv, T] block read transposed).
 
     CUDA tensors run the Triton kernel (``kvops.kernels.static_sliding_attention``); CPU tensors
     run :func:`~kvops.ops.static_sliding_attention.static_sliding_attention_ref` (or the
