@@ -289,9 +289,9 @@ def test_mixed_split_edges(kernel_device, path, S, long_split, monkeypatch):
     case["seq_lens"][1] = min(int(case["seq_lens"][1]), nsp * 24 - 1)   # equal rows at "mixed"
     case["seq_lens"][2] = nsp * 24                                       # weighted from here
     caught = []
-    merge = ea.merge_splits
-    monkeypatch.setattr(ea, "merge_splits", lambda part_o, part_l, *a, **k: (
-        caught.append(part_l.clone()), merge(part_o, part_l, *a, **k)))
+    merge = ea.merge_split_outputs
+    monkeypatch.setattr(ea, "merge_split_outputs", lambda plan, part_o, part_l, *a: (
+        caught.append(part_l.clone()), merge(plan, part_o, part_l, *a)))
     elastic_attention_fwd(**case, num_splits=nsp)
     part_l = caught[0].view(B, 4, nsp).double().cpu()
     cpu = {name: t.cpu() for name, t in case.items()}

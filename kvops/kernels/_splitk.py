@@ -84,24 +84,6 @@ def split_outputs(B: int, Hq: int, D: int, nsp: int, dtype: torch.dtype, device:
     return out, lse, part_o, part_l, part_o.stride(2)
 
 
-def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, pdl: bool = False) -> None:
-    """Merge split partials into ``out``/``lse`` in place (``pdl``: see :func:`use_pdl`).
-
-    part_o   [R, NSP, D] float32   normalized partial outputs
-    part_lse [R, NSP]    float32   natural-log sum-exp of each split (-inf: empty)
-    out      [R, D]      any float (rows contiguous in D)
-    lse      [R]         float32
-    """
-    R, NSP, D = part_o.shape
-    launch(_merge_splits_kernel, (R,),
-           (R, NSP, D, part_o.stride(0), part_o.stride(1), out.stride(0), out.dtype, pdl,
-            part_o.data_ptr() % 16, out.data_ptr() % 16),
-           (part_o, part_lse, out, lse, part_o.stride(0), part_o.stride(1), out.stride(0), NSP),
-           dict(D=D, BLOCK_S=next_pow2(NSP), BLOCK_D=next_pow2(D), USE_PDL=pdl,
-                num_warps=merge_warps(D), **({"launch_pdl": True} if pdl else {})))
-
-
 def merge_plan(B: int, Hq: int, nsp: int, D: int, dtype: torch.dtype, pdl: bool):
     """What :func:`merge_split_outputs` launches for ``split_outputs(B, Hq, D, nsp, ...)``'s
     tensors, computed once per launch plan: (grid, key, runtime integers, constants)."""

@@ -22,7 +22,7 @@ one), and each run is a plain pipelined loop of single-form tiles: TARGET tiles 
 values, BASE tiles read their half of the pair page as 32-bit words of four bytes and decode
 them into four byte planes (``_planes``), against which the query group and the accumulator are
 split the same way for the run. So a tile costs the bytes and the instructions of its own form
-only. Splits are merged by ``_splitk.merge_splits``. The mixed paths cut long splits where
+only. Splits are merged by ``_splitk.merge_split_outputs``. The mixed paths cut long splits where
 they cost alike rather than at equal rows (``weighted_from``).
 
 Launch shapes come from ``elastic_launch``: one-warp programs of 16-row tiles on the native

@@ -4,7 +4,7 @@ One program handles one (sequence, KV head, split): it loads the ``G`` query hea
 head's group once, streams its share of the visible window slots in logical (ring) order, so
 each K/V row is read once for the whole group and invisible slots are never read, and writes a
 normalized partial. With one split the partial is the output; with more, a second fixed-shape
-launch merges them (``_splitk.merge_splits``). The far view, when given, is one extra split
+launch merges them (``_splitk.merge_split_outputs``). The far view, when given, is one extra split
 of the same launch.
 """
 
