@@ -23,9 +23,10 @@ SLIDING = [
     ((4, 8, 32768, 128, False, H200), (128, 4, 4, 3)),
     ((16, 8, 4096, 128, False, H200), (128, 1, 4, 3)),     # 128 programs: one full wave
     ((64, 8, 2048, 128, False, H200), (128, 1, 4, 3)),
-    ((128, 8, 1024, 128, False, H200), (64, 1, 4, 2)),     # short windows: short-loop tile
-    ((128, 1, 1024, 128, False, H200), (64, 2, 4, 2)),     # ... re-split for that tile
-    ((128, 2, 1024, 128, False, H200), (64, 1, 4, 2)),
+    ((128, 8, 1024, 128, False, H200), (64, 1, 4, 3)),     # short windows, > 1 program an SM
+    ((128, 1, 1024, 128, False, H200), (128, 1, 4, 3)),    # ... one wave of programs: 128 rows
+    ((128, 2, 1024, 128, False, H200), (64, 1, 4, 3)),
+    ((128, 4, 1024, 256, False, H200), (64, 1, 4, 3)),     # D 256: 64-row tiles already
     ((9, 8, 4096, 128, False, H200), (64, 3, 4, 3)),       # partial wave: 64-row tiles, re-split
     ((9, 8, 4096, 128, True, H200), (128, 1, 4, 3)),       # far slots keep the tile
     ((16, 4, 4096, 256, False, H200), (64, 2, 4, 3)),      # D 256: 64-row tiles
@@ -52,7 +53,8 @@ ELASTIC = [
     ((0, 16, 8, 4, 256, 16, 128, A100), (16, 6, 1, 5, 5)),       # no dense shape on 163 KiB
     ((0, 1, 8, 4, 1024, 16, 128, H200), (16, 64, 1, 5, 5)),      # one sequence: 64 splits
     ((0, 128, 8, 4, 64, 16, 128, H200), (16, 1, 1, 5, 5)),
-    ((0, 128, 2, 4, 64, 16, 128, H200), (16, 4, 1, 5, 5)),
+    ((0, 128, 2, 4, 64, 16, 128, H200), (64, 1, 4, 5, 5)),      # two waves: 64-row dense
+    ((0, 128, 3, 4, 64, 16, 128, H200), (16, 2, 1, 5, 5)),      # three waves: split one-warp
     ((1, 128, 8, 4, 256, 64, 128, H200), (32, 1, 1, 4, 5)),      # mixed, >= 6 programs an SM
     ((1, 64, 8, 4, 256, 16, 128, H200), (32, 1, 1, 5, 7)),      # BASE runs a buffer deeper
     ((2, 16, 8, 4, 1024, 16, 128, H200), (32, 4, 1, 5, 7)),
@@ -69,7 +71,9 @@ def test_elastic_launch_table(args, want):
 def test_native_dense_tile_needs_one_full_wave_and_the_shared_memory():
     assert native_dense_tile(128, 4, 128, 2, H200) == 128
     assert native_dense_tile(100, 4, 128, 2, H200) is None          # 76 % of the SMs
-    assert native_dense_tile(200, 4, 128, 2, H200) is None          # two waves
+    assert native_dense_tile(200, 4, 128, 2, H200) is None          # two waves, 76 % full
+    assert native_dense_tile(256, 4, 128, 2, H200) == 64            # two waves, 97 %: 64 rows
+    assert native_dense_tile(300, 4, 128, 2, H200) is None          # three waves
     assert native_dense_tile(128, 4, 128, 2, A100) is None
 
 

@@ -607,13 +607,17 @@ def native_dense_tile(pairs: int, G: int, D: int, itemsize: int,
     keep 16-row one-warp split programs. Taken where it was measured to win (docs/tuning.md):
     16-bit K/V of D 65-128, query groups of at most 16 heads, a GPU that lets a program use
     ``DENSE_SMEM``, and one program a (sequence, KV head) filling one wave of the SMs to at
-    least ``WAVE_FILL``."""
+    least ``WAVE_FILL`` with 128-row tiles, or two waves with 64-row tiles (two programs an SM,
+    so again one wave)."""
     if itemsize != 2 or next_pow2(D) != 128 or next_pow2(G) > 16:
         return None
     if props.smem < DENSE_SMEM:
         return None
     waves, fill = grid_waves(pairs, props.sms)
-    return kv_block_n(D, itemsize) if waves == 1 and fill >= WAVE_FILL else None
+    if fill < WAVE_FILL or waves > 2:
+        return None
+    # two waves' worth of programs: half tiles, two programs an SM in one wave
+    return kv_block_n(D, itemsize) if waves == 1 else kv_block_n(D, itemsize) // 2
 
 
 def default_num_stages(mode: int, programs_per_sm: float, tile_bytes: int) -> int:

@@ -122,7 +122,7 @@ def _sliding_window_kernel(
                 stride_lb, stride_lh, G, D, BLOCK_G, BLOCK_D)
 
 
-SHORT_WINDOW = 1024   # unsplit windows up to this many rows take the short-loop tile
+SHORT_WINDOW = 1024   # unsplit windows up to this many rows: the short-window rule
 SPILL_FILL = 0.82     # past one wave: 128-row grids filling at most this share of their slots
 IDLE_FILL = 0.65      # within one wave: unsplit 128-row grids busy on at most this share of SMs
 
@@ -154,8 +154,8 @@ def sliding_launch(B: int, Hkv: int, W: int, D: int, itemsize: int, has_far: boo
 
     - tile rows ``kv_block_n`` (64 KiB of K and V), split count ``default_num_splits`` (about
       64 KiB of tiles in flight an SM), 4 warps, 3 stages;
-    - unsplit windows of at most ``SHORT_WINDOW`` rows: 64-row tiles, 2 stages, and the split
-      count again for the smaller tile (few short programs leave the SMs idle);
+    - unsplit windows of at most ``SHORT_WINDOW`` rows with more programs than SMs: 64-row
+      tiles (several short programs an SM); with at most one program an SM the large tile;
     - other unsplit launches without far slots: ``wave_tile``, re-split for its tile.
     """
     tuned_tile = block_n is None and stages is None
@@ -166,10 +166,9 @@ def sliding_launch(B: int, Hkv: int, W: int, D: int, itemsize: int, has_far: boo
         splits = default_num_splits(pairs, W, block_n, kv_tile_bytes(block_n, D, itemsize),
                                     props.sms)
     if tuned_tile and splits == 1 and W <= SHORT_WINDOW:
-        block_n, stages = min(block_n, 64), 2
-        if auto_splits:
-            splits = default_num_splits(pairs, W, block_n,
-                                        kv_tile_bytes(block_n, D, itemsize), props.sms)
+        if pairs > props.sms:          # more than one program an SM: the short-loop tile
+            block_n = min(block_n, 64)
+        stages = 3
     elif tuned_tile and auto_splits and splits == 1 and not has_far:
         tile = wave_tile(pairs, block_n, D, itemsize, props.sms)
         if tile != block_n:
