@@ -170,7 +170,9 @@ def cpu_rows():
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.parse_args()
+    ap.add_argument("--profile", action="store_true",
+                    help="also print where static_sliding_attention's host time goes (cProfile)")
+    args = ap.parse_args()
     from bench.common import table, write_result
 
     if torch.cuda.is_available():
@@ -185,6 +187,19 @@ def main():
     print(text)
     if path:
         print(f"wrote {path}")
+    if args.profile:
+        import cProfile
+        import pstats
+
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        op = cases(dev)["static_sliding_attention"][0]
+        host_and_wall(op, n=200)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(500):
+            op()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(14)
 
 
 if __name__ == "__main__":
