@@ -49,7 +49,9 @@ def _no_hooks() -> bool:
 def launch(kernel, grid: tuple, key, args: tuple, meta: dict) -> None:
     """Launch ``kernel[grid](*args, **meta)``; ``args`` are the kernel's leading runtime
     arguments in order, ``meta`` its remaining (constexpr) parameters and launch options.
-    ``key`` must determine everything triton specializes on (see the module doc)."""
+    ``key`` must determine everything triton specializes on and ``meta`` itself (see the module
+    doc): shapes, strides, dtypes, pointer alignments and the constants, or a token that a
+    cached launch plan holding all of them owns."""
     if key is not None and _STATE["direct"] and type(kernel) is JITFunction:
         hit = _BINS.get((kernel, key))
         if hit is not None and _no_hooks():

@@ -759,8 +759,9 @@ def _plan(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, sca
                   (block_table.numel(), NB, block_table.stride(0), block_mode.stride(0)),
                   dict(BLOCK=1024, PDL_TRIGGER=pdl_wait, num_warps=4))
     merge = merge_plan(B, Hq, nsp, D, q.dtype, pdl) if nsp > 1 else None
+    # the plan's own token keys its compiled kernels (see static_sliding_attention._plan)
     return (B, Hq, D, nsp, pdl, scale * LOG2E, ints, meta, (B * Hkv, nsp), halves_table, halves,
-            merge)
+            merge, object())
 
 
 def elastic_attention_fwd(
@@ -799,7 +800,7 @@ def elastic_attention_fwd(
         if len(_PLANS) >= 4096:
             _PLANS.clear()
         _PLANS[key] = plan
-    B, Hq, D, nsp, pdl, scale_log2, ints, meta, grid, halves_table, halves, merge = plan
+    B, Hq, D, nsp, pdl, scale_log2, ints, meta, grid, halves_table, halves, merge, token = plan
     out, lse, part_o, part_l, _ = split_outputs(B, Hq, D, nsp, q.dtype, q.device)
     if B == 0:
         return out, lse
@@ -808,12 +809,12 @@ def elastic_attention_fwd(
         table = torch.empty(block_table.shape, dtype=torch.int32, device=block_table.device)
         if halves is not None:
             h_grid, h_ints, h_meta = halves
-            launch(_half_pages_kernel, h_grid, key, (block_table, block_mode, table, *h_ints),
+            launch(_half_pages_kernel, h_grid, token, (block_table, block_mode, table, *h_ints),
                    h_meta)
     # the kernel never reads the metadata of the other paths; pass valid pointers
     block_mode = block_table if block_mode is None else block_mode
     base_span = block_table if base_span is None else base_span
-    launch(_elastic_decode_kernel, grid, key,
+    launch(_elastic_decode_kernel, grid, token,
            (q, k_cache, v_cache, table, seq_lens, block_mode, base_span, part_o, part_l,
             scale_log2, *ints), meta)
     if merge is not None:

@@ -212,7 +212,9 @@ def _plan(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale, knobs):
                 BLOCK_N=lp.block_n, HAS_FAR=has_far, PRECISION=dot_precision(q.dtype),
                 USE_PDL=pdl, num_warps=lp.warps, num_stages=lp.stages)
     merge = merge_plan(B, Hq, nsp, D, q.dtype, pdl) if nsp > 1 else None
-    return (B, Hq, D, nsp, pdl, scale * LOG2E_F, ints, meta, (B * Hkv, nsp), merge)
+    # the plan's own token keys its compiled kernel: a plan made again (another rule, patched
+    # constants in tests) never launches a binary compiled for the old one
+    return (B, Hq, D, nsp, pdl, scale * LOG2E_F, ints, meta, (B * Hkv, nsp), merge, object())
 
 
 def static_sliding_attention_fwd(
@@ -246,11 +248,11 @@ def static_sliding_attention_fwd(
         if len(_PLANS) >= 4096:
             _PLANS.clear()
         _PLANS[key] = plan
-    B, Hq, D, nsp, pdl, scale_log2, ints, meta, grid, merge = plan
+    B, Hq, D, nsp, pdl, scale_log2, ints, meta, grid, merge, token = plan
     out, lse, part_o, part_l, _ = split_outputs(B, Hq, D, nsp, q.dtype, q.device)
     if far_k is None:
         far_k, far_v, far_bias = k, v, lse
-    launch(_sliding_window_kernel, grid, key,
+    launch(_sliding_window_kernel, grid, token,
            (q, k, v, win_start, win_len, far_k, far_v, far_bias, part_o, part_l, scale_log2,
             *ints), meta)
     if merge is not None:
