@@ -23,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import kvops
 from bench.common import READ_CEILING, rotation, table, tbps, time_graph, write_result
-from kvops.kernels._common import grid_waves, kv_tile_bytes
+from kvops.kernels._common import grid_waves, kv_tile_bytes, sm_count
 from kvops.kernels._splitk import default_num_splits
 from kvops.kernels.static_sliding_attention import static_sliding_attention_fwd
 
@@ -141,7 +141,7 @@ def tune(shapes):
         nbytes = 2 * B * W * HKV * D * 2
         sets = make_sets(B, W, torch.float16, rotation(nbytes))
         base = default_num_splits(B * HKV, W, 64, kv_tile_bytes(64, D, torch.float16),
-                                  torch.device("cuda"))
+                                  sm_count(torch.device("cuda")))
         split_opts = [None] + sorted({max(1, base // 2), base * 2, base * 4})
         results = []
         for cfg in configs:
@@ -174,7 +174,7 @@ def waves(batches, widths):
         sets = make_sets(B, W, torch.float16, rotation(nbytes))
         check_once(sets)
         pairs = B * HKV
-        n_waves, fill = grid_waves(pairs, torch.device("cuda"))
+        n_waves, fill = grid_waves(pairs, sm_count(torch.device("cuda")))
         times = [time_graph([lambda s=s, k=knobs: static_sliding_attention_fwd(*s, **k)
                              for s in sets])[1]
                  for knobs in ({}, {"block_n": 128}, {"block_n": 64})]

@@ -50,10 +50,15 @@ def same_dtype(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> 
         raise TypeError(f"{name}: expected dtype {ref.dtype} (same as {ref_name}), got {t.dtype}")
 
 
+MAX_HEAD_DIM = 512
+
+
 def head_dim(name: str, d: int) -> None:
-    """Head dims the kernels support: multiples of 16 from 16 to 256 (64, 128, 256 tuned)."""
-    if d % 16 != 0 or not 16 <= d <= 256:
-        raise ValueError(f"{name}: head dim D must be a multiple of 16 in [16, 256], got D={d}")
+    """Head dims the kernels support: multiples of 16 from 16 to 512 (64, 128, 256 tuned;
+    docs/tuning.md)."""
+    if d % 16 != 0 or not 16 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"{name}: head dim D must be a multiple of 16 in [16, {MAX_HEAD_DIM}], "
+                         f"got D={d}")
 
 
 def heads(q_name: str, hq: int, kv_name: str, hkv: int) -> None:
@@ -82,7 +87,20 @@ def kv_pool(k_cache, v_cache) -> tuple[int, int, int, int]:
     tensor("v_cache", v_cache, rank=4, device=k_cache.device)
     same_dtype("v_cache", v_cache, "k_cache", k_cache)
     shape("v_cache", v_cache, (P, S, Hkv, D), "P S Hkv D")
+    pages("k_cache", k_cache)
+    pages("v_cache", v_cache)
     return P, S, Hkv, D
+
+
+def pages(name: str, t: torch.Tensor) -> None:
+    """The one page layout every op takes: each page ``t[p]`` of a ``[P, S, Hkv, D]`` pool one
+    contiguous ``[S, Hkv, D]`` run, any page stride (so ``kv[:, 0]`` of an interleaved
+    ``[P, 2, S, Hkv, D]`` pool works)."""
+    _, S, Hkv, D = t.shape
+    if not ((t.stride(3) == 1 or D == 1) and (t.stride(2) == D or Hkv == 1)
+            and (t.stride(1) == Hkv * D or S == 1)):
+        raise ValueError(f"{name}: expected contiguous pages [S, Hkv, D] (any page stride), got "
+                         f"strides {t.stride()} for shape {tuple(t.shape)}")
 
 
 def contiguous(name: str, t: torch.Tensor) -> None:
@@ -102,3 +120,13 @@ def index_range(name: str, t: torch.Tensor, lo: int, hi: int, *, allow: int | No
         first = t[bad].flatten()[0].item()
         extra = f" or {allow}" if allow is not None else ""
         raise IndexError(f"{name}: values must lie in [{lo}, {hi}){extra}, found {first}")
+
+
+def signature(t):
+    """One tensor's part of an argument signature (None stays None): shape, strides, dtype,
+    device index (-1 on the CPU; meta and fake tensors never reach an implementation) and
+    whether its data is 16-byte aligned, which compiled kernels specialize on. Ops cache their
+    checks and launch plans by the signatures of their arguments."""
+    if t is None:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16 == 0)

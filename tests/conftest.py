@@ -33,6 +33,19 @@ settings.register_profile(
 settings.load_profile(os.environ.get("KVOPS_HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.fixture(autouse=True)
+def fresh_launch_plans():
+    """Launch rules and plans are cached per shape; tests that patch a rule's constants or the
+    device properties must not see another test's cached choice."""
+    from kvops.kernels import elastic_attention, static_sliding_attention
+
+    for mod in (elastic_attention, static_sliding_attention):
+        mod._PLANS.clear()
+    elastic_attention.elastic_launch.cache_clear()
+    static_sliding_attention.sliding_launch.cache_clear()
+    yield
+
+
 @pytest.fixture(params=KERNEL_DEVICES or [None], ids=lambda d: f"kernel-{d}")
 def kernel_device(request):
     """The device Triton kernels run on here; skips when neither CUDA nor the interpreter is on."""

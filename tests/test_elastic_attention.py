@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import kvops
 from kvops.kernels import elastic_attention as ea
+from kvops.kernels._common import device_props
 from kvops.kernels.elastic_attention import (
     _float16_query,
     _planes,
@@ -27,6 +28,8 @@ from kvops.ops.elastic_attention import elastic_attention_ref, span_modes
 from tests.conftest import LaunchSpy, capture_graph, counting_backend, requires_cuda
 from tests.oracles_elastic import block_mode_of, elastic_oracle, elastic_rows
 from tests.tolerances import ATTN_TOL, LSE_TOL, assert_close
+
+CPU_PROPS = device_props(torch.device("cpu"))   # the interpreter's 4 SMs
 
 PATHS = ("native", "structured", "general")
 
@@ -174,7 +177,7 @@ def test_native_dense_shape_matches_oracle(kernel_device, S, monkeypatch):
 ])
 def test_native_dense_shape_only_where_it_was_measured_to_win(pairs, G, D, dtype, want):
     """``native_dense_tile`` on the interpreter's 4 SMs (``sm_count``)."""
-    assert native_dense_tile(pairs, G, D, dtype, torch.device("cpu")) == want
+    assert native_dense_tile(pairs, G, D, dtype.itemsize, CPU_PROPS) == want
 
 
 @requires_cuda
@@ -183,7 +186,7 @@ def test_max_shared_memory_reads_the_device():
     would never take the dense shape): at least the 48 KiB every CUDA GPU allows, and on a
     Hopper-class GPU enough for that shape."""
     dev = torch.device("cuda")
-    smem = ea.max_shared_memory(dev)
+    smem = device_props(dev).smem
     assert smem >= 48 * 1024
     if torch.cuda.get_device_capability() in ((9, 0), (10, 0)):
         assert smem >= ea.DENSE_SMEM
@@ -192,8 +195,7 @@ def test_max_shared_memory_reads_the_device():
 def test_native_dense_shape_needs_a_hopper_class_shared_memory(monkeypatch):
     """A GPU that lets a program use less than ``DENSE_SMEM`` (A100: 163 KiB, Ada: 99 KiB)
     keeps the split programs, whose stages fit there."""
-    monkeypatch.setattr(ea, "max_shared_memory", lambda device: 163 * 1024)
-    assert native_dense_tile(4, 4, 128, torch.float16, torch.device("cpu")) is None
+    assert native_dense_tile(4, 4, 128, 2, CPU_PROPS._replace(smem=163 * 1024)) is None
 
 
 @given(shape=shapes)
@@ -287,9 +289,9 @@ def test_mixed_split_edges(kernel_device, path, S, long_split, monkeypatch):
     case["seq_lens"][1] = min(int(case["seq_lens"][1]), nsp * 24 - 1)   # equal rows at "mixed"
     case["seq_lens"][2] = nsp * 24                                       # weighted from here
     caught = []
-    merge = ea.merge_splits
-    monkeypatch.setattr(ea, "merge_splits", lambda part_o, part_l, *a, **k: (
-        caught.append(part_l.clone()), merge(part_o, part_l, *a, **k)))
+    merge = ea.merge_split_outputs
+    monkeypatch.setattr(ea, "merge_split_outputs", lambda plan, part_o, part_l, *a: (
+        caught.append(part_l.clone()), merge(plan, part_o, part_l, *a)))
     elastic_attention_fwd(**case, num_splits=nsp)
     part_l = caught[0].view(B, 4, nsp).double().cpu()
     cpu = {name: t.cpu() for name, t in case.items()}

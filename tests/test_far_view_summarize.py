@@ -215,7 +215,7 @@ def _bad_inputs():
         "chunk_table: expected rank 3"
     yield "table-no-pages", dict(ok, chunk_table=ok["chunk_table"][..., :0]), ValueError, "M >= 1"
     yield "heads-strided", dict(ok, k_cache=ok["k_cache"].transpose(2, 3).contiguous().transpose(2, 3)), \
-        ValueError, "k_cache: expected each page's"
+        ValueError, r"k_cache: expected contiguous pages \[S, Hkv, D\]"
     yield "not-tensor", dict(ok, chunk_table=[[0]]), RuntimeError, "type 'Tensor' for argument"
 
 

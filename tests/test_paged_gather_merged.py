@@ -300,9 +300,9 @@ def _bad_inputs():
     yield "out-dtype", dict(ok, k_out=k_out.float()), TypeError, "k_out: expected dtype"
     yield "out-shape", dict(ok, v_out=v_out[:4]), ValueError, "v_out: expected shape"
     yield "out-strided", dict(ok, k_out=torch.zeros(5, 8, 4, 16).half()[:, :, ::2]), ValueError, \
-        "k_out: expected a contiguous tensor"
-    yield "cache-strided", dict(ok, v_cache=torch.zeros(12, 8, 2, 16).half()[::2]), ValueError, \
-        "v_cache: expected a contiguous tensor"
+        r"k_out: expected contiguous pages \[S, Hkv, D\]"
+    yield "cache-strided", dict(ok, v_cache=torch.zeros(6, 8, 4, 16).half()[:, :, :2]), ValueError, \
+        r"v_cache: expected contiguous pages \[S, Hkv, D\]"
     yield "empty-pool", dict(ok, k_cache=k[:0], v_cache=v[:0]), ValueError, "P=0"
 
 

@@ -13,10 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvops
-import kvops.kernels._common as common
-import kvops.kernels._splitk as splitk
 import kvops.kernels.static_sliding_attention as ssa
-from kvops.kernels._common import kv_block_n
+from kvops.kernels._common import DeviceProps, kv_block_n
 from kvops.kernels.static_sliding_attention import static_sliding_attention_fwd, wave_tile
 from kvops.ops.static_sliding_attention import static_sliding_attention_ref
 from tests.conftest import LaunchSpy, capture_graph, counting_backend, requires_cuda
@@ -123,15 +121,14 @@ def test_far_only_rows(kernel_device, poison):
 ])
 def test_wave_tile_only_where_waves_are_poorly_filled(pairs, sms, D, dtype, want, monkeypatch):
     """``wave_tile`` given the default tile, on ``sms`` SMs."""
-    monkeypatch.setattr(common, "sm_count", lambda device: sms)
     block_n = kv_block_n(D, dtype)
-    assert wave_tile(pairs, block_n, D, dtype, torch.device("cpu")) == min(want, block_n)
+    assert wave_tile(pairs, block_n, D, dtype.itemsize, sms) == min(want, block_n)
 
 
 def _launches(case, sms, monkeypatch, **knobs):
     """(grid, BLOCK_N, num_stages) of every main-kernel launch the op makes on ``sms`` SMs."""
-    monkeypatch.setattr(common, "sm_count", lambda device: sms)
-    monkeypatch.setattr(splitk, "sm_count", lambda device: sms)
+    monkeypatch.setattr(ssa, "device_props", lambda device: DeviceProps(sms, 227 * 1024, (0, 0),
+                                                                        False))
     spy = LaunchSpy(ssa._sliding_window_kernel)
     monkeypatch.setattr(ssa, "_sliding_window_kernel", spy)
     out, lse = static_sliding_attention_fwd(**case, **knobs)
@@ -296,12 +293,33 @@ def test_bad_inputs_raise(name, kwargs, exc, msg):
 def test_validation_mode_raises_on_out_of_range():
     case = make_case(2, 16, 2, 2, 64, 0, torch.float32, "cpu", seed=0)
     case["win_len"][0] = 17
-    out, _ = torch.ops.kvops.static_sliding_attention(**case)   # clamped, no error by default
-    assert torch.isfinite(out).all()
-    with kvops.validate(True), pytest.raises(IndexError, match=r"win_len: values must lie in \[0, 17\)"):
+    out, lse = torch.ops.kvops.static_sliding_attention(**case)   # no sync: row 0 NaN
+    assert out[0].isnan().all() and lse[0].isnan().all()
+    assert torch.isfinite(out[1]).all() and torch.isfinite(lse[1]).all()
+    with kvops.validate(True), pytest.raises(IndexError, match=r"win_len: values must lie in "
+                                             r"\[0, 17\).*\[B, Hkv, T, D\]"):
         torch.ops.kvops.static_sliding_attention(**case)
     case["win_len"][0] = 3
     case["win_start"][1] = -1
     with kvops.validate(True), pytest.raises(IndexError, match="win_start"):
         torch.ops.kvops.static_sliding_attention(**case)
     assert kvops.validate() is False
+
+
+def test_transformers_layout_is_named_or_poisoned():
+    """K/V in transformers' [B, Hkv, T, D]: when Hq % T != 0 the heads error names the layout;
+    when the shapes fit (T divides Hq) and win_len = T exceeds W (read as Hkv), the rows are
+    NaN, and validation mode raises naming the layout."""
+    B, Hq, Hkv, D = 2, 8, 2, 32
+    q = torch.randn(B, Hq, D)
+    bad = torch.randn(B, Hkv, 3, D)                         # T = 3 does not divide Hq
+    wl = torch.full((B,), 3, dtype=torch.int32)
+    ws = torch.zeros(B, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"\[B, Hkv, T, D\]"):
+        torch.ops.kvops.static_sliding_attention(q, bad, bad, ws, wl)
+    fits = torch.randn(B, Hkv, 4, D)                        # T = 4 divides Hq: shapes pass
+    wl.fill_(4)
+    out, lse = torch.ops.kvops.static_sliding_attention(q, fits, fits, ws, wl)
+    assert out.isnan().all() and lse.isnan().all()
+    with kvops.validate(True), pytest.raises(IndexError, match=r"\[B, Hkv, T, D\]"):
+        torch.ops.kvops.static_sliding_attention(q, fits, fits, ws, wl)

@@ -3,7 +3,10 @@
 import triton
 import triton.language as tl
 
-LOG2E = tl.constexpr(1.4426950408889634)
+from kvops.kernels import _common
+
+LOG2E = tl.constexpr(_common.LOG2E)
+LN2 = tl.constexpr(_common.LN2)
 
 
 @triton.jit
@@ -88,7 +91,7 @@ def finish_rows(b_m, b_l, b_acc, O, L, i_b, i_h, i_s, stride_ob, stride_oh, stri
     p_l = L + i_b * stride_lb + o_row * stride_lh + i_s
     b_has = b_l > 0
     b_out = b_acc / tl.where(b_has, b_l, 1.0)[:, None]
-    b_lse = tl.where(b_has, (b_m + tl.log2(tl.where(b_has, b_l, 1.0))) * 0.6931471805599453,
+    b_lse = tl.where(b_has, (b_m + tl.log2(tl.where(b_has, b_l, 1.0))) * LN2,
                      float("-inf"))
     tl.store(p_o, b_out.to(p_o.dtype.element_ty), mask=m_g[:, None] & (o_d < D)[None, :])
     tl.store(p_l, b_lse, mask=m_g)

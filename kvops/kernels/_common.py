@@ -1,17 +1,48 @@
-"""Small helpers every launcher uses: tile sizes, SM counts, dot precision."""
+"""Small helpers every launcher uses: device properties, tile sizes, dot precision, constants."""
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
 
 from kvops._config import interpreting
 
+LOG2E = 1.4426950408889634     # log2(e): kernels run softmax in base 2 (exp2)
+LN2 = 0.6931471805599453       # ln(2): base-2 lse back to natural log
+
+
+class DeviceProps(NamedTuple):
+    """What launch rules read about a device (``kvops.kernels.launch_rules``): SMs, the shared
+    memory one program may use, compute capability, and whether kernels are compiled NVIDIA code
+    (inline PTX allowed). Hashable, so rules cache on it."""
+
+    sms: int
+    smem: int
+    capability: tuple[int, int]
+    ptx: bool
+
 
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
+
+
+@functools.cache
+def _device_props(kind: str, index: int | None) -> DeviceProps:
+    if kind != "cuda":
+        # the interpreter models a 4-SM Hopper, so split-K and multi-wave rules are exercised
+        return DeviceProps(4, 227 * 1024, (0, 0), False)
+    p = _props(index if index is not None else torch.cuda.current_device())
+    smem = (getattr(p, "shared_memory_per_block_optin", 0)
+            or getattr(p, "shared_memory_per_multiprocessor", 0))
+    return DeviceProps(p.multi_processor_count, smem, (p.major, p.minor), _compiled_nvidia())
+
+
+def device_props(device: torch.device) -> DeviceProps:
+    """:class:`DeviceProps` of ``device``, queried once per device."""
+    return _device_props(device.type, device.index)
 
 
 @functools.cache
@@ -31,10 +62,9 @@ def sm_count(device: torch.device) -> int:
     return _cuda_props(device).multi_processor_count
 
 
-def grid_waves(programs: int, device: torch.device) -> tuple[int, float]:
-    """How a grid of ``programs`` one-per-SM programs runs on ``device``: the number of waves
+def grid_waves(programs: int, sms: int) -> tuple[int, float]:
+    """How a grid of ``programs`` one-per-SM programs runs on ``sms`` SMs: the number of waves
     and the share of those waves' SM slots it fills (at least one wave, so 0 programs fill 0)."""
-    sms = sm_count(device)
     waves = -(-max(programs, 1) // sms)
     return waves, programs / (waves * sms)
 
@@ -89,16 +119,18 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
-def kv_tile_bytes(block_n: int, D: int, dtype: torch.dtype) -> int:
-    """Bytes of one K tile plus one V tile of ``block_n`` rows as staged in shared memory."""
-    return 2 * block_n * next_pow2(D) * dtype.itemsize
+def _itemsize(dtype) -> int:
+    return dtype if isinstance(dtype, int) else dtype.itemsize
 
 
-def kv_block_n(D: int, dtype: torch.dtype) -> int:
+def kv_tile_bytes(block_n: int, D: int, dtype) -> int:
+    """Bytes of one K tile plus one V tile of ``block_n`` rows as staged in shared memory
+    (``dtype``: a torch dtype or its item size)."""
+    return 2 * block_n * next_pow2(D) * _itemsize(dtype)
+
+
+def kv_block_n(D: int, dtype) -> int:
     """Rows of the decode kernels' large K/V tiles: 32 KiB of K (64 KiB of K and V), at most
-    128 rows. Two such tiles in flight (the dense kernel at 3 stages, the paged native kernel at
-    5) take 128 KiB of the H200's 227 KiB of shared memory; 128 float32 rows of D 128 would
-    take 256 KiB and fail to launch.
-    """
-    row_bytes = next_pow2(D) * dtype.itemsize
+    128 rows, at least 16 (docs/tuning.md)."""
+    row_bytes = next_pow2(D) * _itemsize(dtype)
     return max(16, min(128, 32768 // row_bytes))

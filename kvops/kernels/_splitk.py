@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvops.kernels._common import cuda_capability, next_pow2, nvidia_ptx, sm_count
+from kvops.kernels._common import DeviceProps, next_pow2
+from kvops.kernels._launch import launch
 
 
 @triton.jit
@@ -38,35 +39,35 @@ def _merge_splits_kernel(
     b_o = tl.load(p_o, mask=m_s[:, None] & m_d[None, :], other=0.0)
     b_sum = tl.sum(b_w, 0)
     b_out = tl.sum(b_o * b_w[:, None], 0) / tl.where(b_sum > 0, b_sum, 1.0)
-    b_lse_out = tl.where(b_sum > 0, b_safe + tl.log(tl.where(b_sum > 0, b_sum, 1.0)), float("-inf"))
+    # a NaN row (a win_len out of range) stays NaN; an empty one gets -inf
+    b_lse_out = tl.where(b_sum > 0, b_safe + tl.log(tl.where(b_sum > 0, b_sum, 1.0)),
+                         tl.where(b_sum == b_sum, float("-inf"), float("nan")))
     tl.store(Out + i_r * stride_or + o_d, b_out.to(Out.dtype.element_ty), mask=m_d)
     tl.store(Lse + i_r, b_lse_out)
 
 
-def default_num_splits(pairs: int, n: int, block_n: int, tile_bytes: int,
-                       device: torch.device) -> int:
-    """Splits of each (sequence, KV head) pair's ``n`` rows: enough programs to keep about
-    64 KiB of K/V tiles in flight per SM (one program per SM for 64 KiB tiles, two for 32 KiB),
-    at least 2 tiles per split, at most 64 splits. Depends on shapes only, so a captured graph
-    stays valid.
-
-    Tuned on an H200 (bench/results/*-static_sliding_attention-tune*.md): Llama-3-8B heads
-    (64 KiB tiles) run best with B=16 unsplit, B=4 at W=16384 with 4 splits, B=1 at W=4096 with
-    16; SmolLM2 heads (Hkv=3, D=64: 32 KiB tiles) at B=16, W=4096 take 18 us with 4-8 splits
-    and 28 us with 2.
-    """
+def default_num_splits(pairs: int, n: int, block_n: int, tile_bytes: int, sms: int) -> int:
+    """Splits of each (sequence, KV head) pair's ``n`` rows on ``sms`` SMs: enough programs to
+    keep about 64 KiB of K/V tiles in flight per SM (one program an SM for 64 KiB tiles, two
+    for 32 KiB), at least 2 tiles a split, at most 64 splits. Shapes only, so a captured graph
+    stays valid (docs/tuning.md)."""
     per_sm = max(1, 65536 // tile_bytes)
-    want = sm_count(device) * per_sm // max(pairs, 1)
+    want = sms * per_sm // max(pairs, 1)
     return max(1, min(want, n // (2 * block_n), 64))
 
 
-def use_pdl(device: torch.device) -> bool:
+def use_pdl(props: DeviceProps) -> bool:
     """Programmatic dependent launch (NVIDIA Hopper and newer, compiled): the merge launches
     while stage 1 is still running and waits on-device, hiding one launch latency. Stage 1
     kernels take it as a constexpr (``USE_PDL`` or ``PDL_TRIGGER``) and call
     ``gdc_launch_dependents``. Off under the interpreter and on ROCm (whose gfx9 parts also
     report capability 9), where the ``gdc_*`` instructions do not exist."""
-    return nvidia_ptx(device) and cuda_capability(device)[0] >= 9
+    return props.ptx and props.capability[0] >= 9
+
+
+def merge_warps(D: int) -> int:
+    """Warps of a merge program: 4 for rows of 128 values or more, else 2."""
+    return 4 if D >= 128 else 2
 
 
 def split_outputs(B: int, Hq: int, D: int, nsp: int, dtype: torch.dtype, device: torch.device):
@@ -83,19 +84,18 @@ def split_outputs(B: int, Hq: int, D: int, nsp: int, dtype: torch.dtype, device:
     return out, lse, part_o, part_l, part_o.stride(2)
 
 
-def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, pdl: bool = False) -> None:
-    """Merge split partials into ``out``/``lse`` in place (``pdl``: see :func:`use_pdl`).
+def merge_plan(B: int, Hq: int, nsp: int, D: int, dtype: torch.dtype, pdl: bool):
+    """What :func:`merge_split_outputs` launches for ``split_outputs(B, Hq, D, nsp, ...)``'s
+    tensors, computed once per launch plan: (grid, key, runtime integers, constants)."""
+    R = B * Hq
+    ints = (nsp * D, D, D, nsp)
+    meta = dict(D=D, BLOCK_S=next_pow2(nsp), BLOCK_D=next_pow2(D), USE_PDL=pdl,
+                num_warps=merge_warps(D), **({"launch_pdl": True} if pdl else {}))
+    return (R,), ("merge", ints, dtype, pdl), ints, meta
 
-    part_o   [R, NSP, D] float32   normalized partial outputs
-    part_lse [R, NSP]    float32   natural-log sum-exp of each split (-inf: empty)
-    out      [R, D]      any float (rows contiguous in D)
-    lse      [R]         float32
-    """
-    R, NSP, D = part_o.shape
-    _merge_splits_kernel[(R,)](
-        part_o, part_lse, out, lse,
-        part_o.stride(0), part_o.stride(1), out.stride(0),
-        NSP, D=D, BLOCK_S=next_pow2(NSP), BLOCK_D=next_pow2(D), USE_PDL=pdl,
-        num_warps=4 if D >= 128 else 2, **({"launch_pdl": True} if pdl else {}),
-    )
+
+def merge_split_outputs(plan, part_o, part_l, out, lse) -> None:
+    """Merge the partials of ``split_outputs`` into ``out``/``lse`` by a :func:`merge_plan`
+    (fresh allocations: contiguous and 16-byte aligned)."""
+    grid, key, ints, meta = plan
+    launch(_merge_splits_kernel, grid, key, (part_o, part_l, out, lse, *ints), meta)

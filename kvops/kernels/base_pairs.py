@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from kvops.kernels._common import hw_fp8, next_pow2
-
-CODEC_IDS = {"hi8": 0, "hi8r": 1, "e4m3": 2}
+from kvops.kernels._launch import launch
+from kvops.layouts.codecs import CODEC_IDS
 
 
 @triton.jit
@@ -148,17 +148,9 @@ def _refine_pairs_kernel(
         tl.store(Cache + dst * stride_cp + o_x, b_u.to(tl.int16), mask=m_x)
 
 
-# Launch shapes (values a chunk, warps), H200 sweeps. Packs take 8192 / 16 (bf16 e4m3 at S 16
-# 90.9-91.8 us against 92.7-94.0 at 4096 / 8; hi8 and hi8r within 1 % either way;
-# bench/results/2026-11-30-pack-launch.md). Refines take 8192-value chunks too, with
-# 8 warps for the float16 codecs and 16 for e4m3 (-refine-launch.md, three timings
-# each, medians here): hi8r at S 16 took 72.0-74.7 us at 4096 / 8 (the slow end is under
-# 3.6 TB/s, as in 5 of the 13 earlier full bench runs) and 71.5 at 8192 / 8 (70.9 at 8192 / 4,
-# which was 1.7 % slower for hi8 at S 64); e4m3 68.6 against 72.2 us (S 16) and 275.0 against
-# 282.9 (S 64); hi8 1 % faster at S 16, equal at S 64. In the bench's order (each refine right
-# after its pack) hi8r at S 64 ran 1 % slower (286.5 against 284.0). evict_last loads made
-# packs another 2-4 % faster, but they leave the dead source pages in L2 ahead of the next
-# kernels' data (a refine after such a pack: 76 against 72 us), so no hint.
+# Launch shapes (values a chunk, warps), H200 sweeps in docs/tuning.md. No cache hint on the
+# loads: evict_last made packs 2-4 % faster but left the dead source pages in L2 ahead of the
+# next kernels' data (a refine right after such a pack ran 76 against 72 us).
 PACK_LAUNCH = (8192, 16)
 REFINE_LAUNCH = {"hi8": (8192, 8), "hi8r": (8192, 8), "e4m3": (8192, 16)}
 
@@ -170,13 +162,13 @@ def _launch(kernel, cache, pairs, backing, codec, block, num_warps, default, **e
     _, S, Hkv, D = cache.shape
     E = S * Hkv * D
     back = backing.view(torch.int16) if backing.element_size() == 2 else backing
-    kernel[(N,)](
-        cache.view(torch.int16), pairs, back,
-        cache.stride(0), pairs.stride(0), pairs.stride(1),
-        E,
-        CODEC=CODEC_IDS[codec], BLOCK=block or min(next_pow2(E), default[0]),
-        num_warps=num_warps or default[1], **extra,
-    )
+    cache16 = cache.view(torch.int16)
+    ints = (cache.stride(0), pairs.stride(0), pairs.stride(1), E)
+    meta = dict(CODEC=CODEC_IDS[codec], BLOCK=block or min(next_pow2(E), default[0]),
+                num_warps=num_warps or default[1], **extra)
+    key = (ints, cache.dtype, cache.device, back.dtype, tuple(sorted(meta.items())),
+           cache.data_ptr() % 16, pairs.data_ptr() % 16, backing.data_ptr() % 16)
+    launch(kernel, (N,), key, (cache16, pairs, back, *ints), meta)
 
 
 def pack_base_pairs_fwd(cache: torch.Tensor, pairs: torch.Tensor, backing: torch.Tensor,

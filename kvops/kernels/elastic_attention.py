@@ -22,39 +22,35 @@ one), and each run is a plain pipelined loop of single-form tiles: TARGET tiles 
 values, BASE tiles read their half of the pair page as 32-bit words of four bytes and decode
 them into four byte planes (``_planes``), against which the query group and the accumulator are
 split the same way for the run. So a tile costs the bytes and the instructions of its own form
-only. Splits are merged by ``_splitk.merge_splits``. The mixed paths cut long splits where
+only. Splits are merged by ``_splitk.merge_split_outputs``. The mixed paths cut long splits where
 they cost alike rather than at equal rows (``weighted_from``).
 
-Launch shape (H200 sweeps, bench/results/2026-11-30-elastic-variants.md and
--variants-0850.md): one warp a program, 16-row tiles on the native path and 32-row tiles on
-the mixed paths (at S 64 a 32-row BASE tile took 758 instructions in the scratch variant that
-introduced one-page tiles, two 16-row ones 958), 4-5 pipeline stages (fewer where a stage's
-tiles would not fit shared memory), and BASE runs one buffered tile deeper than TARGET runs
-(``default_base_stages``). A one-warp program keeps a tile's scores, softmax and ``P`` in its own
-registers (no cross-warp reductions or barriers), and many small programs per SM hide each
-other's latency; with 4-warp, 128-row programs a BASE tile took as long as a TARGET tile.
-The native path takes the dense kernel's shape instead (128-row tiles, 4 warps, unsplit) where
-that fills one wave of the SMs (``native_dense_tile``: B 14-16 at Hkv 8, D 128, 16-bit, on an
-H200's 132 SMs). Instruction counts here are of the loop bodies in SASS (ptxas sm_90a,
-triton 3.6, D 128).
+Launch shapes come from ``elastic_launch``: one-warp programs of 16-row tiles on the native
+path and 32-row tiles on the mixed paths, 4-5 pipeline stages, BASE runs a buffered tile deeper
+than TARGET runs, and the dense kernel's shape (128-row tiles, 4 warps, unsplit) on the native
+path where that fills one wave of the SMs. A one-warp program keeps a tile's scores, softmax and
+``P`` in its own registers, and many small programs an SM hide each other's latency.
+docs/tuning.md gives the measurements behind each rule.
 
 ``CODEC``: 0 float16 BASE (hi8/hi8r: the byte is the high byte, low byte zero), 2 bfloat16
 BASE (float8 e4m3fn), as in ``kvops.layouts.codecs``. Compiled for NVIDIA sm_89+, e4m3 planes
 are float16 (the GPU's float8 conversion; every e4m3 value is a float16), so a bf16 BASE run
-dots a float16 query group (a power-of-two scale a head) against them: 831 instructions a
+dots a float16 query group (a power-of-two scale a head) against them: 831 SASS instructions a
 32-row tile against 4,040 for the integer decode into bfloat16, which the interpreter and older
-GPUs keep (all-BASE B 128, 4k, S 64: 289 against 1,308 us at 000b0eb;
-bench/results/2026-11-30-elastic-bf16.md).
+GPUs keep.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from kvops._checks import signature as sig
 from kvops.kernels._attention import (
     dot,
     finish_rows,
@@ -65,17 +61,24 @@ from kvops.kernels._attention import (
     split_range,
 )
 from kvops.kernels._common import (
+    LOG2E,
+    DeviceProps,
+    device_props,
     dot_precision,
     grid_waves,
-    hw_fp8,
     kv_block_n,
     kv_tile_bytes,
-    max_shared_memory,
     next_pow2,
-    nvidia_ptx,
-    sm_count,
 )
-from kvops.kernels._splitk import default_num_splits, merge_splits, split_outputs, use_pdl
+from kvops.kernels._launch import launch
+from kvops.kernels._splitk import (
+    default_num_splits,
+    merge_plan,
+    merge_split_outputs,
+    split_outputs,
+    use_pdl,
+)
+from kvops.layouts.codecs import CODEC_IDS
 
 
 @triton.jit
@@ -117,11 +120,9 @@ def _planes(b_w, CODEC: tl.constexpr, PTX: tl.constexpr):
     zeroed (four ``prmt`` and two ``and`` a word pair); for e4m3 (sm_89+) each permute is
     followed by the GPU's float8 -> float16 conversion, so e4m3 planes are float16 (exact: every
     e4m3 value is a float16) and ``_run`` meets them with a float16 query group. Otherwise each
-    byte is decoded arithmetically into the TARGET dtype. The one-tensor decode this replaced
-    (four values a word, joined back into rows) made ptxas shuffle registers and stage V
-    through shared memory: 948 instructions a 32-row BASE tile against 875 with planes (both
-    loading a page id a row), and all-BASE 1.38x against 1.70x the all-TARGET speed (B 128,
-    4k, S 64; bench/results/2026-11-30-elastic-variants-0850.md).
+    byte is decoded arithmetically into the TARGET dtype. A one-tensor decode (four values a
+    word, joined back into rows) makes ptxas shuffle registers and stage V through shared memory
+    (948 instructions a 32-row BASE tile against 875 with planes).
     """
     if PTX and CODEC == 0:
         return tl.inline_asm_elementwise(
@@ -591,48 +592,39 @@ def tile_pages(S: int, block_n: int) -> int:
     return TILE_PAIR if block_n == 2 * S and S >= 16 else TILE_ROWS
 
 
-BLOCK_N = 16            # native path: rows a tile, one warp a program (module docstring)
-BLOCK_N_MIXED = 32      # structured and general paths (module docstring)
+BLOCK_N = 16            # native path: rows a tile, one warp a program (docs/tuning.md)
+BLOCK_N_MIXED = 32      # structured and general paths (docs/tuning.md)
 SMEM_BUDGET = 160 * 1024    # bytes of K/V stages a program may hold (the H200 allows 227 KiB)
 WAVE_FILL = 0.8         # least busy share of the SMs for the native dense shape
 DENSE_STAGES = 5        # native dense shape: two buffered 64 KiB tiles
 DENSE_SMEM = 192 * 1024     # least shared memory a program may use for it (it takes 134-146 KiB)
 
 
-def native_dense_tile(pairs: int, G: int, D: int, dtype: torch.dtype,
-                      device: torch.device) -> int | None:
+def native_dense_tile(pairs: int, G: int, D: int, itemsize: int,
+                      props: DeviceProps) -> int | None:
     """Rows of the native path's dense launch shape (128-row tiles, 4 warps, unsplit,
     ``DENSE_STAGES``: the static kernel's shape with two 64 KiB tiles in flight), or None to
-    keep 16-row one-warp split programs. Taken where it was measured to win: 16-bit K/V of
-    D 65-128 (128-row, 64 KiB tiles), query groups of at most 16 heads, a GPU that lets a
-    program use ``DENSE_SMEM`` (Hopper-class; the launch takes 134-146 KiB), and one program a
-    (sequence, KV head) filling one wave of the SMs to at least ``WAVE_FILL``. Such a launch
-    has no split merge and no per-split pipeline fill. H200, Hkv 8, G 4, D 128, S 16
-    (bench/results/2026-11-30-elastic-native-dense-tiles.md): at 4k, B 16 (128 programs on
-    132 SMs) 65.8 against 68.6 us, B 14 (fill 0.85) 59.2 / 60.7; B 16 at 1k 21.5 / 23.8, at
-    16k 244 / 249. Partial waves (B 10, 12: fill 0.61-0.73) and more than one wave (B 18-24;
-    B 64 and 128, 3-14 % slower) stay split, as do split dense launches (B <= 8: no gain;
-    B 1 x 16k 24.0 against 22.7 us). B 32 (two full waves) was faster (128.5 / 132.9) but B 64
-    (four) slower, so no multi-wave grid takes it."""
-    if dtype.itemsize != 2 or next_pow2(D) != 128 or next_pow2(G) > 16:
+    keep 16-row one-warp split programs. Taken where it was measured to win (docs/tuning.md):
+    16-bit K/V of D 65-128, query groups of at most 16 heads, a GPU that lets a program use
+    ``DENSE_SMEM``, and one program a (sequence, KV head) filling one wave of the SMs to at
+    least ``WAVE_FILL`` with 128-row tiles, or two waves with 64-row tiles (two programs an SM,
+    so again one wave)."""
+    if itemsize != 2 or next_pow2(D) != 128 or next_pow2(G) > 16:
         return None
-    if max_shared_memory(device) < DENSE_SMEM:
+    if props.smem < DENSE_SMEM:
         return None
-    waves, fill = grid_waves(pairs, device)
-    return kv_block_n(D, dtype) if waves == 1 and fill >= WAVE_FILL else None
+    waves, fill = grid_waves(pairs, props.sms)
+    if fill < WAVE_FILL or waves > 2:
+        return None
+    # two waves' worth of programs: half tiles, two programs an SM in one wave
+    return kv_block_n(D, itemsize) if waves == 1 else kv_block_n(D, itemsize) // 2
 
 
 def default_num_stages(mode: int, programs_per_sm: float, tile_bytes: int) -> int:
-    """Pipeline depth. 5 keeps per-row page ids one tile ahead of their K/V copies and those two
-    tiles ahead of the math, and lets few programs an SM keep enough copies in flight. The
-    mixed paths take 4 when the grid has at least 6 programs an SM (B 128 at 4k: 7.8; 5 stages
-    were 4-10 % slower there) and 5 below (B 64 at 4k, 3.9 an SM: all-BASE 199 us with 4
-    stages, 1.29x all-TARGET, 134 us with 5; bench/results/2026-11-30-elastic-planes.md and
-    -variants-0850.md). ``tile_bytes``
-    (K and V of one tile) caps it so that even ``stages - 1`` buffered tiles would fit
-    ``SMEM_BUDGET`` (large forced tiles, e.g. 64 float32 rows of D 128); triton 3.6 buffers
-    ``(stages - 1) // 2`` in these loops (``default_base_stages``), so the cap is loose. The
-    dense native shape sets its own depth (``DENSE_STAGES``)."""
+    """Pipeline depth: 5 (per-row page ids one tile ahead of their K/V copies, those two tiles
+    ahead of the math); the mixed paths take 4 from 6 programs an SM. ``tile_bytes`` (K and V of
+    one tile) caps it so that ``stages - 1`` buffered tiles would fit ``SMEM_BUDGET``. The dense
+    native shape sets its own depth (``DENSE_STAGES``). docs/tuning.md."""
     stages = 4 if mode != 0 and programs_per_sm >= 6 else 5
     return max(2, min(stages, 1 + SMEM_BUDGET // tile_bytes))
 
@@ -640,15 +632,10 @@ def default_num_stages(mode: int, programs_per_sm: float, tile_bytes: int) -> in
 def default_base_stages(stages: int, block_n: int, D: int) -> int:
     """Pipeline depth of BASE runs, given ``stages`` for TARGET runs: one buffered K/V tile
     more. A loop that loads its page ids in the tile's own iteration gets ``(stages - 1) // 2``
-    buffered tiles (triton 3.6 TTGIR of the mixed kernel: one at 4 stages, two at 5 and 6,
-    three at 7 and 8), and a BASE tile holds half the bytes of a TARGET tile of as many rows,
-    so with TARGET's depth BASE runs kept half the bytes in flight. Measured on the H200
-    (bench/results/2026-11-30-elastic-base-stages.md): 4 -> 5 stages (two buffers) took
-    all-BASE at B 128 x 4k, S 64 from 286 to 254 us, 5 -> 7 (three) at B 16 x 16k from 137 to
-    132 us; four buffers (9 stages) were slower at every shape. The extra buffer is dropped
-    where it would not fit ``SMEM_BUDGET``; BASE runs are never shallower than TARGET runs
-    (whose tiles are larger), and unpipelined TARGET runs (``stages <= 1``) leave BASE runs
-    unpipelined too."""
+    buffered tiles (triton 3.6), and a BASE tile holds half the bytes of a TARGET tile of as
+    many rows. The extra buffer is dropped where it would not fit ``SMEM_BUDGET``; BASE runs are
+    never shallower than TARGET runs, and unpipelined TARGET runs (``stages <= 1``) leave BASE
+    runs unpipelined too. docs/tuning.md."""
     if stages <= 1:
         return stages
     buffers = min((stages - 1) // 2 + 1, SMEM_BUDGET // (2 * block_n * next_pow2(D)))
@@ -662,28 +649,119 @@ NO_WEIGHTS = 2 ** 31 - 1
 def weighted_from(mode: int, num_splits: int) -> int:
     """Sequence length from which a mixed-path launch cuts its splits at equal cost (a BASE row
     0.8 of a TARGET row, ``SPLIT_WB / SPLIT_WT``) rather than equal rows: splits of at least
-    ``LONG_SPLIT`` rows. Equal rows give a split over TARGET rows up to twice the bytes of one
-    over BASE rows, and a split long enough to be bound by its bytes then outlasts the others;
-    short splits are bound by their tiles (a 32-row BASE tile took 0.85 of a TARGET tile's time
-    at B 1), so they keep equal rows. H200, centered spans of 0-100 % BASE
-    (bench/results/2026-11-30-elastic-weighted-split-edges.md): at 2048-8192-row splits
-    (B 16 x 8k, 8 x 16k, 16 x 16k, 8 x 32k) the structured path's TB/s spread across shares fell
-    from 9.4-15.4 % to 6.5-9.0 % and its mixed steps ran up to 7.6 % faster (none more than
-    0.1 % slower); the general path, which scans its mode table for the edges, ran 0.94-1.02x.
-    With 1024-row splits the weights were within 3 % either way, with 256-row splits (B 1) 5-9 %
-    slower (-weighted-splits-reverted.md). ``NO_WEIGHTS`` (never) for the native path and
-    unsplit launches. A launch whose block table cannot hold that many rows compiles without
-    the rule (``WEIGHTED``), so short-context launches run the kernel they ran before it, and
-    so does a forced split count above ``WEIGHTED_MAX_SPLITS`` (the int32 edge arithmetic)."""
+    ``LONG_SPLIT`` rows, which are bound by their bytes (equal rows give a split over TARGET
+    rows up to twice the bytes of one over BASE rows); shorter splits are bound by their tiles
+    and keep equal rows. ``NO_WEIGHTS`` (never) for the native path, unsplit launches and split
+    counts above ``WEIGHTED_MAX_SPLITS`` (the int32 edge arithmetic). A launch whose block table
+    cannot hold that many rows compiles without the rule (``WEIGHTED``). docs/tuning.md."""
     if mode == 0 or not 1 < num_splits <= WEIGHTED_MAX_SPLITS:
         return NO_WEIGHTS
     return num_splits * LONG_SPLIT
 
 
-def default_num_warps(D: int, dtype: torch.dtype) -> int:
+def default_num_warps(D: int, itemsize: int) -> int:
     """One warp a program while a row is at most 256 bytes (D <= 128 at 16 bits); wider rows
     take 4 warps, so a 16-row tile's operands stay in registers."""
-    return 1 if D * dtype.itemsize <= 256 else 4
+    return 1 if D * itemsize <= 256 else 4
+
+
+class ElasticLaunch(NamedTuple):
+    block_n: int
+    splits: int
+    warps: int
+    stages: int
+    base_stages: int
+    weighted_from: int
+    tile: int
+
+
+@functools.lru_cache(maxsize=4096)
+def elastic_launch(mode: int, B: int, Hkv: int, G: int, NB: int, S: int, D: int, itemsize: int,
+                   props: DeviceProps, block_n: int | None = None, splits: int | None = None,
+                   warps: int | None = None, stages: int | None = None,
+                   base_stages: int | None = None) -> ElasticLaunch:
+    """The launch of ``B * Hkv`` (sequence, KV head) programs over block tables of ``NB`` pages
+    of ``S`` rows on path ``mode`` (0 native, 1 structured, 2 general); given knobs are kept:
+    the native dense shape where ``native_dense_tile`` takes it, else ``BLOCK_N`` (native) or
+    ``BLOCK_N_MIXED`` rows, ``default_num_splits``, ``default_num_stages``,
+    ``default_base_stages``, ``default_num_warps``, ``weighted_from`` (docs/tuning.md)."""
+    pairs = max(B, 1) * Hkv
+    if mode == 0 and all(k is None for k in (block_n, splits, warps, stages)):
+        dense = native_dense_tile(pairs, G, D, itemsize, props)
+        if dense is not None:
+            block_n, splits, warps, stages = dense, 1, 4, DENSE_STAGES
+    block_n = block_n or (BLOCK_N if mode == 0 else BLOCK_N_MIXED)
+    tile_bytes = kv_tile_bytes(block_n, D, itemsize)
+    if splits is None:
+        splits = default_num_splits(pairs, NB * S, block_n, tile_bytes, props.sms)
+    stages = stages or default_num_stages(mode, B * Hkv * splits / props.sms, tile_bytes)
+    if mode == 0:                   # no BASE runs: one depth, and no recompile per base_stages
+        base_stages = stages
+    else:
+        base_stages = base_stages or default_base_stages(stages, block_n, D)
+    return ElasticLaunch(block_n, splits, warps or default_num_warps(D, itemsize), stages,
+                         base_stages, weighted_from(mode, splits), tile_pages(S, block_n))
+
+
+def ptx_decode_ok(codec: int, props: DeviceProps) -> bool:
+    """Whether the inline-PTX BASE decode may run: compiled NVIDIA code, and for e4m3 the
+    GPU's float8 conversion (sm_89 and newer)."""
+    if codec == CODEC_IDS["e4m3"]:
+        return props.ptx and props.capability >= (8, 9)
+    return props.ptx
+
+
+_PLANS: dict = {}
+_NO_KNOBS = (None,) * 7
+
+
+def _plan(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, scale, knobs):
+    B, Hq, D = q.shape
+    _, S, Hkv, _ = k_cache.shape
+    NB = block_table.shape[1]
+    G = Hq // Hkv
+    block_n, num_splits, num_warps, num_stages, base_stages, ptx_decode, pdl = knobs
+    props = device_props(q.device)
+    mode = 2 if block_mode is not None else (1 if base_span is not None else 0)
+    lp = elastic_launch(mode, B, Hkv, G, NB, S, D, k_cache.element_size(), props, block_n,
+                        num_splits, num_warps, num_stages, base_stages)
+    # programmatic dependent launch hides the launch gap before each kernel that follows
+    # another of this op (the table kernel -> this kernel -> the merge)
+    pdl = use_pdl(props) if pdl is None else pdl
+    codec = CODEC_IDS["e4m3"] if k_cache.dtype == torch.bfloat16 else CODEC_IDS["hi8"]
+    ptx_ok = ptx_decode_ok(codec, props)
+    if ptx_decode and not ptx_ok:
+        raise ValueError("ptx_decode: the inline-PTX BASE decode needs compiled NVIDIA code "
+                         "(sm_89 or newer for bfloat16's e4m3), got ptx_decode=True on "
+                         f"{q.device} ({'interpreter' if q.device.type == 'cpu' else 'GPU'})")
+    ptx_decode = ptx_ok if ptx_decode is None else ptx_decode
+    halves_table = mode == 2 and lp.tile == TILE_ROWS        # per-row ids: 2 * page + half
+    pdl_wait = pdl and halves_table and block_table.numel() > 0
+    scale = D ** -0.5 if scale is None else scale
+    nsp = lp.splits
+    o_strides = (Hq * D, D, 0, Hq, 1) if nsp == 1 else (Hq * nsp * D, nsp * D, D, Hq * nsp, nsp)
+    table_stride = NB if halves_table else block_table.stride(0)
+    mode_stride = block_table.stride(0) if block_mode is None else block_mode.stride(0)
+    span_stride = block_table.stride(0) if base_span is None else base_span.stride(0)
+    ints = (q.stride(0), q.stride(1), k_cache.stride(0), v_cache.stride(0),
+            table_stride, mode_stride, span_stride, *o_strides, NB, Hkv, nsp, lp.weighted_from)
+    meta = dict(
+        G=G, D=D, S=S, BLOCK_G=max(16, next_pow2(G)), BLOCK_D=next_pow2(D), BLOCK_N=lp.block_n,
+        UNIT=math.lcm(lp.block_n, S), WEIGHTED=lp.weighted_from <= NB * S, MODE=mode,
+        CODEC=codec, PRECISION=dot_precision(q.dtype),
+        SAME_STRIDE=k_cache.stride(0) == v_cache.stride(0), TILE=lp.tile, PTX_DECODE=ptx_decode,
+        PDL_TRIGGER=pdl and nsp > 1, PDL_WAIT=pdl_wait, STAGES_T=lp.stages,
+        STAGES_B=lp.base_stages, num_warps=lp.warps, num_stages=lp.stages,
+        **({"launch_pdl": True} if pdl_wait else {}))
+    halves = None
+    if halves_table and block_table.numel():
+        halves = ((triton.cdiv(block_table.numel(), 1024),),
+                  (block_table.numel(), NB, block_table.stride(0), block_mode.stride(0)),
+                  dict(BLOCK=1024, PDL_TRIGGER=pdl_wait, num_warps=4))
+    merge = merge_plan(B, Hq, nsp, D, q.dtype, pdl) if nsp > 1 else None
+    # the plan's own token keys its compiled kernels (see static_sliding_attention._plan)
+    return (B, Hq, D, nsp, pdl, scale * LOG2E, ints, meta, (B * Hkv, nsp), halves_table, halves,
+            merge, object())
 
 
 def elastic_attention_fwd(
@@ -694,6 +772,7 @@ def elastic_attention_fwd(
     *, num_splits: int | None = None, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None,
     base_stages: int | None = None, ptx_decode: bool | None = None, pdl: bool | None = None,
+    signature=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the elastic paged decode kernel. Inputs are already checked by the op (BASE
     paths: 4-byte aligned pools with even page strides; general path: fewer than 2**30 pages).
@@ -701,79 +780,43 @@ def elastic_attention_fwd(
     q [B, Hq, D]; k_cache, v_cache [P, S, Hkv, D] (pages contiguous); block_table int32 [B, L];
     seq_lens int32 [B]; block_mode int8 [B, L] or base_span int32 [B, 2] or neither (native).
     Returns out [B, Hq, D] (q.dtype) and lse float32 [B, Hq]. The keyword-only knobs override
-    the defaults (benchmarks and tests use them; ``num_stages`` is TARGET runs' depth,
-    ``base_stages`` BASE runs'); ``ptx_decode`` picks the inline-PTX BASE decode
+    the launch rule (``elastic_launch``; benchmarks and tests use them; ``num_stages`` is TARGET
+    runs' depth, ``base_stages`` BASE runs'); ``ptx_decode`` picks the inline-PTX BASE decode
     (``_planes``; default, and allowed, on compiled NVIDIA code, for e4m3 on sm_89 and newer;
-    ``ValueError`` if forced elsewhere), ``pdl``
-    programmatic dependent launch (default on Hopper and newer, see ``_splitk.use_pdl``).
+    ``ValueError`` if forced elsewhere), ``pdl`` programmatic dependent launch (default on
+    Hopper and newer, see ``_splitk.use_pdl``). A launch's plan is kept per argument signature
+    (``signature``: the op's, else one is computed here).
     """
-    B, Hq, D = q.shape
-    _, S, Hkv, _ = k_cache.shape
-    NB = block_table.shape[1]
-    G = Hq // Hkv
-    scale = D ** -0.5 if scale is None else scale
-    mode = 2 if block_mode is not None else (1 if base_span is not None else 0)
-    if mode == 0 and all(k is None for k in (block_n, num_splits, num_warps, num_stages)):
-        dense = native_dense_tile(max(B, 1) * Hkv, G, D, k_cache.dtype, q.device)
-        if dense is not None:
-            block_n, num_splits, num_warps, num_stages = dense, 1, 4, DENSE_STAGES
-    block_n = block_n or (BLOCK_N if mode == 0 else BLOCK_N_MIXED)
-    tile_bytes = kv_tile_bytes(block_n, D, k_cache.dtype)
-    if num_splits is None:
-        num_splits = default_num_splits(max(B, 1) * Hkv, NB * S, block_n, tile_bytes, q.device)
-    num_stages = num_stages or default_num_stages(
-        mode, B * Hkv * num_splits / sm_count(q.device), tile_bytes)
-    if mode == 0:                   # no BASE runs: one depth, and no recompile per base_stages
-        base_stages = num_stages
+    knobs = (block_n, num_splits, num_warps, num_stages, base_stages, ptx_decode, pdl)
+    if signature is not None and knobs == _NO_KNOBS:
+        key = signature
     else:
-        base_stages = base_stages or default_base_stages(num_stages, block_n, D)
-    out, lse, part_o, part_l, s_os = split_outputs(B, Hq, D, num_splits, q.dtype, q.device)
-    # programmatic dependent launch hides the launch gap before each kernel that follows
-    # another of this op (the table kernel -> this kernel -> the merge)
-    pdl = use_pdl(q.device) if pdl is None else pdl
-    tile = tile_pages(S, block_n)
-    codec = 2 if k_cache.dtype == torch.bfloat16 else 0
-    ptx_ok = hw_fp8(q.device) if codec == 2 else nvidia_ptx(q.device)
-    if ptx_decode and not ptx_ok:
-        raise ValueError("ptx_decode: the inline-PTX BASE decode needs compiled NVIDIA code "
-                         "(sm_89 or newer for bfloat16's e4m3), got ptx_decode=True on "
-                         f"{q.device} ({'interpreter' if q.device.type == 'cpu' else 'GPU'})")
-    ptx_decode = ptx_ok if ptx_decode is None else ptx_decode
-    halves_table = mode == 2 and tile == TILE_ROWS        # per-row ids: 2 * page + half
-    pdl_wait = pdl and halves_table and block_table.numel() > 0
+        key = (knobs, sig(q), sig(k_cache), sig(v_cache), sig(block_table), sig(seq_lens),
+               sig(block_mode), sig(base_span), scale)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, scale,
+                     knobs)
+        if len(_PLANS) >= 4096:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    B, Hq, D, nsp, pdl, scale_log2, ints, meta, grid, halves_table, halves, merge, token = plan
+    out, lse, part_o, part_l, _ = split_outputs(B, Hq, D, nsp, q.dtype, q.device)
     if B == 0:
         return out, lse
-    weighted = weighted_from(mode, num_splits)
     table = block_table
     if halves_table:
         table = torch.empty(block_table.shape, dtype=torch.int32, device=block_table.device)
-        if table.numel():
-            _half_pages_kernel[(triton.cdiv(table.numel(), 1024),)](
-                block_table, block_mode, table, table.numel(), NB, block_table.stride(0),
-                block_mode.stride(0), BLOCK=1024, PDL_TRIGGER=pdl_wait, num_warps=4)
+        if halves is not None:
+            h_grid, h_ints, h_meta = halves
+            launch(_half_pages_kernel, h_grid, token, (block_table, block_mode, table, *h_ints),
+                   h_meta)
     # the kernel never reads the metadata of the other paths; pass valid pointers
     block_mode = block_table if block_mode is None else block_mode
     base_span = block_table if base_span is None else base_span
-    _elastic_decode_kernel[(B * Hkv, num_splits)](
-        q, k_cache, v_cache, table, seq_lens, block_mode, base_span, part_o, part_l,
-        scale * 1.4426950408889634,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), v_cache.stride(0),
-        table.stride(0), block_mode.stride(0), base_span.stride(0),
-        part_o.stride(0), part_o.stride(1), s_os,
-        part_l.stride(0), part_l.stride(1),
-        NB, Hkv, num_splits, weighted,
-        G=G, D=D, S=S, BLOCK_G=max(16, next_pow2(G)), BLOCK_D=next_pow2(D), BLOCK_N=block_n,
-        UNIT=math.lcm(block_n, S), WEIGHTED=weighted <= NB * S, MODE=mode, CODEC=codec,
-        PRECISION=dot_precision(q.dtype),
-        SAME_STRIDE=k_cache.stride(0) == v_cache.stride(0), TILE=tile,
-        PTX_DECODE=ptx_decode,
-        num_warps=num_warps or default_num_warps(D, k_cache.dtype),
-        num_stages=num_stages, STAGES_T=num_stages, STAGES_B=base_stages,
-        PDL_TRIGGER=pdl and num_splits > 1, PDL_WAIT=pdl_wait,
-        **({"launch_pdl": True} if pdl_wait else {}),
-    )
-    if num_splits > 1:
-        merge_splits(part_o.view(B * Hq, num_splits, D), part_l.view(B * Hq, num_splits),
-                     out.view(B * Hq, D), lse.view(B * Hq), pdl=pdl)
+    launch(_elastic_decode_kernel, grid, token,
+           (q, k_cache, v_cache, table, seq_lens, block_mode, base_span, part_o, part_l,
+            scale_log2, *ints), meta)
+    if merge is not None:
+        merge_split_outputs(merge, part_o, part_l, out, lse)
     return out, lse

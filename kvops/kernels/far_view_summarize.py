@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from kvops.kernels._common import next_pow2, sm_count
+from kvops.kernels._launch import launch
 
 
 @triton.jit
@@ -95,12 +96,12 @@ def far_view_summarize_fwd(
     dt, df = default_blocks(B * C, F, S, k_cache.device)
     block_t, block_f = min(block_t or dt, S), block_f or df
     num_f = triton.cdiv(F, block_f)
-    _far_view_summarize_kernel[(B * C * num_f,)](
-        k_cache, v_cache, chunk_table, k_sum, v_sum,
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        chunk_table.stride(0), chunk_table.stride(1), chunk_table.stride(2),
-        P, C, F, M, 1.0 / (M * S),
-        NUM_F=num_f, S=S, BLOCK_T=block_t, BLOCK_F=block_f,
-        num_warps=num_warps or 4,
-    )
+    ints = (k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            chunk_table.stride(0), chunk_table.stride(1), chunk_table.stride(2), P, C, F, M)
+    key = (k_cache.shape, k_cache.dtype, k_cache.device, chunk_table.shape, ints, num_f,
+           block_t, block_f, num_warps,
+           tuple(t.data_ptr() % 16 for t in (k_cache, v_cache, chunk_table, k_sum, v_sum)))
+    launch(_far_view_summarize_kernel, (B * C * num_f,), key,
+           (k_cache, v_cache, chunk_table, k_sum, v_sum, *ints, 1.0 / (M * S)),
+           dict(NUM_F=num_f, S=S, BLOCK_T=block_t, BLOCK_F=block_f, num_warps=num_warps or 4))
     return k_sum, v_sum

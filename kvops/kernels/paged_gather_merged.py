@@ -29,11 +29,10 @@ import triton
 import triton.language as tl
 
 from kvops.kernels._common import next_pow2, sm_count
+from kvops.kernels._launch import launch
 
-# Up to this many rows, one launch (every program re-reads the rows: 12 KiB at 1024). On the
-# H200 one launch beat two at T = 1024 (134.8 vs 137.7 us for 128 MiB of 128 KiB trains, 128
-# programs an SM) and lost at T = 4096 (153.2 vs 138.9 us, 64 an SM);
-# bench/results/2026-11-30-paged_gather-grid-sweep.md.
+# Up to this many rows, one launch (every program re-reads the rows: 12 KiB at 1024);
+# docs/tuning.md.
 FUSE_MAX_TRAINS = 1024
 # Rows times programs an SM that one launch may re-read (see default_programs_per_sm).
 FUSED_ROW_READS_PER_SM = 131072
@@ -96,6 +95,7 @@ def _search_ends(Ends, T, g, FANOUT: tl.constexpr):
 @triton.jit
 def _gather_pages_kernel(
     K, V, KOut, VOut, Trains, NumTrains, Ends, T, P, Q,
+    stride_kp, stride_vp, stride_kop, stride_vop,
     UNITS: tl.constexpr, BLOCK: tl.constexpr, FUSED: tl.constexpr, BLOCK_T: tl.constexpr,
     FANOUT: tl.constexpr,
 ):
@@ -137,31 +137,25 @@ def _gather_pages_kernel(
                 dst = dst1
                 src1, dst1, n1 = _load_row(Trains, t + 1, num, P, Q)
             o_blk = (w % UNITS) * BLOCK
-            o_src = (src + g - first).to(tl.int64) * (UNITS * BLOCK) + o_blk
-            o_dst = (dst + g - first).to(tl.int64) * (UNITS * BLOCK) + o_blk
-            b_k = tl.load(K + o_src + o_e)
-            b_v = tl.load(V + o_src + o_e)
-            tl.store(KOut + o_dst + o_e, b_k)
-            tl.store(VOut + o_dst + o_e, b_v)
+            o_src = (src + g - first).to(tl.int64)
+            o_dst = (dst + g - first).to(tl.int64)
+            b_k = tl.load(K + o_src * stride_kp + o_blk + o_e)
+            b_v = tl.load(V + o_src * stride_vp + o_blk + o_e)
+            tl.store(KOut + o_dst * stride_kop + o_blk + o_e, b_k)
+            tl.store(VOut + o_dst * stride_vop + o_blk + o_e, b_v)
 
 
 def default_block(page_elems: int, itemsize: int) -> int:
     """Elements per block: the largest power of two dividing the page, at most 4 KiB (one
-    16-byte vector per thread of 8 warps; best in the H200 sweep,
-    bench/results/2026-11-30-paged_gather-tune.md)."""
+    16-byte vector per thread of 8 warps; docs/tuning.md)."""
     return min(page_elems & -page_elems, 4096 // itemsize)
 
 
 def default_programs_per_sm(T: int, fused: bool) -> int:
     """Programs an SM. Small programs balance best (the hardware hands the next block range to
-    whichever SM frees first): one 128 MiB train copies at 4.16 TB/s with 256 an SM against
-    4.05 with 64. But in one launch every program first sums all ``T`` rows, so the count
-    falls as ``T`` grows (``FUSED_ROW_READS_PER_SM``): 256 up to 512 rows, 128 at 1,024 (3.98
-    TB/s; 3.20 with 256). Two launches search the train ends instead, best at 64 (3.87 TB/s at
-    4,096 one-page trains; 3.43 with 256). bench/results/2026-11-30-paged_gather-grid-sweep.md;
-    measured before a07cbbc cut the one-launch search from three reductions to one, which makes
-    a program's start cheaper: the 128-vs-256 cut at 1,024 rows was not measured again.
-    """
+    whichever SM frees first), but in one launch every program first sums all ``T`` rows, so
+    the count falls as ``T`` grows (``FUSED_ROW_READS_PER_SM``): 256 up to 512 rows, 128 at
+    1,024. Two launches search the train ends instead: 64. docs/tuning.md."""
     if not fused:
         return 64
     return max(64, min(256, FUSED_ROW_READS_PER_SM // next_pow2(T)))
@@ -173,7 +167,8 @@ def paged_gather_merged_fwd(
     *, num_programs: int | None = None, block: int | None = None, num_warps: int | None = None,
     fuse_max_trains: int = FUSE_MAX_TRAINS,
 ) -> None:
-    """Launch the kernel(s). Inputs are already checked by the op (contiguous, same shapes).
+    """Launch the kernel(s). Inputs are already checked by the op (pages contiguous,
+    any page stride; same shapes).
 
     k_cache, v_cache [P, S, Hkv, D]; trains int32 [T, 3]; num_trains int32 [1];
     k_out, v_out [Q, S, Hkv, D] (written in place). The keyword-only knobs override the tuned
@@ -190,16 +185,19 @@ def paged_gather_merged_fwd(
                          f"got {block}")
     units = page_elems // block
     fused = T <= fuse_max_trains
+    strides = (k_cache.stride(0), v_cache.stride(0), k_out.stride(0), v_out.stride(0))
+    key = (k_cache.shape, k_cache.dtype, k_cache.device, T, Q, strides, block, num_warps,
+           num_programs, fused, tuple(t.data_ptr() % 16 for t in (k_cache, v_cache, k_out, v_out,
+                                                                  trains, num_trains)))
     if fused:
         ends = trains             # not read
     else:
         ends = torch.empty(T + 1, dtype=torch.int32, device=trains.device)
-        _train_ends_kernel[(1,)](trains, num_trains, ends, T, P, Q,
-                                 BLOCK_T=min(4096, next_pow2(T)), num_warps=8)
+        launch(_train_ends_kernel, (1,), key, (trains, num_trains, ends, T, P, Q),
+               dict(BLOCK_T=min(4096, next_pow2(T)), num_warps=8))
     per_sm = default_programs_per_sm(T, fused)
     grid = num_programs or min(Q * units, per_sm * sm_count(k_cache.device))
-    _gather_pages_kernel[(grid,)](
-        k_cache, v_cache, k_out, v_out, trains, num_trains, ends, T, P, Q,
-        UNITS=units, BLOCK=block, FUSED=fused, BLOCK_T=next_pow2(T) if fused else 1, FANOUT=64,
-        num_warps=num_warps or 8,
-    )
+    launch(_gather_pages_kernel, (grid,), key,
+           (k_cache, v_cache, k_out, v_out, trains, num_trains, ends, T, P, Q, *strides),
+           dict(UNITS=units, BLOCK=block, FUSED=fused, BLOCK_T=next_pow2(T) if fused else 1,
+                FANOUT=64, num_warps=num_warps or 8))

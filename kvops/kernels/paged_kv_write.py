@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kvops.kernels._common import next_pow2, sm_count
+from kvops.kernels._launch import launch
 
 # Values a program moves per tensor (K or V): 4096 (8 KiB of 16-bit data), and at least
 # PROGRAMS_PER_SM programs an SM where N allows, so small steps still spread over the GPU.
@@ -87,9 +88,10 @@ def paged_kv_write_fwd(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     bt, bc, nw = write_tile(N, row, parts, sm_count(k.device))
     bt, bc, nw = block_t or bt, block_c or bc, num_warps or nw
     grid = (triton.cdiv(N, bt), parts * triton.cdiv(row, bc))
-    _paged_kv_write_kernel[grid](
-        k, v, k_cache, v_cache, slot_mapping, N, P * S,
-        k.stride(0), k.stride(1) if Hkv > 1 else 0, v.stride(0), v.stride(1) if Hkv > 1 else 0,
-        k_cache.stride(0), v_cache.stride(0),
-        S=S, ROW=row, PARTS=parts, HD=Hkv * D, BLOCK_T=bt, BLOCK_C=bc, num_warps=nw,
-    )
+    ints = (N, P * S, k.stride(0), k.stride(1) if Hkv > 1 else 0, v.stride(0),
+            v.stride(1) if Hkv > 1 else 0, k_cache.stride(0), v_cache.stride(0))
+    meta = dict(S=S, ROW=row, PARTS=parts, HD=Hkv * D, BLOCK_T=bt, BLOCK_C=bc, num_warps=nw)
+    key = (ints, k.dtype, k.device, slot_mapping.dtype, tuple(meta.values()),
+           tuple(t.data_ptr() % 16 for t in (k, v, k_cache, v_cache, slot_mapping)))
+    launch(_paged_kv_write_kernel, grid, key, (k, v, k_cache, v_cache, slot_mapping, *ints),
+           meta)

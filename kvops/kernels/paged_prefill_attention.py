@@ -21,7 +21,7 @@ start first.
 
 When the tiles are too few to fill the GPU (a short chunk over a long prefix), each tile's key
 range is cut into ``NUM_SPLITS`` BLOCK_N-aligned parts (grid dim 2, ``prefill_splits``), each
-writing a normalized float32 partial and its lse, merged by ``_splitk.merge_splits``.
+writing a normalized float32 partial and its lse, merged by ``_splitk.merge_split_outputs``.
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kvops.kernels._attention import LOG2E, dot
+from kvops.kernels._attention import LN2, LOG2E, dot
 from kvops.kernels._common import dot_precision, next_pow2, sm_count
-from kvops.kernels._splitk import merge_splits
+from kvops.kernels._launch import launch
+from kvops.kernels._splitk import merge_plan, merge_split_outputs
 
 # Splits of a tile's key range only while the tiles fill less than this share of the SMs, and
 # only as far as each split keeps at least MIN_SPLIT_TILES key tiles of the longest context.
@@ -228,7 +229,7 @@ def _paged_prefill_kernel(
         WINDOW, PRECISION, PREFETCH)
     b_has = b_l > 0
     b_out = b_acc / tl.where(b_has, b_l, 1.0)[:, None]
-    b_lse = tl.where(b_has, (b_m + tl.log2(tl.where(b_has, b_l, 1.0))) * 0.6931471805599453,
+    b_lse = tl.where(b_has, (b_m + tl.log2(tl.where(b_has, b_l, 1.0))) * LN2,
                      float("-inf"))
     tl.store(p_o, b_out.to(p_o.dtype.element_ty), mask=m_o)
     tl.store(p_lse, b_lse, mask=m_r)
@@ -242,7 +243,7 @@ def paged_prefill_attention_fwd(
     prefetch: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate, pick the tile (``prefill_tile``) and the splits (``prefill_splits``), launch,
-    and merge split partials (``_splitk.merge_splits``). Inputs are already checked by the op;
+    and merge split partials (``_splitk.merge_split_outputs``). Inputs are already checked by the op;
     the keyword knobs override the rules (tests, benches); ``prefetch`` loads page ids a tile
     ahead (``_key_run``), off by default until a measurement says it wins. Returns
     ``(out, lse)``."""
@@ -269,18 +270,20 @@ def paged_prefill_attention_fwd(
         part_l = torch.empty((N, Hq, nsp), dtype=torch.float32, device=q.device)
         split_o, split_l = part_o.stride(2), 1
     scale = D ** -0.5 if scale is None else scale
-    _paged_prefill_kernel[(num_tiles, Hkv, nsp)](
-        q, k_cache, v_cache, block_table, query_start, seq_lens, part_o, part_l,
-        N, B, P, L, num_tiles, window, scale * LOG2E.value, nsp,
-        q.stride(0), q.stride(1), k_cache.stride(0), v_cache.stride(0),
-        block_table.stride(0), part_o.stride(0), part_o.stride(1), split_o,
-        part_l.stride(0), part_l.stride(1), split_l,
-        S=S, HKV=Hkv, G=G, D=D, BLOCK_Q=block_q, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_D=next_pow2(max(D, 16)), BLOCK_B=min(1024, next_pow2(B + 1)),
-        WINDOW=window > 0, PRECISION=dot_precision(q.dtype), PREFETCH=prefetch, num_warps=nw,
-        num_stages=ns,
-    )
+    ints = (N, B, P, L, num_tiles, window)
+    strides = (q.stride(0), q.stride(1), k_cache.stride(0), v_cache.stride(0),
+               block_table.stride(0), part_o.stride(0), part_o.stride(1), split_o,
+               part_l.stride(0), part_l.stride(1), split_l)
+    meta = dict(S=S, HKV=Hkv, G=G, D=D, BLOCK_Q=block_q, BLOCK_M=bm, BLOCK_N=bn,
+                BLOCK_D=next_pow2(max(D, 16)), BLOCK_B=min(1024, next_pow2(B + 1)),
+                WINDOW=window > 0, PRECISION=dot_precision(q.dtype), PREFETCH=prefetch,
+                num_warps=nw, num_stages=ns)
+    key = (ints, nsp, strides, q.dtype, q.device, tuple(meta.values()),
+           tuple(t.data_ptr() % 16 for t in (q, k_cache, v_cache, block_table, query_start,
+                                             seq_lens, part_o, part_l)))
+    launch(_paged_prefill_kernel, (num_tiles, Hkv, nsp), key,
+           (q, k_cache, v_cache, block_table, query_start, seq_lens, part_o, part_l, *ints,
+            scale * LOG2E.value, nsp, *strides), meta)
     if nsp > 1:
-        merge_splits(part_o.view(N * Hq, nsp, D), part_l.view(N * Hq, nsp), out.view(N * Hq, D),
-                     lse.view(N * Hq))
+        merge_split_outputs(merge_plan(N, Hq, nsp, D, q.dtype, False), part_o, part_l, out, lse)
     return out, lse

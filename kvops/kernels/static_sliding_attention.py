@@ -4,16 +4,20 @@ One program handles one (sequence, KV head, split): it loads the ``G`` query hea
 head's group once, streams its share of the visible window slots in logical (ring) order, so
 each K/V row is read once for the whole group and invisible slots are never read, and writes a
 normalized partial. With one split the partial is the output; with more, a second fixed-shape
-launch merges them (``_splitk.merge_splits``). The far view, when given, is one extra split
+launch merges them (``_splitk.merge_split_outputs``). The far view, when given, is one extra split
 of the same launch.
 """
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
+from kvops._checks import signature as sig
 from kvops.kernels._attention import (
     LOG2E,
     finish_rows,
@@ -21,8 +25,26 @@ from kvops.kernels._attention import (
     online_softmax_tile,
     split_range,
 )
-from kvops.kernels._common import dot_precision, grid_waves, kv_block_n, kv_tile_bytes, next_pow2
-from kvops.kernels._splitk import default_num_splits, merge_splits, split_outputs, use_pdl
+from kvops.kernels._common import (
+    LOG2E as LOG2E_F,
+)
+from kvops.kernels._common import (
+    DeviceProps,
+    device_props,
+    dot_precision,
+    grid_waves,
+    kv_block_n,
+    kv_tile_bytes,
+    next_pow2,
+)
+from kvops.kernels._launch import launch
+from kvops.kernels._splitk import (
+    default_num_splits,
+    merge_plan,
+    merge_split_outputs,
+    split_outputs,
+    use_pdl,
+)
 
 
 @triton.jit
@@ -56,24 +78,26 @@ def _sliding_window_kernel(
     b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_G], tl.float32)
     b_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    wl_raw = tl.load(WinLen + i_b)
     if HAS_FAR and i_s == NUM_SPLITS:
         # the far view: C summary slots, each biased (log-count, or -inf when empty)
         for start in range(0, C, BLOCK_N):
             m_n = start + o_n < C
-            m_kv = m_n[:, None] & m_d[None, :]
             p_k = FarK + i_b * stride_fkb + (start + o_n)[:, None] * stride_fkc \
                 + i_h * stride_fkh + o_d[None, :]
             p_v = FarV + i_b * stride_fvb + (start + o_n)[:, None] * stride_fvc \
                 + i_h * stride_fvh + o_d[None, :]
-            b_k = tl.load(p_k, mask=m_kv, other=0.0)
-            b_v = tl.load(p_v, mask=m_kv, other=0.0)
             b_bias = tl.load(FarBias + i_b * stride_fbb + start + o_n, mask=m_n,
                              other=float("-inf")) * LOG2E
+            # an empty slot (bias -inf) is not read: NaN or inf there must not reach the output
+            m_live = (m_n & (b_bias > float("-inf")))[:, None] & m_d[None, :]
+            b_k = tl.load(p_k, mask=m_live, other=0.0)
+            b_v = tl.load(p_v, mask=m_live, other=0.0)
             b_m, b_l, b_acc = online_softmax_tile(b_q, b_k, b_v, b_bias, b_m, b_l, b_acc,
                                                   scale_log2, PRECISION)
     else:
         # the near window: visible slots are ring positions ws, ws+1, ... (wl of them)
-        wl = tl.minimum(tl.maximum(tl.load(WinLen + i_b), 0), W)
+        wl = tl.minimum(tl.maximum(wl_raw, 0), W)
         ws = tl.load(WinStart + i_b) % W
         ws = tl.where(ws < 0, ws + W, ws)
         lo, hi = split_range(wl, i_s, NUM_SPLITS, BLOCK_N)
@@ -90,39 +114,107 @@ def _sliding_window_kernel(
             b_m, b_l, b_acc = online_softmax_tile(b_q, b_k, b_v, b_bias, b_m, b_l, b_acc,
                                                   scale_log2, PRECISION)
 
+    if (wl_raw < 0) | (wl_raw > W):   # outside [0, W]: NaN out and lse (the op's docstring)
+        b_m = tl.full([BLOCK_G], float("nan"), tl.float32)
+        b_l = tl.full([BLOCK_G], 1.0, tl.float32)
+        b_acc = tl.full([BLOCK_G, BLOCK_D], float("nan"), tl.float32)
     finish_rows(b_m, b_l, b_acc, O, L, i_b, i_h, i_s, stride_ob, stride_oh, stride_os,
                 stride_lb, stride_lh, G, D, BLOCK_G, BLOCK_D)
 
 
-SHORT_WINDOW = 1024   # unsplit windows up to this many rows take the short-loop tile
+SHORT_WINDOW = 1024   # unsplit windows up to this many rows: the short-window rule
 SPILL_FILL = 0.82     # past one wave: 128-row grids filling at most this share of their slots
 IDLE_FILL = 0.65      # within one wave: unsplit 128-row grids busy on at most this share of SMs
 
 
-def wave_tile(pairs: int, block_n: int, D: int, dtype: torch.dtype,
-              device: torch.device) -> int:
-    """Rows a tile for an unsplit launch of ``pairs`` programs without far slots, whose tile
-    and split count are the launcher's own: ``block_n``, or 64 where 128-row tiles would fill
-    the GPU's waves poorly. Measured for 16-bit K/V of D 65-128 only, the one case it changes:
-    there a 128-row tile is 64 KiB, one program fills an SM, and an unsplit program reads about
-    45-49 GB/s, so grids of such programs run in whole waves. 64-row tiles (32 KiB, at least two
-    programs an SM) replace them where
+class SlidingLaunch(NamedTuple):
+    block_n: int
+    splits: int
+    warps: int
+    stages: int
 
-    - past one wave, the programs fill at most ``SPILL_FILL`` of their waves' slots. H200, Hkv 8,
-      W 4096: B 17-24 (52-73 %) 79.7-95.9 against 106.9-110.1 us, B 34-36 (69-73 %) 7-11 %
-      faster, B 40, 50, 67 (76-81 %) 3-4 % faster. Above it 128 rows stay: B 28 (85 %) is a wash,
-      B 44 (89 %) and 56 (85 %) run 2-8 % slower with 64 rows, full waves (97 %) equal at B 32
-      and 48 and 3-11 % slower at B 64 and 128; B 100 (87 %) would gain 7 % but keeps 128 rows;
-    - within one wave, at most ``IDLE_FILL`` of the SMs are busy, an empirical bound: B 9
-      (55 %) runs 4-20 % faster over W 2k-16k with 64-row tiles in 3 splits (``default_num_splits``
-      re-splits them), B 10 (61 %) 7-11 % faster at 8k-16k, equal at 4k and 4 % slower at 2k;
-      B 11 (67 %) is a wash, B 12 (73 %) and up lose.
 
-    Sweeps: bench/results/2026-11-30-static_sliding_attention-waves.md."""
-    if block_n != 128 or dtype.itemsize != 2 or next_pow2(D) != 128:
+def wave_tile(pairs: int, block_n: int, D: int, itemsize: int, sms: int) -> int:
+    """Rows a tile for an unsplit launch of ``pairs`` programs without far slots: ``block_n``,
+    or 64 where 128-row tiles (16-bit K/V of D 65-128, 64 KiB: one program an SM) would fill the
+    SMs' waves poorly: past one wave at most ``SPILL_FILL`` of the waves' slots, within one wave
+    at most ``IDLE_FILL`` of the SMs (docs/tuning.md)."""
+    if block_n != 128 or itemsize != 2 or next_pow2(D) != 128:
         return block_n
-    waves, fill = grid_waves(pairs, device)
+    waves, fill = grid_waves(pairs, sms)
     return 64 if fill <= (SPILL_FILL if waves > 1 else IDLE_FILL) else block_n
+
+
+@functools.lru_cache(maxsize=4096)
+def sliding_launch(B: int, Hkv: int, W: int, D: int, itemsize: int, has_far: bool,
+                   props: DeviceProps, block_n: int | None = None, splits: int | None = None,
+                   warps: int | None = None, stages: int | None = None) -> SlidingLaunch:
+    """The launch of ``B * Hkv`` (sequence, KV head) programs over windows of ``W`` rows; the
+    given knobs are kept, the others chosen (docs/tuning.md has each rule's measurements):
+
+    - tile rows ``kv_block_n`` (64 KiB of K and V), split count ``default_num_splits`` (about
+      64 KiB of tiles in flight an SM), 4 warps, 3 stages;
+    - unsplit windows of at most ``SHORT_WINDOW`` rows with more programs than SMs: 64-row
+      tiles (several short programs an SM); with at most one program an SM the large tile;
+    - other unsplit launches without far slots: ``wave_tile``, re-split for its tile.
+    """
+    tuned_tile = block_n is None and stages is None
+    auto_splits = splits is None
+    pairs = B * Hkv
+    block_n = block_n or kv_block_n(D, itemsize)
+    if auto_splits:
+        splits = default_num_splits(pairs, W, block_n, kv_tile_bytes(block_n, D, itemsize),
+                                    props.sms)
+    if tuned_tile and splits == 1 and W <= SHORT_WINDOW:
+        if pairs > props.sms:          # more than one program an SM: the short-loop tile
+            block_n = min(block_n, 64)
+        stages = 3
+    elif tuned_tile and auto_splits and splits == 1 and not has_far:
+        tile = wave_tile(pairs, block_n, D, itemsize, props.sms)
+        if tile != block_n:
+            block_n = tile
+            splits = default_num_splits(pairs, W, block_n, kv_tile_bytes(block_n, D, itemsize),
+                                        props.sms)
+    return SlidingLaunch(block_n, splits, warps or 4, stages or 3)
+
+
+_PLANS: dict = {}
+_NO_KNOBS = (None,) * 5
+
+
+def _plan(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale, knobs):
+    B, Hq, D = q.shape
+    W, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    has_far = far_k is not None
+    C = far_k.shape[1] if has_far else 0
+    props = device_props(q.device)
+    block_n, num_splits, num_warps, num_stages, pdl = knobs
+    lp = sliding_launch(B, Hkv, W, D, k.element_size(), has_far, props, block_n, num_splits,
+                        num_warps, num_stages)
+    nsp = lp.splits + int(has_far)
+    pdl = nsp > 1 and (use_pdl(props) if pdl is None else pdl)
+    if has_far:
+        far_strides = (far_k.stride(0), far_k.stride(1), far_k.stride(2),
+                       far_v.stride(0), far_v.stride(1), far_v.stride(2), far_bias.stride(0))
+    else:   # the kernel reads no far pointer; it gets k, v and lse (valid, of the right type)
+        far_strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+                       v.stride(2), 1)
+    if nsp == 1:
+        o_strides = (Hq * D, D, 0, Hq, 1)
+    else:
+        o_strides = (Hq * nsp * D, nsp * D, D, Hq * nsp, nsp)
+    scale = D ** -0.5 if scale is None else scale
+    ints = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), *far_strides, *o_strides,
+            W, C, Hkv, lp.splits)
+    meta = dict(G=G, D=D, BLOCK_G=max(16, next_pow2(G)), BLOCK_D=next_pow2(D),
+                BLOCK_N=lp.block_n, HAS_FAR=has_far, PRECISION=dot_precision(q.dtype),
+                USE_PDL=pdl, num_warps=lp.warps, num_stages=lp.stages)
+    merge = merge_plan(B, Hq, nsp, D, q.dtype, pdl) if nsp > 1 else None
+    # the plan's own token keys its compiled kernel: a plan made again (another rule, patched
+    # constants in tests) never launches a binary compiled for the old one
+    return (B, Hq, D, nsp, pdl, scale * LOG2E_F, ints, meta, (B * Hkv, nsp), merge, object())
 
 
 def static_sliding_attention_fwd(
@@ -132,59 +224,37 @@ def static_sliding_attention_fwd(
     far_bias: torch.Tensor | None = None, scale: float | None = None,
     *, num_splits: int | None = None, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, pdl: bool | None = None,
+    signature=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the sliding-window decode kernel. Inputs are already checked by the op.
 
     q [B, Hq, D]; k, v [B, W, Hkv, D]; win_start, win_len int32 [B];
     far_k, far_v [B, C, Hkv, D] and far_bias float32 [B, C], or all None.
     Returns out [B, Hq, D] (q.dtype) and lse float32 [B, Hq].
-    The keyword-only knobs override the tuned defaults (benchmarks and tests use them).
+    The keyword-only knobs override the launch rule (``sliding_launch``; benchmarks and tests
+    use them). A launch's plan (rule, strides, constants) is kept per argument signature:
+    ``signature`` is the op's (``kvops.ops._library.sig`` of every argument), else one is
+    computed here.
     """
-    B, Hq, D = q.shape
-    W, Hkv = k.shape[1], k.shape[2]
-    G = Hq // Hkv
-    scale = D ** -0.5 if scale is None else scale
-    has_far = far_k is not None
-    C = far_k.shape[1] if has_far else 0
-    tuned_tile = block_n is None and num_stages is None
-    auto_splits = num_splits is None
-    block_n = block_n or kv_block_n(D, k.dtype)
-    if auto_splits:
-        num_splits = default_num_splits(B * Hkv, W, block_n, kv_tile_bytes(block_n, D, k.dtype),
-                                        q.device)
-    if tuned_tile and num_splits == 1 and W <= SHORT_WINDOW:
-        # many short programs: the 3-stage pipeline's fill and drain dominate; halve the tile
-        # and take 2 stages (H200 tune, B=64, W=1024: 64.4 us vs 69.8 us). Split programs at
-        # small batch keep the big tile (B=1, W=4096: 10.3 us with 128 rows, 10.6 with 64).
-        block_n, num_stages = min(block_n, 64), 2
-    elif tuned_tile and auto_splits and num_splits == 1 and not has_far:
-        tile = wave_tile(B * Hkv, block_n, D, k.dtype, q.device)
-        if tile != block_n:
-            block_n = tile
-            num_splits = default_num_splits(B * Hkv, W, block_n,
-                                            kv_tile_bytes(block_n, D, k.dtype), q.device)
-    nsp = num_splits + int(has_far)
-    pdl = nsp > 1 and (use_pdl(q.device) if pdl is None else pdl)
-    out, lse, part_o, part_l, s_os = split_outputs(B, Hq, D, nsp, q.dtype, q.device)
-    if not has_far:  # the kernel never reads these; pass valid pointers of the right type
+    knobs = (block_n, num_splits, num_warps, num_stages, pdl)
+    if signature is not None and knobs == _NO_KNOBS:
+        key = signature
+    else:
+        key = (knobs, sig(q), sig(k), sig(v), sig(win_start), sig(win_len), sig(far_k),
+               sig(far_v), sig(far_bias), scale)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale, knobs)
+        if len(_PLANS) >= 4096:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    B, Hq, D, nsp, pdl, scale_log2, ints, meta, grid, merge, token = plan
+    out, lse, part_o, part_l, _ = split_outputs(B, Hq, D, nsp, q.dtype, q.device)
+    if far_k is None:
         far_k, far_v, far_bias = k, v, lse
-    _sliding_window_kernel[(B * Hkv, nsp)](
-        q, k, v, win_start, win_len, far_k, far_v, far_bias, part_o, part_l,
-        scale * 1.4426950408889634,
-        q.stride(0), q.stride(1),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        far_k.stride(0), far_k.stride(1), far_k.stride(2),
-        far_v.stride(0), far_v.stride(1), far_v.stride(2),
-        far_bias.stride(0),
-        part_o.stride(0), part_o.stride(1), s_os,
-        part_l.stride(0), part_l.stride(1),
-        W, C, Hkv, num_splits,
-        G=G, D=D, BLOCK_G=max(16, next_pow2(G)), BLOCK_D=next_pow2(D), BLOCK_N=block_n,
-        HAS_FAR=has_far, PRECISION=dot_precision(q.dtype), USE_PDL=pdl,
-        num_warps=num_warps or 4, num_stages=num_stages or 3,
-    )
-    if nsp > 1:
-        merge_splits(part_o.view(B * Hq, nsp, D), part_l.view(B * Hq, nsp),
-                     out.view(B * Hq, D), lse.view(B * Hq), pdl=pdl)
+    launch(_sliding_window_kernel, grid, token,
+           (q, k, v, win_start, win_len, far_k, far_v, far_bias, part_o, part_l, scale_log2,
+            *ints), meta)
+    if merge is not None:
+        merge_split_outputs(merge, part_o, part_l, out, lse)
     return out, lse

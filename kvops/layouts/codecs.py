@@ -28,6 +28,9 @@ import torch
 from torch import Tensor
 
 FP16_CODECS = ("hi8", "hi8r")
+# The kernels' CODEC constant: a codec's id (the elastic decode kernel reads hi8 and hi8r the
+# same way, as the high byte, and takes hi8's id for both)
+CODEC_IDS = {"hi8": 0, "hi8r": 1, "e4m3": 2}
 BF16_CODECS = ("e4m3",)
 E4M3_MAX = 448.0
 

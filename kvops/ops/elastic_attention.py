@@ -1,26 +1,6 @@
-"""``torch.ops.kvops.elastic_attention``: paged decode over TARGET and BASE blocks (ElasticKV 3.2).
+"""``torch.ops.kvops.elastic_attention``: checks, PyTorch reference, registration, fake.
 
-- q [B, Hq, D]; k_cache, v_cache [P, S, Hkv, D] as TARGET (float16 or bfloat16; float32 on the
-  native path only), each page contiguous (the page stride is free, e.g. halves of a
-  [P, 2, S, Hkv, D] pool, but even on the BASE paths, which read BASE rows as 32-bit words from
-  a 4-byte aligned pool; the general path needs fewer than 2**30 pages); block_table int32
-  [B, L]: logical block j of sequence b holds tokens [j*S, (j+1)*S) in page
-  block_table[b, j]; seq_lens int32 [B].
-- Native path (block_mode and base_span None): every block TARGET.
-- General path: block_mode int8 [B, L], 0 TARGET, 1 BASE in half 0, 2 BASE in half 1 of page
-  block_table[b, j] (the page viewed as uint8 [2, S, Hkv, D]).
-- Structured path: base_span int32 [B, 2] = [first, end) logical blocks in BASE, TARGET before
-  and after; block j of the span sits in half (j - first) % 2 of page block_table[b, j].
-  Give at most one of block_mode and base_span.
-- A BASE value decodes as ``kvops.layouts.codecs.decode`` defines: float16, the byte as the high
-  byte with a zero low byte (hi8 and hi8r); bfloat16, the byte as float8 e4m3fn.
-- Returns out [B, Hq, D] in q's dtype and lse float32 [B, Hq] (natural log of the sum of exp of
-  the scaled logits); a sequence with seq_lens 0 gets out = 0, lse = -inf. Float32 accumulation;
-  scale defaults to D ** -0.5.
-
-Only blocks j < ceil(seq_lens[b] / S) are read: table entries (and modes) past the end may hold
-anything, -1 included. seq_lens is clamped to [0, L*S]; validation mode (kvops.validate(True))
-raises IndexError for out-of-range lengths, page ids, modes and spans instead.
+The op's documentation is :func:`elastic_attention`'s docstring (``help()`` shows it).
 """
 
 from __future__ import annotations
@@ -31,7 +11,8 @@ from torch import Tensor
 from kvops import _checks
 from kvops._config import use_triton, validate
 from kvops.layouts import codecs
-from kvops.layouts.pairs import base_pair_view, page_contiguous
+from kvops.layouts.pairs import base_pair_view
+from kvops.ops._library import CheckedSignatures, register, sig
 from kvops.ops._reference import softmax_attend
 
 
@@ -48,10 +29,8 @@ def _check(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, sc
     _checks.heads("q", Hq, "k_cache", Hkv)
     _checks.head_dim("q", D)
     _checks.page_size("k_cache", S)
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not page_contiguous(c):
-            raise ValueError(f"{name}: expected contiguous pages [S, Hkv, D], got strides "
-                             f"{c.stride()}")
+    _checks.pages("k_cache", k_cache)
+    _checks.pages("v_cache", v_cache)
     if q.numel() and q.stride(-1) != 1:
         raise ValueError(f"q: expected the last dim (D) contiguous, got strides {q.stride()}")
     _checks.tensor("block_table", block_table, rank=2, dtypes=(torch.int32,), device=dev)
@@ -153,14 +132,14 @@ def elastic_attention_ref(
     return out.reshape(B, Hq, D).to(q.dtype), lse.reshape(B, Hq)
 
 
-@torch.library.custom_op("kvops::elastic_attention", mutates_args=())
-def elastic_attention(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
-    block_mode: Tensor | None = None, base_span: Tensor | None = None,
-    scale: float | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Paged decode attention over TARGET and BASE blocks; see the module doc."""
-    _check(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, scale)
+_checked = CheckedSignatures(_check)
+
+
+def _impl(q, k_cache, v_cache, block_table, seq_lens, block_mode=None, base_span=None,
+          scale=None):
+    key = (sig(q), sig(k_cache), sig(v_cache), sig(block_table), sig(seq_lens), sig(block_mode),
+           sig(base_span), scale)
+    _checked(key, q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, scale)
     if validate():
         _validate(k_cache, block_table, seq_lens, block_mode, base_span)
     if use_triton(q.device):
@@ -173,13 +152,57 @@ def elastic_attention(
                                      f"4-byte aligned pool, got address % 4 = {c.data_ptr() % 4}")
 
         return elastic_attention_fwd(q, k_cache, v_cache, block_table, seq_lens, block_mode,
-                                     base_span, scale)
+                                     base_span, scale, signature=key)
     return elastic_attention_ref(q, k_cache, v_cache, block_table, seq_lens, block_mode,
                                  base_span, scale)
 
 
-@elastic_attention.register_fake
-def _(q, k_cache, v_cache, block_table, seq_lens, block_mode=None, base_span=None, scale=None):
+def _fake(q, k_cache, v_cache, block_table, seq_lens, block_mode=None, base_span=None,
+          scale=None):
     _check(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, scale)
     B, Hq, D = q.shape
     return q.new_empty((B, Hq, D)), q.new_empty((B, Hq), dtype=torch.float32)
+
+
+_op = register(
+    "elastic_attention",
+    "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
+    "Tensor? block_mode=None, Tensor? base_span=None, float? scale=None) -> (Tensor, Tensor)",
+    _impl, _fake)
+
+
+def elastic_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
+    block_mode: Tensor | None = None, base_span: Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Paged decode attention over TARGET and BASE blocks
+    (``torch.ops.kvops.elastic_attention``; ElasticKV section 3.2).
+
+    - q [B, Hq, D]; k_cache, v_cache [P, S, Hkv, D] as TARGET (float16 or bfloat16; float32 on the
+      native path only), each page contiguous (the page stride is free, e.g. halves of a
+      [P, 2, S, Hkv, D] pool, but even on the BASE paths, which read BASE rows as 32-bit words from
+      a 4-byte aligned pool; the general path needs fewer than 2**30 pages); block_table int32
+      [B, L]: logical block j of sequence b holds tokens [j*S, (j+1)*S) in page
+      block_table[b, j]; seq_lens int32 [B].
+    - Native path (block_mode and base_span None): every block TARGET.
+    - General path: block_mode int8 [B, L], 0 TARGET, 1 BASE in half 0, 2 BASE in half 1 of page
+      block_table[b, j] (the page viewed as uint8 [2, S, Hkv, D]).
+    - Structured path: base_span int32 [B, 2] = [first, end) logical blocks in BASE, TARGET before
+      and after; block j of the span sits in half (j - first) % 2 of page block_table[b, j].
+      Give at most one of block_mode and base_span.
+    - A BASE value decodes as ``kvops.layouts.codecs.decode`` defines: float16, the byte as the high
+      byte with a zero low byte (hi8 and hi8r); bfloat16, the byte as float8 e4m3fn.
+    - Returns out [B, Hq, D] in q's dtype and lse float32 [B, Hq] (natural log of the sum of exp of
+      the scaled logits); a sequence with seq_lens 0 gets out = 0, lse = -inf. Float32 accumulation;
+      scale defaults to D ** -0.5.
+
+    Only blocks j < ceil(seq_lens[b] / S) are read: table entries (and modes) past the end may hold
+    anything, -1 included. seq_lens is clamped to [0, L*S]; validation mode (kvops.validate(True))
+    raises IndexError for out-of-range lengths, page ids, modes and spans instead.
+
+    CUDA tensors run the Triton kernel (``kvops.kernels.elastic_attention``); CPU tensors run
+    :func:`~kvops.ops.elastic_attention.elastic_attention_ref` (or the interpreted kernel under
+    backend "triton"). Output shapes depend on input shapes only.
+    """
+    return _op(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, scale)

@@ -1,24 +1,6 @@
-"""``torch.ops.kvops.far_view_summarize``: uniform summaries of far chunks of paged KV.
+"""``torch.ops.kvops.far_view_summarize``: checks, PyTorch reference, registration, fake.
 
-KV-RM far-view summarization (paper section 4.4): a far chunk of ``sv_chunk = M * S`` tokens is
-represented by the mean of its keys and the mean of its values, which the decode kernel then
-sees as one far slot (``static_sliding_attention``'s ``far_k``/``far_v``, with
-``far_bias = log(M * S)``). See CONTRACT.md for the binding semantics; in short:
-
-- k_cache, v_cache [P, S, Hkv, D] (NHD pool), the same dtype (float16, bfloat16 or float32);
-  each page's ``[Hkv, D]`` rows dense (``stride(3) == 1``, ``stride(2) == D``); other strides free.
-- chunk_table int32 [B, C, M]: the M pages of far chunk c of sequence b, in token order. A chunk
-  whose first page is -1 is an empty slot. All pages of a chunk are full (S tokens each).
-- Returns k_sum, v_sum [B, C, Hkv, D] in the cache dtype: the mean over the chunk's M * S tokens,
-  accumulated in float32; zeros for an empty slot.
-
-Values outside the documented ranges are not read out of bounds: in a non-empty chunk, a page
-id outside ``[0, P)`` contributes zeros (the divisor stays M * S). Validation mode
-(kvops.validate(True)) raises IndexError for such ids instead.
-
-Implementations: CUDA tensors run ``kvops.kernels.far_view_summarize`` (Triton); CPU tensors run
-:func:`far_view_summarize_ref` (or the interpreted kernel under backend "triton"). Output shapes
-depend on input shapes only.
+The op's documentation is :func:`far_view_summarize`'s docstring (``help()`` shows it).
 """
 
 from __future__ import annotations
@@ -28,6 +10,7 @@ from torch import Tensor
 
 from kvops import _checks
 from kvops._config import use_triton, validate
+from kvops.ops._library import CheckedSignatures, register, sig
 
 
 def _check(k_cache, v_cache, chunk_table) -> None:
@@ -37,10 +20,6 @@ def _check(k_cache, v_cache, chunk_table) -> None:
     if chunk_table.shape[2] < 1:
         raise ValueError(f"chunk_table: expected at least one page per chunk (M >= 1), got shape "
                          f"{tuple(chunk_table.shape)}")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.stride(3) != 1 or t.stride(2) != D:
-            raise ValueError(f"{name}: expected each page's [Hkv, D] rows dense (strides (..., {D}, 1)), "
-                             f"got strides {t.stride()}")
 
 
 def far_view_summarize_ref(k_cache: Tensor, v_cache: Tensor, chunk_table: Tensor) -> tuple[Tensor, Tensor]:
@@ -50,19 +29,21 @@ def far_view_summarize_ref(k_cache: Tensor, v_cache: Tensor, chunk_table: Tensor
     pages = chunk_table.long()
     live = (pages[..., :1] >= 0) & (pages >= 0) & (pages < P)              # [B, C, M]
     safe = torch.where(live, pages, 0).flatten()
-    weight = live.flatten().to(torch.float32)[:, None, None, None]
+    keep = live.flatten()[:, None, None, None]
     sums = []
     for cache in (k_cache, v_cache):
-        rows = cache.index_select(0, safe).float() * weight                # [B*C*M, S, Hkv, D]
+        # where, not a 0/1 weight: a page not read must not bring its NaN or inf (0 * inf)
+        rows = torch.where(keep, cache.index_select(0, safe).float(), 0.0)  # [B*C*M, S, Hkv, D]
         total = rows.view(B, C, M * S, Hkv, D).sum(dim=2)
         sums.append((total / (M * S)).to(cache.dtype))
     return sums[0], sums[1]
 
 
-@torch.library.custom_op("kvops::far_view_summarize", mutates_args=())
-def far_view_summarize(k_cache: Tensor, v_cache: Tensor, chunk_table: Tensor) -> tuple[Tensor, Tensor]:
-    """Mean K and V of each far chunk; see the module doc."""
-    _check(k_cache, v_cache, chunk_table)
+_checked = CheckedSignatures(_check)
+
+
+def _impl(k_cache, v_cache, chunk_table):
+    _checked((sig(k_cache), sig(v_cache), sig(chunk_table)), k_cache, v_cache, chunk_table)
     if validate():
         P = k_cache.shape[0]
         _checks.index_range("chunk_table[..., 0] (first page)", chunk_table[..., 0], 0, P, allow=-1)
@@ -75,9 +56,41 @@ def far_view_summarize(k_cache: Tensor, v_cache: Tensor, chunk_table: Tensor) ->
     return far_view_summarize_ref(k_cache, v_cache, chunk_table)
 
 
-@far_view_summarize.register_fake
-def _(k_cache, v_cache, chunk_table):
+def _fake(k_cache, v_cache, chunk_table):
     _check(k_cache, v_cache, chunk_table)
     B, C, _ = chunk_table.shape
     _, _, Hkv, D = k_cache.shape
     return k_cache.new_empty((B, C, Hkv, D)), v_cache.new_empty((B, C, Hkv, D))
+
+
+_op = register(
+    "far_view_summarize",
+    "(Tensor k_cache, Tensor v_cache, Tensor chunk_table) -> (Tensor, Tensor)",
+    _impl, _fake)
+
+
+def far_view_summarize(k_cache: Tensor, v_cache: Tensor, chunk_table: Tensor):
+    """Uniform summaries of far chunks of paged KV (``torch.ops.kvops.far_view_summarize``;
+    KV-RM far-view summarization, paper section 4.4).
+
+    KV-RM far-view summarization (paper section 4.4): a far chunk of ``sv_chunk = M * S`` tokens is
+    represented by the mean of its keys and the mean of its values, which the decode kernel then
+    sees as one far slot (``static_sliding_attention``'s ``far_k``/``far_v``, with
+    ``far_bias = log(M * S)``).
+
+    - k_cache, v_cache [P, S, Hkv, D] (NHD pool), the same dtype (float16, bfloat16 or float32);
+      each page's ``[Hkv, D]`` rows dense (``stride(3) == 1``, ``stride(2) == D``); other strides free.
+    - chunk_table int32 [B, C, M]: the M pages of far chunk c of sequence b, in token order. A chunk
+      whose first page is -1 is an empty slot. All pages of a chunk are full (S tokens each).
+    - Returns k_sum, v_sum [B, C, Hkv, D] in the cache dtype: the mean over the chunk's M * S tokens,
+      accumulated in float32; zeros for an empty slot.
+
+    Values outside the documented ranges are not read out of bounds: in a non-empty chunk, a page
+    id outside ``[0, P)`` contributes zeros (the divisor stays M * S). Validation mode
+    (kvops.validate(True)) raises IndexError for such ids instead.
+
+    Implementations: CUDA tensors run ``kvops.kernels.far_view_summarize`` (Triton); CPU tensors run
+    :func:`far_view_summarize_ref` (or the interpreted kernel under backend "triton"). Output shapes
+    depend on input shapes only.
+    """
+    return _op(k_cache, v_cache, chunk_table)

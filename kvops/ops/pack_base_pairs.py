@@ -1,17 +1,6 @@
-"""``torch.ops.kvops.pack_base_pairs``: demote TARGET pairs to BASE (ElasticKV section 3.1).
+"""``torch.ops.kvops.pack_base_pairs``: checks, PyTorch reference, registration, fake.
 
-- cache [P, S, Hkv, D] float16 or bfloat16, pages contiguous (the page stride is free);
-- pairs int32 [N, 3], rows (src_a, src_b, dst); dst may equal src_a or src_b (in place) or be a
-  third page;
-- backing [N, 2, S, Hkv, D], contiguous: uint8 low bytes (float16 codecs "hi8", "hi8r") or the
-  full bfloat16 values (codec "e4m3");
-- codec: None (the dtype's default: "hi8" for float16, "e4m3" for bfloat16), or a name from
-  ``kvops.layouts.codecs``. ``refine_base_pairs`` must be called with the same codec.
-
-Afterwards page dst, viewed as uint8 [2, S, Hkv, D] (``kvops.layouts.pairs.base_pair_view``),
-holds BASE(src_a) in half 0 and BASE(src_b) in half 1, and backing[n] holds what refinement
-needs. Mutates cache and backing; returns None. Rows run concurrently: no page may appear in two
-rows (validation mode checks it, and the page ids, raising ValueError / IndexError).
+The op's documentation is :func:`pack_base_pairs`'s docstring (``help()`` shows it).
 """
 
 from __future__ import annotations
@@ -22,7 +11,8 @@ from torch import Tensor
 from kvops import _checks
 from kvops._config import use_triton, validate
 from kvops.layouts import codecs
-from kvops.layouts.pairs import base_pair_view, check_pair_rows, page_contiguous
+from kvops.layouts.pairs import base_pair_view, check_pair_rows
+from kvops.ops._library import CheckedSignatures, register, sig
 
 
 def check_pair_args(cache, pairs, backing, codec, rows: str) -> str:
@@ -32,9 +22,7 @@ def check_pair_args(cache, pairs, backing, codec, rows: str) -> str:
     _, S, Hkv, D = cache.shape
     _checks.page_size("cache", S)
     _checks.head_dim("cache", D)
-    if not page_contiguous(cache):
-        raise ValueError(f"cache: expected contiguous pages [S, Hkv, D], got strides "
-                         f"{cache.stride()}")
+    _checks.pages("cache", cache)
     _checks.tensor("pairs", pairs, rank=2, dtypes=(torch.int32,), device=dev)
     _checks.shape("pairs", pairs, (None, 3), f"N {rows}")
     if codec is not None and not isinstance(codec, str):
@@ -60,11 +48,12 @@ def pack_base_pairs_ref(cache: Tensor, pairs: Tensor, backing: Tensor,
     base_pair_view(cache)[rows[:, 2]] = base
 
 
-@torch.library.custom_op("kvops::pack_base_pairs", mutates_args=("cache", "backing"))
-def pack_base_pairs(cache: Tensor, pairs: Tensor, backing: Tensor,
-                    codec: str | None = None) -> None:
-    """Pack TARGET pairs into BASE pages in place; see the module doc."""
-    codec = check_pair_args(cache, pairs, backing, codec, "(src_a,src_b,dst)")
+ROWS = "(src_a,src_b,dst)"
+_checked = CheckedSignatures(lambda *args: check_pair_args(*args, ROWS))
+
+
+def _impl(cache, pairs, backing, codec=None):
+    codec = _checked((sig(cache), sig(pairs), sig(backing), codec), cache, pairs, backing, codec)
     if validate():
         check_pair_rows("pairs", pairs, cache.shape[0], "pack")
     if use_triton(cache.device):
@@ -75,6 +64,31 @@ def pack_base_pairs(cache: Tensor, pairs: Tensor, backing: Tensor,
     pack_base_pairs_ref(cache, pairs, backing, codec)
 
 
-@pack_base_pairs.register_fake
-def _(cache, pairs, backing, codec=None):
-    check_pair_args(cache, pairs, backing, codec, "(src_a,src_b,dst)")
+def _fake(cache, pairs, backing, codec=None):
+    check_pair_args(cache, pairs, backing, codec, ROWS)
+
+
+_op = register(
+    "pack_base_pairs",
+    "(Tensor(a!) cache, Tensor pairs, Tensor(b!) backing, str? codec=None) -> ()",
+    _impl, _fake)
+
+
+def pack_base_pairs(cache: Tensor, pairs: Tensor, backing: Tensor, codec: str | None = None):
+    """Demote TARGET pairs to BASE in place (``torch.ops.kvops.pack_base_pairs``; ElasticKV
+    section 3.1).
+
+    - cache [P, S, Hkv, D] float16 or bfloat16, pages contiguous (the page stride is free);
+    - pairs int32 [N, 3], rows (src_a, src_b, dst); dst may equal src_a or src_b (in place) or be a
+      third page;
+    - backing [N, 2, S, Hkv, D], contiguous: uint8 low bytes (float16 codecs "hi8", "hi8r") or the
+      full bfloat16 values (codec "e4m3");
+    - codec: None (the dtype's default: "hi8" for float16, "e4m3" for bfloat16), or a name from
+      ``kvops.layouts.codecs``. ``refine_base_pairs`` must be called with the same codec.
+
+    Afterwards page dst, viewed as uint8 [2, S, Hkv, D] (``kvops.layouts.pairs.base_pair_view``),
+    holds BASE(src_a) in half 0 and BASE(src_b) in half 1, and backing[n] holds what refinement
+    needs. Mutates cache and backing; returns None. Rows run concurrently: no page may appear in two
+    rows (validation mode checks it, and the page ids, raising ValueError / IndexError).
+    """
+    return _op(cache, pairs, backing, codec)

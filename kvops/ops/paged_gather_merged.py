@@ -1,24 +1,6 @@
-"""``torch.ops.kvops.paged_gather_merged``: copy paged KV into a fixed-shape arena by trains.
+"""``torch.ops.kvops.paged_gather_merged``: checks, PyTorch reference, registration, fake.
 
-KV-RM merge-staged transport (paper section 4.3): the host plans trains
-(:func:`kvops.layouts.plan_trains`), the device copies them in one call. See CONTRACT.md for the
-binding semantics; in short:
-
-- k_cache, v_cache [P, S, Hkv, D]; k_out, v_out [Q, S, Hkv, D] (a window arena viewed as pages,
-  :func:`kvops.layouts.arena_as_pages`), all four the same dtype, contiguous.
-- trains int32 [T, 3], rows (src_page, dst_page, n_pages); num_trains int32 [1] on the device:
-  rows [0, num_trains[0]) are used, the rest ignored, so a captured graph replays with any count
-  up to T.
-- Row i copies cache[src : src + n] -> out[dst : dst + n] for K and V. Destination ranges must
-  not overlap (where they do, which writer wins is unspecified). Mutates k_out and v_out only.
-
-Values outside the documented ranges are not read or written out of bounds: num_trains is
-clamped to [0, T], and a row whose pages do not lie in the pool / arena (or whose n_pages < 1)
-copies nothing. Validation mode (kvops.validate(True)) raises IndexError for such rows and for
-overlapping destinations instead.
-
-Implementations: CUDA tensors run ``kvops.kernels.paged_gather_merged`` (Triton); CPU tensors run
-:func:`paged_gather_merged_ref` (or the interpreted kernel under backend "triton").
+The op's documentation is :func:`paged_gather_merged`'s docstring (``help()`` shows it).
 """
 
 from __future__ import annotations
@@ -28,6 +10,7 @@ from torch import Tensor
 
 from kvops import _checks
 from kvops._config import use_triton, validate
+from kvops.ops._library import CheckedSignatures, register, sig
 
 
 def _check(k_cache, v_cache, trains, num_trains, k_out, v_out) -> None:
@@ -44,9 +27,9 @@ def _check(k_cache, v_cache, trains, num_trains, k_out, v_out) -> None:
     _checks.tensor("v_out", v_out, rank=4, device=dev)
     _checks.same_dtype("v_out", v_out, "k_cache", k_cache)
     _checks.shape("v_out", v_out, (Q, S, Hkv, D), "Q S Hkv D")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("trains", trains),
-                    ("k_out", k_out), ("v_out", v_out)):
-        _checks.contiguous(name, t)
+    _checks.pages("k_out", k_out)
+    _checks.pages("v_out", v_out)
+    _checks.contiguous("trains", trains)
 
 
 def _validate_trains(trains: Tensor, num_trains: Tensor, P: int, Q: int) -> None:
@@ -96,11 +79,12 @@ def paged_gather_merged_ref(k_cache: Tensor, v_cache: Tensor, trains: Tensor, nu
     v_out.copy_(torch.where(keep, v_cache[page], v_out))
 
 
-@torch.library.custom_op("kvops::paged_gather_merged", mutates_args=("k_out", "v_out"))
-def paged_gather_merged(k_cache: Tensor, v_cache: Tensor, trains: Tensor, num_trains: Tensor,
-                        k_out: Tensor, v_out: Tensor) -> None:
-    """Copy trains of pages from the pool into the arena pages; see the module doc."""
-    _check(k_cache, v_cache, trains, num_trains, k_out, v_out)
+_checked = CheckedSignatures(_check)
+
+
+def _impl(k_cache, v_cache, trains, num_trains, k_out, v_out):
+    _checked((sig(k_cache), sig(v_cache), sig(trains), sig(num_trains), sig(k_out), sig(v_out)),
+             k_cache, v_cache, trains, num_trains, k_out, v_out)
     if validate():
         _validate_trains(trains, num_trains, k_cache.shape[0], k_out.shape[0])
     if use_triton(k_cache.device):
@@ -111,6 +95,40 @@ def paged_gather_merged(k_cache: Tensor, v_cache: Tensor, trains: Tensor, num_tr
     paged_gather_merged_ref(k_cache, v_cache, trains, num_trains, k_out, v_out)
 
 
-@paged_gather_merged.register_fake
-def _(k_cache, v_cache, trains, num_trains, k_out, v_out):
+def _fake(k_cache, v_cache, trains, num_trains, k_out, v_out):
     _check(k_cache, v_cache, trains, num_trains, k_out, v_out)
+
+
+_op = register(
+    "paged_gather_merged",
+    "(Tensor k_cache, Tensor v_cache, Tensor trains, Tensor num_trains, "
+    "Tensor(a!) k_out, Tensor(b!) v_out) -> ()",
+    _impl, _fake)
+
+
+def paged_gather_merged(k_cache: Tensor, v_cache: Tensor, trains: Tensor, num_trains: Tensor,
+                        k_out: Tensor, v_out: Tensor):
+    """Copy paged KV into a fixed-shape arena by trains of pages
+    (``torch.ops.kvops.paged_gather_merged``; KV-RM merge-staged transport, paper section 4.3).
+
+    KV-RM merge-staged transport (paper section 4.3): the host plans trains
+    (:func:`kvops.layouts.plan_trains`), the device copies them in one call.
+
+    - k_cache, v_cache [P, S, Hkv, D]; k_out, v_out [Q, S, Hkv, D] (a window arena viewed as pages,
+      :func:`kvops.layouts.arena_as_pages`), all four the same dtype, each page a contiguous
+      [S, Hkv, D] run with any page stride (``kv[:, 0]`` of a [P, 2, S, Hkv, D] pool works).
+    - trains int32 [T, 3], rows (src_page, dst_page, n_pages); num_trains int32 [1] on the device:
+      rows [0, num_trains[0]) are used, the rest ignored, so a captured graph replays with any count
+      up to T.
+    - Row i copies cache[src : src + n] -> out[dst : dst + n] for K and V. Destination ranges must
+      not overlap (where they do, which writer wins is unspecified). Mutates k_out and v_out only.
+
+    Values outside the documented ranges are not read or written out of bounds: num_trains is
+    clamped to [0, T], and a row whose pages do not lie in the pool / arena (or whose n_pages < 1)
+    copies nothing. Validation mode (kvops.validate(True)) raises IndexError for such rows and for
+    overlapping destinations instead.
+
+    Implementations: CUDA tensors run ``kvops.kernels.paged_gather_merged`` (Triton); CPU tensors run
+    :func:`paged_gather_merged_ref` (or the interpreted kernel under backend "triton").
+    """
+    return _op(k_cache, v_cache, trains, num_trains, k_out, v_out)

@@ -1,44 +1,6 @@
-"""``torch.ops.kvops.paged_prefill_attention``: causal attention of packed query chunks of many
-sequences over their paged prefixes (chunked prefill), as FlashInfer's
-``BatchPrefillWithPagedKVCache`` and vLLM's varlen paged attention do.
+"""``torch.ops.kvops.paged_prefill_attention``: checks, PyTorch reference, registration, fake.
 
-- q [N, Hq, D] (float16, bfloat16 or float32; the last dim contiguous): the new tokens of B
-  sequences packed one after another; sequence b's queries are rows
-  ``[query_start[b], query_start[b + 1])``.
-- k_cache, v_cache [P, S, Hkv, D], q's dtype, each page contiguous with any page stride (so
-  ``kv[:, 0]``, ``kv[:, 1]`` of an interleaved ``[P, 2, S, Hkv, D]`` pool work). The new
-  tokens' K/V are already in the pool (``paged_kv_write`` before the call).
-- block_table int32 [B, L]: logical block j of sequence b (tokens ``[j*S, (j+1)*S)``) is page
-  ``block_table[b, j]``. query_start int32 [B + 1]: cumulative query starts, non-decreasing,
-  ``query_start[0] >= 0``, ``query_start[B] <= N``. seq_lens int32 [B]: each sequence's total
-  context length, its new tokens included.
-- Query i of sequence b sits at position ``p = seq_lens[b] - n_b + i`` (``n_b`` its query
-  count) and attends to key positions ``j <= p``, and with ``window > 0`` only to ``j > p -
-  window``: the last ``window`` positions, itself included, the rule of the decode ops (a ring
-  window of W tokens holds the last W; ``static_sliding_attention``, ``elastic_attention``
-  over a W-token table). ``window = 0``: no window.
-- Returns out [N, Hq, D] in q's dtype and lse float32 [N, Hq] (natural log of the sum of exp of
-  the scaled logits). A row with nothing visible, and rows ``>= query_start[B]`` (padding),
-  get out 0 and lse -inf. GQA: query head h reads KV head ``h // (Hq // Hkv)``. Float32
-  accumulation; scale defaults to ``D ** -0.5``.
-
-BASE blocks: this op reads every block as TARGET. ElasticKV's fidelity policy demotes only
-blocks a session has already attended as TARGET, refuses to alias a prefix holding BASE blocks,
-and never demotes a block reserved in the current frame; a caller that prefills over blocks of
-its own that were demoted promotes them first (``Fidelity.promote``, settled by a later step),
-so a prefill never sees a BASE block. A BASE page passed anyway is read as its TARGET bytes
-(tested, as is a prefill after ``promote`` over a demoted prefix), never through the codecs.
-
-Only positions below ``seq_lens[b]`` whose page id lies in ``[0, P)`` are read; keys on any
-other page (-1 included) are left out of the softmax, so no output depends on an unmapped or
-invisible slot. seq_lens is clamped to ``[0, L * S]``, query_start to ``[0, N]``; validation
-mode (``kvops.validate(True)``) raises IndexError instead for out-of-range lengths, starts that
-decrease, more queries than context (``n_b > seq_lens[b]``) and unmapped pages under a
-sequence's length.
-
-Implementations: CUDA tensors run ``kvops.kernels.paged_prefill_attention`` (Triton); CPU
-tensors run :func:`paged_prefill_attention_ref` (or the interpreted kernel under backend
-"triton"). Output shapes depend on input shapes only.
+The op's documentation is :func:`paged_prefill_attention`'s docstring (``help()`` shows it).
 """
 
 from __future__ import annotations
@@ -48,8 +10,10 @@ from torch import Tensor
 
 from kvops import _checks
 from kvops._config import use_triton, validate
-from kvops.layouts.pairs import page_contiguous
+from kvops.ops._library import CheckedSignatures, register, sig
 
+# the flash tile's float32 accumulator at D 512 would need a split-D or 8-warp kernel variant
+PREFILL_MAX_HEAD_DIM = 256
 # the reference attends at most this many (query row x key) logits per head at once
 _REF_CHUNK = 1 << 22
 
@@ -64,10 +28,9 @@ def _check(q, k_cache, v_cache, block_table, query_start, seq_lens, scale, windo
         raise ValueError(f"k_cache: expected a tensor on {dev}, got one on {k_cache.device}")
     _checks.shape("k_cache", k_cache, (None, None, None, D), "P S Hkv D")
     _checks.heads("q", Hq, "k_cache", Hkv)
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not page_contiguous(c):
-            raise ValueError(f"{name}: expected contiguous pages [S, Hkv, D], got strides "
-                             f"{c.stride()}")
+    if D > PREFILL_MAX_HEAD_DIM:
+        raise ValueError(f"q: paged_prefill_attention supports head dims up to "
+                         f"{PREFILL_MAX_HEAD_DIM}, got D={D} (docs/tuning.md, Head dims)")
     if q.numel() and q.stride(-1) != 1:
         raise ValueError(f"q: expected the last dim (D) contiguous, got strides {q.stride()}")
     _checks.tensor("block_table", block_table, rank=2, dtypes=(torch.int32,), device=dev)
@@ -151,13 +114,13 @@ def paged_prefill_attention_ref(
     return out.to(q.dtype), lse
 
 
-@torch.library.custom_op("kvops::paged_prefill_attention", mutates_args=())
-def paged_prefill_attention(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, query_start: Tensor,
-    seq_lens: Tensor, scale: float | None = None, window: int = 0,
-) -> tuple[Tensor, Tensor]:
-    """Causal attention of packed query chunks over paged prefixes; see the module doc."""
-    _check(q, k_cache, v_cache, block_table, query_start, seq_lens, scale, window)
+_checked = CheckedSignatures(_check)
+
+
+def _impl(q, k_cache, v_cache, block_table, query_start, seq_lens, scale=None, window=0):
+    _checked((sig(q), sig(k_cache), sig(v_cache), sig(block_table), sig(query_start),
+              sig(seq_lens), type(scale), window),
+             q, k_cache, v_cache, block_table, query_start, seq_lens, scale, window)
     if validate():
         _validate(q, k_cache, block_table, query_start, seq_lens)
     if use_triton(q.device):
@@ -169,8 +132,64 @@ def paged_prefill_attention(
                                        scale, window)
 
 
-@paged_prefill_attention.register_fake
-def _(q, k_cache, v_cache, block_table, query_start, seq_lens, scale=None, window=0):
+def _fake(q, k_cache, v_cache, block_table, query_start, seq_lens, scale=None, window=0):
     _check(q, k_cache, v_cache, block_table, query_start, seq_lens, scale, window)
     N, Hq, D = q.shape
     return q.new_empty((N, Hq, D)), q.new_empty((N, Hq), dtype=torch.float32)
+
+
+_op = register(
+    "paged_prefill_attention",
+    "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor query_start, "
+    "Tensor seq_lens, float? scale=None, int window=0) -> (Tensor, Tensor)",
+    _impl, _fake)
+
+
+def paged_prefill_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, query_start: Tensor,
+    seq_lens: Tensor, scale: float | None = None, window: int = 0,
+) -> tuple[Tensor, Tensor]:
+    """Causal attention of packed query chunks of many sequences over their paged prefixes
+    (``torch.ops.kvops.paged_prefill_attention``; chunked prefill).
+    sequences over their paged prefixes (chunked prefill), as FlashInfer's
+    ``BatchPrefillWithPagedKVCache`` and vLLM's varlen paged attention do.
+
+    - q [N, Hq, D] (float16, bfloat16 or float32; the last dim contiguous): the new tokens of B
+      sequences packed one after another; sequence b's queries are rows
+      ``[query_start[b], query_start[b + 1])``.
+    - k_cache, v_cache [P, S, Hkv, D], q's dtype, each page contiguous with any page stride (so
+      ``kv[:, 0]``, ``kv[:, 1]`` of an interleaved ``[P, 2, S, Hkv, D]`` pool work). The new
+      tokens' K/V are already in the pool (``paged_kv_write`` before the call).
+    - block_table int32 [B, L]: logical block j of sequence b (tokens ``[j*S, (j+1)*S)``) is page
+      ``block_table[b, j]``. query_start int32 [B + 1]: cumulative query starts, non-decreasing,
+      ``query_start[0] >= 0``, ``query_start[B] <= N``. seq_lens int32 [B]: each sequence's total
+      context length, its new tokens included.
+    - Query i of sequence b sits at position ``p = seq_lens[b] - n_b + i`` (``n_b`` its query
+      count) and attends to key positions ``j <= p``, and with ``window > 0`` only to ``j > p -
+      window``: the last ``window`` positions, itself included, the rule of the decode ops (a ring
+      window of W tokens holds the last W; ``static_sliding_attention``, ``elastic_attention``
+      over a W-token table). ``window = 0``: no window.
+    - Returns out [N, Hq, D] in q's dtype and lse float32 [N, Hq] (natural log of the sum of exp of
+      the scaled logits). A row with nothing visible, and rows ``>= query_start[B]`` (padding),
+      get out 0 and lse -inf. GQA: query head h reads KV head ``h // (Hq // Hkv)``. Float32
+      accumulation; scale defaults to ``D ** -0.5``.
+
+    BASE blocks: this op reads every block as TARGET. ElasticKV's fidelity policy demotes only
+    blocks a session has already attended as TARGET, refuses to alias a prefix holding BASE blocks,
+    and never demotes a block reserved in the current frame; a caller that prefills over blocks of
+    its own that were demoted promotes them first (``Fidelity.promote``, settled by a later step),
+    so a prefill never sees a BASE block. A BASE page passed anyway is read as its TARGET bytes
+    (tested, as is a prefill after ``promote`` over a demoted prefix), never through the codecs.
+
+    Only positions below ``seq_lens[b]`` whose page id lies in ``[0, P)`` are read; keys on any
+    other page (-1 included) are left out of the softmax, so no output depends on an unmapped or
+    invisible slot. seq_lens is clamped to ``[0, L * S]``, query_start to ``[0, N]``; validation
+    mode (``kvops.validate(True)``) raises IndexError instead for out-of-range lengths, starts that
+    decrease, more queries than context (``n_b > seq_lens[b]``) and unmapped pages under a
+    sequence's length.
+
+    Implementations: CUDA tensors run ``kvops.kernels.paged_prefill_attention`` (Triton); CPU
+    tensors run :func:`paged_prefill_attention_ref` (or the interpreted kernel under backend
+    "triton"). Output shapes depend on input shapes only.
+    """
+    return _op(q, k_cache, v_cache, block_table, query_start, seq_lens, scale, window)

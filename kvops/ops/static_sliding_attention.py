@@ -1,21 +1,6 @@
-"""``torch.ops.kvops.static_sliding_attention``: fixed-shape decode attention over a ring window.
+"""``torch.ops.kvops.static_sliding_attention``: checks, PyTorch reference, registration, fake.
 
-KV-RM's static sliding kernel (paper section 4.1) with the optional far view (section 4.4) in
-the same call. See CONTRACT.md for the binding semantics; in short:
-
-- q [B, Hq, D]; k, v [B, W, Hkv, D] (NHD window; any row order); win_start, win_len int32 [B].
-  Slot j of sequence b is visible iff (j - win_start[b]) mod W < win_len[b].
-- far_k, far_v [B, C, Hkv, D] and far_bias float32 [B, C]: always in the softmax, with far_bias
-  added to the scaled logits (log(count) for a summary of count tokens, -inf for an empty slot).
-- Returns out [B, Hq, D] in q's dtype and lse float32 [B, Hq]; a row with nothing visible gets
-  out = 0 and lse = -inf. Accumulation is float32. scale defaults to D ** -0.5.
-
-Values outside the documented ranges are not read out of bounds: win_start is taken mod W and
-win_len clamped to [0, W]; validation mode (kvops.validate(True)) raises IndexError instead.
-
-Implementations: CUDA tensors run ``kvops.kernels.static_sliding_attention`` (Triton); CPU
-tensors run :func:`static_sliding_attention_ref` (or the interpreted kernel under backend
-"triton"). Output shapes depend on input shapes only.
+The op's documentation is :func:`static_sliding_attention`'s docstring (``help()`` shows it).
 """
 
 from __future__ import annotations
@@ -25,7 +10,11 @@ from torch import Tensor
 
 from kvops import _checks
 from kvops._config import use_triton, validate
+from kvops.ops._library import CheckedSignatures, register, sig
 from kvops.ops._reference import softmax_attend
+
+NHD_HINT = ("K/V windows are [B, W, Hkv, D] (token-major); a transformers cache tensor is "
+            "[B, Hkv, T, D]: pass k.transpose(1, 2)")
 
 
 def _check(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale) -> None:
@@ -41,7 +30,9 @@ def _check(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale) -> None:
     _checks.shape("v", v, (B, W, Hkv, D), "B W Hkv D")
     if W < 1:
         raise ValueError(f"k: window width W must be at least 1, got W={W}")
-    _checks.heads("q", Hq, "k", Hkv)
+    if Hkv < 1 or Hq % Hkv:
+        raise ValueError(f"q/k: query heads Hq={Hq} must be a multiple of KV heads "
+                         f"Hkv=k.shape[2]={Hkv} ({NHD_HINT})")
     _checks.head_dim("q", D)
     for name, t in (("win_start", win_start), ("win_len", win_len)):
         _checks.tensor(name, t, rank=1, dtypes=(torch.int32,), device=dev)
@@ -72,6 +63,20 @@ def _check(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale) -> None:
     if far_bias is not None and far_bias.numel() and far_bias.stride(-1) != 1:
         raise ValueError(f"far_bias: expected the last dim (C) contiguous, got strides "
                          f"{far_bias.stride()}")
+    if scale is not None and not isinstance(scale, float):
+        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+
+
+_checked = CheckedSignatures(_check)
+
+
+def _validate(k, win_start, win_len) -> None:
+    W = k.shape[1]
+    _checks.index_range("win_start", win_start, 0, W)
+    bad = (win_len < 0) | (win_len > W)
+    if bool(bad.any()):
+        raise IndexError(f"win_len: values must lie in [0, {W + 1}) (W = k.shape[1] = {W}), "
+                         f"found {int(win_len[bad][0])}; {NHD_HINT}")
 
 
 def static_sliding_attention_ref(
@@ -79,7 +84,9 @@ def static_sliding_attention_ref(
     far_k: Tensor | None = None, far_v: Tensor | None = None, far_bias: Tensor | None = None,
     scale: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """PyTorch reference (float32 math); the CPU implementation. Shapes as in the module doc."""
+    """PyTorch reference (float32 math); the CPU implementation. Shapes as documented in
+    :func:`static_sliding_attention`. Invisible slots and empty far slots are masked in both the
+    logits and the values, so NaN or inf there never reaches an output."""
     B, Hq, D = q.shape
     W, Hkv = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -88,40 +95,85 @@ def static_sliding_attention_ref(
     logits = torch.einsum("bhgd,bwhd->bhgw", qf, k.float()) * scale
     slot = torch.arange(W, device=q.device)
     rel = (slot[None, :] - win_start.long()[:, None]) % W
-    visible = rel < win_len.long().clamp(0, W)[:, None]
+    wl = win_len.long()
+    visible = rel < wl.clamp(0, W)[:, None]
     logits = logits.masked_fill(~visible[:, None, None, :], float("-inf"))
-    values = v.float()
+    values = v.float().masked_fill(~visible[:, :, None, None], 0.0)
     if far_k is not None:
-        far = torch.einsum("bhgd,bchd->bhgc", qf, far_k.float()) * scale
-        logits = torch.cat([logits, far + far_bias[:, None, None, :]], dim=-1)
-        values = torch.cat([values, far_v.float()], dim=1)
+        live = far_bias > float("-inf")                                   # [B, C]
+        far = torch.einsum("bhgd,bchd->bhgc", qf, far_k.float()) * scale + far_bias[:, None, None, :]
+        far = far.masked_fill(~live[:, None, None, :], float("-inf"))
+        logits = torch.cat([logits, far], dim=-1)
+        values = torch.cat([values, far_v.float().masked_fill(~live[:, :, None, None], 0.0)], dim=1)
     out, lse = softmax_attend(logits, values)
-    return out.reshape(B, Hq, D).to(q.dtype), lse.reshape(B, Hq)
+    out, lse = out.reshape(B, Hq, D), lse.reshape(B, Hq)
+    bad = ((wl < 0) | (wl > W))[:, None]                                  # outside [0, W]: NaN
+    out = out.masked_fill(bad[..., None], float("nan"))
+    lse = lse.masked_fill(bad, float("nan"))
+    return out.to(q.dtype), lse
 
 
-@torch.library.custom_op("kvops::static_sliding_attention", mutates_args=())
+def _impl(q, k, v, win_start, win_len, far_k=None, far_v=None, far_bias=None, scale=None):
+    key = (sig(q), sig(k), sig(v), sig(win_start), sig(win_len), sig(far_k), sig(far_v),
+           sig(far_bias), scale)
+    _checked(key, q, k, v, win_start, win_len, far_k, far_v, far_bias, scale)
+    if validate():
+        _validate(k, win_start, win_len)
+    if use_triton(q.device):
+        from kvops.kernels.static_sliding_attention import static_sliding_attention_fwd
+
+        return static_sliding_attention_fwd(q, k, v, win_start, win_len, far_k, far_v, far_bias,
+                                            scale, signature=key)
+    return static_sliding_attention_ref(q, k, v, win_start, win_len, far_k, far_v, far_bias,
+                                        scale)
+
+
+def _fake(q, k, v, win_start, win_len, far_k=None, far_v=None, far_bias=None, scale=None):
+    _check(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale)
+    B, Hq, D = q.shape
+    return q.new_empty((B, Hq, D)), q.new_empty((B, Hq), dtype=torch.float32)
+
+
+_op = register(
+    "static_sliding_attention",
+    "(Tensor q, Tensor k, Tensor v, Tensor win_start, Tensor win_len, Tensor? far_k=None, "
+    "Tensor? far_v=None, Tensor? far_bias=None, float? scale=None) -> (Tensor, Tensor)",
+    _impl, _fake)
+
+
 def static_sliding_attention(
     q: Tensor, k: Tensor, v: Tensor, win_start: Tensor, win_len: Tensor,
     far_k: Tensor | None = None, far_v: Tensor | None = None, far_bias: Tensor | None = None,
     scale: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Decode attention over a ring window plus optional far slots; see the module doc."""
-    _check(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale)
-    if validate():
-        W = k.shape[1]
-        _checks.index_range("win_start", win_start, 0, W)
-        _checks.index_range("win_len", win_len, 0, W + 1)
-    if use_triton(q.device):
-        from kvops.kernels.static_sliding_attention import static_sliding_attention_fwd
+    """Fixed-shape decode attention over a ring window plus optional far slots
+    (``torch.ops.kvops.static_sliding_attention``; KV-RM's static sliding kernel, paper
+    section 4.1, with the far view of section 4.4 in the same call).
 
-        return static_sliding_attention_fwd(q, k, v, win_start, win_len, far_k, far_v, far_bias,
-                                            scale)
-    return static_sliding_attention_ref(q, k, v, win_start, win_len, far_k, far_v, far_bias,
-                                        scale)
+    - q [B, Hq, D]; k, v [B, W, Hkv, D]: the window, token-major (NHD), any row order, the last
+      dim contiguous. A transformers cache tensor is [B, Hkv, T, D]: pass ``k.transpose(1, 2)``.
+    - win_start, win_len int32 [B], contiguous: slot j of sequence b is visible iff
+      ``(j - win_start[b]) mod W < win_len[b]`` (a circular interval, so a ring buffer works;
+      win_start 0 is the plain prefix). win_start is taken mod W.
+    - far_k, far_v [B, C, Hkv, D] and far_bias float32 [B, C]: always in the softmax, with
+      far_bias added to the scaled logits (log(count) for a summary of count tokens, -inf for an
+      empty slot). All three or none.
+    - Returns out [B, Hq, D] in q's dtype and lse float32 [B, Hq] (natural log of the sum of exp
+      of the scaled, biased logits); a row with nothing visible gets out = 0 and lse = -inf.
+      Accumulation is float32; scale defaults to D ** -0.5. Hq must be a multiple of Hkv (GQA).
+    - An invisible slot or an empty far slot is never read into an output: NaN or inf there
+      changes nothing.
 
+    ``win_len`` outside [0, W]: the row's out and lse are NaN. The op cannot raise there
+    without reading win_len on the host (a sync, and impossible inside a CUDA graph); a
+    win_len above W is what K/V in transformers' [B, Hkv, T, D] layout look like when
+    Hq % T == 0 lets the shapes pass (W is then read as Hkv). Validation mode
+    (``kvops.validate(True)``) checks win_start and win_len on the host and raises IndexError
+    naming that layout. When the shapes do not fit, the heads error names it. One case no check
+    can tell apart: T == Hkv with win_len <= T (a square [Hkv, T] block read transposed).
 
-@static_sliding_attention.register_fake
-def _(q, k, v, win_start, win_len, far_k=None, far_v=None, far_bias=None, scale=None):
-    _check(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale)
-    B, Hq, D = q.shape
-    return q.new_empty((B, Hq, D)), q.new_empty((B, Hq), dtype=torch.float32)
+    CUDA tensors run the Triton kernel (``kvops.kernels.static_sliding_attention``); CPU tensors
+    run :func:`~kvops.ops.static_sliding_attention.static_sliding_attention_ref` (or the
+    interpreted kernel under backend "triton"). Output shapes depend on input shapes only.
+    """
+    return _op(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale)

@@ -1,0 +1,206 @@
+"""Eager cost of every op beside SDPA's on the same tensors: host us a call, wall us a call,
+and graph-replay us.
+
+- host us/call: time the host spends in a call (N calls back to back, timed before the
+  device sync; shapes are small so the device never holds the host back);
+- wall us/call: the same loop timed through the final sync;
+- graph us: the median CUDA-graph replay time of one call (``bench.common.time_graph``).
+
+The attention rows use Llama-3-8B heads (Hq 32, Hkv 8, D 128), bf16, B 4, 512 tokens (pages of
+16). Copy and pool ops use the same pool; their peers are torch's own indexing ops.
+
+On a CPU machine the bench measures what it can of the host path: the dispatcher and the
+cached checks (an op call minus its PyTorch reference on tiny tensors), and each launcher's own
+Python (plan lookup, allocations) with the Triton launch stubbed out, beside SDPA's dispatch on
+the same tiny tensors.
+
+    python3 -m bench.bench_eager            # writes bench/results/<date>-eager.md on CUDA
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+import kvops  # noqa: F401  (registers the ops)
+
+HQ, HKV, D, S = 32, 8, 128, 16
+
+
+def host_and_wall(fn, n: int = 1000, warm: int = 30) -> tuple[float, float]:
+    """(host us, wall us) a call of ``fn`` over ``n`` back-to-back calls."""
+    for _ in range(warm):
+        fn()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    if cuda:
+        torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return (t1 - t0) / n * 1e6, (t2 - t0) / n * 1e6
+
+
+def cases(device, dtype=torch.bfloat16, B=4, ctx=512):
+    """name -> (op call, peer name, peer call) on shared tensors."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype)
+    L = ctx // S
+    P = B * L + 4
+    q = rnd(B, HQ, D)
+    k, v = rnd(B, ctx, HKV, D), rnd(B, ctx, HKV, D)
+    ws = torch.zeros(B, dtype=torch.int32, device=device)
+    wl = torch.full((B,), ctx, dtype=torch.int32, device=device)
+    kc, vc = rnd(P, S, HKV, D), rnd(P, S, HKV, D)
+    table = torch.arange(B * L, dtype=torch.int32, device=device).view(B, L)
+    seq = torch.full((B,), ctx, dtype=torch.int32, device=device)
+    span = torch.tensor([[2, 6]] * B, dtype=torch.int32, device=device)
+    q4 = q.unsqueeze(2)
+    kd, vd = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+    sdpa = lambda: F.scaled_dot_product_attention(q4, kd, vd, enable_gqa=True)
+    Q = 8
+    k_out, v_out = rnd(Q, S, HKV, D), rnd(Q, S, HKV, D)
+    trains = torch.tensor([[0, 0, 4], [10, 4, 4]], dtype=torch.int32, device=device)
+    num = torch.tensor([2], dtype=torch.int32, device=device)
+    src = torch.arange(8, device=device)
+    chunks = torch.arange(B * 2 * 4, dtype=torch.int32, device=device).view(B, 2, 4)
+    pairs = torch.tensor([[0, 1, 0], [2, 3, 2]], dtype=torch.int32, device=device)
+    from kvops.layouts import codecs
+
+    back_dtype = codecs.backing_dtype(codecs.default_codec(dtype), dtype)
+    backing = torch.empty(2, 2, S, HKV, D, dtype=back_dtype, device=device)
+    slots = torch.arange(B, dtype=torch.int32, device=device) * S
+    q_start = torch.arange(B + 1, dtype=torch.int32, device=device)
+    ops = torch.ops.kvops
+    return {
+        "static_sliding_attention": (lambda: ops.static_sliding_attention(q, k, v, ws, wl),
+                                     "sdpa", sdpa),
+        "elastic_attention (native)": (lambda: ops.elastic_attention(q, kc, vc, table, seq),
+                                       "sdpa", sdpa),
+        "elastic_attention (structured)": (
+            lambda: ops.elastic_attention(q, kc, vc, table, seq, base_span=span), "sdpa", sdpa),
+        "paged_gather_merged": (lambda: ops.paged_gather_merged(kc, vc, trains, num, k_out, v_out),
+                                "index_select x2",
+                                lambda: (kc.index_select(0, src), vc.index_select(0, src))),
+        "far_view_summarize": (lambda: ops.far_view_summarize(kc, vc, chunks), "sdpa", sdpa),
+        "pack_base_pairs": (lambda: ops.pack_base_pairs(kc, pairs, backing), "sdpa", sdpa),
+        "refine_base_pairs": (lambda: ops.refine_base_pairs(kc, pairs, backing), "sdpa", sdpa),
+        "paged_kv_write": (lambda: ops.paged_kv_write(q[:, :HKV], q[:, :HKV], kc, vc, slots),
+                           "index_put_ x2", lambda: (kc.view(-1, HKV, D).index_put_((slots.long(),),
+                                                                               q[:, :HKV]),
+                                                     vc.view(-1, HKV, D).index_put_((slots.long(),),
+                                                                               q[:, :HKV]))),
+        "paged_prefill_attention": (
+            lambda: ops.paged_prefill_attention(q, kc, vc, table, q_start, seq), "sdpa", sdpa),
+    }
+
+
+def cuda_rows():
+    from bench.common import time_graph
+
+    rows = []
+    sdpa_host = None
+    for name, (op, peer_name, peer) in cases(torch.device("cuda")).items():
+        host, wall = host_and_wall(op)
+        graph = time_graph(op)[1]
+        p_host, p_wall = host_and_wall(peer)
+        p_graph = time_graph(peer)[1]
+        if peer_name == "sdpa":
+            sdpa_host = p_host
+        rows.append([name, host, wall, graph, peer_name, p_host, p_wall, p_graph,
+                     host / p_host, host / sdpa_host if sdpa_host else float("nan")])
+        print(rows[-1], flush=True)
+    headers = ["op", "host us", "wall us", "graph us", "peer", "peer host us", "peer wall us",
+               "peer graph us", "host / peer", "host / sdpa"]
+    return headers, rows
+
+
+def cpu_rows():
+    """The host path up to the kernel, on CPU tensors: each op's dispatcher, cached checks and
+    glue with its PyTorch reference stubbed out (it returns preallocated outputs), and the two
+    decode launchers' own Python (plan lookup, allocations, the merge plan) with the Triton
+    launch stubbed out, beside SDPA's whole call on one-token tensors."""
+    import importlib
+
+    import kvops.kernels._splitk as splitk
+    import kvops.kernels.elastic_attention as ea
+    import kvops.kernels.static_sliding_attention as ssa
+
+    dev = torch.device("cpu")
+    tiny = [torch.randn(1, HQ, 1, D), torch.randn(1, HKV, 1, D), torch.randn(1, HKV, 1, D)]
+    t_sdpa = host_and_wall(lambda: F.scaled_dot_product_attention(*tiny, enable_gqa=True))[0]
+    rows = []
+    for name, (op, _, _) in cases(dev, dtype=torch.float16).items():
+        opname = name.split()[0]
+        mod = importlib.import_module(f"kvops.ops.{opname}")
+        ref_name = f"{opname}_ref"
+        saved = getattr(mod, ref_name)
+        outs = op()            # the real outputs once, returned by the stub afterwards
+        setattr(mod, ref_name, lambda *a, _o=outs, **k: _o)
+        try:
+            rows.append([name, "dispatcher + cached checks + glue", host_and_wall(op)[0], t_sdpa])
+        finally:
+            setattr(mod, ref_name, saved)
+    stub = lambda *a, **kw: None
+    saved = (ssa.launch, ea.launch, splitk.launch)
+    ssa.launch = ea.launch = splitk.launch = stub
+    try:
+        B, ctx = 4, 512
+        q = torch.randn(B, HQ, D)
+        k = torch.randn(B, ctx, HKV, D)
+        ws = torch.zeros(B, dtype=torch.int32)
+        wl = torch.full((B,), ctx, dtype=torch.int32)
+        kc = torch.randn(B * ctx // S, S, HKV, D)
+        table_ = torch.arange(B * ctx // S, dtype=torch.int32).view(B, ctx // S)
+        for name, fn in (
+            ("static_sliding_attention", lambda: ssa.static_sliding_attention_fwd(q, k, k, ws, wl)),
+            ("elastic_attention", lambda: ea.elastic_attention_fwd(q, kc, kc, table_, wl)),
+        ):
+            rows.append([name, "launcher Python (launch stubbed)", host_and_wall(fn)[0], t_sdpa])
+    finally:
+        ssa.launch, ea.launch, splitk.launch = saved
+    return ["op", "part", "host us", "sdpa host us (CPU, one token)"], rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", action="store_true",
+                    help="also print where static_sliding_attention's host time goes (cProfile)")
+    args = ap.parse_args()
+    from bench.common import table, write_result
+
+    if torch.cuda.is_available():
+        headers, rows = cuda_rows()
+        text = table(headers, rows)
+        path = write_result("eager", "Llama-3-8B heads, bf16, B 4 x 512 (pages of 16).\n\n"
+                            + text)
+    else:
+        headers, rows = cpu_rows()
+        text = table(headers, rows)
+        path = None
+    print(text)
+    if path:
+        print(f"wrote {path}")
+    if args.profile:
+        import cProfile
+        import pstats
+
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        op = cases(dev)["static_sliding_attention"][0]
+        host_and_wall(op, n=200)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(500):
+            op()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+
+
+if __name__ == "__main__":
+    main()

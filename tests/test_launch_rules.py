@@ -1,0 +1,97 @@
+"""Launch rules are pure functions of shapes and device properties: a table of their choices on
+an H200 (132 SMs, 227 KiB of shared memory a program, sm_90, compiled) and on the interpreter's
+4-SM model. docs/tuning.md gives the measurement behind each rule; a change to a rule changes
+this table and that page together."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvops.kernels._common import DeviceProps, grid_waves, kv_block_n
+from kvops.kernels._splitk import default_num_splits, merge_warps, use_pdl
+from kvops.kernels.elastic_attention import elastic_launch, native_dense_tile
+from kvops.kernels.static_sliding_attention import sliding_launch
+
+H200 = DeviceProps(132, 227 * 1024, (9, 0), True)
+A100 = DeviceProps(108, 163 * 1024, (8, 0), True)
+INTERP = DeviceProps(4, 227 * 1024, (0, 0), False)
+
+
+# (B, Hkv, W, D, has_far, props) -> (block_n, splits, warps, stages)
+SLIDING = [
+    ((1, 8, 8192, 128, False, H200), (128, 16, 4, 3)),     # Llama-3-8B, one sequence: split
+    ((4, 8, 32768, 128, False, H200), (128, 4, 4, 3)),
+    ((16, 8, 4096, 128, False, H200), (128, 1, 4, 3)),     # 128 programs: one full wave
+    ((64, 8, 2048, 128, False, H200), (128, 1, 4, 3)),
+    ((128, 8, 1024, 128, False, H200), (64, 1, 4, 3)),     # short windows, > 1 program an SM
+    ((128, 1, 1024, 128, False, H200), (128, 1, 4, 3)),    # ... one wave of programs: 128 rows
+    ((128, 2, 1024, 128, False, H200), (64, 1, 4, 3)),
+    ((128, 4, 1024, 256, False, H200), (64, 1, 4, 3)),     # D 256: 64-row tiles already
+    ((9, 8, 4096, 128, False, H200), (64, 3, 4, 3)),       # partial wave: 64-row tiles, re-split
+    ((9, 8, 4096, 128, True, H200), (128, 1, 4, 3)),       # far slots keep the tile
+    ((16, 4, 4096, 256, False, H200), (64, 2, 4, 3)),      # D 256: 64-row tiles
+    ((4, 2, 512, 512, False, H200), (32, 8, 4, 3)),        # D 512: 32-row tiles
+    ((3, 2, 1100, 128, False, INTERP), (64, 1, 4, 3)),     # 6 programs on 4 SMs
+]
+
+
+@pytest.mark.parametrize("args,want", SLIDING, ids=[str(a[:5]) for a, _ in SLIDING])
+def test_sliding_launch_table(args, want):
+    assert tuple(sliding_launch(*args[:4], 2, *args[4:])) == want
+
+
+def test_sliding_launch_keeps_given_knobs():
+    got = sliding_launch(128, 1, 1024, 128, 2, False, H200, block_n=32, splits=3, warps=8,
+                         stages=4)
+    assert tuple(got) == (32, 3, 8, 4)
+
+
+# (mode, B, Hkv, G, NB, S, D, props) -> (block_n, splits, warps, stages, base_stages)
+ELASTIC = [
+    ((0, 16, 8, 4, 256, 16, 128, H200), (128, 1, 4, 5, 5)),      # native dense: one wave
+    ((0, 128, 1, 8, 64, 16, 128, H200), (128, 1, 4, 5, 5)),
+    ((0, 16, 8, 4, 256, 16, 128, A100), (16, 6, 1, 5, 5)),       # no dense shape on 163 KiB
+    ((0, 1, 8, 4, 1024, 16, 128, H200), (16, 64, 1, 5, 5)),      # one sequence: 64 splits
+    ((0, 128, 8, 4, 64, 16, 128, H200), (16, 1, 1, 5, 5)),
+    ((0, 128, 2, 4, 64, 16, 128, H200), (64, 1, 4, 5, 5)),      # two waves: 64-row dense
+    ((0, 128, 3, 4, 64, 16, 128, H200), (16, 2, 1, 5, 5)),      # three waves: split one-warp
+    ((1, 128, 8, 4, 256, 64, 128, H200), (32, 1, 1, 4, 5)),      # mixed, >= 6 programs an SM
+    ((1, 64, 8, 4, 256, 16, 128, H200), (32, 1, 1, 5, 7)),      # BASE runs a buffer deeper
+    ((2, 16, 8, 4, 1024, 16, 128, H200), (32, 4, 1, 5, 7)),
+    ((0, 4, 4, 2, 64, 16, 256, H200), (16, 32, 4, 5, 5)),        # D 256: 4 warps
+]
+
+
+@pytest.mark.parametrize("args,want", ELASTIC, ids=[str(a[:7]) for a, _ in ELASTIC])
+def test_elastic_launch_table(args, want):
+    mode, B, Hkv, G, NB, S, D, props = args
+    assert tuple(elastic_launch(mode, B, Hkv, G, NB, S, D, 2, props))[:5] == want
+
+
+def test_native_dense_tile_needs_one_full_wave_and_the_shared_memory():
+    assert native_dense_tile(128, 4, 128, 2, H200) == 128
+    assert native_dense_tile(100, 4, 128, 2, H200) is None          # 76 % of the SMs
+    assert native_dense_tile(200, 4, 128, 2, H200) is None          # two waves, 76 % full
+    assert native_dense_tile(256, 4, 128, 2, H200) == 64            # two waves, 97 %: 64 rows
+    assert native_dense_tile(300, 4, 128, 2, H200) is None          # three waves
+    assert native_dense_tile(128, 4, 128, 2, A100) is None
+
+
+@pytest.mark.parametrize("pairs,n,block_n,tile,sms,want", [
+    (8, 8192, 128, 65536, 132, 16),
+    (128, 4096, 128, 65536, 132, 1),
+    (1, 256, 128, 65536, 132, 1),         # at least 2 tiles a split
+    (1, 1 << 20, 16, 8192, 132, 64),      # at most 64
+    (3, 4096, 64, 32768, 132, 32),        # at least 2 tiles a split
+])
+def test_default_num_splits(pairs, n, block_n, tile, sms, want):
+    assert default_num_splits(pairs, n, block_n, tile, sms) == want
+
+
+def test_small_rules():
+    assert grid_waves(264, 132) == (2, 1.0)
+    assert grid_waves(133, 132)[0] == 2
+    assert kv_block_n(128, 2) == 128 and kv_block_n(256, 2) == 64 and kv_block_n(512, 2) == 32
+    assert kv_block_n(64, 4) == 128 and kv_block_n(128, 4) == 64
+    assert merge_warps(128) == 4 and merge_warps(64) == 2
+    assert use_pdl(H200) and not use_pdl(A100) and not use_pdl(INTERP)

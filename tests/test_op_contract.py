@@ -1,0 +1,140 @@
+"""What every op shares: its own documentation in ``help()``, one page layout (page-contiguous
+``[S, Hkv, D]`` rows with any page stride, so an interleaved ``[P, 2, S, Hkv, D]`` pool works
+everywhere) refused with one message otherwise, and the compiled-kernel launch path that
+replaces the JIT's per-call dispatch after a shape's first call."""
+
+from __future__ import annotations
+
+import pydoc
+
+import pytest
+import torch
+
+import kvops
+from kvops.kernels import _launch
+from kvops.layouts import codecs
+from tests.conftest import requires_cuda
+
+OPS = ["static_sliding_attention", "elastic_attention", "paged_gather_merged",
+       "far_view_summarize", "pack_base_pairs", "refine_base_pairs", "paged_kv_write",
+       "paged_prefill_attention"]
+PAGES_MSG = r"expected contiguous pages \[S, Hkv, D\] \(any page stride\)"
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_help_shows_the_ops_own_documentation(name):
+    fn = getattr(kvops, name)
+    text = pydoc.render_doc(fn)
+    assert f"torch.ops.kvops.{name}" in text and "CustomOpDef" not in text
+    assert len(fn.__doc__.splitlines()) > 5
+    assert callable(getattr(torch.ops.kvops, name).default)
+
+
+def _pool(P, S, Hkv, D, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(P, 2, S, Hkv, D, generator=g).to(dtype).to(device)
+
+
+def _calls(k, v, device):
+    """name -> a function of (k_cache, v_cache) returning the op's outputs (clones)."""
+    P, S, Hkv, D = k.shape
+    B, L = 2, 3
+    q = torch.randn(B, Hkv * 2, D, generator=torch.Generator().manual_seed(1)).to(k.dtype)
+    q = q.to(device)
+    table = torch.arange(B * L, dtype=torch.int32, device=device).view(B, L)
+    seq = torch.tensor([L * S - 3, S + 1], dtype=torch.int32, device=device)
+    span = torch.tensor([[0, 2], [1, 2]], dtype=torch.int32, device=device)
+    trains = torch.tensor([[1, 0, 2], [5, 2, 1]], dtype=torch.int32, device=device)
+    num = torch.tensor([2], dtype=torch.int32, device=device)
+    chunks = torch.tensor([[[0, 1]], [[-1, 2]]], dtype=torch.int32, device=device)
+    pairs = torch.tensor([[0, 1, 0], [3, 4, 2]], dtype=torch.int32, device=device)
+
+    def gather(kc, vc):
+        ko, vo = torch.zeros(4, S, Hkv, D, dtype=k.dtype, device=device), \
+            torch.zeros(4, S, Hkv, D, dtype=k.dtype, device=device)
+        torch.ops.kvops.paged_gather_merged(kc, vc, trains, num, ko, vo)
+        return ko, vo
+
+    def pack_refine(kc, vc):
+        codec = codecs.default_codec(k.dtype)
+        back = torch.empty(2, 2, S, Hkv, D, dtype=codecs.backing_dtype(codec, k.dtype),
+                           device=device)
+        kc = kc.clone() if kc.is_contiguous() else kc
+        before = kc.clone()
+        torch.ops.kvops.pack_base_pairs(kc, pairs, back)
+        packed = kc.clone()
+        torch.ops.kvops.refine_base_pairs(kc, torch.tensor([[0, 1, 0], [3, 4, 2]],
+                                                            dtype=torch.int32, device=device),
+                                          back)
+        return packed, kc, before
+
+    def write(kc, vc):
+        kc, vc = kc.clone() if kc.is_contiguous() else kc, vc.clone() if vc.is_contiguous() else vc
+        new = torch.ones(3, Hkv, D, dtype=k.dtype, device=device)
+        slots = torch.tensor([0, S + 3, -1], dtype=torch.int32, device=device)
+        torch.ops.kvops.paged_kv_write(new, -new, kc, vc, slots)
+        return kc, vc
+
+    qs = torch.tensor([0, 2, 3], dtype=torch.int32, device=device)
+    qp = q[:, :, :].reshape(B * Hkv * 2, D)[:3].reshape(3, 1, D).expand(3, Hkv * 2, D)
+    qp = qp.contiguous()
+    return {
+        "paged_kv_write": write,
+        "paged_prefill_attention": lambda kc, vc: torch.ops.kvops.paged_prefill_attention(
+            qp, kc, vc, table, qs, seq),
+        "elastic_attention": lambda kc, vc: torch.ops.kvops.elastic_attention(q, kc, vc, table,
+                                                                              seq),
+        "elastic_attention (structured)": lambda kc, vc: torch.ops.kvops.elastic_attention(
+            q, kc, vc, table, seq, base_span=span),
+        "paged_gather_merged": gather,
+        "far_view_summarize": lambda kc, vc: torch.ops.kvops.far_view_summarize(kc, vc, chunks),
+        "pack_base_pairs / refine_base_pairs": pack_refine,
+    }
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_interleaved_pool_works_in_every_op(kernel_device, backend):
+    device = "cpu" if backend == "torch" else kernel_device
+    kv = _pool(8, 8, 2, 32, torch.float16, device, seed=2)
+    with kvops.backend(backend):
+        for name, call in _calls(kv[:, 0], kv[:, 1], device).items():
+            kv_copy = kv.clone()
+            got = call(kv_copy[:, 0], kv_copy[:, 1])
+            want = call(kv[:, 0].contiguous(), kv[:, 1].contiguous())
+            for g, w in zip(got, want):     # random bytes read as BASE may decode to NaN
+                torch.testing.assert_close(g, w, atol=0, rtol=0, equal_nan=True, msg=name)
+
+
+def test_every_pool_op_refuses_other_layouts_with_one_message():
+    wide = torch.zeros(8, 8, 2, 64, dtype=torch.float16)[..., :32]     # rows not dense
+    for name, call in _calls(wide, wide.clone(), "cpu").items():
+        with pytest.raises(ValueError, match=PAGES_MSG):
+            call(wide, wide)
+        del name
+
+
+@requires_cuda
+def test_compiled_launch_path_matches_the_jit():
+    """The second call of a shape launches the compiled kernel directly; its results equal the
+    JIT path's bit for bit."""
+    dev = torch.device("cuda")
+    B, W, Hkv, G, D = 3, 300, 2, 4, 128
+    q = torch.randn(B, Hkv * G, D, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(B, W, Hkv, D, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    ws = torch.randint(0, W, (B,), device=dev, dtype=torch.int32)
+    wl = torch.randint(0, W + 1, (B,), device=dev, dtype=torch.int32)
+    first = torch.ops.kvops.static_sliding_attention(q, k, v, ws, wl)
+    n = len(_launch._BINS)
+    assert n > 0 and _launch._STATE["direct"]
+    q2 = torch.randn_like(q)
+    fast = torch.ops.kvops.static_sliding_attention(q2, k, v, ws, wl)
+    assert _launch._STATE["tail"] is not None         # the direct path ran
+    saved = _launch._STATE["direct"]
+    _launch._STATE["direct"] = False
+    try:
+        slow = torch.ops.kvops.static_sliding_attention(q2, k, v, ws, wl)
+    finally:
+        _launch._STATE["direct"] = saved
+    assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
+    assert not torch.equal(first[0], fast[0])
