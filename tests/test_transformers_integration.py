@@ -1,0 +1,223 @@
+"""kvops inside transformers: ``attn_implementation="kvops"`` with SlidingCache and PagedCache
+under ``model.generate``, against SDPA on the same weights (CPU, float32, tiny random configs of
+every supported architecture, batch 2 with left padding), and compiled generation that compiles
+once. Runs on the installed transformers (5.17-5.24)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="needs the hf (or test) extra")
+
+import kvops.integrations.transformers as kt  # noqa: E402
+from kvops.integrations.transformers._compat import check_version  # noqa: E402
+
+NEW = 32
+PAD = 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # tiny matmuls: two threads on a shared 2-core machine run 20x slower than one
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _config(arch: str):
+    common = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  pad_token_id=PAD)
+    if arch == "llama":
+        return transformers.LlamaConfig(**common)
+    if arch == "mistral":   # a sliding window shorter than the context: kvops must honour it
+        return transformers.MistralConfig(**common, sliding_window=24)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**common)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(**common, head_dim=32)
+    raise ValueError(arch)
+
+
+_MODELS: dict = {}
+
+
+def _model(arch: str):
+    if arch not in _MODELS:
+        torch.manual_seed(0)
+        cfg = _config(arch)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+        _MODELS[arch] = model.eval()
+    return _MODELS[arch]
+
+
+def _prompts(B=2, T=11, vocab=160, pads=(0, 4), seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (B, T), generator=g)
+    mask = torch.ones_like(ids)
+    for b, p in enumerate(pads[:B]):
+        ids[b, :p], mask[b, :p] = PAD, 0
+    return ids, mask
+
+
+def _generate(model, impl, ids, mask, cache=None, **kw):
+    model.set_attn_implementation(impl)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)   # past_key_values -> cache on 5.24
+        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=NEW,
+                             do_sample=False, pad_token_id=PAD, **kw)
+    return out[:, ids.shape[1]:]
+
+
+@pytest.fixture(scope="module")
+def sdpa_tokens():
+    got = {}
+
+    def tokens(arch, ids, mask):
+        key = (arch, ids.numpy().tobytes(), mask.numpy().tobytes())
+        if key not in got:
+            got[key] = _generate(_model(arch), "sdpa", ids, mask)
+        return got[key]
+    return tokens
+
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+
+
+def test_supported_versions():
+    check_version()                       # the installed one
+    for ok in ("5.17.0", "5.20.1", "5.24.0"):
+        check_version(ok)
+    for bad in ("4.57.1", "5.16.2", "5.25.0", "6.0.0"):
+        with pytest.raises(ImportError, match="transformers >= 5.17, < 5.25"):
+            check_version(bad)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sliding_cache_greedy_tokens_equal_sdpa(arch, sdpa_tokens):
+    model = _model(arch)
+    ids, mask = _prompts()
+    cache = kt.SlidingCache(model, batch_size=2, window=64)
+    got = _generate(model, "kvops", ids, mask, cache)
+    assert got.tolist() == sdpa_tokens(arch, ids, mask).tolist()
+    # every decode step went through the cache: 11 prompt + 31 decode tokens
+    assert all(int(layer.pos) == ids.shape[1] + NEW - 1 for layer in cache.layers)
+    assert cache.layers[0].start.tolist() == [0, 4]
+
+
+def test_sliding_cache_decode_reads_the_ring(sdpa_tokens):
+    """Poisoning the slots of the padding (outside every window) changes nothing; poisoning a
+    visible slot changes the tokens: the decode op reads the ring, and only the window."""
+    model = _model("llama")
+    ids, mask = _prompts()
+    want = sdpa_tokens("llama", ids, mask)
+
+    class Poison(kt.SlidingLayer):
+        slot = None
+
+        def _decode(self, query, key, value, scaling, sliding_window):
+            self.keys[1, self.slot] = 1e4
+            return super()._decode(query, key, value, scaling, sliding_window)
+
+    def run(slot):
+        cache = kt.SlidingCache(model, batch_size=2, window=64)
+        for layer in cache.layers:
+            layer.__class__ = Poison
+            layer.slot = slot
+        return _generate(model, "kvops", ids, mask, cache)
+
+    assert run(slot=2).tolist() == want.tolist()     # row 1's padding: never visible
+    assert run(slot=6)[1].tolist() != want[1].tolist()
+
+
+def test_sliding_cache_wraps_past_the_window():
+    """A window shorter than the context: each row attends to its last W tokens, the same as
+    SDPA with a sliding-window mask of W (Mistral's sliding_window set to W)."""
+    torch.manual_seed(0)
+    cfg = _config("mistral")
+    cfg.sliding_window = None
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    ids, mask = _prompts()
+    cache = kt.SlidingCache(model, batch_size=2, window=16)
+    got = _generate(model, "kvops", ids, mask, cache)
+    model.config.sliding_window = 16
+    try:
+        want = _generate(model, "sdpa", ids, mask)
+    finally:
+        model.config.sliding_window = None
+    assert got.tolist() == want.tolist()
+
+
+def _counting_backend(graphs):
+    def backend(gm, example_inputs, **kwargs):
+        graphs.append(gm)
+        return gm.forward
+    return backend
+
+
+@pytest.mark.parametrize("how", ["compile_config", "torch.compile(forward)"])
+def test_sliding_cache_compiles_once(how, sdpa_tokens):
+    from transformers.generation.configuration_utils import CompileConfig
+
+    torch._dynamo.reset()
+    model = _model("llama")
+    ids, mask = _prompts()
+    graphs: list = []
+    backend = _counting_backend(graphs)
+    kw = {}
+    if how == "compile_config":
+        cc = CompileConfig(fullgraph=True, dynamic=False, backend=backend)
+        cc._compile_all_devices = True          # compile on CPU too
+        kw["compile_config"] = cc
+    else:
+        eager_forward = model.forward
+        model.forward = torch.compile(model.forward, backend=backend, fullgraph=True, dynamic=False)
+    try:
+        cache = kt.SlidingCache(model, batch_size=2, window=64)
+        got = _generate(model, "kvops", ids, mask, cache, **kw)
+        warm = len(graphs)
+        cache.reset()
+        again = _generate(model, "kvops", ids, mask, cache, **kw)
+    finally:
+        if how != "compile_config":
+            model.forward = eager_forward
+        torch._dynamo.reset()
+    want = sdpa_tokens("llama", ids, mask)
+    assert got.tolist() == want.tolist() and again.tolist() == want.tolist()
+    # the decode step compiles once (plus the prompt, when the whole forward is compiled)
+    assert warm == (1 if how == "compile_config" else 2)
+    assert len(graphs) == warm, "recompiled after warm-up"
+
+
+def test_errors():
+    model = _model("llama")
+    with pytest.raises(ValueError, match="window: expected an int >= 1"):
+        kt.SlidingCache(model, batch_size=2, window=0)
+    with pytest.raises(ValueError, match="batch_size"):
+        kt.SlidingCache(model, batch_size=0, window=8)
+    with pytest.raises(TypeError, match="model_or_config"):
+        kt.SlidingCache(object(), batch_size=1, window=8)
+    ids, mask = _prompts()
+    # batch of the cache and of the prompts differ
+    with pytest.raises(ValueError, match=r"key_states: expected shape \[B=3"):
+        _generate(model, "kvops", ids, mask, kt.SlidingCache(model, batch_size=3, window=64))
+    # a kvops cache under another attention implementation
+    with pytest.raises(TypeError, match='attn_implementation="kvops"'):
+        _generate(model, "sdpa", ids, mask, kt.SlidingCache(model, batch_size=2, window=64))
+    cache = kt.SlidingCache(model, batch_size=2, window=64)
+    model.set_attn_implementation("kvops")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model(ids, attention_mask=mask, past_key_values=cache)
+        with pytest.raises(NotImplementedError, match="reset"):   # a second prompt
+            model(ids, attention_mask=mask, past_key_values=cache)
+
+
+def test_kvops_attention_without_kvops_cache_is_sdpa(sdpa_tokens):
+    model = _model("qwen2")
+    ids, mask = _prompts()
+    assert _generate(model, "kvops", ids, mask).tolist() == sdpa_tokens("qwen2", ids, mask).tolist()
