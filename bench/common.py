@@ -15,6 +15,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -160,3 +161,19 @@ def write_result(name: str, body: str) -> Path:
     if os.environ.get("OUT"):
         (Path(os.environ["OUT"]) / path.name).write_text(text)
     return path
+
+
+def eager_times(fn, *, iters: int = 200, warmup: int = 10) -> tuple[float, float]:
+    """``(host us, wall us)`` per eager call of ``fn``: host, the time a call takes to return
+    (``iters`` calls back to back, no sync between them: the Python, dispatch and launch cost
+    an eager caller pays); wall, the same loop up to the device finishing it."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return (t1 - t0) * 1e6 / iters, (t2 - t0) * 1e6 / iters

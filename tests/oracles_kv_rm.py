@@ -39,3 +39,19 @@ def plan_trains_oracle(src_pages, dst_pages, page_bytes: int, max_train_bytes: i
         else:
             rows.append([int(s), int(d), 1])
     return rows
+
+
+def kv_write_oracle(k, v, k_cache, v_cache, slot_mapping):
+    """Expected (k_cache, v_cache) after ``paged_kv_write``, token by token: slot ``s`` in
+    ``[0, P * S)`` is page ``s // S``, row ``s % S``; any other slot writes nothing. Returns
+    float64 copies and a bool [P, S] of the slots written."""
+    P, S = k_cache.shape[:2]
+    k_want, v_want = k_cache.double().cpu().clone(), v_cache.double().cpu().clone()
+    written = torch.zeros(P, S, dtype=torch.bool)
+    k, v = k.double().cpu(), v.double().cpu()
+    for i, s in enumerate(slot_mapping.tolist()):
+        if 0 <= s < P * S:
+            k_want[s // S, s % S] = k[i]
+            v_want[s // S, s % S] = v[i]
+            written[s // S, s % S] = True
+    return k_want, v_want, written
