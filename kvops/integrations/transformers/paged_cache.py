@@ -1,0 +1,195 @@
+"""``PagedCache``: a KV pool per layer mapped by :class:`kvops.runtime.Pager`, written with
+``paged_kv_write``, decoded with ``elastic_attention`` (native path: every block TARGET).
+
+Rows of the batch are pager sessions ``0 .. B-1``. Only real tokens are stored: a left-padded
+row's padding never reaches the pool, so row ``b``'s token ``i`` (``i`` counted from its first
+real token, which is also its RoPE position under ``generate``) is logical slot ``i`` of its
+session: page ``block_table[b, i // S]``, offset ``i % S``.
+
+The prompt step runs one pager frame for the whole generation: it reserves each row's
+``max_tokens`` minus its padding (``generate`` offers no host hook between compiled decode
+steps), and the commit uploads the block table once. Decode steps then need no host work: each
+layer advances its device ``lens`` (real tokens per row), finds the new token's slot from the
+block table on the device, writes it with ``paged_kv_write`` and attends over ``lens`` tokens
+with ``elastic_attention``; a compiled step has one shape and static addresses. A row that
+reaches its reservation stops storing tokens and attends to its first ``max_tokens`` minus
+padding (eager steps raise ValueError first). ``reset()`` ends every session (one frame of
+trims) so the next prompt starts clean.
+
+The prompt's attention is transformers' SDPA over the prompt. Not done here: Fidelity (BASE
+blocks: the pools are float16/bfloat16-ready, but no policy is attached), sliding windows
+(Mistral's ``sliding_window`` below ``max_tokens`` raises), a second prompt onto a filled cache.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers.cache_utils import Cache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+import kvops  # noqa: F401  (registers torch.ops.kvops.*)
+from kvops.integrations.transformers._layers import Geometry, KvopsLayer, geometry, static
+from kvops.integrations.transformers.attention import padding_start
+from kvops.runtime import Pager
+
+
+class _Shared:
+    """What every layer of one PagedCache shares: the pager, the reservation, row padding."""
+
+    def __init__(self, batch_size: int, max_tokens: int, page_size: int, num_pages: int,
+                 device: torch.device):
+        self.max_tokens, self.page_size = max_tokens, page_size
+        self.max_blocks = math.ceil(max_tokens / page_size)
+        self.pager = Pager(num_pages, page_size, max_sessions=batch_size,
+                           max_blocks=self.max_blocks, device=device)
+        with self.pager.frame():
+            pass                                  # freezes the tables: device views exist now
+        self.block_table = self.pager.device_tables["block_table"]
+        self.capacity = torch.zeros(batch_size, dtype=torch.int32, device=device)
+        self.host_pos = 0                         # eager steps only: the bound check
+        self.reserved = False
+        self.first = None                         # the layer that counts eager steps
+        static(self.block_table, self.capacity)
+
+    @torch.compiler.disable
+    def reserve(self, start: torch.Tensor, T: int) -> None:
+        """The prompt's frame (host work: a compiled prompt step breaks its graph here)."""
+        if T > self.max_tokens:
+            raise ValueError(f"PagedCache: a prompt of {T} tokens (padding included) exceeds "
+                             f"max_tokens={self.max_tokens}")
+        pads = start.tolist()                     # one sync a prompt
+        with self.pager.frame() as f:
+            for b, p in enumerate(pads):
+                f.reserve(b, self.max_tokens - p)
+        self.capacity.copy_(torch.tensor([self.max_tokens - p for p in pads], dtype=torch.int32))
+        self.host_pos = T
+        self.reserved = True
+
+    def end(self) -> None:
+        if self.reserved:
+            with self.pager.frame() as f:
+                for b in self.pager.sessions():
+                    f.trim(b)
+        self.capacity.zero_()
+        self.host_pos = 0
+        self.reserved = False
+
+
+class PagedLayer(KvopsLayer):
+    """One layer's pool ``[P, S, Hkv, D]`` (K and V) on the shared pager; see the module doc."""
+
+    def __init__(self, batch_size: int, geo: Geometry, shared: _Shared, num_pages: int):
+        super().__init__(batch_size, geo)
+        self.shared = shared
+        shape = (num_pages, shared.page_size, geo.num_kv_heads, geo.head_dim)
+        self.keys = torch.zeros(shape, dtype=geo.dtype, device=geo.device)
+        self.values = torch.zeros(shape, dtype=geo.dtype, device=geo.device)
+        self.lens = torch.zeros(batch_size, dtype=torch.int32, device=geo.device)
+        self.rows = torch.arange(batch_size, device=geo.device)
+        self.filled = False
+        static(self.keys, self.values, self.pos, self.lens)
+
+    def get_max_length(self) -> int:
+        return self.shared.max_tokens
+
+    def reset(self) -> None:
+        self.pos.zero_()
+        self.lens.zero_()
+        self.filled = False
+
+    def _slots(self, index: torch.Tensor) -> torch.Tensor:
+        """Flat pool slots of logical token ``index`` [B, n] of each row; -1 past the row's
+        reservation or where ``index < 0`` (padding)."""
+        S = self.shared.page_size
+        cap = self.shared.capacity.long()[:, None]
+        ok = (index >= 0) & (index < cap)
+        block = (index.clamp(min=0) // S).clamp(max=self.shared.max_blocks - 1)
+        page = self.shared.block_table.long().gather(1, block)
+        return torch.where(ok, page * S + index.clamp(min=0) % S, -1)
+
+    def attend(self, module, query, key, value, mask, *, scaling=None, sliding_window=None,
+               **kwargs):
+        if sliding_window is not None and sliding_window < self.shared.max_tokens:
+            raise NotImplementedError(
+                f"PagedCache: the model's sliding_window={sliding_window} is below max_tokens="
+                f"{self.shared.max_tokens}; the paged path has no window (use SlidingCache)")
+        B, _, T, _ = query.shape
+        if T == 1:
+            return self._decode(query, key, value, scaling)
+        if self.filled:
+            raise NotImplementedError(
+                f"PagedCache: a {T}-token step onto a filled cache (a second prompt) is not "
+                f"supported; call cache.reset() before the next prompt")
+        out, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=scaling,
+                                        sliding_window=sliding_window, **kwargs)
+        start = padding_start(mask, B, T, self.device)
+        if not self.shared.reserved:
+            self.shared.reserve(start, T)
+        index = torch.arange(T, device=self.device)[None, :] - start[:, None]
+        slots = self._slots(index).reshape(-1)
+        H, D = self.geo.num_kv_heads, self.geo.head_dim
+        torch.ops.kvops.paged_kv_write(key.transpose(1, 2).reshape(B * T, H, D),
+                                       value.transpose(1, 2).reshape(B * T, H, D),
+                                       self.keys, self.values, slots)
+        self.lens.copy_(T - start)
+        self.pos.fill_(T)
+        self.filled = True
+        return out, None
+
+    def _decode(self, query, key, value, scaling):
+        if not torch.compiler.is_compiling() and self is self.shared.first:
+            self.shared.host_pos += 1
+            if self.shared.host_pos > self.shared.max_tokens:
+                raise ValueError(f"PagedCache: more than max_tokens={self.shared.max_tokens} "
+                                 f"tokens a row (padding included); make the cache larger")
+        slots = self._slots(self.lens.long()[:, None])[:, 0]
+        torch.ops.kvops.paged_kv_write(key[:, :, 0], value[:, :, 0], self.keys, self.values, slots)
+        self.lens.add_(1)
+        self.pos.add_(1)
+        seq_lens = torch.minimum(self.lens, self.shared.capacity)
+        out, _ = torch.ops.kvops.elastic_attention(query[:, :, 0], self.keys, self.values,
+                                                   self.shared.block_table, seq_lens,
+                                                   scale=scaling)
+        return out.unsqueeze(1), None
+
+
+class PagedCache(Cache):
+    """A transformers ``Cache`` of :class:`PagedLayer` s over one :class:`kvops.runtime.Pager`.
+
+    ``PagedCache(model, batch_size, max_tokens, page_size=16, num_pages=None)``: ``max_tokens``
+    bounds each row's prompt (padding included) plus new tokens; the pool defaults to enough
+    pages for every row to reach it. Use with ``attn_implementation="kvops"``:
+    ``model.generate(ids, attention_mask=mask, past_key_values=PagedCache(model, 2, 128))``.
+    Greedy tokens equal SDPA's. ``cache.pager`` is the pager (its sessions are the rows).
+    """
+
+    def __init__(self, model_or_config, batch_size: int, max_tokens: int, *, page_size: int = 16,
+                 num_pages: int | None = None, dtype=None, device=None):
+        for name, v in (("batch_size", batch_size), ("max_tokens", max_tokens),
+                        ("page_size", page_size)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+        geo = geometry(model_or_config, dtype, device)
+        blocks = math.ceil(max_tokens / page_size)
+        if num_pages is None:
+            num_pages = batch_size * blocks
+        if not isinstance(num_pages, int) or num_pages < batch_size * blocks:
+            raise ValueError(f"num_pages: expected an int >= batch_size * ceil(max_tokens / "
+                             f"page_size) = {batch_size * blocks} (every row reserves its "
+                             f"max_tokens at the prompt), got {num_pages!r}")
+        self.shared = _Shared(batch_size, max_tokens, page_size, num_pages, geo.device)
+        layers = [PagedLayer(batch_size, geo, self.shared, num_pages)
+                  for _ in range(geo.num_layers)]
+        self.shared.first = layers[0]
+        super().__init__(layers=layers)
+
+    @property
+    def pager(self) -> Pager:
+        return self.shared.pager
+
+    def reset(self) -> None:
+        """End every row's session (their pages go back) and clear the layers' lengths."""
+        self.shared.end()
+        super().reset()
