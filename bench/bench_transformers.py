@@ -118,7 +118,7 @@ def run(model, impl: str, B: int, ctx: int, new: int, compiled: bool):
     kw = dict(attention_mask=mask, past_key_values=cache, max_new_tokens=new, min_new_tokens=new,
               do_sample=False, pad_token_id=0, disable_compile=not compiled)
     try:
-        for timed in (False, True):
+        for _ in ("warm-up", "timed"):
             rewind(impl, cache, ctx)
             torch.cuda.synchronize()
             t0 = time.perf_counter()

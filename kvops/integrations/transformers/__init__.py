@@ -45,5 +45,5 @@ def register(name: str = NAME) -> None:
 
 register()
 
-__all__ = ["NAME", "KVStep", "PagedCache", "PagedLayer", "SlidingCache", "SlidingLayer", "kvops_attention_forward",
-           "kvops_mask", "register"]
+__all__ = ["NAME", "KVStep", "PagedCache", "PagedLayer", "SlidingCache", "SlidingLayer",
+           "kvops_attention_forward", "kvops_mask", "register"]
