@@ -71,8 +71,8 @@ def filled_cache(impl: str, model, B: int, ctx: int, new: int):
         cache = kt.SlidingCache(model, B, window=total)
     elif impl == "paged":
         cache = kt.PagedCache(model, B, max_tokens=total, page_size=16)
-        cache.shared.reserve(torch.zeros(B, dtype=torch.long), ctx)
-        S = cache.shared.page_size
+        cache.state.reserve(torch.zeros(B, dtype=torch.long), ctx)
+        S = cache.state.page_size
         i = torch.arange(ctx)
         slots = torch.stack([torch.tensor(cache.pager.pages(b))[i // S] * S + i % S
                              for b in range(B)]).to(dev)
@@ -88,24 +88,24 @@ def filled_cache(impl: str, model, B: int, ctx: int, new: int):
         else:
             layer.keys.view(-1, *k.shape[2:])[slots] = k
             layer.values.view(-1, *v.shape[2:])[slots] = v
-        if impl in ("sliding", "paged"):
-            layer.filled = True
         del k, v
+    if impl in ("sliding", "paged"):
+        cache.state.filled = True
     rewind(impl, cache, ctx)
     return cache
 
 
 def rewind(impl: str, cache, ctx: int) -> None:
     """Set every row back to ``ctx`` cached tokens (after a warm-up generate)."""
-    for layer in cache.layers:
-        if impl in ("sdpa", "flex"):
+    if impl in ("sdpa", "flex"):
+        for layer in cache.layers:
             layer.cumulative_length.fill_(ctx)
-        else:
-            layer.pos.fill_(ctx)
-            if impl == "paged":
-                layer.lens.fill_(ctx)
+        return
+    cache.state.pos.fill_(ctx)
     if impl == "paged":
-        cache.shared.host_pos = ctx
+        cache.state.lens.fill_(ctx)
+        cache.state.seq_lens.fill_(ctx)
+        cache.state.host_pos = ctx
 
 
 def run(model, impl: str, B: int, ctx: int, new: int, compiled: bool):

@@ -47,6 +47,17 @@ def geometry(model_or_config, dtype=None, device=None) -> Geometry:
                     torch.device("cpu" if device is None else device))
 
 
+class StepState:
+    """Per-step state that every layer of one cache shares (the first layer updates it):
+    ``pos``, the cache position, and whatever the cache type adds."""
+
+    def __init__(self, batch_size: int, device: torch.device):
+        self.pos = torch.zeros((), dtype=torch.long, device=device)
+        self.rows = torch.arange(batch_size, device=device)
+        self.first = None
+        self.filled = False
+
+
 def static(*tensors: torch.Tensor) -> None:
     """Mark cache-owned tensors as static addresses (CUDA-graph replays read them in place)."""
     if not torch.compiler.is_compiling():
@@ -62,14 +73,21 @@ class KvopsLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, batch_size: int, geo: Geometry):
+    def __init__(self, batch_size: int, geo: Geometry, state):
         super().__init__()
         self.batch_size = batch_size
         self.geo = geo
         self.device = geo.device
-        # tokens each row has passed through the model, pads included (generate's cache position)
-        self.pos = torch.zeros((), dtype=torch.long, device=geo.device)
+        self.state = state
+        # tokens each row has passed through the model, pads included (generate's cache
+        # position): one device scalar shared by the cache's layers
+        self.pos = state.pos
         self.is_initialized = True
+
+    @property
+    def first(self) -> bool:
+        """The cache's first layer, which does a step's bookkeeping for all of them."""
+        return self is self.state.first
 
     def lazy_initialization(self, key_states, value_states) -> None:
         """Storage is allocated at construction; nothing to do."""

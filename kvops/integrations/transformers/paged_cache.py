@@ -8,10 +8,11 @@ session: page ``block_table[b, i // S]``, offset ``i % S``.
 
 The prompt step runs one pager frame for the whole generation: it reserves each row's
 ``max_tokens`` minus its padding (``generate`` offers no host hook between compiled decode
-steps), and the commit uploads the block table once. Decode steps then need no host work: each
-layer advances its device ``lens`` (real tokens per row), finds the new token's slot from the
-block table on the device, writes it with ``paged_kv_write`` and attends over ``lens`` tokens
-with ``elastic_attention``; a compiled step has one shape and static addresses. A row that
+steps), and the commit uploads the block table once. Decode steps then need no host work: the
+first layer finds each row's new slot from the block table on the device and advances the
+shared device ``lens`` (real tokens per row); every layer writes its K/V there with
+``paged_kv_write`` and attends over ``lens`` tokens with ``elastic_attention``; a compiled step
+has one shape and static addresses. A row that
 reaches its reservation stops storing tokens and attends to its first ``max_tokens`` minus
 padding (eager steps raise ValueError first). ``reset()`` ends every session (one frame of
 trims) so the next prompt starts clean.
@@ -30,16 +31,24 @@ from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import kvops  # noqa: F401  (registers torch.ops.kvops.*)
-from kvops.integrations.transformers._layers import Geometry, KvopsLayer, geometry, static
+from kvops.integrations.transformers._layers import (
+    Geometry,
+    KvopsLayer,
+    StepState,
+    geometry,
+    static,
+)
 from kvops.integrations.transformers.attention import padding_start
 from kvops.runtime import Pager
 
 
-class _Shared:
-    """What every layer of one PagedCache shares: the pager, the reservation, row padding."""
+class PagedState(StepState):
+    """What the layers of one PagedCache share: the pager, the reservation, the rows' lengths
+    and the step's slots; the first layer updates it each step."""
 
     def __init__(self, batch_size: int, max_tokens: int, page_size: int, num_pages: int,
                  device: torch.device):
+        super().__init__(batch_size, device)
         self.max_tokens, self.page_size = max_tokens, page_size
         self.max_blocks = math.ceil(max_tokens / page_size)
         self.pager = Pager(num_pages, page_size, max_sessions=batch_size,
@@ -48,10 +57,33 @@ class _Shared:
             pass                                  # freezes the tables: device views exist now
         self.block_table = self.pager.device_tables["block_table"]
         self.capacity = torch.zeros(batch_size, dtype=torch.int32, device=device)
+        self.lens = torch.zeros(batch_size, dtype=torch.int32, device=device)   # real tokens
+        self.seq_lens = torch.zeros(batch_size, dtype=torch.int32, device=device)
+        self.slots = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.host_pos = 0                         # eager steps only: the bound check
         self.reserved = False
-        self.first = None                         # the layer that counts eager steps
-        static(self.block_table, self.capacity)
+        static(self.pos, self.block_table, self.capacity, self.lens, self.seq_lens, self.slots)
+
+    def slots_of(self, index: torch.Tensor) -> torch.Tensor:
+        """Flat pool slots of logical token ``index`` [B, n] of each row; -1 past the row's
+        reservation or where ``index < 0`` (padding)."""
+        S = self.page_size
+        ok = (index >= 0) & (index < self.capacity.long()[:, None])
+        block = (index.clamp(min=0) // S).clamp(max=self.max_blocks - 1)
+        page = self.block_table.long().gather(1, block)
+        return torch.where(ok, page * S + index.clamp(min=0) % S, -1)
+
+    def advance(self) -> None:
+        """A decode step: each row's new token's slot, then the lengths including it."""
+        if not torch.compiler.is_compiling():
+            self.host_pos += 1
+            if self.host_pos > self.max_tokens:
+                raise ValueError(f"PagedCache: more than max_tokens={self.max_tokens} tokens "
+                                 f"a row (padding included); make the cache larger")
+        self.slots.copy_(self.slots_of(self.lens.long()[:, None])[:, 0])
+        self.lens.add_(1)
+        self.pos.add_(1)
+        self.seq_lens.copy_(torch.minimum(self.lens, self.capacity))
 
     @torch.compiler.disable
     def reserve(self, start: torch.Tensor, T: int) -> None:
@@ -72,86 +104,72 @@ class _Shared:
             with self.pager.frame() as f:
                 for b in self.pager.sessions():
                     f.trim(b)
-        self.capacity.zero_()
+        for t in (self.capacity, self.lens, self.seq_lens, self.pos):
+            t.zero_()
         self.host_pos = 0
         self.reserved = False
+        self.filled = False
 
 
 class PagedLayer(KvopsLayer):
     """One layer's pool ``[P, S, Hkv, D]`` (K and V) on the shared pager; see the module doc."""
 
-    def __init__(self, batch_size: int, geo: Geometry, shared: _Shared, num_pages: int):
-        super().__init__(batch_size, geo)
-        self.shared = shared
-        shape = (num_pages, shared.page_size, geo.num_kv_heads, geo.head_dim)
+    def __init__(self, batch_size: int, geo: Geometry, state: PagedState, num_pages: int):
+        super().__init__(batch_size, geo, state)
+        shape = (num_pages, state.page_size, geo.num_kv_heads, geo.head_dim)
         self.keys = torch.zeros(shape, dtype=geo.dtype, device=geo.device)
         self.values = torch.zeros(shape, dtype=geo.dtype, device=geo.device)
-        self.lens = torch.zeros(batch_size, dtype=torch.int32, device=geo.device)
-        self.rows = torch.arange(batch_size, device=geo.device)
-        self.filled = False
-        static(self.keys, self.values, self.pos, self.lens)
+        static(self.keys, self.values)
+
+    @property
+    def lens(self) -> torch.Tensor:
+        return self.state.lens
 
     def get_max_length(self) -> int:
-        return self.shared.max_tokens
+        return self.state.max_tokens
 
     def reset(self) -> None:
-        self.pos.zero_()
-        self.lens.zero_()
-        self.filled = False
-
-    def _slots(self, index: torch.Tensor) -> torch.Tensor:
-        """Flat pool slots of logical token ``index`` [B, n] of each row; -1 past the row's
-        reservation or where ``index < 0`` (padding)."""
-        S = self.shared.page_size
-        cap = self.shared.capacity.long()[:, None]
-        ok = (index >= 0) & (index < cap)
-        block = (index.clamp(min=0) // S).clamp(max=self.shared.max_blocks - 1)
-        page = self.shared.block_table.long().gather(1, block)
-        return torch.where(ok, page * S + index.clamp(min=0) % S, -1)
+        """Nothing a layer owns: PagedCache.reset ends the sessions and clears the lengths."""
 
     def attend(self, module, query, key, value, mask, *, scaling=None, sliding_window=None,
                **kwargs):
-        if sliding_window is not None and sliding_window < self.shared.max_tokens:
+        st = self.state
+        if sliding_window is not None and sliding_window < st.max_tokens:
             raise NotImplementedError(
                 f"PagedCache: the model's sliding_window={sliding_window} is below max_tokens="
-                f"{self.shared.max_tokens}; the paged path has no window (use SlidingCache)")
+                f"{st.max_tokens}; the paged path has no window (use SlidingCache)")
         B, _, T, _ = query.shape
         if T == 1:
             return self._decode(query, key, value, scaling)
-        if self.filled:
+        if st.filled and self.first:
             raise NotImplementedError(
                 f"PagedCache: a {T}-token step onto a filled cache (a second prompt) is not "
                 f"supported; call cache.reset() before the next prompt")
         out, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=scaling,
                                         sliding_window=sliding_window, **kwargs)
-        start = padding_start(mask, B, T, self.device)
-        if not self.shared.reserved:
-            self.shared.reserve(start, T)
-        index = torch.arange(T, device=self.device)[None, :] - start[:, None]
-        slots = self._slots(index).reshape(-1)
+        if self.first:
+            start = padding_start(mask, B, T, self.device)
+            st.reserve(start, T)
+            index = torch.arange(T, device=self.device)[None, :] - start[:, None]
+            st.prompt_slots = st.slots_of(index).reshape(-1)
+            st.lens.copy_(T - start)
+            st.seq_lens.copy_(st.lens)
+            st.pos.fill_(T)
+            st.filled = True
         H, D = self.geo.num_kv_heads, self.geo.head_dim
         torch.ops.kvops.paged_kv_write(key.transpose(1, 2).reshape(B * T, H, D),
                                        value.transpose(1, 2).reshape(B * T, H, D),
-                                       self.keys, self.values, slots)
-        self.lens.copy_(T - start)
-        self.pos.fill_(T)
-        self.filled = True
+                                       self.keys, self.values, st.prompt_slots)
         return out, None
 
     def _decode(self, query, key, value, scaling):
-        if not torch.compiler.is_compiling() and self is self.shared.first:
-            self.shared.host_pos += 1
-            if self.shared.host_pos > self.shared.max_tokens:
-                raise ValueError(f"PagedCache: more than max_tokens={self.shared.max_tokens} "
-                                 f"tokens a row (padding included); make the cache larger")
-        slots = self._slots(self.lens.long()[:, None])[:, 0]
-        torch.ops.kvops.paged_kv_write(key[:, :, 0], value[:, :, 0], self.keys, self.values, slots)
-        self.lens.add_(1)
-        self.pos.add_(1)
-        seq_lens = torch.minimum(self.lens, self.shared.capacity)
+        st = self.state
+        if self.first:
+            st.advance()
+        torch.ops.kvops.paged_kv_write(key[:, :, 0], value[:, :, 0], self.keys, self.values,
+                                       st.slots)
         out, _ = torch.ops.kvops.elastic_attention(query[:, :, 0], self.keys, self.values,
-                                                   self.shared.block_table, seq_lens,
-                                                   scale=scaling)
+                                                   st.block_table, st.seq_lens, scale=scaling)
         return out.unsqueeze(1), None
 
 
@@ -179,17 +197,16 @@ class PagedCache(Cache):
             raise ValueError(f"num_pages: expected an int >= batch_size * ceil(max_tokens / "
                              f"page_size) = {batch_size * blocks} (every row reserves its "
                              f"max_tokens at the prompt), got {num_pages!r}")
-        self.shared = _Shared(batch_size, max_tokens, page_size, num_pages, geo.device)
-        layers = [PagedLayer(batch_size, geo, self.shared, num_pages)
+        self.state = PagedState(batch_size, max_tokens, page_size, num_pages, geo.device)
+        layers = [PagedLayer(batch_size, geo, self.state, num_pages)
                   for _ in range(geo.num_layers)]
-        self.shared.first = layers[0]
+        self.state.first = layers[0]
         super().__init__(layers=layers)
 
     @property
     def pager(self) -> Pager:
-        return self.shared.pager
+        return self.state.pager
 
     def reset(self) -> None:
-        """End every row's session (their pages go back) and clear the layers' lengths."""
-        self.shared.end()
-        super().reset()
+        """End every row's session (their pages go back) and clear the lengths."""
+        self.state.end()
