@@ -4,7 +4,8 @@ Importing kvops registers the ``torch.ops.kvops.*`` ops. Public names:
 
 - ops (each also ``torch.ops.kvops.<name>``): :func:`static_sliding_attention`,
   :func:`paged_gather_merged`, :func:`far_view_summarize`, :func:`pack_base_pairs`,
-  :func:`refine_base_pairs`, :func:`elastic_attention`, :func:`paged_kv_write`;
+  :func:`refine_base_pairs`, :func:`elastic_attention`, :func:`paged_kv_write`,
+  :func:`paged_prefill_attention`;
 - ``kvops.layouts`` (geometry, train planning, BASE codecs) and ``kvops.runtime`` (pager,
   transport, far-view policy), imported on demand;
 - settings: :func:`backend` ("auto" | "torch" | "triton") and :func:`validate`;
@@ -19,11 +20,12 @@ from kvops.ops import (
     pack_base_pairs,
     paged_gather_merged,
     paged_kv_write,
+    paged_prefill_attention,
     refine_base_pairs,
     static_sliding_attention,
 )
 
 __all__ = ["backend", "validate", "static_sliding_attention", "paged_gather_merged",
            "pack_base_pairs", "refine_base_pairs", "elastic_attention", "far_view_summarize",
-           "paged_kv_write"]
+           "paged_kv_write", "paged_prefill_attention"]
 __version__ = "0.1.0"

@@ -110,6 +110,36 @@ def test_elastic_attention_native(benchmark):
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
+def test_paged_kv_write(benchmark):
+    """2,048 tokens into shuffled slots of a 4,096-page pool: every slot holds its token."""
+    gen = torch.Generator().manual_seed(6)
+    P, S, N = 4096, 16, 2048
+    kc, vc = torch.zeros(P, S, HKV, D), torch.zeros(P, S, HKV, D)
+    k, v = torch.randn(N, HKV, D, generator=gen), torch.randn(N, HKV, D, generator=gen)
+    slots = torch.randperm(P * S, generator=gen)[:N]
+    benchmark(torch.ops.kvops.paged_kv_write, k, v, kc, vc, slots)
+    assert torch.equal(kc.view(-1, HKV, D)[slots], k) and torch.equal(vc.view(-1, HKV, D)[slots], v)
+
+
+def test_paged_prefill_attention(benchmark):
+    """A 256-token chunk over a 768-token prefix in shuffled pages: equals causal SDPA over
+    the gathered 1,024 tokens' last 256 queries."""
+    gen = torch.Generator().manual_seed(7)
+    S, L, new = 16, 64, 256
+    kc, vc = torch.randn(L, S, HKV, D, generator=gen), torch.randn(L, S, HKV, D, generator=gen)
+    table = torch.randperm(L, generator=gen)[None].int()
+    q = torch.randn(new, HQ, D, generator=gen)
+    qs = torch.tensor([0, new], dtype=torch.int32)
+    seq = torch.tensor([L * S], dtype=torch.int32)
+    out, _ = benchmark(torch.ops.kvops.paged_prefill_attention, q, kc, vc, table, qs, seq)
+    k = kc[table[0].long()].reshape(L * S, HKV, D).transpose(0, 1)
+    v = vc[table[0].long()].reshape(L * S, HKV, D).transpose(0, 1)
+    mask = torch.ones(L * S, L * S, dtype=torch.bool).tril()[-new:]
+    want = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask,
+                                          enable_gqa=True).transpose(0, 1)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
 def test_plan_trains_10000_moves(benchmark):
     """10,000 page moves in runs of random length: the trains cover every move exactly once."""
     gen = torch.Generator().manual_seed(5)

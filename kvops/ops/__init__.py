@@ -9,8 +9,9 @@ from kvops.ops.far_view_summarize import far_view_summarize
 from kvops.ops.pack_base_pairs import pack_base_pairs
 from kvops.ops.paged_gather_merged import paged_gather_merged
 from kvops.ops.paged_kv_write import paged_kv_write
+from kvops.ops.paged_prefill_attention import paged_prefill_attention
 from kvops.ops.refine_base_pairs import refine_base_pairs
 from kvops.ops.static_sliding_attention import static_sliding_attention
 
 __all__ = ["elastic_attention", "far_view_summarize", "pack_base_pairs", "paged_gather_merged",
-           "paged_kv_write", "refine_base_pairs", "static_sliding_attention"]
+           "paged_kv_write", "paged_prefill_attention", "refine_base_pairs", "static_sliding_attention"]

@@ -1,0 +1,206 @@
+"""Triton kernel for ``kvops.paged_prefill_attention``: causal attention of packed query chunks
+over paged prefixes, flash-attention style.
+
+A program takes one query tile of one sequence and one KV head. The tile's ``BLOCK_M`` rows
+are ``BLOCK_Q = BLOCK_M // G`` tokens times the G query heads of that KV head (row ``r`` is
+token ``r // G``, head ``r % G``), so every K/V tile loaded serves the whole group in one
+``tl.dot``. The program walks its sequence's block table ``BLOCK_N`` keys at a time, gathering
+key rows from their pages (``page * stride_page + offset * Hkv * D``, 64-bit), with an online
+base-2 softmax in float32. Key tiles come in three runs: leading tiles cut by the sliding
+window (masked), interior tiles every row sees whole (no position mask), and the tiles on the
+causal diagonal (masked); tiles past the tile's last query are never read (the causal skip).
+
+Tiles of sequence ``b`` are numbered from ``T_b = query_start[b] // BLOCK_Q + b``; since a
+sequence of ``n`` queries needs at most ``n // BLOCK_Q + 1`` tiles, ``T_b`` leaves room for
+them, and a grid of ``N // BLOCK_Q + B + 1`` tiles (from shapes only, so graphs replay with any
+lengths) covers every sequence plus the padding rows after ``query_start[B]``, which get
+out 0 and lse -inf. A program finds its sequence by counting the ``T_b`` at or below its
+tile (the ``B + 1`` starts are read a ``BLOCK_B`` chunk at a time) and exits if its tile lies
+past its sequence's queries. Tiles run last-first, so the longest (latest) tiles of a sequence
+start first.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvops.kernels._attention import LOG2E, dot
+from kvops.kernels._common import dot_precision, next_pow2
+
+
+def prefill_tile(N: int, B: int, G: int, D: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for a call with ``N`` query rows over ``B``
+    sequences, group ``G``, head dim ``D``.
+
+    BLOCK_M: 128 rows (64 at D > 128 or float32, whose tiles take twice the registers), fewer
+    when the sequences' mean chunk times G is smaller (down to 16, the smallest ``tl.dot``), and
+    at least G rounded up to a power of two so a tile holds a whole group. BLOCK_N 64 keys (32 at
+    D > 128 or float32). Eight warps for 128-row tiles, four below; three stages at D <= 128,
+    two above (shared memory).
+    """
+    big = D <= 128 and dtype != torch.float32
+    max_m = 128 if big else 64
+    per_seq = -(-max(N, 1) // max(B, 1))
+    block_m = min(max_m, max(16, next_pow2(per_seq * G)))
+    block_m = max(block_m, next_pow2(G))
+    block_n = 64 if big else 32
+    return block_m, block_n, 8 if block_m >= 128 else 4, 3 if big else 2
+
+
+@triton.jit
+def _key_tile(b_q, b_acc, b_m, b_l, KC, VC, p_bt, n, seq_len, P, L, i_h, stride_kp, stride_vp,
+              b_pos, lo_key, window, scale_log2, S: tl.constexpr, HKV: tl.constexpr,
+              D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+              MASK: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr):
+    """Fold keys ``[n, n + BLOCK_N)`` into the running softmax of the tile's rows.
+
+    A key is read only if it lies in ``[lo_key, seq_len)`` and its page id in ``[0, P)``; any
+    other is loaded as 0 and masked, so a NaN there changes nothing. MASK adds each row's
+    causal (and, WINDOW, window) visibility; without it every read key is visible to all rows.
+    """
+    o_n = n + tl.arange(0, BLOCK_N)
+    o_d = tl.arange(0, BLOCK_D)
+    m_n = (o_n < seq_len) & (o_n >= lo_key)
+    b_page = tl.load(p_bt + o_n // S, mask=m_n & (o_n // S < L), other=-1)
+    m_n = m_n & (b_page >= 0) & (b_page < P)
+    o_row = ((o_n % S) * (HKV * D) + i_h * D).to(tl.int64)
+    m_kv = m_n[:, None] & (o_d < D)[None, :]
+    p_k = KC + (b_page.to(tl.int64) * stride_kp + o_row)[:, None] + o_d[None, :]
+    b_k = tl.load(p_k, mask=m_kv, other=0.0)
+    b_s = dot(b_q, tl.trans(b_k), PRECISION) * scale_log2
+    if MASK:
+        m_vis = m_n[None, :] & (o_n[None, :] <= b_pos[:, None])
+        if WINDOW:
+            m_vis = m_vis & (o_n[None, :] > b_pos[:, None] - window)
+        b_s = tl.where(m_vis, b_s, float("-inf"))
+    else:
+        b_s = tl.where(m_n[None, :], b_s, float("-inf"))
+    b_mn = tl.maximum(b_m, tl.max(b_s, 1))
+    b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)
+    b_alpha = tl.exp2(b_m - b_ms)
+    b_p = tl.exp2(b_s - b_ms[:, None])
+    b_l = b_l * b_alpha + tl.sum(b_p, 1)
+    p_v = VC + (b_page.to(tl.int64) * stride_vp + o_row)[:, None] + o_d[None, :]
+    b_v = tl.load(p_v, mask=m_kv, other=0.0)
+    b_acc = b_acc * b_alpha[:, None] + dot(b_p.to(b_v.dtype), b_v, PRECISION)
+    return b_acc, b_mn, b_l
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    Q, KC, VC, BT, QS, SL, O, LSE,
+    N, B, P, L, num_tiles, window, scale_log2,
+    stride_qn, stride_qh, stride_kp, stride_vp, stride_bt, stride_on, stride_oh, stride_ln,
+    S: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    i_t = num_tiles - 1 - tl.program_id(0)
+    i_h = tl.program_id(1)
+    # the sequence: how many tile starts T_k = query_start[k] // BLOCK_Q + k lie at or below i_t
+    count = tl.full([], 0, tl.int32)
+    for start in range(0, B + 1, BLOCK_B):
+        o_b = start + tl.arange(0, BLOCK_B)
+        b_qs = tl.minimum(tl.maximum(tl.load(QS + o_b, mask=o_b <= B, other=N), 0), N)
+        count += tl.sum(((b_qs // BLOCK_Q + o_b <= i_t) & (o_b <= B)).to(tl.int32), 0)
+    i_b = tl.minimum(tl.maximum(count - 1, 0), B)
+    q_lo = tl.minimum(tl.maximum(tl.load(QS + i_b), 0), N)
+    q_hi = tl.minimum(tl.maximum(tl.load(QS + tl.minimum(i_b + 1, B)), q_lo), N)
+    q_hi = tl.where(i_b == B, N, q_hi)                 # B: the padding rows after the last
+    t0 = q_lo + (i_t - (q_lo // BLOCK_Q + i_b)) * BLOCK_Q
+    if (t0 < q_lo) | (t0 >= q_hi):
+        return
+    o_r = tl.arange(0, BLOCK_M)
+    o_d = tl.arange(0, BLOCK_D)
+    o_tok = t0 + o_r // G
+    o_head = i_h * G + o_r % G
+    m_r = (o_r < BLOCK_Q * G) & (o_tok < q_hi)
+    p_o = O + o_tok.to(tl.int64)[:, None] * stride_on + o_head[:, None] * stride_oh + o_d[None, :]
+    p_lse = LSE + o_tok.to(tl.int64) * stride_ln + o_head
+    m_o = m_r[:, None] & (o_d < D)[None, :]
+    if i_b == B:
+        tl.store(p_o, tl.zeros([BLOCK_M, BLOCK_D], tl.float32).to(p_o.dtype.element_ty), mask=m_o)
+        tl.store(p_lse, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=m_r)
+        return
+    seq_len = tl.minimum(tl.maximum(tl.load(SL + i_b), 0), L * S)
+    pos0 = seq_len - (q_hi - q_lo)                      # position of the sequence's first query
+    b_pos = pos0 + (o_tok - q_lo)
+    p_first = pos0 + (t0 - q_lo)
+    p_last = pos0 + tl.minimum(t0 + BLOCK_Q, q_hi) - 1 - q_lo
+    hi = tl.minimum(p_last + 1, seq_len)
+    lo_key = 0
+    if WINDOW:
+        lo_key = tl.maximum(p_first - window + 1, 0)
+    p_q = Q + o_tok.to(tl.int64)[:, None] * stride_qn + o_head[:, None] * stride_qh + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_o, other=0.0)
+    b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    b_l = tl.zeros([BLOCK_M], tl.float32)
+    b_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    p_bt = BT + i_b.to(tl.int64) * stride_bt
+    # interior: keys every row sees (at or before the first row's position, and, WINDOW,
+    # inside the last row's window)
+    mid_hi = tl.maximum((p_first + 1) // BLOCK_N * BLOCK_N, 0)
+    mid_lo = 0
+    if WINDOW:
+        mid_lo = tl.minimum(tl.cdiv(tl.maximum(p_last - window + 1, 0), BLOCK_N) * BLOCK_N,
+                            mid_hi)
+        for n in range(lo_key // BLOCK_N * BLOCK_N, mid_lo, BLOCK_N):
+            b_acc, b_m, b_l = _key_tile(
+                b_q, b_acc, b_m, b_l, KC, VC, p_bt, n, seq_len, P, L, i_h, stride_kp, stride_vp,
+                b_pos, lo_key, window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, True, True,
+                PRECISION)
+    for n in range(mid_lo, mid_hi, BLOCK_N):
+        b_acc, b_m, b_l = _key_tile(
+            b_q, b_acc, b_m, b_l, KC, VC, p_bt, n, seq_len, P, L, i_h, stride_kp, stride_vp,
+            b_pos, lo_key, window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, False, WINDOW,
+            PRECISION)
+    for n in range(tl.maximum(mid_hi, mid_lo), hi, BLOCK_N):
+        b_acc, b_m, b_l = _key_tile(
+            b_q, b_acc, b_m, b_l, KC, VC, p_bt, n, seq_len, P, L, i_h, stride_kp, stride_vp,
+            b_pos, lo_key, window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, True, WINDOW,
+            PRECISION)
+    b_has = b_l > 0
+    b_out = b_acc / tl.where(b_has, b_l, 1.0)[:, None]
+    b_lse = tl.where(b_has, (b_m + tl.log2(tl.where(b_has, b_l, 1.0))) * 0.6931471805599453,
+                     float("-inf"))
+    tl.store(p_o, b_out.to(p_o.dtype.element_ty), mask=m_o)
+    tl.store(p_lse, b_lse, mask=m_r)
+
+
+def paged_prefill_attention_fwd(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+    query_start: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None,
+    window: int = 0, *, block_m: int | None = None, block_n: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allocate, pick the tile (``prefill_tile``) and launch. Inputs are already checked by the
+    op; the keyword knobs override the rule (tests, benches). Returns ``(out, lse)``."""
+    N, Hq, D = q.shape
+    P, S, Hkv, _ = k_cache.shape
+    B, L = block_table.shape
+    G = Hq // Hkv
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((N, Hq), dtype=torch.float32, device=q.device)
+    if N == 0:
+        return out, lse
+    bm, bn, nw, ns = prefill_tile(N, B, G, D, q.dtype)
+    bm, bn = block_m or bm, block_n or bn
+    nw, ns = num_warps or nw, num_stages or ns
+    if bm < G:
+        raise ValueError(f"block_m: expected at least G={G} rows, got {bm}")
+    block_q = bm // G
+    num_tiles = N // block_q + B + 1
+    scale = D ** -0.5 if scale is None else scale
+    _paged_prefill_kernel[(num_tiles, Hkv)](
+        q, k_cache, v_cache, block_table, query_start, seq_lens, out, lse,
+        N, B, P, L, num_tiles, window, scale * LOG2E.value,
+        q.stride(0), q.stride(1), k_cache.stride(0), v_cache.stride(0),
+        block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0),
+        S=S, HKV=Hkv, G=G, D=D, BLOCK_Q=block_q, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_D=next_pow2(max(D, 16)), BLOCK_B=min(1024, next_pow2(B + 1)),
+        WINDOW=window > 0, PRECISION=dot_precision(q.dtype), num_warps=nw, num_stages=ns,
+    )
+    return out, lse

@@ -1,0 +1,451 @@
+"""paged_prefill_attention: kernel and reference against a float64 oracle (random tables with a
+shared prefix, chunk lengths 1..N, empty prefixes, page-boundary starts, sliding windows,
+padding rows, unmapped holes, every invisible slot poisoned with NaN), agreement with the
+decode ops' visibility rule, the BASE rule, the launch rule's table, and the op contract
+(opcheck, compile without recompiles, CUDA graphs, input errors, validation mode)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvops
+from kvops.kernels.paged_prefill_attention import paged_prefill_attention_fwd, prefill_tile
+from kvops.ops.paged_prefill_attention import paged_prefill_attention_ref
+from tests.conftest import capture_graph, counting_backend, requires_cuda
+from tests.oracles_attention import paged_prefill_oracle
+from tests.tolerances import ATTN_TOL, LSE_TOL, assert_close
+
+
+def make_case(chunks, S, Hkv, G, D, dtype, device, seed, window=0, interleaved=False, pad=0,
+              hole=False, spare_blocks=1, pool_pages=None):
+    """One prefill call. ``chunks``: (prefix, new) tokens per sequence. Pages are a random
+    permutation; sequence 1 shares sequence 0's first full prefix pages (an alias) where both
+    have them. Table entries past a sequence's blocks hold garbage (huge ids, -1). ``hole``:
+    one block under some sequence's length is -1 (its keys must be skipped). Every slot no
+    query may see (unmapped pages, rows past a sequence's end, positions outside every window)
+    holds NaN. ``pad`` extra query rows follow the last sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    B = len(chunks)
+    lens = [p + n for p, n in chunks]
+    blocks = [-(-n // S) for n in lens]
+    L = max(blocks + [1]) + spare_blocks
+    shared = 0
+    if B >= 2:
+        shared = min(chunks[0][0], chunks[1][0]) // S
+    need = sum(blocks) - shared
+    P = pool_pages or need + 2
+    perm = torch.randperm(P, generator=gen).tolist()
+    table = torch.randint(10**6, 2 * 10**6, (B, L), generator=gen, dtype=torch.int32)
+    table[:, -1] = -1
+    for b in range(B):
+        for j in range(blocks[b]):
+            table[b, j] = table[0, j] if b == 1 and j < shared else perm.pop()
+    if hole:
+        b = max(range(B), key=lambda i: blocks[i])
+        if blocks[b] >= 2:
+            table[b, int(torch.randint(0, blocks[b], (1,), generator=gen))] = -1
+    shape = (P, S, Hkv, D)
+    if interleaved:
+        pool = torch.randn(P, 2, S, Hkv, D, generator=gen).to(dtype)
+        k_cache, v_cache = pool[:, 0], pool[:, 1]
+    else:
+        k_cache = torch.randn(shape, generator=gen).to(dtype)
+        v_cache = torch.randn(shape, generator=gen).to(dtype)
+    seen = torch.zeros(P, S, dtype=torch.bool)
+    for b, (prefix, _) in enumerate(chunks):
+        first = max(0, prefix - window + 1) if window > 0 else 0
+        for j in range(first, lens[b]):
+            page = int(table[b, j // S])
+            if 0 <= page < P:
+                seen[page, j % S] = True
+    for c in (k_cache, v_cache):
+        c[~seen] = float("nan")
+    starts = [0]
+    for _, n in chunks:
+        starts.append(starts[-1] + n)
+    N = starts[-1] + pad
+    q = torch.randn(N, Hkv * G, D, generator=gen).to(dtype)
+    case = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=table,
+                query_start=torch.tensor(starts, dtype=torch.int32),
+                seq_lens=torch.tensor(lens, dtype=torch.int32))
+    if interleaved:
+        moved = pool.to(device)
+        out = {n: t.to(device) for n, t in case.items() if n not in ("k_cache", "v_cache")}
+        return dict(out, k_cache=moved[:, 0], v_cache=moved[:, 1])
+    return {n: t.to(device) for n, t in case.items()}
+
+
+def check_against_oracle(out, lse, case, name, window=0, scale=None):
+    dtype = case["q"].dtype
+    want_out, want_lse = paged_prefill_oracle(**case, window=window, scale=scale)
+    atol, rtol = ATTN_TOL[dtype]
+    assert out.dtype == dtype and lse.dtype == torch.float32, name
+    assert out.shape == case["q"].shape and lse.shape == case["q"].shape[:2], name
+    assert_close("out", out, want_out, atol, rtol, name)
+    assert_close("lse", lse, want_lse, LSE_TOL[dtype], LSE_TOL[dtype], name)
+
+
+def prefixes(S):
+    """Prefix lengths: empty, page boundaries and one off them, anything."""
+    return st.one_of(st.just(0), st.sampled_from([S, 2 * S, S - 1, S + 1]),
+                     st.integers(0, 2 * S + 8))
+
+
+@st.composite
+def cases(draw, reference=False):
+    S = draw(st.sampled_from([8, 16, 64]))
+    B = draw(st.integers(1, 3))
+    chunks = [(draw(prefixes(S)), draw(st.integers(1, 24))) for _ in range(B)]
+    G = draw(st.sampled_from([1, 2, 3, 4, 7, 8]))
+    Hkv = draw(st.sampled_from([1, 2]))
+    D = draw(st.sampled_from([64, 96, 128, 256] if reference else [16, 64, 96, 128, 256]))
+    dtype = draw(st.sampled_from([torch.float16, torch.bfloat16, torch.float32]))
+    window = draw(st.sampled_from([0, 0, 1, 5, 2 * S + 3]))
+    extra = dict(interleaved=draw(st.booleans()), pad=draw(st.sampled_from([0, 3])),
+                 hole=draw(st.booleans()))
+    return (chunks, S, Hkv, G, D, dtype), window, extra, draw(st.integers(0, 2**31 - 1))
+
+
+def case_id(chunks, S, Hkv, G, D, dtype, window, extra):
+    return (f"chunks{chunks}-S{S}-Hkv{Hkv}-G{G}-D{D}-{str(dtype).replace('torch.', '')}"
+            f"-win{window}-{extra}")
+
+
+@settings(max_examples=8)
+@given(drawn=cases(), block_m=st.sampled_from([None, 16, 32]), block_n=st.sampled_from([None, 16]))
+def test_kernel_matches_oracle(kernel_device, poison, drawn, block_m, block_n):
+    dims, window, extra, seed = drawn
+    G = dims[3]
+    if block_m is not None and block_m < G:
+        block_m = None
+    case = make_case(*dims, device=kernel_device, seed=seed, window=window, **extra)
+    out, lse = paged_prefill_attention_fwd(**case, window=window, block_m=block_m,
+                                           block_n=block_n)
+    check_against_oracle(out, lse, case, case_id(*dims, window, extra) + f"-bm{block_m}-bn{block_n}",
+                         window)
+
+
+@settings(max_examples=8)
+@given(drawn=cases(reference=True))
+def test_reference_matches_oracle(poison, drawn):
+    dims, window, extra, seed = drawn
+    case = make_case(*dims, device="cpu", seed=seed, window=window, **extra)
+    out, lse = paged_prefill_attention_ref(**case, window=window)
+    check_against_oracle(out, lse, case, case_id(*dims, window, extra), window)
+
+
+# every G, D and S of the issue at least once, on the default launch rule
+@pytest.mark.parametrize("G,D,S,window", [
+    (1, 64, 8, 0), (2, 96, 16, 0), (3, 128, 64, 20), (4, 256, 8, 1), (7, 64, 64, 9),
+    (8, 128, 16, 0),
+])
+def test_every_group_and_head_dim(kernel_device, poison, G, D, S, window):
+    """Chunk lengths 1, 2, 3, 4, 6 over an empty prefix, a page-boundary prefix, one off it
+    either way and one inside the second page; bfloat16 (float16 at D 96), a padding row."""
+    chunks = [(0, 1), (S, 2), (S - 1, 3), (S + 1, 4), (S + 5, 6)]
+    dtype = torch.float16 if D == 96 else torch.bfloat16
+    case = make_case(chunks, S, 2 if G < 7 else 1, G, D, dtype, kernel_device, seed=G * D + S,
+                     window=window, pad=1)
+    with kvops.backend("triton"):
+        out, lse = torch.ops.kvops.paged_prefill_attention(**case, window=window)
+    check_against_oracle(out, lse, case, f"G{G}-D{D}-S{S}-win{window}", window)
+
+
+def test_chunk_lengths_one_to_n(kernel_device):
+    """One call whose sequences take chunk lengths 1..8 over one prefix length each, and one
+    whole prefill (no prefix) of 24 tokens split across tile edges."""
+    S = 16
+    chunks = [(b * 7 % 40, b + 1) for b in range(8)] + [(0, 24)]
+    case = make_case(chunks, S, 2, 4, 64, torch.float16, kernel_device, seed=12)
+    with kvops.backend("triton"):
+        out, lse = torch.ops.kvops.paged_prefill_attention(**case)
+    check_against_oracle(out, lse, case, "chunks-1..8")
+
+
+def test_chunked_equals_whole_prefill(kernel_device):
+    """A 48-token sequence prefilled in chunks of 16 (each over the prefix written before)
+    gives the rows of one 48-token prefill."""
+    S = 8
+    whole = make_case([(0, 48)], S, 2, 2, 64, torch.float32, kernel_device, seed=3)
+    with kvops.backend("triton"):
+        want, want_lse = torch.ops.kvops.paged_prefill_attention(**whole)
+        for start in range(0, 48, 16):
+            part = dict(whole, q=whole["q"][start:start + 16],
+                        query_start=torch.tensor([0, 16], dtype=torch.int32, device=kernel_device),
+                        seq_lens=torch.tensor([start + 16], dtype=torch.int32,
+                                              device=kernel_device))
+            got, lse = torch.ops.kvops.paged_prefill_attention(**part)
+            torch.testing.assert_close(got, want[start:start + 16], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(lse, want_lse[start:start + 16], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [0, 24])
+def test_same_visibility_as_the_decode_ops(kernel_device, window):
+    """A one-token chunk at position p is a decode step: equal to elastic_attention over the
+    table (no window), and, with a window W, to static_sliding_attention over a ring arena
+    holding the last W tokens (win_len = min(W, p + 1))."""
+    S, Hkv, G, D = 8, 2, 4, 64
+    chunks = [(0, 1), (5, 1), (23, 1), (24, 1), (61, 1)]
+    case = make_case(chunks, S, Hkv, G, D, torch.float32, "cpu", seed=window, window=window)
+    for c in (case["k_cache"], case["v_cache"]):
+        c.nan_to_num_(0.0)
+    P = case["k_cache"].shape[0]        # elastic_attention's reference gathers the whole table
+    case["block_table"].masked_fill_(case["block_table"] >= P, -1)
+    with kvops.backend("triton"):
+        dev = {n: t.to(kernel_device) for n, t in case.items()}
+        got, got_lse = torch.ops.kvops.paged_prefill_attention(**dev, window=window)
+    if window == 0:
+        want, want_lse = torch.ops.kvops.elastic_attention(
+            case["q"], case["k_cache"], case["v_cache"], case["block_table"], case["seq_lens"])
+    else:
+        B, W = len(chunks), window
+        k = torch.zeros(B, W, Hkv, D)
+        v = torch.zeros(B, W, Hkv, D)
+        win_len = torch.zeros(B, dtype=torch.int32)
+        win_start = torch.zeros(B, dtype=torch.int32)
+        for b, (prefix, _) in enumerate(chunks):
+            p = prefix
+            first = max(0, p - W + 1)
+            for j in range(first, p + 1):             # ring slot j % W
+                page = int(case["block_table"][b, j // S])
+                k[b, j % W], v[b, j % W] = case["k_cache"][page, j % S], case["v_cache"][page,
+                                                                                          j % S]
+            win_len[b] = p + 1 - first
+            win_start[b] = first % W
+        want, want_lse = torch.ops.kvops.static_sliding_attention(case["q"], k, v, win_start,
+                                                                  win_len)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_lse.cpu(), want_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_base_pages_are_read_as_target_bytes(kernel_device):
+    """The BASE rule: prefill reads every page as TARGET. A page packed by pack_base_pairs is
+    read as the TARGET-dtype values its bytes spell (the oracle over the packed pool), not
+    through the codec; so a caller promotes a prefix's BASE blocks before prefilling it."""
+    S, Hkv, G, D = 16, 2, 2, 64
+    case = make_case([(2 * S, S)], S, Hkv, G, D, torch.float16, "cpu", seed=4)
+    pages = case["block_table"][0, :2].tolist()
+    for c in (case["k_cache"], case["v_cache"]):
+        c.nan_to_num_(0.0)
+        back = torch.empty((1, 2, S, Hkv, D), dtype=torch.uint8)
+        torch.ops.kvops.pack_base_pairs(c, torch.tensor([[pages[0], pages[1], pages[0]]],
+                                                        dtype=torch.int32), back)
+    dev = {n: t.to(kernel_device) for n, t in case.items()}
+    with kvops.backend("triton"):
+        out, lse = torch.ops.kvops.paged_prefill_attention(**dev)
+    check_against_oracle(out, lse, case, "base-as-target")
+
+
+def test_fidelity_promotes_before_a_prefill_reads_the_prefix():
+    """The BASE rule with the policy: after a demotion the session's span is BASE and a prefill
+    over it would read BASE bytes as TARGET (wrong); promoted and settled (the caller's step
+    before prefilling), the next chunk's prefill over the whole prefix equals the float64
+    oracle over the session's true K/V."""
+    from tests.test_fidelity import World, start
+
+    torch.manual_seed(3)
+    w = World(dtype=torch.float16, min_batch=4, protect_recent=1)
+    S, Hkv, D = w.S, w.k.shape[2], w.k.shape[3]
+    start(w, {"a": 9 * S + 3, "b": 4 * S})
+    with w.pager.frame() as f:
+        w.fid.step(f, need=w.pager.free_pages + 4)
+    assert w.fid.span("a")[1] > w.fid.span("a")[0]
+
+    def prefill(q):
+        slot = w.pager.slot("a")
+        t = w.pager.device_tables
+        case = dict(q=q, k_cache=w.k, v_cache=w.v, block_table=t["block_table"][slot:slot + 1],
+                    query_start=torch.tensor([0, q.shape[0]], dtype=torch.int32),
+                    seq_lens=t["seq_lens"][slot:slot + 1].clone())
+        tk, tv = w.truth["a"]
+        n = tk.shape[0]
+        blocks = -(-n // S)
+        dense_k = torch.zeros(blocks * S, Hkv, D, dtype=w.dtype)
+        dense_v = torch.zeros_like(dense_k)
+        dense_k[:n], dense_v[:n] = tk, tv
+        want = paged_prefill_oracle(q, dense_k.view(blocks, S, Hkv, D),
+                                    dense_v.view(blocks, S, Hkv, D),
+                                    torch.arange(blocks, dtype=torch.int32)[None],
+                                    case["query_start"], case["seq_lens"])
+        return torch.ops.kvops.paged_prefill_attention(**case), want
+
+    q = torch.randn(4, 2 * Hkv, D).half()
+    (out, _), (want, _) = prefill(q)            # the last 4 tokens, BASE blocks in the prefix
+    assert (out.double() - want).abs().max() > 0.05
+    with w.pager.frame() as f:
+        w.fid.promote(f, "a")
+    with w.pager.frame() as f:
+        w.fid.step(f, need=0)
+    assert w.fid.span("a") == (0, 0)
+    with w.pager.frame() as f:
+        grown = w.grow(f, "a", 5)
+    w.write(*grown, f.result.copies)
+    q = torch.randn(5, 2 * Hkv, D).half()
+    (out, lse), (want, want_lse) = prefill(q)
+    assert_close("out", out, want, *ATTN_TOL[torch.float16], "promoted")
+    assert_close("lse", lse, want_lse, LSE_TOL[torch.float16], LSE_TOL[torch.float16], "promoted")
+
+
+@pytest.mark.parametrize("N,B,G,D,dtype,want", [
+    (8192, 1, 4, 128, torch.bfloat16, (128, 64, 8, 3)),     # a long prefill, Llama-3-8B
+    (512, 1, 7, 128, torch.bfloat16, (128, 64, 8, 3)),      # Qwen2.5-7B: 18 tokens a tile
+    (128, 128, 4, 128, torch.bfloat16, (16, 64, 4, 3)),     # one token a sequence
+    (256, 16, 4, 128, torch.float16, (64, 64, 4, 3)),       # 16-token chunks
+    (4096, 2, 8, 256, torch.bfloat16, (64, 32, 4, 2)),      # D 256
+    (4096, 2, 4, 128, torch.float32, (64, 32, 4, 2)),
+    (1, 1, 32, 64, torch.float16, (32, 64, 4, 3)),          # one token: the group's 32 rows
+])
+def test_prefill_tile_table(N, B, G, D, dtype, want):
+    assert prefill_tile(N, B, G, D, dtype) == want
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_padding_and_empty_calls(kernel_device, poison, backend):
+    """Rows after query_start[B] get 0 / -inf; no sequences at all (B 0) and no rows (N 0)."""
+    case = make_case([(3, 2)], 8, 1, 2, 32, torch.float16, kernel_device, seed=1, pad=5)
+    with kvops.backend(backend):
+        out, lse = torch.ops.kvops.paged_prefill_attention(**case)
+        assert bool((out[2:] == 0).all()) and bool(torch.isneginf(lse[2:]).all())
+        assert bool(torch.isfinite(lse[:2]).all())
+        none = dict(case, block_table=case["block_table"][:0],
+                    query_start=case["query_start"][:1].zero_(), seq_lens=case["seq_lens"][:0])
+        out, lse = torch.ops.kvops.paged_prefill_attention(**none)
+        assert bool((out == 0).all()) and bool(torch.isneginf(lse).all())
+        empty = dict(case, q=case["q"][:0], query_start=torch.zeros_like(case["query_start"]))
+        out, lse = torch.ops.kvops.paged_prefill_attention(**empty)
+        assert out.shape == (0, 2, 32) and lse.shape == (0, 2)
+
+
+def test_op_dispatch_and_opcheck(kernel_device):
+    case = make_case([(5, 3), (0, 4)], 8, 2, 2, 32, torch.float16, "cpu", seed=10, pad=1)
+    for c in (case["k_cache"], case["v_cache"]):
+        c.nan_to_num_(0.0)          # opcheck compares outputs through NaN-sensitive paths
+    torch.library.opcheck(torch.ops.kvops.paged_prefill_attention.default, (),
+                          dict(case, scale=0.2, window=4))
+    dev = {n: t.to(kernel_device) for n, t in case.items()}
+    with kvops.backend("triton"):
+        out, lse = torch.ops.kvops.paged_prefill_attention(**dev, scale=0.2, window=4)
+    want, want_lse = paged_prefill_attention_ref(**case, scale=0.2, window=4)
+    assert_close("out", out, want, *ATTN_TOL[torch.float16], "op")
+    assert_close("lse", lse, want_lse, LSE_TOL[torch.float16], LSE_TOL[torch.float16], "op")
+
+
+def test_compiled_prefill_steps_never_recompile():
+    """Steps with new chunk lengths, prefixes, tables and values at fixed shapes (N rows, B
+    sequences, a fixed pool): one compile; each equals the reference."""
+    torch._dynamo.reset()
+    backend, calls = counting_backend()
+
+    @torch.compile(backend=backend, fullgraph=True)
+    def step(x, k_cache, v_cache, block_table, query_start, seq_lens):
+        out, lse = torch.ops.kvops.paged_prefill_attention(x * 0.5, k_cache, v_cache,
+                                                           block_table, query_start, seq_lens,
+                                                           window=6)
+        return out * 2, lse
+
+    gen = torch.Generator().manual_seed(0)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for t in range(5):
+            a = int(torch.randint(1, 9, (1,), generator=gen))
+            chunks = [(int(torch.randint(0, 20, (1,), generator=gen)), a), (t, 10 - a)]
+            case = make_case(chunks, 8, 2, 2, 32, torch.float16, "cpu", seed=t, pool_pages=12,
+                             spare_blocks=4 - max(-(-(p + n) // 8) for p, n in chunks))
+            for c in (case["k_cache"], case["v_cache"]):
+                c.nan_to_num_(0.0)
+            x = case.pop("q") * 2
+            got, lse = step(x, **case)
+            want, want_lse = paged_prefill_attention_ref(x * 0.5, **case, window=6)
+            torch.testing.assert_close(got, want * 2)
+            torch.testing.assert_close(lse, want_lse)
+    assert len(calls) == 1
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_cuda_graph_replay_with_new_lengths(dtype):
+    """One captured call (Llama-3-8B heads, 4 sequences, 192 rows), replayed with new chunk
+    lengths, prefixes and tables: each replay equals the oracle."""
+    S, pool = 16, 96
+
+    def fresh(seed):
+        gen = torch.Generator().manual_seed(seed)
+        cuts = sorted(torch.randint(0, 190, (3,), generator=gen).tolist())
+        sizes = [b - a for a, b in zip([0] + cuts, cuts + [190])]
+        chunks = [(int(torch.randint(0, 96, (1,), generator=gen)), n) for n in sizes]
+        L = max(-(-(p + n) // S) for p, n in chunks)
+        return make_case(chunks, S, 8, 4, 128, dtype, "cuda", seed=seed, pad=2,
+                         pool_pages=pool, spare_blocks=20 - L)
+
+    static = fresh(1)
+    graph, (out, lse) = capture_graph(lambda: torch.ops.kvops.paged_prefill_attention(**static))
+    for seed in (2, 3, 4):
+        case = fresh(seed)
+        for n, t in case.items():
+            static[n].copy_(t)
+        graph.replay()
+        check_against_oracle(out, lse, case, f"graph{seed}")
+
+
+@requires_cuda
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_long_prefill_on_cuda(D):
+    """Default launch shapes on a real GPU: 400 new tokens over a 300-token prefix and a
+    second sequence sharing it, bf16."""
+    case = make_case([(300, 400), (300, 100)], 16, 2, 4, D, torch.bfloat16, "cuda", seed=D)
+    out, lse = torch.ops.kvops.paged_prefill_attention(**case)
+    check_against_oracle(out, lse, case, f"long-D{D}")
+
+
+def _bad_inputs():
+    ok = make_case([(5, 3), (0, 4)], 8, 2, 2, 32, torch.float16, "cpu", seed=0)
+    yield "q-rank", dict(ok, q=ok["q"][0]), ValueError, "q: expected rank 3"
+    yield "q-dtype", dict(ok, q=ok["q"].double()), TypeError, "q: expected dtype"
+    yield "cache-dtype", dict(ok, k_cache=ok["k_cache"].bfloat16(),
+                              v_cache=ok["v_cache"].bfloat16()), TypeError, "k_cache: expected"
+    yield "v-shape", dict(ok, v_cache=ok["v_cache"][:1]), ValueError, "v_cache: expected shape"
+    yield "heads", dict(ok, q=torch.randn(7, 3, 32).half()), ValueError, "Hq=3 must be a multiple"
+    yield "head-dim", dict(ok, q=torch.randn(7, 4, 16).half()), ValueError, \
+        r"k_cache: expected shape \[P, S, Hkv, D=16\]"
+    yield "page-size", dict(ok, k_cache=ok["k_cache"][:, :6], v_cache=ok["v_cache"][:, :6]), \
+        ValueError, "S=6"
+    yield "table-dtype", dict(ok, block_table=ok["block_table"].long()), TypeError, "block_table"
+    yield "starts-shape", dict(ok, query_start=ok["query_start"][:2]), ValueError, \
+        r"query_start: expected shape \[B\+1=3\]"
+    yield "starts-dtype", dict(ok, query_start=ok["query_start"].long()), TypeError, "query_start"
+    yield "seq-shape", dict(ok, seq_lens=ok["seq_lens"][:1]), ValueError, \
+        r"seq_lens: expected shape \[B=2\]"
+    yield "window-type", dict(ok, window=2.0), RuntimeError, "argument 'window'"
+    yield "window-neg", dict(ok, window=-1), ValueError, "window: expected 0"
+    P = ok["k_cache"].shape[0]
+    yield "cache-strided", dict(ok, k_cache=torch.zeros(P, 8, 4, 32).half()[:, :, :2]), \
+        ValueError, "k_cache: expected contiguous pages"
+    yield "q-last-dim", dict(ok, q=torch.zeros(7, 4, 64).half()[:, :, ::2]), ValueError, \
+        "q: expected the last dim"
+
+
+@pytest.mark.parametrize("name,kwargs,exc,msg", list(_bad_inputs()),
+                         ids=[c[0] for c in _bad_inputs()])
+def test_bad_inputs_raise(name, kwargs, exc, msg):
+    with pytest.raises(exc, match=msg):
+        torch.ops.kvops.paged_prefill_attention(**kwargs)
+
+
+def test_validation_mode_raises_on_out_of_range():
+    ok = make_case([(5, 3), (0, 4)], 8, 2, 2, 32, torch.float16, "cpu", seed=1)
+    with kvops.validate(True):
+        torch.ops.kvops.paged_prefill_attention(**ok)
+    table = ok["block_table"].clone()
+    table[0, 0] = ok["k_cache"].shape[0]
+    hole = ok["block_table"].clone()
+    hole[1, 0] = -1
+    bad = [("query_start", torch.tensor([0, 3, 8], dtype=torch.int32), "query_start"),
+           ("query_start", torch.tensor([0, 4, 3], dtype=torch.int32), r"query_start \(steps\)"),
+           ("seq_lens", torch.tensor([8, 2], dtype=torch.int32), "seq_lens - query count"),
+           ("seq_lens", torch.tensor([8, 99], dtype=torch.int32), "seq_lens"),
+           ("block_table", table, "block_table"), ("block_table", hole, "block_table")]
+    for name, value, msg in bad:
+        with kvops.validate(True), pytest.raises(IndexError, match=msg):
+            torch.ops.kvops.paged_prefill_attention(**dict(ok, **{name: value}))
