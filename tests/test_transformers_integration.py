@@ -133,6 +133,23 @@ def test_paged_cache_greedy_tokens_equal_sdpa(arch, sdpa_tokens):
     assert _generate(model, "kvops", ids, mask, cache).tolist() == got.tolist()
 
 
+def test_paged_cache_continues_a_conversation(sdpa_tokens):
+    """A second multi-token step onto a filled PagedCache (generate continuing from the cache:
+    the last generated token and a new turn) gives the tokens SDPA gives for the whole text."""
+    model = _model("qwen2")
+    ids, mask = _prompts()
+    cache = kt.PagedCache(model, batch_size=2, max_tokens=96, page_size=8)
+    first = _generate(model, "kvops", ids, mask, cache)
+    assert first.tolist() == sdpa_tokens("qwen2", ids, mask).tolist()
+    turn, _ = _prompts(T=6, pads=(0, 0), seed=5)
+    full = torch.cat([ids, first, turn], dim=1)
+    full_mask = torch.cat([mask, torch.ones_like(first), torch.ones_like(turn)], dim=1)
+    got = _generate(model, "kvops", full, full_mask, cache)      # 1 + 6 new tokens, then decode
+    want = _generate(model, "sdpa", full, full_mask)
+    assert got.tolist() == want.tolist()
+    assert cache.layers[0].lens.tolist() == [11 + 32 + 6 + 31, 7 + 32 + 6 + 31]
+
+
 def test_paged_cache_stores_only_real_tokens():
     """The pool holds each row's real tokens at logical slots 0.. of its pages and nothing else
     (padding never written), which is what elastic_attention reads."""
@@ -224,6 +241,15 @@ def test_errors():
         model(ids, attention_mask=mask, past_key_values=cache)
         with pytest.raises(NotImplementedError, match="reset"):   # a second prompt
             model(ids, attention_mask=mask, past_key_values=cache)
+        paged = kt.PagedCache(model, batch_size=2, max_tokens=16, page_size=8)
+        model(ids, attention_mask=mask, past_key_values=paged)
+        with pytest.raises(ValueError, match="exceed max_tokens=16"):
+            model(ids, attention_mask=mask, past_key_values=paged)
+        with pytest.raises(ValueError, match="exceeds max_tokens=8"):
+            model(ids, attention_mask=mask,
+                  past_key_values=kt.PagedCache(model, batch_size=2, max_tokens=8, page_size=8))
+    with pytest.raises(ValueError, match=r"page_size\) = 4 .*got 3"):
+        kt.PagedCache(model, batch_size=2, max_tokens=16, page_size=8, num_pages=3)
 
 
 @pytest.mark.parametrize("kind", ["sliding", "paged"])

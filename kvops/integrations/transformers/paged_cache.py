@@ -17,9 +17,11 @@ reaches its reservation stops storing tokens and attends to its first ``max_toke
 padding (eager steps raise ValueError first). ``reset()`` ends every session (one frame of
 trims) so the next prompt starts clean.
 
-The prompt's attention is transformers' SDPA over the prompt. Not done here: Fidelity (BASE
-blocks: the pools are float16/bfloat16-ready, but no policy is attached), sliding windows
-(Mistral's ``sliding_window`` below ``max_tokens`` raises), a second prompt onto a filled cache.
+A step of ``T > 1`` tokens (the prompt, or a continuation onto a filled cache, whose tokens are
+all real) writes the real tokens with ``paged_kv_write`` and attends with
+``paged_prefill_attention`` over each row's paged prefix and itself, the real tokens of all rows
+packed first. Not done here: Fidelity (BASE blocks: no policy is attached, decode runs the
+native path), sliding windows (a ``sliding_window`` below ``max_tokens`` raises).
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import math
 
 import torch
 from transformers.cache_utils import Cache
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import kvops  # noqa: F401  (registers torch.ops.kvops.*)
 from kvops.integrations.transformers._layers import (
@@ -72,6 +73,34 @@ class PagedState(StepState):
         block = (index.clamp(min=0) // S).clamp(max=self.max_blocks - 1)
         page = self.block_table.long().gather(1, block)
         return torch.where(ok, page * S + index.clamp(min=0) % S, -1)
+
+    def begin_chunk(self, mask, B: int, T: int) -> None:
+        """A step of ``T > 1`` tokens a row: the prompt (its mask gives each row's padding; the
+        pager reserves every row's ``max_tokens``) or, on a filled cache, a continuation whose
+        tokens are all real. Sets the new tokens' slots, the order that packs the real tokens
+        of all rows first (row by row) for ``paged_prefill_attention``, their row starts, and
+        the lengths after the chunk."""
+        dev = self.lens.device
+        if self.filled:
+            if self.host_pos + T > self.max_tokens:
+                raise ValueError(f"PagedCache: {self.host_pos} + {T} tokens a row exceed "
+                                 f"max_tokens={self.max_tokens}")
+            start = torch.zeros(B, dtype=torch.long, device=dev)
+            self.host_pos += T
+        else:
+            start = padding_start(mask, B, T, dev)
+            self.reserve(start, T)
+        before = self.lens.long()
+        index = torch.arange(T, device=dev)[None, :] - start[:, None]
+        real = index >= 0
+        self.chunk_slots = self.slots_of(torch.where(real, index + before[:, None], -1)).reshape(-1)
+        self.chunk_order = torch.argsort((~real).reshape(-1).to(torch.int8), stable=True)
+        counts = (T - start).to(torch.int32)
+        self.chunk_starts = torch.cat([counts.new_zeros(1), counts.cumsum(0, dtype=torch.int32)])
+        self.lens.add_(counts)
+        self.seq_lens.copy_(torch.minimum(self.lens, self.capacity))
+        self.pos.add_(T)
+        self.filled = True
 
     def advance(self) -> None:
         """A decode step: each row's new token's slot, then the lengths including it."""
@@ -141,26 +170,19 @@ class PagedLayer(KvopsLayer):
         B, _, T, _ = query.shape
         if T == 1:
             return self._decode(query, key, value, scaling)
-        if st.filled and self.first:
-            raise NotImplementedError(
-                f"PagedCache: a {T}-token step onto a filled cache (a second prompt) is not "
-                f"supported; call cache.reset() before the next prompt")
-        out, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=scaling,
-                                        sliding_window=sliding_window, **kwargs)
         if self.first:
-            start = padding_start(mask, B, T, self.device)
-            st.reserve(start, T)
-            index = torch.arange(T, device=self.device)[None, :] - start[:, None]
-            st.prompt_slots = st.slots_of(index).reshape(-1)
-            st.lens.copy_(T - start)
-            st.seq_lens.copy_(st.lens)
-            st.pos.fill_(T)
-            st.filled = True
+            st.begin_chunk(mask, B, T)
         H, D = self.geo.num_kv_heads, self.geo.head_dim
         torch.ops.kvops.paged_kv_write(key.transpose(1, 2).reshape(B * T, H, D),
                                        value.transpose(1, 2).reshape(B * T, H, D),
-                                       self.keys, self.values, st.prompt_slots)
-        return out, None
+                                       self.keys, self.values, st.chunk_slots)
+        Hq = query.shape[1]
+        q = query.transpose(1, 2).reshape(B * T, Hq, D)[st.chunk_order]
+        out, _ = torch.ops.kvops.paged_prefill_attention(
+            q, self.keys, self.values, st.block_table, st.chunk_starts, st.seq_lens,
+            scale=scaling)
+        full = torch.zeros_like(out).index_copy_(0, st.chunk_order, out)
+        return full.view(B, T, Hq, D), None
 
     def _decode(self, query, key, value, scaling):
         st = self.state
