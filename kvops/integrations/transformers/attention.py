@@ -12,8 +12,8 @@ How a step flows (Llama, Mistral, Qwen2, Qwen3: every model whose attention modu
    nothing yet, because only the attention call sees the padding mask.
 3. The module calls :func:`kvops_attention_forward` with that step. The layer writes the new K/V
    into its storage and runs the decode op (``static_sliding_attention`` or
-   ``elastic_attention``), or for a prompt SDPA over the prompt (the paged prefill op where the
-   paged cache has it).
+   ``elastic_attention``); for a prompt, SDPA over it (sliding) or ``paged_prefill_attention``
+   over the paged prefix and the prompt (paged).
 
 Given ordinary tensors (``DynamicCache``, ``StaticCache``, no cache), ``"kvops"`` attention is
 SDPA exactly: transformers' ``sdpa_attention_forward`` with the same mask.
