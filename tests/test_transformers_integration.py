@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers", reason="needs the hf (or test
 
 import kvops.integrations.transformers as kt  # noqa: E402
 from kvops.integrations.transformers._compat import check_version  # noqa: E402
+from tests.conftest import requires_cuda  # noqa: E402
 
 NEW = 32
 PAD = 0
@@ -267,6 +268,30 @@ def test_kernels_inside_generate(kind, kernel_device):
     with kvops.backend("triton" if kernel_device.type == "cpu" else "auto"):
         got = _generate(model, "kvops", ids, mask, _cache(kind, model), **kw)
     assert got.tolist() == want.tolist()
+
+
+@requires_cuda
+@pytest.mark.parametrize("kind", ["sliding", "paged"])
+def test_cuda_generate_compiles_once_with_cuda_graphs(kind):
+    """transformers' own compiled generation on CUDA (inductor, reduce-overhead: CUDA graphs):
+    one compile for the decode step, none after warm-up, tokens equal SDPA's (float32)."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        _config("llama"), attn_implementation="sdpa").eval().cuda()
+    ids, mask = (t.cuda() for t in _prompts())
+    want = _generate(model, "sdpa", ids, mask, disable_compile=True)
+    torch._dynamo.reset()
+    counters.clear()
+    cache = _cache(kind, model)
+    got = _generate(model, "kvops", ids, mask, cache)
+    warm = counters["stats"]["unique_graphs"]
+    cache.reset()
+    again = _generate(model, "kvops", ids, mask, cache)
+    assert counters["stats"]["unique_graphs"] == warm == 1
+    assert got.tolist() == want.tolist() and again.tolist() == want.tolist()
+    torch._dynamo.reset()
 
 
 def test_kvops_attention_without_kvops_cache_is_sdpa(sdpa_tokens):
