@@ -95,6 +95,8 @@ ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 def _cache(kind, model, B=2):
     if kind == "sliding":
         return kt.SlidingCache(model, batch_size=B, window=64)
+    if kind == "sliding-far":
+        return kt.SlidingCache(model, batch_size=B, window=32, far_chunks=4, far_chunk_size=4)
     return kt.PagedCache(model, batch_size=B, max_tokens=48, page_size=8)
 
 
@@ -117,6 +119,49 @@ def test_sliding_cache_greedy_tokens_equal_sdpa(arch, sdpa_tokens):
     # every decode step went through the cache: 11 prompt + 31 decode tokens
     assert all(int(layer.pos) == ids.shape[1] + NEW - 1 for layer in cache.layers)
     assert cache.layers[0].start.tolist() == [0, 4]
+
+
+def test_sliding_cache_decode_reads_the_ring(sdpa_tokens):
+    """Poisoning the slots of the padding (outside every window) changes nothing; poisoning a
+    visible slot changes the tokens: the decode op reads the ring, and only the window."""
+    model = _model("llama")
+    ids, mask = _prompts()
+    want = sdpa_tokens("llama", ids, mask)
+
+    class Poison(kt.SlidingLayer):
+        slot = None
+
+        def _decode(self, query, key, value, scaling, sliding_window):
+            self.keys[1, self.slot] = 1e4
+            return super()._decode(query, key, value, scaling, sliding_window)
+
+    def run(slot):
+        cache = kt.SlidingCache(model, batch_size=2, window=64)
+        for layer in cache.layers:
+            layer.__class__ = Poison
+            layer.slot = slot
+        return _generate(model, "kvops", ids, mask, cache)
+
+    assert run(slot=2).tolist() == want.tolist()     # row 1's padding: never visible
+    assert run(slot=6)[1].tolist() != want[1].tolist()
+
+
+def test_sliding_cache_wraps_past_the_window():
+    """A window shorter than the context: each row attends to its last W tokens, the same as
+    SDPA with a sliding-window mask of W (Mistral's sliding_window set to W)."""
+    torch.manual_seed(0)
+    cfg = _config("mistral")
+    cfg.sliding_window = None
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    ids, mask = _prompts()
+    cache = kt.SlidingCache(model, batch_size=2, window=16)
+    got = _generate(model, "kvops", ids, mask, cache)
+    model.config.sliding_window = 16
+    try:
+        want = _generate(model, "sdpa", ids, mask)
+    finally:
+        model.config.sliding_window = None
+    assert got.tolist() == want.tolist()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -172,6 +217,59 @@ def test_paged_cache_stores_only_real_tokens():
     assert cache.layers[0].lens.tolist() == [11, 7]
 
 
+def _layer0_keys(model, ids, mask):
+    """Layer 0's RoPE'd keys [B, T, Hkv, D] of a plain forward (they depend on the tokens and
+    positions only, so they are the keys any cache saw for these tokens)."""
+    model.set_attn_implementation("sdpa")
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache)
+    return cache.layers[0].keys.transpose(1, 2)
+
+
+def test_sliding_cache_far_view():
+    """far_chunks=C: the last C chunks of tokens that left the ring, as means weighted by their
+    count, in the prompt step (T > W) and after decode steps; padding never counted; with the
+    window holding the context the far slots are empty and the tokens are SDPA's."""
+    model = _model("llama")
+    ids, mask = _prompts()
+    want = _generate(model, "sdpa", ids, mask)
+    full = kt.SlidingCache(model, batch_size=2, window=64, far_chunks=4, far_chunk_size=4)
+    assert _generate(model, "kvops", ids, mask, full).tolist() == want.tolist()
+    assert full.state.far_bias.isinf().all()
+
+    def expect(keys, layer, groups, C=2, size=4):
+        for g in groups:
+            for b, pad in ((0, 0), (1, 4)):
+                rows = [p for p in range(g * size, (g + 1) * size) if pad <= p < groups[g]]
+                c = g % C
+                got_count = float(layer.state.far_count[b, c])
+                assert got_count == len(rows), (b, g)
+                if rows:
+                    torch.testing.assert_close(layer.far_k[b, c], keys[b, rows].mean(0))
+                else:
+                    assert layer.state.far_bias[b, c] == float("-inf")
+
+    # the prompt step alone, W 4 < T 11: positions 0..6 left the ring: chunks 0 (0-3), 1 (4-6)
+    cache = kt.SlidingCache(model, batch_size=2, window=4, far_chunks=2, far_chunk_size=4)
+    model.set_attn_implementation("kvops")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+              past_key_values=cache)
+    expect(_layer0_keys(model, ids, mask), cache.layers[0], {0: 7, 1: 7})
+
+    # 32 generated tokens through W 16: 42 positions written, 0..25 left; the last 2 chunks
+    # are 5 (20-23) and 6 (24-25)
+    cache = kt.SlidingCache(model, batch_size=2, window=16, far_chunks=2, far_chunk_size=4)
+    got = _generate(model, "kvops", ids, mask, cache)
+    seq = torch.cat([ids, got[:, :-1]], dim=1)
+    seq_mask = torch.cat([mask, torch.ones_like(got[:, :-1])], dim=1)
+    expect(_layer0_keys(model, seq, seq_mask), cache.layers[0], {5: 26, 6: 26})
+
+
 def _counting_backend(graphs):
     def backend(gm, example_inputs, **kwargs):
         graphs.append(gm)
@@ -180,7 +278,7 @@ def _counting_backend(graphs):
 
 
 @pytest.mark.parametrize("kind,how", [
-    ("sliding", "compile_config"), ("paged", "compile_config"),
+    ("sliding-far", "compile_config"), ("paged", "compile_config"),
     # the whole forward compiled: prompt graphs too (20-50 s on 2 cores), so with -m slow
     pytest.param("sliding", "torch.compile(forward)", marks=pytest.mark.slow),
     pytest.param("paged", "torch.compile(forward)", marks=pytest.mark.slow)])
@@ -212,7 +310,10 @@ def test_compiled_generation_compiles_once(kind, how, sdpa_tokens):
         if how != "compile_config":
             model.forward = eager_forward
         torch._dynamo.reset()
-    want = sdpa_tokens("llama", ids, mask)
+    if kind == "sliding-far":        # the ring (32) wraps at 43 tokens: compare with eager
+        want = _generate(model, "kvops", ids, mask, _cache(kind, model))
+    else:
+        want = sdpa_tokens("llama", ids, mask)
     assert got.tolist() == want.tolist() and again.tolist() == want.tolist()
     # the decode step compiles once (plus the prompt's graphs, when the whole forward is compiled)
     if how == "compile_config":
