@@ -17,8 +17,10 @@ Compiled = transformers' own auto-compile of a static cache (``CompileConfig()``
 
 Implementations: ``sdpa`` (``StaticCache``, transformers' SDPA), ``flex`` (``StaticCache``,
 ``flex_attention``), ``sliding`` (kvops ``SlidingCache``, window ctx + new + 1,
-``static_sliding_attention``), ``paged`` (kvops ``PagedCache``, pages of 16,
-``elastic_attention``). Goals: compiled >= 1.0x SDPA, eager step within 1.2x SDPA's.
+``static_sliding_attention``; ``sliding-far``, not run by default: with a far view of 64
+chunks of 64, whose slots stay empty while the window holds the context), ``paged`` (kvops
+``PagedCache``, pages of 16, ``elastic_attention``). Goals: compiled >= 1.0x SDPA, eager step
+within 1.2x SDPA's.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from bench.common import table, write_result
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                  num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                  rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=False)
-ATTN = {"sdpa": "sdpa", "flex": "flex_attention", "sliding": "kvops", "paged": "kvops"}
+ATTN = {"sdpa": "sdpa", "flex": "flex_attention", "sliding": "kvops", "paged": "kvops",
+        "sliding-far": "kvops"}
 
 
 def build_model(layers: int, dtype=torch.bfloat16, device="cuda"):
@@ -69,6 +72,8 @@ def filled_cache(impl: str, model, B: int, ctx: int, new: int):
         cache.early_initialization(B, cfg.num_key_value_heads, cfg.head_dim, dtype, dev)
     elif impl == "sliding":
         cache = kt.SlidingCache(model, B, window=total)
+    elif impl == "sliding-far":      # the far view's work every step (its slots stay empty here)
+        cache = kt.SlidingCache(model, B, window=total, far_chunks=64, far_chunk_size=64)
     elif impl == "paged":
         cache = kt.PagedCache(model, B, max_tokens=total, page_size=16)
         cache.state.reserve(torch.zeros(B, dtype=torch.long), ctx)
@@ -83,13 +88,13 @@ def filled_cache(impl: str, model, B: int, ctx: int, new: int):
         if impl in ("sdpa", "flex"):
             layer.keys[:, :, :ctx] = k.transpose(1, 2)
             layer.values[:, :, :ctx] = v.transpose(1, 2)
-        elif impl == "sliding":
+        elif impl.startswith("sliding"):
             layer.keys[:, :ctx], layer.values[:, :ctx] = k, v
         else:
             layer.keys.view(-1, *k.shape[2:])[slots] = k
             layer.values.view(-1, *v.shape[2:])[slots] = v
         del k, v
-    if impl in ("sliding", "paged"):
+    if ATTN[impl] == "kvops":
         cache.state.filled = True
     rewind(impl, cache, ctx)
     return cache
