@@ -12,10 +12,9 @@ steps), and the commit uploads the block table once. Decode steps then need no h
 first layer finds each row's new slot from the block table on the device and advances the
 shared device ``lens`` (real tokens per row); every layer writes its K/V there with
 ``paged_kv_write`` and attends over ``lens`` tokens with ``elastic_attention``; a compiled step
-has one shape and static addresses. A row that
-reaches its reservation stops storing tokens and attends to its first ``max_tokens`` minus
-padding (eager steps raise ValueError first). ``reset()`` ends every session (one frame of
-trims) so the next prompt starts clean.
+has one shape and static addresses. A row that reaches its reservation stops storing tokens
+and attends to its first ``max_tokens`` minus padding (eager steps raise ValueError first).
+``reset()`` ends every session (one frame of trims) so the next prompt starts clean.
 
 A step of ``T > 1`` tokens (the prompt, or a continuation onto a filled cache, whose tokens are
 all real) writes the real tokens with ``paged_kv_write`` and attends with
@@ -89,7 +88,8 @@ class PagedState(StepState):
             self.host_pos += T
         else:
             start = padding_start(mask, B, T, dev)
-            self.reserve(start, T)
+            if not self.reserved:
+                self.reserve(start, T)
         before = self.lens.long()
         index = torch.arange(T, device=dev)[None, :] - start[:, None]
         real = index >= 0

@@ -14,6 +14,14 @@ The prompt (``T > 1`` new tokens, onto an empty cache) runs transformers' SDPA w
 and writes its last ``min(T, W)`` keys and values into the ring; the mask gives ``start``. Keys
 carry RoPE at their absolute positions, so a ring that wraps slides correctly (docs/models.md).
 A second prompt onto a filled cache (chat continuation) is not supported: ``reset()`` first.
+
+Far view (``far_chunks = C > 0``): KV-RM's far slots in the same launch. The token a decode
+step overwrites (cache position ``pos - W``) joins far chunk ``g = (pos - W) // chunk_size``,
+kept in slot ``g % C`` as float32 sums (restarted at the chunk's first token, which drops the
+chunk C before it); the slot holds their mean K and V and ``far_bias = log(count)`` (``-inf``
+empty). A prompt longer than W puts its first ``T - W`` tokens' last C chunks there. Padding
+is never counted. The chunks are the most recent C (recency), not FarView's utility-ranked
+selection over the pager. A layer whose own ``sliding_window`` is shorter than W keeps none.
 """
 
 from __future__ import annotations
