@@ -43,6 +43,9 @@ def _config(arch: str):
         return transformers.Qwen2Config(**common)
     if arch == "qwen3":
         return transformers.Qwen3Config(**common, head_dim=32)
+    if arch == "smollm2":      # SmolLM2-135M's heads (Hq 9, Hkv 3, D 64: groups of 3), 2 layers
+        return transformers.LlamaConfig(**{**common, "hidden_size": 576, "num_attention_heads": 9,
+                                           "num_key_value_heads": 3}, tie_word_embeddings=True)
     raise ValueError(arch)
 
 
@@ -89,7 +92,7 @@ def sdpa_tokens():
     return tokens
 
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "smollm2"]
 
 
 def _cache(kind, model, B=2):
