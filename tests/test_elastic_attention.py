@@ -383,6 +383,20 @@ def test_empty_sequences_give_zero_and_neg_inf(kernel_device, poison, path):
         assert torch.isneginf(lse).all()
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_table_entries_past_the_end_may_hold_anything(path):
+    """Entries past a sequence's end are never read: the reference gives the same numbers with
+    -1 there as with page ids past the pool."""
+    case = make_case(3, 4, 16, 2, 4, 32, torch.float16, path, "cpu", seed=11)
+    want = torch.ops.kvops.elastic_attention(**case)
+    S, P = case["k_cache"].shape[1], case["k_cache"].shape[0]
+    used = (case["seq_lens"].long() + S - 1) // S
+    past = torch.arange(case["block_table"].shape[1])[None, :] >= used[:, None]
+    case["block_table"] = torch.where(past, P + 7, case["block_table"]).to(torch.int32)
+    got = torch.ops.kvops.elastic_attention(**case)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("B,L", [(0, 3), (2, 0)], ids=["B0", "L0"])
 def test_degenerate_shapes(kernel_device, backend, B, L):

@@ -83,10 +83,11 @@ def _validate(k_cache, block_table, seq_lens, block_mode, base_span) -> None:
 def block_values(cache: Tensor, block_table: Tensor, modes: Tensor) -> Tensor:
     """Decoded K or V of every logical block: ``[B, L, S, Hkv, D]`` in the cache dtype.
 
-    ``modes`` int [B, L]: 0 TARGET, 1 BASE half 0, 2 BASE half 1. Pages of -1 read page 0
-    (callers mask those tokens).
+    ``modes`` int [B, L]: 0 TARGET, 1 BASE half 0, 2 BASE half 1. Entries outside ``[0, P)``
+    (-1, or anything past a sequence's end) read page 0; callers mask those tokens.
     """
-    pages = block_table.long().clamp_min(0)
+    pages = block_table.long()
+    pages = torch.where((pages >= 0) & (pages < cache.shape[0]), pages, 0)
     target = cache[pages]
     if cache.dtype == torch.float32:
         return target
