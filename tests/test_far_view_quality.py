@@ -2,10 +2,10 @@
 
     python -m pytest -m slow tests/test_far_view_quality.py      # a few minutes on one CPU core
 
-They rerun a small part of the evaluation (:mod:`kvops.evals.far_view`, which
-``examples/far_view_eval.py`` runs) and check it against the numbers recorded in
-docs/far_view.md (bench/results/2026-11-30-far_view-*.md), so a change that moves the evaluation
-or the ops under it shows up here. The full tables come from the script.
+They rerun a small part of the evaluation (:mod:`kvops.evals.far_view` and
+:mod:`kvops.evals.passkey`, which ``examples/far_view_eval.py`` runs) and check it
+against the numbers recorded in docs/far_view.md (bench/results/2026-11-30-far_view-*.md), so a
+change that moves the evaluation or the ops under it shows up here. The full tables come from the script.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvops.evals import far_view as ev
+from kvops.evals import passkey
 from kvops.evals.perplexity import kjv_tokens
 from kvops.models import Llama, ModelUnavailable, Tokenizer
 
@@ -46,6 +47,6 @@ def test_passkey_at_2k_dense_retrieves_and_the_window_alone_does_not(smollm2):
     window alone none (0/50 recorded)."""
     model, tok = smollm2
     with torch.no_grad():
-        hits, _, _ = ev.passkey_hits(model, tok, 2048, ["dense", "near"], prompts=10)
+        hits, _, _ = passkey.passkey_hits(model, tok, 2048, ["dense", "near"], prompts=10)
     assert len(hits["dense"]) >= 6, hits
     assert hits["near"] == [], hits

