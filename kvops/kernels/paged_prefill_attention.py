@@ -240,12 +240,12 @@ def paged_prefill_attention_fwd(
     query_start: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None,
     window: int = 0, *, block_m: int | None = None, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, num_splits: int | None = None,
-    prefetch: bool = False,
+    prefetch: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate, pick the tile (``prefill_tile``) and the splits (``prefill_splits``), launch,
     and merge split partials (``_splitk.merge_split_outputs``). Inputs are already checked by the op;
-    the keyword knobs override the rules (tests, benches); ``prefetch`` loads page ids a tile
-    ahead (``_key_run``), off by default until a measurement says it wins. Returns
+    the keyword knobs override the rules (tests, benches); ``prefetch`` (on unless a caller
+    turns it off) loads page ids a tile ahead (``_key_run``; docs/tuning.md). Returns
     ``(out, lse)``."""
     N, Hq, D = q.shape
     P, S, Hkv, _ = k_cache.shape
