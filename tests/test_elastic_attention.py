@@ -397,6 +397,39 @@ def test_table_entries_past_the_end_may_hold_anything(path):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_trimmed_blocks_inside_the_sequence_are_never_read(kernel_device, path):
+    """A -1 block inside ``seq_lens`` (a trimmed block) contributes nothing, on the kernel and
+    the reference: the pool sits one NaN page past the start of its allocation, so a read of
+    page -1 would reach it, and a page no table entry names is NaN for the reference."""
+    case = make_case(3, 4, 16, 2, 4, 32, torch.float16, path, "cpu", seed=5)
+    S = case["k_cache"].shape[1]
+    lens = case["seq_lens"].long()
+    rows = [b for b in range(3) if int(lens[b]) > S]            # rows with a block 0 to trim
+    assert rows
+    table = case["block_table"].clone()
+    for b in rows:
+        table[b, 0] = -1
+    def padded(c):                                  # [1 + P, S, Hkv, D], row 0 NaN
+        return torch.cat([torch.full_like(c[:1], float("nan")), c]).to(kernel_device)
+    kc, vc = padded(case["k_cache"]), padded(case["v_cache"])
+    mv = lambda t: None if t is None else t.to(kernel_device)
+    args = dict(q=case["q"].to(kernel_device), k_cache=kc[1:], v_cache=vc[1:],
+                block_table=table.to(kernel_device), seq_lens=case["seq_lens"].to(kernel_device),
+                block_mode=mv(case.get("block_mode")), base_span=mv(case.get("base_span")))
+    used = set(table[table >= 0].tolist())
+    free = [p for p in range(case["k_cache"].shape[0]) if p not in used]
+    got_out, got_lse = elastic_attention_fwd(**args)
+    assert torch.isfinite(got_out).all() and torch.isfinite(got_lse[lens > 0]).all()
+    if free:                                        # an unread page may hold anything
+        kc[1 + free[0]] = float("nan")
+    want_out, want_lse = elastic_attention_ref(**{k: (v.cpu() if torch.is_tensor(v) else v)
+                                                  for k, v in args.items()})
+    assert torch.isfinite(want_out).all()
+    torch.testing.assert_close(got_out.float().cpu(), want_out.float(), atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(got_lse.cpu(), want_lse, atol=2e-3, rtol=2e-3)
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("B,L", [(0, 3), (2, 0)], ids=["B0", "L0"])
 def test_degenerate_shapes(kernel_device, backend, B, L):

@@ -185,7 +185,8 @@ def _page_rows(p_table, p_mode, start, hi, o_n, S: tl.constexpr, Hkv, i_h, D: tl
     the second half of a pair tile may start past the table's end). On the general path
     (``MODE == 2``) a BASE tile's id is ``2 * page + half``: per-row ids come so from
     ``_half_pages_kernel``'s table (for TARGET rows too), a one-page id from the block table
-    and the page's mode byte, which a one-page TARGET tile does not read."""
+    and the page's mode byte, which a one-page TARGET tile does not read. Rows of a ``-1`` block
+    are masked: their K/V are never loaded."""
     o_t = start + o_n
     m_n = o_t < hi
     if ONE_PAGE:
@@ -200,6 +201,7 @@ def _page_rows(p_table, p_mode, start, hi, o_n, S: tl.constexpr, Hkv, i_h, D: tl
         b_page = b_id >> 1 if MODE == 2 else b_id
         o_in = ((o_t % S) * Hkv + i_h) * D
         j = o_t // S
+    m_n = m_n & ((b_page + 0 * o_n) >= 0)    # a -1 block (trimmed, unmapped) is never read
     return b_id, b_page.to(tl.int64), o_in, m_n, j
 
 

@@ -127,6 +127,7 @@ def elastic_attention_ref(
     qf = q.float().view(B, Hkv, G, D)
     logits = torch.einsum("bhgd,bnhd->bhgn", qf, k) * scale
     visible = torch.arange(L * S, device=q.device)[None, :] < seq_lens.long()[:, None]
+    visible &= (block_table >= 0).repeat_interleave(S, dim=1)     # -1 blocks: never read
     logits = logits.masked_fill(~visible[:, None, None, :], float("-inf"))
     v = v.masked_fill(~visible[:, :, None, None], 0.0)     # unread rows may hold inf/NaN
     out, lse = softmax_attend(logits, v)
