@@ -20,31 +20,15 @@ the same tiny tensors.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
 import kvops  # noqa: F401  (registers the ops)
+from bench.common import eager_times
 
 HQ, HKV, D, S = 32, 8, 128, 16
-
-
-def host_and_wall(fn, n: int = 1000, warm: int = 30) -> tuple[float, float]:
-    """(host us, wall us) a call of ``fn`` over ``n`` back-to-back calls."""
-    for _ in range(warm):
-        fn()
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    if cuda:
-        torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    return (t1 - t0) / n * 1e6, (t2 - t0) / n * 1e6
+LOOP = dict(iters=1000, warmup=30)      # timed back-to-back calls, and warm-up calls before them
 
 
 def cases(device, dtype=torch.bfloat16, B=4, ctx=512):
@@ -107,9 +91,9 @@ def cuda_rows():
     rows = []
     sdpa_host = None
     for name, (op, peer_name, peer) in cases(torch.device("cuda")).items():
-        host, wall = host_and_wall(op)
+        host, wall = eager_times(op, **LOOP)
         graph = time_graph(op)[1]
-        p_host, p_wall = host_and_wall(peer)
+        p_host, p_wall = eager_times(peer, **LOOP)
         p_graph = time_graph(peer)[1]
         if peer_name == "sdpa":
             sdpa_host = p_host
@@ -134,7 +118,7 @@ def cpu_rows():
 
     dev = torch.device("cpu")
     tiny = [torch.randn(1, HQ, 1, D), torch.randn(1, HKV, 1, D), torch.randn(1, HKV, 1, D)]
-    t_sdpa = host_and_wall(lambda: F.scaled_dot_product_attention(*tiny, enable_gqa=True))[0]
+    t_sdpa = eager_times(lambda: F.scaled_dot_product_attention(*tiny, enable_gqa=True), **LOOP)[0]
     rows = []
     for name, (op, _, _) in cases(dev, dtype=torch.float16).items():
         opname = name.split()[0]
@@ -144,7 +128,7 @@ def cpu_rows():
         outs = op()            # the real outputs once, returned by the stub afterwards
         setattr(mod, ref_name, lambda *a, _o=outs, **k: _o)
         try:
-            rows.append([name, "dispatcher + cached checks + glue", host_and_wall(op)[0], t_sdpa])
+            rows.append([name, "dispatcher + cached checks + glue", eager_times(op, **LOOP)[0], t_sdpa])
         finally:
             setattr(mod, ref_name, saved)
     stub = lambda *a, **kw: None
@@ -162,7 +146,7 @@ def cpu_rows():
             ("static_sliding_attention", lambda: ssa.static_sliding_attention_fwd(q, k, k, ws, wl)),
             ("elastic_attention", lambda: ea.elastic_attention_fwd(q, kc, kc, table_, wl)),
         ):
-            rows.append([name, "launcher Python (launch stubbed)", host_and_wall(fn)[0], t_sdpa])
+            rows.append([name, "launcher Python (launch stubbed)", eager_times(fn, **LOOP)[0], t_sdpa])
     finally:
         ssa.launch, ea.launch, splitk.launch = saved
     return ["op", "part", "host us", "sdpa host us (CPU, one token)"], rows
@@ -193,7 +177,7 @@ def main():
 
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         op = cases(dev)["static_sliding_attention"][0]
-        host_and_wall(op, n=200)
+        eager_times(op, iters=200, warmup=30)
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(500):

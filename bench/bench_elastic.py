@@ -32,15 +32,14 @@ import itertools
 import math
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import kvops
 from bench.common import (
     COPY_CEILING,
     READ_CEILING,
+    best_sdpa_decode,
     read_floor_us,
     rotation,
     table,
@@ -251,22 +250,8 @@ def dense_peers(B, ctx, dtype, n_sets):
     dense = [(q.unsqueeze(2), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous())
              for q, k, v in sets]
     del sets
-    best = None
-    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION),
-                          ("flash", SDPBackend.FLASH_ATTENTION),
-                          ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
-        def run(q, k, v, backend=backend):
-            with sdpa_kernel([backend]):
-                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-        try:
-            run(*dense[0])
-            torch.cuda.synchronize()
-        except RuntimeError:
-            continue
-        t = time_graph([lambda d=d: run(*d) for d in dense])[1]
-        if best is None or t < best[1]:
-            best = (name, t)
-    result["sdpa"] = best
+    best = best_sdpa_decode(dense)
+    result["sdpa"] = None if best is None else best[:2]
     return result
 
 

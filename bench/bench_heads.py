@@ -20,12 +20,18 @@ import argparse
 import time
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import kvops  # noqa: F401
-from bench.bench_eager import host_and_wall
-from bench.common import READ_CEILING, rotation, table, tbps, time_graph, write_result
+from bench.common import (
+    READ_CEILING,
+    best_sdpa_decode,
+    eager_times,
+    rotation,
+    table,
+    tbps,
+    time_graph,
+    write_result,
+)
 from kvops.kernels._common import device_props
 from kvops.kernels.elastic_attention import elastic_attention_fwd, elastic_launch
 from kvops.kernels.static_sliding_attention import sliding_launch, static_sliding_attention_fwd
@@ -59,22 +65,11 @@ def best_sdpa(sets, Hq):
     """(name, graph us, eager wall us) of the fastest SDPA backend over the sets' K/V."""
     dense = [(q.unsqueeze(2), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous())
              for q, k, v in sets]
-    best = None
-    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION),
-                          ("flash", SDPBackend.FLASH_ATTENTION),
-                          ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
-        def run(q, k, v, backend=backend):
-            with sdpa_kernel([backend]):
-                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-        try:
-            run(*dense[0])
-            torch.cuda.synchronize()
-            t = time_graph([lambda d=d: run(*d) for d in dense])[1]
-        except RuntimeError:
-            continue
-        if best is None or t < best[1]:
-            best = (name, t, host_and_wall(lambda: run(*dense[0]), n=200, warm=10)[1])
-    return best
+    best = best_sdpa_decode(dense)
+    if best is None:
+        return None
+    name, t, run = best
+    return name, t, eager_times(lambda: run(*dense[0]), iters=200, warmup=10)[1]
 
 
 def paged(sets):
@@ -153,7 +148,7 @@ def main():
         t_sdpa = sdpa[1] if sdpa else float("nan")
         ours = sliding_fns(sets)
         t_s = time_graph(ours)[1]
-        e_s = host_and_wall(ours[0], n=200, warm=10)[1]
+        e_s = eager_times(ours[0], iters=200, warmup=10)[1]
         lp = sliding_launch(B, Hkv, T, D, 2, False, props)
         line = [name, Hq, Hkv, D, B, T, sdpa[0] if sdpa else "n/a", t_sdpa,
                 sdpa[2] if sdpa else float("nan"), t_s, e_s, t_sdpa / t_s,
@@ -164,7 +159,7 @@ def main():
             psets = paged(sets)
             efns = elastic_fns(psets)
             t_e = time_graph(efns)[1]
-            e_e = host_and_wall(efns[0], n=200, warm=10)[1]
+            e_e = eager_times(efns[0], iters=200, warmup=10)[1]
             le = elastic_launch(0, B, Hkv, Hq // Hkv, T // S, S, D, 2, props)
             line += [t_e, e_e, t_sdpa / t_e,
                      f"{le.block_n}/{le.splits}/{le.stages}/{le.warps}"]

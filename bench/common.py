@@ -13,8 +13,10 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvops.evals.records import markdown_table as table  # noqa: F401  (the benchmarks' tables)
 from kvops.evals.records import write_record
@@ -118,14 +120,40 @@ def write_result(name: str, body: str) -> Path:
 def eager_times(fn, *, iters: int = 200, warmup: int = 10) -> tuple[float, float]:
     """``(host us, wall us)`` per eager call of ``fn``: host, the time a call takes to return
     (``iters`` calls back to back, no sync between them: the Python, dispatch and launch cost
-    an eager caller pays); wall, the same loop up to the device finishing it."""
+    an eager caller pays); wall, the same loop up to the device finishing it (equal to host on a
+    machine without CUDA)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
     t1 = time.perf_counter()
-    torch.cuda.synchronize()
+    sync()
     t2 = time.perf_counter()
     return (t1 - t0) * 1e6 / iters, (t2 - t0) * 1e6 / iters
+
+
+SDPA_DECODE_BACKENDS = (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+                        ("efficient", SDPBackend.EFFICIENT_ATTENTION))
+
+
+def best_sdpa_decode(dense):
+    """The fastest SDPA backend on decode sets ``[(q [B, Hq, 1, D], k [B, Hkv, T, D], v)]``:
+    ``(name, graph-replay us, run)`` with ``run(q, k, v)`` calling it, or None when no backend
+    takes these tensors."""
+    best = None
+    for name, backend in SDPA_DECODE_BACKENDS:
+        def run(q, k, v, backend=backend):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        try:
+            run(*dense[0])
+            torch.cuda.synchronize()
+            t = time_graph([lambda d=d: run(*d) for d in dense])[1]
+        except RuntimeError:
+            continue
+        if best is None or t < best[1]:
+            best = (name, t, run)
+    return best
