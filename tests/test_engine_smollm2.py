@@ -8,18 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-for _pkg in ("gguf", "tokenizers", "transformers", "accelerate"):
-    pytest.importorskip(_pkg, reason=f"the 'model' extra is not installed (no {_pkg!r})")
+from tests.smollm2 import require_smollm2
+
+GGUF = require_smollm2()
 
 from kvops.engine.generate import generate_ids  # noqa: E402
 from kvops.engine.scheduler import SchedulerConfig  # noqa: E402
-from kvops.models import Llama, ModelUnavailable, Tokenizer  # noqa: E402
-from kvops.models.gguf import gguf_path  # noqa: E402
-
-try:
-    GGUF = gguf_path()
-except ModelUnavailable as exc:
-    pytest.skip(str(exc), allow_module_level=True)
+from kvops.models import Llama, Tokenizer  # noqa: E402
 
 PROMPTS = ["The capital of France is", "In the beginning God created",
            "def fibonacci(n):\n    "]

@@ -11,17 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-for _pkg in ("gguf", "tokenizers", "transformers", "accelerate"):
-    pytest.importorskip(_pkg, reason=f"the 'model' extra is not installed (no {_pkg!r})")
+from tests.smollm2 import require_smollm2
 
-from kvops.models import Llama, ModelUnavailable, Tokenizer, generate  # noqa: E402
-from kvops.models.gguf import gguf_path  # noqa: E402
+GGUF = require_smollm2()
+
+from kvops.models import Llama, Tokenizer, generate  # noqa: E402
 from tests.tolerances import assert_close  # noqa: E402
-
-try:
-    GGUF = gguf_path()
-except ModelUnavailable as exc:
-    pytest.skip(str(exc), allow_module_level=True)
 
 # Same float32 weights on both sides (both dequantize the same Q4_1 blocks); the logits differ
 # by summation order only: fused vs separate projections, the kvops reference vs SDPA.
