@@ -125,7 +125,7 @@ def _warmup(engine: Engine, vocab: int, max_context: int) -> None:
     if runner.graphs:
         b, seen = 1, set()
         while b <= runner.rows:
-            bk = bucket_of(b, runner.rows) if not runner.full_rows else runner.rows
+            bk = bucket_of(b, runner.rows)
             if bk not in seen:
                 seen.add(bk)
                 runner._pos.fill_(-1)           # rows that decode nothing: no writes
