@@ -34,6 +34,8 @@ def _replay_parser(sub) -> None:
     p.add_argument("--window", type=int, default=None)
     p.add_argument("--far-cap", type=int, default=None)
     p.add_argument("--far-chunk", type=int, default=None)
+    p.add_argument("--far-rerank", type=int, default=None,
+                   help="kvrm: decode steps between re-rankings of the far summaries (8)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--long-prefill-tokens", type=int, default=None)
     p.add_argument("--preemption", choices=["newest", "longest"], default=None)
@@ -55,7 +57,7 @@ def replay(args) -> int:
         "trace", "kind", "model", "dtype", "time_scale", "length_scale", "max_requests",
         "window_s", "rate",
         "arrival", "cv", "budget_gib", "max_seqs", "max_context", "window", "far_cap",
-        "far_chunk", "max_num_batched_tokens", "long_prefill_tokens", "preemption")}
+        "far_chunk", "far_rerank", "max_num_batched_tokens", "long_prefill_tokens", "preemption")}
     if args.configs:
         kw["configs"] = tuple(c.strip() for c in args.configs.split(",") if c.strip())
     kw["device"] = str(device)

@@ -31,7 +31,8 @@ def _blocks(n: int, S: int) -> int:
 class PagedKV:
     """Pool ``[layers, P, S, Hkv, D]`` mapped by a pager; ``window`` > 0 adds the arenas
     ``[layers, B, W, Hkv, D]`` and a transport (``max_train_bytes``, ``copy_tail``); ``far`` a
-    far view (``{"chunk_tokens", "cap"}``)."""
+    far view (``{"chunk_tokens", "cap"}``, optionally ``"rerank_every"``: steps between pulls of
+    the utilities, which the host ranks at the next commit; 1 by default)."""
 
     kind = "paged"
 
@@ -60,6 +61,9 @@ class PagedKV:
             self.far = FarView(self.pager, window_tokens=window, chunk_tokens=far["chunk_tokens"],
                                cap=far["cap"], num_layers=layers, num_kv_heads=kv_heads,
                                head_dim=head_dim, dtype=dtype, device=device)
+            self.far_rerank = int(far.get("rerank_every", 1))
+            if self.far_rerank < 1:
+                raise ValueError(f"far: rerank_every: expected >= 1 steps, got {self.far_rerank}")
         self.prefix_sharing = prefix_sharing
         self.far_trim = far_trim and self.far is not None
         self._far_trimmed: dict[str, int] = {}    # session -> leading blocks trimmed as far

@@ -69,6 +69,7 @@ class ReplaySettings:
     page_size: int = 16
     far_chunk: int = 64
     far_cap: int = 8
+    far_rerank: int = 8
     max_num_batched_tokens: int = 256
     long_prefill_tokens: int = 128
     preemption: str = "newest"
@@ -152,7 +153,8 @@ def run(settings: ReplaySettings, progress: bool = True) -> dict:
     budget = KVBudget(bytes=int(settings.budget_gib * 2**30), max_seqs=settings.max_seqs,
                       max_context=min(settings.max_context, cfg.max_seq_len),
                       window=settings.window, page_size=settings.page_size,
-                      far_chunk=settings.far_chunk, far_cap=settings.far_cap)
+                      far_chunk=settings.far_chunk, far_cap=settings.far_cap,
+                      far_rerank=settings.far_rerank)
     sched = SchedulerConfig(settings.max_num_batched_tokens, settings.max_seqs,
                             settings.long_prefill_tokens, settings.preemption)
     out = {"settings": dataclasses.asdict(settings), "model": note, "device": str(device),

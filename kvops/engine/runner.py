@@ -15,6 +15,9 @@ A step runs, in order:
    (``paged``), ``static_sliding_attention`` over the worst-case arena (``static``) or over the
    window arena (``pager``, ``pager+merge``, ``kvrm``, with the far slots). On CUDA each bucket's
    decode step is captured once in a CUDA graph and replayed; captures are counted.
+5. ``kvrm``: every ``rerank_every`` steps, the far view's utilities to the host
+   (``FarView.pull_scores``), so the next commit ranks the sessions' summaries again; between
+   pulls a commit only places new summaries.
 
 Rows of the decode batch that decode nothing this step (free slots, slots in prefill) have
 position ``-1``: they write nothing and their logits are not read.
@@ -67,6 +70,7 @@ class ModelRunner:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self.captures = 0
+        self.steps = 0
         self.buckets_used: set[int] = set()
 
     # -- slot arithmetic --------------------------------------------------------------------------
@@ -105,7 +109,9 @@ class ModelRunner:
         if decode:
             out.update(self._decode(decode))
         if kv.far is not None:
-            kv.far.pull_scores()
+            self.steps += 1
+            if self.steps % kv.far_rerank == 0:    # the next commit re-ranks (a device sync)
+                kv.far.pull_scores()
         return out
 
     def _prefill(self, items: list) -> dict:

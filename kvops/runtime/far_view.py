@@ -216,8 +216,8 @@ class FarView:
             take, left = [], list(st.pending)
             while left and len(take) < self.max_leave:
                 j = left.pop(0)
-                got = [d.page_after(i) if d is not None else frame.page(st.key, i)
-                       for i in range(j * M, (j + 1) * M)]
+                got = ([d.page_after(i) for i in range(j * M, (j + 1) * M)] if d is not None
+                       else frame.block_pages(st.key, j * M, (j + 1) * M))
                 if min(got) >= 0:
                     rows.append(b * self.max_leave + len(take))
                     pages.append(got)

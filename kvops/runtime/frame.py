@@ -299,6 +299,16 @@ class Frame:
         j -= len(blocks)
         return app[j] if app is not None and j < len(app) else -1
 
+    def block_pages(self, key: Hashable, lo: int, hi: int) -> list[int]:
+        """Pages of logical blocks ``[lo, hi)`` of ``key`` in this frame's view (``-1`` none):
+        one slice of the committed blocks when the frame changed none of them."""
+        self._require(key)
+        sess = self._sessions.get(key)
+        if (sess is not None and hi <= len(sess.blocks) and key not in self._overlay
+                and key not in self._closed):
+            return sess.blocks[lo:hi]
+        return [self.page(key, j) for j in range(lo, hi)]
+
     def pages(self, key: Hashable) -> list[int]:
         """Pages of every logical block of ``key`` in this frame's view."""
         n = -(-self.length(key) // self.pager.page_size)
