@@ -1,0 +1,209 @@
+"""Tensor parallelism on CPU: two ranks over gloo (kvops.models.tp, kvops.engine.distributed).
+
+One spawn of two ranks runs every two-rank check (a spawn costs seconds) and each rank writes
+what it saw; the tests below read it. Each rank also replays one scenario in a single process
+(the tp=1 reference), so the references cost no extra time. Tiny shapes, one thread a rank.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from kvops.engine import Engine, KVBudget, SchedulerConfig, make_kv
+from kvops.engine.configs import decode_kind
+from kvops.engine.traces import TraceRow, build_requests
+from kvops.models.config import LlamaConfig
+from kvops.models.paged import forward_packed, random_llama
+
+# vocabulary 255: odd, so the vocab-parallel rows are padded on two ranks
+CFG = LlamaConfig(vocab_size=255, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                  hidden_dim=96, max_seq_len=1024)
+TOK = 2 * CFG.n_layers * CFG.n_kv_heads * CFG.head_dim * 4      # float32 K+V bytes a token
+
+
+def model(dtype=torch.float32):
+    return random_llama(CFG, dtype=dtype, std=0.5, seed=3)
+
+
+def scenario(name: str):
+    """(config, rows, budget tokens, scheduler): prefix sharing with trims (finished requests
+    keep only their hashed blocks, later ones alias them), or preemption under a tight budget;
+    arrivals at 0 or far apart, so the schedule does not depend on wall time."""
+    if name == "prefix":
+        rows = [TraceRow(0.0 if i < 3 else 1000.0, 1100 + 50 * i, 24, (1, 2 + i % 2, 10 + i))
+                for i in range(6)]
+        return "paged", rows, 4096, SchedulerConfig(64, 8, 32)
+    rows = [TraceRow(0.0, 600 + 50 * i, 40 + 8 * i) for i in range(8)]
+    return "pager+merge", rows, 8 * 64 + 160, SchedulerConfig(64, 8, 32)   # arenas + 10 pages
+
+
+def replay(name: str, m, tp=None, record=None, tamper=None):
+    """Serve ``scenario(name)``; returns (tokens, [kv_state after each commit], kv)."""
+    from kvops.engine.distributed import kv_state
+
+    config, rows, budget_tokens, sched = scenario(name)
+    reqs = build_requests(rows, CFG.vocab_size, length_scale=0.125)
+    cfg = m.cfg
+    budget = KVBudget(bytes=budget_tokens * TOK, max_seqs=8, max_context=192, window=64)
+    kv = make_kv(config, budget if tp is None else tp.kv_budget(budget), cfg, torch.float32,
+                 torch.device("cpu"))
+    states = []
+    commit = kv.commit_step
+
+    def recorded(admits, grows):
+        out = commit(admits, grows)
+        states.append(kv_state(kv))
+        if tamper is not None:
+            tamper(kv, len(states))
+        return out
+
+    kv.commit_step = recorded
+    make = Engine if tp is None else tp.engine
+    engine = make(m, kv, decode_kind(config), sched)
+    metrics = engine.replay(reqs)
+    return [r.output for r in reqs], states, kv, metrics
+
+
+def _rank(rank: int, out: str) -> None:
+    from kvops.engine import distributed
+    from kvops.models.tp import shard_llama
+
+    torch.set_num_threads(1)
+    tp = distributed.init(2, rank=rank, device="cpu", check_every=2, timeout_s=120)
+    res = {}
+    # logits: the dense forward and the packed forward of the engine, float32 and bfloat16
+    tokens = torch.randint(0, CFG.vocab_size, (2, 21), generator=torch.Generator().manual_seed(1))
+    for dtype in (torch.float32, torch.bfloat16):
+        full = model(dtype)
+        want = full(tokens)
+        want_packed = _packed(full, tokens[0])
+        sharded = shard_llama(model(dtype))
+        res[f"logits_{dtype}"] = (want, sharded(tokens), want_packed, _packed(sharded, tokens[0]))
+    res["local_kv_heads"] = sharded.cfg.n_kv_heads
+    # compiled: a sharded MLP with its all-reduce traces whole (fullgraph)
+    ffn = sharded.layers[0].feed_forward.float()
+    x = torch.randn(3, CFG.dim)
+    res["compiled"] = (ffn(x).clone(), torch.compile(ffn, backend="eager", fullgraph=True)(x))
+    # replays: both ranks serve both scenarios; rank r also serves scenario r in one process
+    mine = ("prefix", "preempt")[rank]
+    res["plain"] = replay(mine, model())[:2]
+    res["plain_name"] = mine
+    sm = shard_llama(model())
+    for name in ("prefix", "preempt"):
+        toks, states, kv, metrics = replay(name, sm, tp)
+        res[name] = (toks, states, kv.free_pages(), kv.total_pages, metrics["preemptions"],
+                     metrics["prefix_hit_tokens"])
+
+    # a forced divergence: rank 1's pager takes one page more after its third commit
+    def extra_page(kv, n):
+        if rank == 1 and n == 3:
+            with kv.pager.frame() as f:
+                f.reserve("not-from-rank-0", 1)
+    try:
+        replay("preempt", sm, tp, tamper=extra_page)
+        res["divergence"] = None
+    except distributed.TPDivergence as exc:
+        res["divergence"] = str(exc)
+    with open(f"{out}/rank{rank}.pkl", "wb") as fh:
+        pickle.dump(res, fh)
+
+
+def _packed(m, tokens):
+    """Logits of one sequence through forward_packed with dense causal attention."""
+    from kvops.models.paged import logits
+
+    def attend(i, q, k, v):
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            is_causal=True, enable_gqa=True)
+        return o[0].transpose(0, 1)
+
+    pos = torch.arange(tokens.shape[0])
+    return logits(m, forward_packed(m, tokens, pos, attend))
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    from kvops.engine import distributed
+
+    out = tmp_path_factory.mktemp("tp")
+    distributed.spawn(_rank, 2, str(out))
+    return [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(2)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tp_logits_equal_the_single_process_model(ranks, dtype):
+    tol = {torch.float32: 1e-4, torch.bfloat16: 5e-2}[dtype]
+    for res in ranks:
+        want, got, want_packed, got_packed = res[f"logits_{dtype}"]
+        assert got.shape == want.shape == (2, 21, CFG.vocab_size)
+        scale = want.abs().max()
+        assert (got - want).abs().max() <= tol * scale
+        assert (got_packed - want_packed).abs().max() <= tol * scale
+    # every rank gathers the same logits
+    assert torch.equal(ranks[0][f"logits_{dtype}"][1], ranks[1][f"logits_{dtype}"][1])
+    assert ranks[0]["local_kv_heads"] == CFG.n_kv_heads // 2
+
+
+def test_tp_mlp_compiles_fullgraph_with_its_all_reduce(ranks):
+    for res in ranks:
+        eager, compiled = res["compiled"]
+        torch.testing.assert_close(compiled, eager)
+
+
+@pytest.mark.parametrize("name", ["prefix", "preempt"])
+def test_tp_replay_pager_states_and_tokens_equal_on_every_rank_and_to_tp1(ranks, name):
+    r0, r1 = ranks[0][name], ranks[1][name]
+    toks, states, free, total, preemptions, hits = r0
+    assert r0[:2] == r1[:2]                        # tokens, every commit's (epoch, free, tables)
+    assert free == total == r1[2] == r1[3]         # every page came back on both ranks
+    plain = next(res["plain"] for res in ranks if res["plain_name"] == name)
+    assert toks == plain[0] and states == plain[1]
+    assert all(len(t) > 0 for t in toks)
+    if name == "prefix":
+        assert hits > 0                            # aliases of cached (trimmed) prefixes
+    else:
+        assert preemptions > 0
+
+
+def test_tp_forced_divergence_is_detected_on_every_rank(ranks):
+    for res in ranks:
+        msg = res["divergence"]
+        assert msg is not None, "an extra page on rank 1 went unnoticed"
+        assert "diverged after commit 4" in msg and "rank 1 differs in epoch, free_pages" in msg
+        assert "table_hash" in msg
+
+
+def test_bad_tp_is_refused_naming_the_argument():
+    from kvops.models.tp import check_tp, shard_llama
+
+    with pytest.raises(ValueError, match=r"tp: expected a divisor of the model's n_kv_heads "
+                                         r"\(Hkv\)=2 .*got tp=4"):
+        check_tp(CFG, 4)
+    with pytest.raises(ValueError, match=r"n_heads \(Hq\)=4.*got tp=3"):
+        shard_llama(model(), rank=0, tp=3)
+    with pytest.raises(ValueError, match="tp: expected a positive int"):
+        check_tp(CFG, 0)
+
+
+def test_replay_cli_tp1_runs_the_distributed_path_with_the_same_tokens(tmp_path):
+    import json
+
+    from kvops.cli import main
+
+    common = ["replay", "--model", "tiny", "--max-requests", "3", "--configs", "paged",
+              "--length-scale", "0.03", "--no-figures", "--no-progress", "--device", "cpu"]
+    assert main(common + ["--out", str(tmp_path / "a")]) == 0
+    assert main(common + ["--tp", "1", "--out", str(tmp_path / "b")]) == 0
+    a, b = (json.loads((tmp_path / d / "replay.json").read_text()) for d in "ab")
+    assert b["tp"] == 1 and "tensor-parallel over 1 ranks" in b["model"]
+    assert a["tokens"] == b["tokens"] and sum(map(len, a["tokens"]["paged"])) > 0
+    with pytest.raises(ValueError, match="'kvrm' is not served under tensor parallelism"):
+        from kvops.engine.distributed import TPContext
+        from kvops.engine.replay import ReplaySettings, run
+
+        fake = TPContext(0, 2, None, None, torch.device("cpu"))
+        run(ReplaySettings(configs=("kvrm",), model="tiny"), progress=False, tp=fake)
