@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pickle
 
+import numpy as np
 import pytest
 import torch
 
@@ -97,6 +98,10 @@ def _rank(rank: int, out: str) -> None:
         res[name] = (toks, states, kv.free_pages(), kv.total_pages, metrics["preemptions"],
                      metrics["prefix_hit_tokens"])
 
+    # fidelity on a pager: rank 1's own policy would decide otherwise (min_batch 16, and its
+    # promotions finish only when waited for); with rank 0's plans it applies rank 0's
+    res["fidelity_tp"] = fidelity_script(rank, tp)
+    res["fidelity_alone"] = fidelity_script(rank, None)
     # a forced divergence: rank 1's pager takes one page more after its third commit
     def extra_page(kv, n):
         if rank == 1 and n == 3:
@@ -109,6 +114,49 @@ def _rank(rank: int, out: str) -> None:
         res["divergence"] = str(exc)
     with open(f"{out}/rank{rank}.pkl", "wb") as fh:
         pickle.dump(res, fh)
+
+
+def fidelity_script(rank: int, tp):
+    """Frames on a pager with a fidelity policy (rank 0's, or through FidelitySync from rank
+    0's plans): grow three sessions, demote on a shortage, promote, settle, grow and end one.
+    Returns each frame's (block_table, seq_lens, base_span, free pages, stats, plan) and
+    whether every TARGET block came back bit for bit."""
+    from kvops.engine.distributed import FidelitySync
+    from kvops.runtime import Fidelity, Pager
+    from tests.test_fidelity import _SlowFidelity
+
+    S, P = 8, 40
+    pager = Pager(P, S, 4, 16)
+    g = torch.Generator().manual_seed(10 + rank)        # each rank its own heads' bytes
+    k, v = (torch.randn(P, S, 1, 16, generator=g).half() for _ in range(2))
+    k0, v0 = k.clone(), v.clone()
+    fid = (Fidelity if rank == 0 else _SlowFidelity)(
+        pager, [k, v], min_batch=4 if rank == 0 else 16, protect_recent=1)
+    sync = FidelitySync(fid, rank == 0) if tp is not None else None
+    script = [({"a": 9 * S + 3, "b": 6 * S, "c": 2 * S + 1}, None, 0),
+              ({}, None, "short5"), ({}, None, 0), ({}, None, 0), ({"a": 2}, "c", 0), ({}, None, 0)]
+    out = []
+    for grows, end, need in script:
+        if sync is not None and rank != 0:
+            sync.exchange(tp)
+        with pager.frame() as f:
+            n = f.free_pages + 5 if need == "short5" else need
+            (sync or fid).step(f, n)
+            for key, t in grows.items():
+                f.reserve(key, t)
+            if end:
+                f.trim(end)
+        if sync is not None and rank == 0:
+            sync.exchange(tp)
+        t = pager.host_tables
+        out.append((t["block_table"].copy(), t["seq_lens"].copy(), t["base_span"].copy(),
+                    pager.free_pages, dict(fid.stats), fid.last_plan))
+    first, last = out[0][0], out[-1][0]            # block tables after growth and at the end
+    same = all(torch.equal(k[last[s, j]], k0[first[s, j]]) and
+               torch.equal(v[last[s, j]], v0[first[s, j]])
+               for s in range(first.shape[0]) for j in range(first.shape[1])
+               if first[s, j] >= 0 and last[s, j] >= 0)
+    return out, same, fid.stats["demoted"], fid.stats["promoted"]
 
 
 def _packed(m, tokens):
@@ -175,6 +223,22 @@ def test_tp_forced_divergence_is_detected_on_every_rank(ranks):
         assert msg is not None, "an extra page on rank 1 went unnoticed"
         assert "diverged after commit 4" in msg and "rank 1 differs in epoch, free_pages" in msg
         assert "table_hash" in msg
+
+
+def _same(a, b) -> bool:
+    return len(a) == len(b) and all(
+        all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y for x, y in zip(p, q))
+        for p, q in zip(a, b))
+
+
+def test_tp_fidelity_applies_rank0s_demotions_and_promotions_in_the_same_frame(ranks):
+    (f0, ok0, dem0, pro0), (f1, ok1, dem1, pro1) = (res["fidelity_tp"] for res in ranks)
+    assert dem0 == 5 and pro0 == 5 and (dem1, pro1) == (dem0, pro0)
+    assert _same(f0, f1)                         # tables, spans, free pages, stats, plans
+    assert ok0 and ok1                           # promotion restored TARGET bit for bit
+    # rank 0 alone decides the same; rank 1 alone would not (min_batch 16, slow promotions)
+    assert _same(ranks[0]["fidelity_alone"][0], f0)
+    assert not _same(ranks[1]["fidelity_alone"][0], f0)
 
 
 def test_bad_tp_is_refused_naming_the_argument():

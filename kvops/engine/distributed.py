@@ -91,6 +91,8 @@ class TPContext:
     def engine(self, model, kv, decode: str, sched=None, *, graphs: bool | None = None) -> Engine:
         """Rank 0's :class:`LeaderEngine` or another rank's :class:`FollowerEngine`."""
         cls = LeaderEngine if self.leader else FollowerEngine
+        if getattr(kv, "fidelity", None) is not None and not isinstance(kv.fidelity, FidelitySync):
+            kv.fidelity = FidelitySync(kv.fidelity, self.leader)
         return cls(model, kv, decode, sched, graphs=graphs, tp=self)
 
 
@@ -166,6 +168,7 @@ class StepPlan:
     items: list = dataclasses.field(default_factory=list)
     check: bool = False
     stop: bool = False
+    fidelity: list = dataclasses.field(default_factory=list)   # FidelityPlans, in step order
 
 
 def _broadcast(tp: TPContext, plan: StepPlan | None) -> StepPlan:
@@ -221,6 +224,46 @@ class _Checker:
                                f"of the ranks is no longer the same, so the replay stops")
 
 
+class FidelitySync:
+    """A :class:`~kvops.runtime.Fidelity` whose decisions are rank 0's: on rank 0 ``step``
+    decides and queues its :class:`~kvops.runtime.FidelityPlan` in ``outbox``; on another rank
+    ``step`` applies the next plan of ``inbox`` (the same settles, demotions and promotions in
+    the same frame; a promotion rank 0 settled is waited for here). The engine carries the
+    plans in its :class:`StepPlan` (a KV manager's ``fidelity`` attribute is wrapped by
+    :meth:`TPContext.engine`); a program driving pagers itself calls :meth:`exchange` after
+    rank 0's frame and before the other ranks'. Every other attribute is the policy's."""
+
+    def __init__(self, fid, leader: bool):
+        self.fid, self.leader = fid, leader
+        self.outbox: list = []
+        self.inbox: list = []
+
+    def __getattr__(self, name):
+        return getattr(self.fid, name)
+
+    def step(self, frame, need: int = 0) -> dict:
+        if self.leader:
+            out = self.fid.step(frame, need)
+            self.outbox.append(self.fid.last_plan)
+            return out
+        if not self.inbox:
+            raise TPDivergence("fidelity: this rank steps its policy in a frame where rank 0 "
+                               "stepped none (no plan of rank 0 is left to apply)")
+        return self.fid.step(frame, need, plan=self.inbox.pop(0))
+
+    def take(self) -> list:
+        """Rank 0: the plans queued since the last take."""
+        out, self.outbox = self.outbox, []
+        return out
+
+    def exchange(self, tp: TPContext) -> None:
+        """Broadcast rank 0's queued plans into every other rank's ``inbox``."""
+        box = [self.take() if self.leader else None]
+        dist.broadcast_object_list(box, src=0, group=tp.cpu_group)
+        if not self.leader:
+            self.inbox.extend(box[0])
+
+
 class KVLog:
     """Rank 0's KV manager seen through a recorder: the calls that edit it are logged by
     request id (every other attribute is the manager's own); each ``commit_step`` broadcasts
@@ -262,9 +305,12 @@ class KVLog:
         ck = self._checker
         ck.commits += 1
         plan = StepPlan(self._edits, items, check=ck.commits % self._tp.check_every == 0)
+        sync = getattr(self._kv, "fidelity", None)
+        if isinstance(sync, FidelitySync):
+            plan.fidelity = sync.take()
         self._edits = []
         _broadcast(self._tp, plan)
-        ck.fold((plan.edits, plan.items))
+        ck.fold((plan.edits, plan.items, plan.fidelity))
         if plan.check:
             ck.check(f"after commit {ck.commits}")
         return commit
@@ -274,7 +320,7 @@ class KVLog:
         plan = StepPlan(self._edits, [], check=True, stop=True)
         self._edits = []
         _broadcast(self._tp, plan)
-        self._checker.fold((plan.edits, plan.items))
+        self._checker.fold((plan.edits, plan.items, plan.fidelity))
         self._checker.check("at the end")
 
 
@@ -314,7 +360,7 @@ class FollowerEngine(Engine):
         while True:
             plan = _broadcast(self.tp, None)
             self.apply(plan, by_rid)
-            self.checker.fold((plan.edits, plan.items))
+            self.checker.fold((plan.edits, plan.items, plan.fidelity))
             if plan.check:
                 self.checker.check("at the end" if plan.stop else f"after commit "
                                    f"{self.checker.commits}")
@@ -327,6 +373,12 @@ class FollowerEngine(Engine):
         """Make rank 0's KV calls, in order, with this rank's requests (an admission sets what
         the scheduler set; a preemption resets the request for recompute)."""
         kv = self.kv
+        sync = getattr(kv, "fidelity", None)
+        if isinstance(sync, FidelitySync):
+            sync.inbox.extend(plan.fidelity)
+        elif plan.fidelity:
+            raise TPDivergence("fidelity: rank 0 sent fidelity plans, this rank's KV manager "
+                               "has no fidelity policy")
         for edit in plan.edits:
             op = edit[0]
             if op == "evict":
@@ -350,6 +402,9 @@ class FollowerEngine(Engine):
                 self.checker.commits += 1
             else:
                 raise ValueError(f"plan: unknown edit {op!r} from rank 0")
+        if isinstance(sync, FidelitySync) and sync.inbox:
+            raise TPDivergence(f"fidelity: rank 0 stepped its policy {len(sync.inbox)} more "
+                               f"time(s) in this plan than this rank")
 
     def forward(self, items: list, by_rid: dict) -> None:
         if not items:                       # rank 0's engine runs no forward either
