@@ -7,6 +7,7 @@ what it saw; the tests below read it. Each rank also replays one scenario in a s
 
 from __future__ import annotations
 
+import os
 import pickle
 
 import numpy as np
@@ -18,6 +19,7 @@ from kvops.engine.configs import decode_kind
 from kvops.engine.traces import TraceRow, build_requests
 from kvops.models.config import LlamaConfig
 from kvops.models.paged import forward_packed, random_llama
+from tests.conftest import requires_cuda
 
 # vocabulary 255: odd, so the vocab-parallel rows are padded on two ranks
 CFG = LlamaConfig(vocab_size=255, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
@@ -271,3 +273,28 @@ def test_replay_cli_tp1_runs_the_distributed_path_with_the_same_tokens(tmp_path)
 
         fake = TPContext(0, 2, None, None, torch.device("cpu"))
         run(ReplaySettings(configs=("kvrm",), model="tiny"), progress=False, tp=fake)
+
+
+@requires_cuda
+def test_cuda_replay_tp1_over_nccl_gives_the_plain_replays_tokens():
+    # the path a multi-GPU run takes, on one GPU: NCCL world of one, CUDA graphs holding its
+    # collectives, plans on gloo; SmolLM2's shape (random weights, bf16), a short replay
+    import torch.distributed as dist
+
+    from kvops.engine import distributed
+    from kvops.engine.replay import ReplaySettings, run
+
+    dev = torch.device("cuda")
+    settings = ReplaySettings.for_device(dev, model="smollm2-random", max_requests=6,
+                                         length_scale=0.1, configs=("static", "pager+merge",
+                                                                    "paged"), device="cuda")
+    plain = run(settings, progress=False)
+    os.environ.setdefault("MASTER_PORT", str(distributed.free_port()))
+    tp = distributed.init(1, rank=0, device="cuda")
+    try:
+        got = run(settings, progress=False, tp=tp)
+    finally:
+        dist.destroy_process_group()
+    for name in settings.configs:
+        assert got["tokens"][name] == plain["tokens"][name], name
+        assert got["results"][name]["recaptures"] == 0
