@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     settings = ReplaySettings.for_device(device, **kw)
     plain = run(settings, progress=False)
     _free(device)
-    os.environ.setdefault("MASTER_PORT", str(distributed.free_port()))
+    os.environ["MASTER_PORT"] = str(distributed.free_port())
     tp = distributed.init(1, rank=0, device=str(device))
     try:
         dist_res = run(settings, progress=False, tp=tp)

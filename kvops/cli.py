@@ -65,8 +65,8 @@ def replay(args) -> int:
     if args.tp < 1:
         raise SystemExit(f"kvops replay: --tp: expected a positive number of ranks, got {args.tp}")
     if "WORLD_SIZE" in os.environ or args.tp == 1:      # torchrun, or one rank right here
-        if "WORLD_SIZE" not in os.environ:
-            os.environ.setdefault("MASTER_PORT", str(distributed.free_port()))
+        if "WORLD_SIZE" not in os.environ:                 # a group of one: any free port
+            os.environ["MASTER_PORT"] = str(distributed.free_port())
         return _replay_rank(None, args)
     distributed.spawn(_replay_rank, args.tp, args)
     return 0

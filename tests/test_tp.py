@@ -289,7 +289,7 @@ def test_cuda_replay_tp1_over_nccl_gives_the_plain_replays_tokens():
                                          length_scale=0.1, configs=("static", "pager+merge",
                                                                     "paged"), device="cuda")
     plain = run(settings, progress=False)
-    os.environ.setdefault("MASTER_PORT", str(distributed.free_port()))
+    os.environ["MASTER_PORT"] = str(distributed.free_port())
     tp = distributed.init(1, rank=0, device="cuda")
     try:
         got = run(settings, progress=False, tp=tp)
