@@ -86,10 +86,13 @@ def _rank(rank: int, out: str) -> None:
         sharded = shard_llama(model(dtype))
         res[f"logits_{dtype}"] = (want, sharded(tokens), want_packed, _packed(sharded, tokens[0]))
     res["local_kv_heads"] = sharded.cfg.n_kv_heads
-    # compiled: a sharded MLP with its all-reduce traces whole (fullgraph)
-    ffn = sharded.layers[0].feed_forward.float()
-    x = torch.randn(3, CFG.dim)
-    res["compiled"] = (ffn(x).clone(), torch.compile(ffn, backend="eager", fullgraph=True)(x))
+    # compiled: the sharded decode step traces whole (fullgraph) with its collectives
+    dm = shard_llama(model())
+    tok, pos = torch.tensor([3, 5]), torch.tensor([0, 0])
+    dm.setup_cache(2, 32, 16)
+    compiled = torch.compile(dm.decode_step, backend="eager", fullgraph=True)(tok, pos)
+    dm.setup_cache(2, 32, 16)
+    res["compiled"] = (dm.decode_step(tok, pos), compiled)
     # replays: both ranks serve both scenarios; rank r also serves scenario r in one process
     mine = ("prefix", "preempt")[rank]
     res["plain"] = replay(mine, model())[:2]
@@ -198,7 +201,7 @@ def test_tp_logits_equal_the_single_process_model(ranks, dtype):
     assert ranks[0]["local_kv_heads"] == CFG.n_kv_heads // 2
 
 
-def test_tp_mlp_compiles_fullgraph_with_its_all_reduce(ranks):
+def test_tp_decode_step_compiles_fullgraph_with_its_collectives(ranks):
     for res in ranks:
         eager, compiled = res["compiled"]
         torch.testing.assert_close(compiled, eager)
@@ -260,7 +263,7 @@ def test_replay_cli_tp1_runs_the_distributed_path_with_the_same_tokens(tmp_path)
 
     from kvops.cli import main
 
-    common = ["replay", "--model", "tiny", "--max-requests", "3", "--configs", "paged",
+    common = ["replay", "--model", "tiny", "--max-requests", "2", "--configs", "paged",
               "--length-scale", "0.03", "--no-figures", "--no-progress", "--device", "cpu"]
     assert main(common + ["--out", str(tmp_path / "a")]) == 0
     assert main(common + ["--tp", "1", "--out", str(tmp_path / "b")]) == 0
