@@ -301,3 +301,34 @@ def test_cuda_replay_tp1_over_nccl_gives_the_plain_replays_tokens():
     for name in settings.configs:
         assert got["tokens"][name] == plain["tokens"][name], name
         assert got["results"][name]["recaptures"] == 0
+
+
+def test_kvlog_replays_a_kv_managers_own_editing_methods_by_request_id():
+    from types import SimpleNamespace
+
+    from kvops.engine.distributed import FollowerEngine, KVLog, StepPlan, TPDivergence
+
+    class Manager:
+        tp_edits = ("touch",)
+
+        def __init__(self):
+            self.seen = []
+
+        def touch(self, req, blocks=()):
+            self.seen.append((req.rid, tuple(blocks)))
+
+        def read(self):
+            return len(self.seen)
+
+    rows = [TraceRow(0.0, 80, 4), TraceRow(0.0, 96, 4)]
+    mine, theirs = (build_requests(rows, CFG.vocab_size, length_scale=0.125) for _ in range(2))
+    log = KVLog(Manager(), tp=None, checker=None)
+    log.touch(mine[1], blocks=[2, 3])
+    assert log.read() == 1 and log._edits == [("call", "touch", (log._edits[0][2][0],),
+                                               {"blocks": [2, 3]})]
+    follower = SimpleNamespace(kv=Manager(), checker=SimpleNamespace(commits=0))
+    FollowerEngine.apply(follower, StepPlan(log._edits), {r.rid: r for r in theirs})
+    assert follower.kv.seen == [(1, (2, 3))]
+    follower.kv.tp_edits = ()
+    with pytest.raises(TPDivergence, match="'touch' .* does not name in tp_edits"):
+        FollowerEngine.apply(follower, StepPlan(log._edits), {r.rid: r for r in theirs})

@@ -264,18 +264,52 @@ class FidelitySync:
             self.inbox.extend(box[0])
 
 
+@dataclasses.dataclass(frozen=True)
+class _Rid:
+    """A request in a logged call's arguments (each rank has its own Request objects)."""
+    rid: int
+
+
+def _encode(x):
+    if isinstance(x, Request):
+        return _Rid(x.rid)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_encode(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _encode(v) for k, v in x.items()}
+    return x
+
+
+def _decode(x, by_rid: dict):
+    if isinstance(x, _Rid):
+        return by_rid[x.rid]
+    if isinstance(x, (list, tuple)):
+        return type(x)(_decode(v, by_rid) for v in x)
+    if isinstance(x, dict):
+        return {k: _decode(v, by_rid) for k, v in x.items()}
+    return x
+
+
 class KVLog:
     """Rank 0's KV manager seen through a recorder: the calls that edit it are logged by
     request id (every other attribute is the manager's own); each ``commit_step`` broadcasts
     the log as a :class:`StepPlan` before returning, so the other ranks apply it before the
-    step's forward."""
+    step's forward. ``evict_cached``, ``end``, ``commit_step`` and ``after_step`` are logged
+    always; a KV manager names its other editing methods in ``tp_edits`` (a tuple of method
+    names), whose calls are logged and replayed as they are, requests by id."""
 
     def __init__(self, kv, tp: TPContext, checker: _Checker):
         self._kv, self._tp, self._checker = kv, tp, checker
         self._edits: list = []
 
     def __getattr__(self, name):
-        return getattr(self._kv, name)
+        attr = getattr(self._kv, name)
+        if name in getattr(self._kv, "tp_edits", ()):
+            def logged(*args, **kwargs):
+                self._edits.append(("call", name, _encode(args), _encode(kwargs)))
+                return attr(*args, **kwargs)
+            return logged
+        return attr
 
     def __setattr__(self, name, value):
         if name.startswith("_"):
@@ -392,6 +426,12 @@ class FollowerEngine(Engine):
                     req.reset_for_recompute()
             elif op == "after":
                 kv.after_step([by_rid[rid] for rid in edit[1]])
+            elif op == "call":
+                _, name, args, kwargs = edit
+                if name not in getattr(kv, "tp_edits", ()):
+                    raise TPDivergence(f"plan: rank 0 called {name!r} on its KV manager, which "
+                                       f"this rank's does not name in tp_edits")
+                getattr(kv, name)(*_decode(args, by_rid), **_decode(kwargs, by_rid))
             elif op == "commit":
                 admits = []
                 for rid, src, hit, n in edit[1]:
