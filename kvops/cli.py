@@ -61,9 +61,17 @@ def replay(args) -> int:
     if args.tp is None:
         return _replay(args)
     from kvops.engine import distributed
+    from kvops.engine.replay import ReplaySettings, model_config
+    from kvops.models.tp import check_tp
 
-    if args.tp < 1:
-        raise SystemExit(f"kvops replay: --tp: expected a positive number of ranks, got {args.tp}")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    name = args.model or ReplaySettings.for_device(device).model
+    try:                                    # before any process starts
+        check_tp(model_config(name), args.tp)
+    except ValueError as exc:
+        raise SystemExit(f"kvops replay: --{exc} (model {name})") from None
+    if args.tp > 1 and args.configs is None:
+        args.configs = "static,paged"       # kvrm is not served under tp > 1 (docs/tp.md)
     if "WORLD_SIZE" in os.environ or args.tp == 1:      # torchrun, or one rank right here
         if "WORLD_SIZE" not in os.environ:                 # a group of one: any free port
             os.environ["MASTER_PORT"] = str(distributed.free_port())

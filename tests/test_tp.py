@@ -270,6 +270,9 @@ def test_replay_cli_tp1_runs_the_distributed_path_with_the_same_tokens(tmp_path)
     a, b = (json.loads((tmp_path / d / "replay.json").read_text()) for d in "ab")
     assert b["tp"] == 1 and "tensor-parallel over 1 ranks" in b["model"]
     assert a["tokens"] == b["tokens"] and sum(map(len, a["tokens"]["paged"])) > 0
+    with pytest.raises(SystemExit, match=r"--tp: expected a divisor of the model's n_heads "
+                                         r"\(Hq\)=4 .*got tp=3 \(model tiny\)"):
+        main(common + ["--tp", "3"])            # refused before any process starts
     with pytest.raises(ValueError, match="'kvrm' is not served under tensor parallelism"):
         from kvops.engine.distributed import TPContext
         from kvops.engine.replay import ReplaySettings, run

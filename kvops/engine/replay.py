@@ -26,10 +26,25 @@ from kvops.engine.traces import build_requests, load_rows
 MODELS = ("smollm2", "smollm2-random", "llama3-8b", "tiny")
 
 
+def model_config(name: str):
+    """The :class:`~kvops.models.LlamaConfig` of a model name (its shape, before loading)."""
+    from kvops.models import SMOLLM2_135M, LlamaConfig
+    from kvops.models.paged import LLAMA3_8B
+
+    if name in ("smollm2", "smollm2-random"):
+        return SMOLLM2_135M
+    if name == "llama3-8b":
+        return LLAMA3_8B
+    if name == "tiny":
+        return LlamaConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                           head_dim=16, hidden_dim=128, max_seq_len=4096)
+    raise ValueError(f"model: expected one of {', '.join(MODELS)}, got {name!r}")
+
+
 def load_model(name: str, device: torch.device, dtype: torch.dtype):
     """``(model, note)``: SmolLM2-135M from its GGUF, or random weights of SmolLM2's,
     Llama-3-8B's or a tiny shape."""
-    from kvops.models import SMOLLM2_135M, Llama, LlamaConfig, ModelUnavailable
+    from kvops.models import SMOLLM2_135M, Llama, ModelUnavailable
     from kvops.models.paged import LLAMA3_8B, random_llama
 
     if name == "smollm2":
@@ -43,9 +58,8 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype):
     if name == "llama3-8b":
         return random_llama(LLAMA3_8B, dtype=dtype, device=device), "Llama-3-8B shape, random weights"
     if name == "tiny":
-        cfg = LlamaConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
-                          hidden_dim=128, max_seq_len=4096)
-        return random_llama(cfg, dtype=dtype, device=device, std=0.5), "tiny random Llama"
+        return (random_llama(model_config(name), dtype=dtype, device=device, std=0.5),
+                "tiny random Llama")
     raise ValueError(f"model: expected one of {', '.join(MODELS)}, got {name!r}")
 
 
