@@ -97,7 +97,12 @@ def _rank(rank: int, out: str) -> None:
     mine = ("prefix", "preempt")[rank]
     res["plain"] = replay(mine, model())[:2]
     res["plain_name"] = mine
-    sm = shard_llama(model())
+    sm = tp.shard(model())
+    try:                                             # rank 1 draws other weights
+        tp.shard(random_llama(CFG, dtype=torch.float32, std=0.5, seed=3 + rank))
+        res["other_weights"] = None
+    except distributed.TPDivergence as exc:
+        res["other_weights"] = str(exc)
     for name in ("prefix", "preempt"):
         toks, states, kv, metrics = replay(name, sm, tp)
         res[name] = (toks, states, kv.free_pages(), kv.total_pages, metrics["preemptions"],
@@ -244,6 +249,12 @@ def test_tp_fidelity_applies_rank0s_demotions_and_promotions_in_the_same_frame(r
     # rank 0 alone decides the same; rank 1 alone would not (min_batch 16, slow promotions)
     assert _same(ranks[0]["fidelity_alone"][0], f0)
     assert not _same(ranks[1]["fidelity_alone"][0], f0)
+
+
+def test_tp_shard_refuses_ranks_with_other_full_weights(ranks):
+    for res in ranks:
+        assert res["other_weights"] is not None
+        assert "shard: ranks [1] hold other full weights than rank 0" in res["other_weights"]
 
 
 def test_bad_tp_is_refused_naming_the_argument():

@@ -79,6 +79,21 @@ class TPContext:
         check_tp(cfg, self.size)
 
     def shard(self, model):
+        """This rank's shard of ``model`` (:func:`~kvops.models.tp.shard_llama`), after
+        checking that every rank holds the same full weights (float64 sums of the embedding,
+        the first and last layers' projections and the head, all-gathered): ``TPDivergence``
+        when a rank loaded or drew other weights."""
+        ws = [model.tok_embeddings.weight, model.layers[0].attention.wqkv.weight,
+              model.layers[-1].feed_forward.w2.weight, model.output.weight]
+        mine = torch.stack([w.sum(dtype=torch.float64) for w in ws]).cpu()
+        rows = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(rows, mine, group=self.cpu_group)
+        bad = [r for r in range(self.size) if not torch.equal(rows[r], rows[0])]
+        if bad:
+            raise TPDivergence(f"shard: ranks {bad} hold other full weights than rank 0 "
+                               f"(weight sums {rows[bad[0]].tolist()} vs {rows[0].tolist()}); "
+                               f"every rank must load the same file or draw with the same seed "
+                               f"on the same kind of device")
         return shard_llama(model, self.rank, self.size, self.group)
 
     def local_config(self, cfg):
