@@ -41,6 +41,14 @@ def _replay_parser(sub) -> None:
     p.add_argument("--preemption", choices=["newest", "longest"], default=None)
     p.add_argument("--no-prefix-sharing", action="store_true")
     p.add_argument("--no-graphs", action="store_true", help="CUDA: decode eagerly")
+    p.add_argument("--tp", type=int, default=None, metavar="N",
+                   help="tensor parallelism over N ranks (docs/tp.md): under torchrun the "
+                        "world size (one process a GPU, NCCL); otherwise N processes spawned "
+                        "here (gloo on CPU, NCCL on CUDA, one GPU a rank); --tp 1 runs the "
+                        "distributed path in this process")
+    p.add_argument("--check-every", type=int, default=16, metavar="STEPS",
+                   help="--tp: ranks compare epoch, free pages and plan/table hashes every "
+                        "STEPS commits and at the end (default 16)")
     p.add_argument("--out", default="replay-out", help="directory for JSON, Markdown, figures")
     p.add_argument("--record", default=None, metavar="NAME",
                    help="also write bench/results/<date>-NAME.md (date, device, commit, command, "
@@ -50,9 +58,50 @@ def _replay_parser(sub) -> None:
 
 
 def replay(args) -> int:
-    from kvops.engine.replay import ReplaySettings, run, write
+    import os
+
+    if args.tp is None:
+        return _replay(args)
+    from kvops.engine import distributed
+    from kvops.engine.replay import ReplaySettings, model_config
+    from kvops.models.tp import check_tp
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    name = args.model or ReplaySettings.for_device(device).model
+    try:                                    # before any process starts
+        check_tp(model_config(name), args.tp)
+    except ValueError as exc:
+        raise SystemExit(f"kvops replay: --{exc} (model {name})") from None
+    if args.tp > 1 and args.configs is None:
+        args.configs = "static,paged"       # kvrm is not served under tp > 1 (docs/tp.md)
+    if "WORLD_SIZE" in os.environ or args.tp == 1:      # torchrun, or one rank right here
+        if "WORLD_SIZE" not in os.environ:                 # a group of one: any free port
+            os.environ["MASTER_PORT"] = str(distributed.free_port())
+        return _replay_rank(None, args)
+    distributed.spawn(_replay_rank, args.tp, args)
+    return 0
+
+
+def _replay_rank(rank, args) -> int:
+    from kvops.engine import distributed
+
+    tp = distributed.init(args.tp, rank=rank, device=args.device, check_every=args.check_every)
+    try:
+        return _replay(args, tp)
+    finally:
+        if rank is None:                                 # spawn's wrapper destroys its own
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _replay(args, tp=None) -> int:
+    from kvops.engine.replay import ReplaySettings, run, write
+
+    if tp is not None:
+        torch.set_num_threads(max(1, torch.get_num_threads() // tp.size))
+    device = tp.device if tp is not None else torch.device(
+        args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     kw = {k: getattr(args, k) for k in (
         "trace", "kind", "model", "dtype", "time_scale", "length_scale", "max_requests",
         "window_s", "rate",
@@ -64,7 +113,11 @@ def replay(args) -> int:
     kw["prefix_sharing"] = not args.no_prefix_sharing
     kw["graphs"] = False if args.no_graphs else None
     settings = ReplaySettings.for_device(device, **kw)
-    result = run(settings, progress=not args.no_progress)
+    result = run(settings, progress=not args.no_progress, tp=tp)
+    if tp is not None and not tp.leader:
+        return 0
+    if tp is not None:
+        result["tp"] = tp.size
     table = write(result, args.out, figures=not args.no_figures)
     print(table)
     for name, r in result["results"].items():

@@ -26,10 +26,25 @@ from kvops.engine.traces import build_requests, load_rows
 MODELS = ("smollm2", "smollm2-random", "llama3-8b", "tiny")
 
 
+def model_config(name: str):
+    """The :class:`~kvops.models.LlamaConfig` of a model name (its shape, before loading)."""
+    from kvops.models import SMOLLM2_135M, LlamaConfig
+    from kvops.models.paged import LLAMA3_8B
+
+    if name in ("smollm2", "smollm2-random"):
+        return SMOLLM2_135M
+    if name == "llama3-8b":
+        return LLAMA3_8B
+    if name == "tiny":
+        return LlamaConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                           head_dim=16, hidden_dim=128, max_seq_len=4096)
+    raise ValueError(f"model: expected one of {', '.join(MODELS)}, got {name!r}")
+
+
 def load_model(name: str, device: torch.device, dtype: torch.dtype):
     """``(model, note)``: SmolLM2-135M from its GGUF, or random weights of SmolLM2's,
     Llama-3-8B's or a tiny shape."""
-    from kvops.models import SMOLLM2_135M, Llama, LlamaConfig, ModelUnavailable
+    from kvops.models import SMOLLM2_135M, Llama, ModelUnavailable
     from kvops.models.paged import LLAMA3_8B, random_llama
 
     if name == "smollm2":
@@ -43,9 +58,8 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype):
     if name == "llama3-8b":
         return random_llama(LLAMA3_8B, dtype=dtype, device=device), "Llama-3-8B shape, random weights"
     if name == "tiny":
-        cfg = LlamaConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
-                          hidden_dim=128, max_seq_len=4096)
-        return random_llama(cfg, dtype=dtype, device=device, std=0.5), "tiny random Llama"
+        return (random_llama(model_config(name), dtype=dtype, device=device, std=0.5),
+                "tiny random Llama")
     raise ValueError(f"model: expected one of {', '.join(MODELS)}, got {name!r}")
 
 
@@ -138,17 +152,32 @@ def _warmup(engine: Engine, vocab: int, max_context: int) -> None:
     engine.warm_captures = runner.captures
 
 
-def run(settings: ReplaySettings, progress: bool = True) -> dict:
+def run(settings: ReplaySettings, progress: bool = True, tp=None) -> dict:
     """Replay ``settings.trace`` through each configuration; returns ``{"settings", "model",
     "device", "results": {config: metrics}, "steps": {config: [step records]}, "tokens":
-    {config: [outputs]}}``."""
+    {config: [outputs]}}``. ``tp``: this process's
+    :class:`~kvops.engine.distributed.TPContext`; every rank calls ``run`` with the same
+    settings, shards the model, and rank 0's scheduler drives (the results are rank 0's)."""
     for c in settings.configs:
         if c not in CONFIGS:
             raise ValueError(f"configs: expected names from {', '.join(CONFIGS)}, got {c!r}")
     device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if tp is not None:
+        device = tp.device
+        if tp.size > 1 and "kvrm" in settings.configs:
+            raise ValueError("configs: 'kvrm' is not served under tensor parallelism (tp > 1): "
+                             "its far view selects by attention scores, which each rank "
+                             "computes for its own heads; use static, pager, pager+merge or "
+                             "paged")
+    say = print if tp is None or tp.leader else (lambda *a, **k: None)
+    progress = progress and (tp is None or tp.leader)
     dtype = getattr(torch, settings.dtype) if settings.dtype else (
         torch.bfloat16 if device.type == "cuda" else torch.float32)
     model, note = load_model(settings.model, device, dtype)
+    if tp is not None:
+        tp.check_model(model.cfg)
+        model = tp.shard(model)
+        note += f", tensor-parallel over {tp.size} ranks"
     cfg = model.cfg
     budget = KVBudget(bytes=int(settings.budget_gib * 2**30), max_seqs=settings.max_seqs,
                       max_context=min(settings.max_context, cfg.max_seq_len),
@@ -162,8 +191,10 @@ def run(settings: ReplaySettings, progress: bool = True) -> dict:
            "dtype": str(dtype).replace("torch.", ""), "results": {}, "steps": {}, "tokens": {},
            "arrivals": []}
     for name in settings.configs:
-        kv = make_kv(name, budget, cfg, dtype, device, prefix_sharing=settings.prefix_sharing)
-        engine = Engine(model, kv, decode_kind(name), sched, graphs=settings.graphs)
+        kv = make_kv(name, budget if tp is None else tp.kv_budget(budget), cfg, dtype, device,
+                     prefix_sharing=settings.prefix_sharing)
+        make = Engine if tp is None else tp.engine
+        engine = make(model, kv, decode_kind(name), sched, graphs=settings.graphs)
         _warmup(engine, cfg.vocab_size, budget.max_context)
         reqs = _requests(settings, cfg.vocab_size, cfg.max_seq_len)
         bar = None
@@ -182,7 +213,7 @@ def run(settings: ReplaySettings, progress: bool = True) -> dict:
         res["warmup_captures"] = engine.warm_captures
         res["recaptures"] = engine.runner.captures - engine.warm_captures
         res["errors"] = sorted({r.error for r in reqs if r.status is Status.REFUSED})[:3]
-        print(f"{name}: {res['finished']}/{len(reqs)} done, {res['output_tok_s']:.1f} out tok/s, "
+        say(f"{name}: {res['finished']}/{len(reqs)} done, {res['output_tok_s']:.1f} out tok/s, "
               f"TTFT p99 {res['ttft_ms']['p99']:.1f} ms, TPOT p50/p99 "
               f"{res['tpot_ms']['median']:.2f}/{res['tpot_ms']['p99']:.2f} ms, reserved "
               f"{res['reserved_gib_mean']:.3f} GiB, {res['wall_s']:.1f} s", flush=True)
