@@ -35,6 +35,7 @@ class PagedKV:
     the utilities, which the host ranks at the next commit; 1 by default)."""
 
     kind = "paged"
+    tp_edits = ("hold_prefix",)      # editing calls beyond the engine's own (distributed.KVLog)
 
     def __init__(self, *, num_pages: int, page_size: int, max_sessions: int, max_blocks: int,
                  layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -70,6 +71,7 @@ class PagedKV:
         self._holders: dict[tuple, list[str]] = {}       # hash chain -> sessions holding it
         self._chains: dict[str, list[tuple]] = {}        # session -> chains it registered
         self._cached: OrderedDict[str, None] = OrderedDict()   # finished, kept as prefixes
+        self._held: set[str] = set()          # cached prefixes this step's admissions alias
         self._ends: list[tuple[str, list[int] | None]] = []     # trims for the next frame
         self._partial: set[str] = set()     # sessions that share a partly filled page
         self.prefix_hit_tokens = 0
@@ -117,12 +119,20 @@ class PagedKV:
         """Pages a preemption of ``req`` gives back (those not shared)."""
         return sum(1 for p in self.pager.pages(req.key) if p >= 0 and self.pager.refcount(p) == 1)
 
+    def hold_prefix(self, key: str) -> None:
+        """Keep the cached prefix ``key`` until this step's commit: an admission of the step
+        aliases it, and the commit runs trims before aliases, so evicting it now would end the
+        session the alias reads."""
+        self._held.add(key)
+
     def evict_cached(self) -> int | None:
-        """End the least recently used cached prefix (freed at the next commit); returns the
-        pages that gives back (0 when all are shared), None when none is cached."""
-        if not self._cached:
+        """End the least recently used cached prefix that no admission of this step aliases
+        (freed at the next commit); returns the pages that gives back (0 when all are shared),
+        None when none can be evicted."""
+        key = next((k for k in self._cached if k not in self._held), None)
+        if key is None:
             return None
-        key, _ = self._cached.popitem(last=False)
+        del self._cached[key]
         freed = sum(1 for p in self.pager.pages(key) if p >= 0 and self.pager.refcount(p) == 1)
         self._drop_chains(key)
         self._partial.discard(key)
@@ -202,6 +212,7 @@ class PagedKV:
             for req, n in grows:
                 f.reserve(req.key, n)
         self._ends = []
+        self._held.clear()
         commit = f.result
         self.prefix_hit_tokens += sum(hit for _, _, hit, _ in admits)
         self.cow_copies += len(commit.copies)
