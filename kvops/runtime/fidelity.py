@@ -717,10 +717,12 @@ class Fidelity:
             settled += k
         return settled
 
-    def promote(self, frame: Frame, key: Hashable) -> int:
+    def promote(self, frame: Frame, key: Hashable, limit: int | None = None) -> int:
         """Issue promotions of every BASE pair of ``key`` not yet in flight (whatever the
-        reserve); raises :class:`~kvops.runtime.OutOfPages` if the pool cannot hold them."""
-        return self._promote(frame, self._now(frame), 1 << 30, only=key)
+        reserve), or of its top ``limit`` pairs (two held pages each); raises
+        :class:`~kvops.runtime.OutOfPages` if the pool cannot hold them."""
+        want = 1 << 30 if limit is None else as_int("limit", limit)
+        return self._promote(frame, self._now(frame), want, only=key) if want else 0
 
     def drain(self) -> None:
         """Wait for every promotion in flight (the caller then settles them with ``step``)."""
