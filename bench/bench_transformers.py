@@ -221,6 +221,8 @@ def main(argv: list[str] | None = None) -> list[list]:
         if impl not in ATTN:
             ap.error(f"--impls: expected some of {','.join(ATTN)}, got {impl!r}")
     a.device = a.device or "cuda"
+    import kvops.integrations.transformers  # noqa: F401  (registers attn_implementation="kvops")
+
     if torch.device(a.device).type == "cpu":
         torch.set_num_threads(1)      # tiny matmuls: more threads on a shared machine are slower
     warnings.filterwarnings("ignore", category=FutureWarning)
