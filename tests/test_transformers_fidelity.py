@@ -122,16 +122,16 @@ def test_fidelity_attached_nothing_demoted_tokens_equal_sdpa(arch):
     assert cache.pager.num_pages == 2 * 6 + 1
 
 
-def _demote_decode_promote(device, codec=None, backend=None):
+def _demote_decode_promote(device, codec=None, backend=None, steps=4):
     model = _model16("llama", device)
     ids, mask = (t.to(device) for t in _prompts())
     cache = _fid_cache(model, codec=codec)
     out = _generate(model, "kvops", ids, mask, cache, max_new_tokens=24)
     with kvops.backend(backend or kvops.backend()):
-        _check_demote_decode_promote(model, cache, mask, out, device)
+        _check_demote_decode_promote(model, cache, mask, out, device, steps)
 
 
-def _check_demote_decode_promote(model, cache, mask, out, device):
+def _check_demote_decode_promote(model, cache, mask, out, device, steps):
     assert cache.state.seq_lens.tolist() == [11 + 23, 7 + 23]
     held = _held(cache)
     pads = (1 - mask).sum(1).tolist()
@@ -151,7 +151,7 @@ def _check_demote_decode_promote(model, cache, mask, out, device):
     full_mask = torch.cat([mask, torch.ones_like(out)], 1)
     pos = torch.tensor([[34], [30]], device=device)
     drift = err = 0.0
-    for _ in range(4):
+    for _ in range(steps):
         got = _step(model, "kvops", tok, full_mask, pos, cache)
         want = _step(model, "sdpa", tok, full_mask, pos, oracle)
         plain = _step(model, "sdpa", tok, full_mask, pos, target)
@@ -186,8 +186,8 @@ def test_demotion_with_the_rounding_codec():
 def test_demotion_through_the_kernels(kernel_device):
     """The same with the Triton kernels (pack, refine, elastic_attention's structured path;
     the interpreter on CPU, after a generate on the PyTorch path; CUDA on the GPU)."""
-    _demote_decode_promote(kernel_device, backend="triton" if kernel_device.type == "cpu"
-                           else None)
+    cpu = kernel_device.type == "cpu"
+    _demote_decode_promote(kernel_device, backend="triton" if cpu else None, steps=2 if cpu else 4)
 
 
 def test_continuation_promotes_first_and_equals_sdpa():

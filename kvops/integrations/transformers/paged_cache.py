@@ -1,5 +1,6 @@
 """``PagedCache``: a KV pool per layer mapped by :class:`kvops.runtime.Pager`, written with
-``paged_kv_write``, decoded with ``elastic_attention`` (native path: every block TARGET).
+``paged_kv_write``, decoded with ``elastic_attention`` (native path: every block TARGET; the
+structured path over BASE blocks with ``fidelity=``).
 
 Rows of the batch are pager sessions ``0 .. B-1``. Only real tokens are stored: a left-padded
 row's padding never reaches the pool, so row ``b``'s token ``i`` (``i`` counted from its first
