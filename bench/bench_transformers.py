@@ -259,12 +259,15 @@ def main(argv: list[str] | None = None) -> list[list]:
                     print(" | ".join(map(str, rows[-1])), flush=True)
                     if a.record:
                         report(a, rows, time.perf_counter() - t_start)
-    body = report(a, rows, time.perf_counter() - t_start, write=a.record)
-    print(body)
+    body, path = report(a, rows, time.perf_counter() - t_start, write=a.record)
+    if path:
+        print(f"wrote {path}")
+    print(body)                       # the table last
     return rows
 
 
-def report(a, rows, elapsed: float, write: bool = True) -> str:
+def report(a, rows, elapsed: float, write: bool = True):
+    """``(body, path)``: the header paragraph and the table; the results file when written."""
     import transformers
 
     body = "\n".join([
@@ -278,11 +281,7 @@ def report(a, rows, elapsed: float, write: bool = True) -> str:
         f"random weights make near-ties, so bfloat16 rounding differences flip some). "
         f"{len(rows)} of {a.total} cells in {elapsed / 60:.1f} min.", "",
         table(HEADERS, rows)])
-    if write:
-        path = write_result(a.name, body)
-        if len(rows) == a.total:
-            body += f"\n\nwrote {path}"
-    return body
+    return body, write_result(a.name, body) if write else None
 
 
 if __name__ == "__main__":
