@@ -30,10 +30,11 @@ from tests.test_transformers_integration import PAD, _config, _generate, _prompt
 S = 8          # page size
 # float16 logits of the tiny models are below 1 in magnitude, where a float16 ulp is <= 2**-11:
 # kvops (float32 attention math) and SDPA over the same K/V differ by rounding only (measured
-# <= 0.8 ulp); 2 ulps of room. Demoting a third of the context moves the logits by ~1e-2 (hi8
-# keeps 2 mantissa bits) or ~5e-3 (hi8r rounds), over 8x the rounding seen, so a decode that read
-# TARGET where BASE is mapped (or the wrong half of a pair) fails the oracle check.
-ROUNDING = 2 * 2.0 ** -11
+# <= 0.8 ulp on the CPU); 2 ulps of room, 4 on CUDA, whose SDPA kernels and kvops' Triton kernels
+# accumulate in different orders. Demoting a third of the context moves the logits by ~1e-2 (hi8
+# keeps 2 mantissa bits) or ~5e-3 (hi8r rounds), over 4x the rounding error seen (checked), so a
+# decode that read TARGET where BASE is mapped (or the wrong half of a pair) fails the oracle.
+ROUNDING = {"cpu": 2 * 2.0 ** -11, "cuda": 4 * 2.0 ** -11}
 # a regression bound, not a derivation: the measured distance to TARGET (~1.1e-2) with 5x room
 BASE_DRIFT = 5e-2
 
@@ -160,8 +161,8 @@ def _check_demote_decode_promote(model, cache, mask, out, device, steps):
         tok = got.argmax(-1, keepdim=True)
         full_mask = torch.cat([full_mask, torch.ones_like(tok)], 1)
         pos = pos + 1
-    assert err <= ROUNDING
-    assert 8 * err < drift < BASE_DRIFT, (err, drift)
+    assert err <= ROUNDING[torch.device(device).type]
+    assert 4 * err < drift < BASE_DRIFT, (err, drift)
 
     # promotion: the TARGET bytes of every held token back, bit for bit
     assert cache.promote() == 2

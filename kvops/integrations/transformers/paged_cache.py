@@ -180,13 +180,19 @@ class PagedState(StepState):
         fid = self.fidelity
         if fid is None:
             return 0
-        before = fid.stats["promoted"]
+        before, most = fid.stats["promoted"], fid.max_promote
         while fid.stats["base_blocks"] or fid.stats["in_flight"]:
             fid.drain()
             with self.pager.frame() as f:
-                got = fid.step(f, need=f.free_pages)     # settles; never demotes
-                room = (self.pager.free_pages - 2 * got["promoted"]) // 2
-                issued = got["promoted"]
+                # settle only: no demotion (need = free pages), no promotion of the policy's
+                # own (max_promote 0: it counts pages the settle frees, which hold() cannot take)
+                fid.max_promote = 0
+                try:
+                    got = fid.step(f, need=f.free_pages)
+                finally:
+                    fid.max_promote = most
+                room = self.pager.free_pages // 2          # held pages come from the pool
+                issued = 0
                 for b in self.pager.sessions():
                     waiting = int((fid.block_states(b) == BASE).sum()) // 2
                     n = min(room, waiting)
