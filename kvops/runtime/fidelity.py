@@ -23,7 +23,8 @@ Demotion (synchronous, on the current stream)
 
 Promotion (asynchronous, on a side stream)
     When a step demotes nothing, the pages left after ``need``, the reserve and ``headroom``
-    pay for promotions, two pages each while in flight (at most ``max_promote`` a step). A
+    pay for promotions, two pages each while in flight (at most ``max_promote`` a step), from
+    the pool's free pages (a hold never takes pages freed in the frame, e.g. by a settle). A
     promotion copies the pair's backing to the device and runs ``refine_base_pairs`` out of
     place into two held pages; the BASE page stays mapped (and retained), so attention keeps
     reading BASE meanwhile. A later ``step`` whose frame sees the side stream's event done
@@ -485,7 +486,10 @@ class Fidelity:
         if short > 0:
             pend.demoted = self._demote(frame, pend, max(short, self.min_batch))
         else:
-            spare = free - need - math.ceil(self.reserve) - self.headroom
+            # promotions hold pool pages only; the reserves fall back on pages freed in the
+            # frame (a settle's BASE pages), so both fit when holds stay within the pool
+            spare = min(free - need, frame.holdable_pages) - math.ceil(self.reserve) \
+                - self.headroom
             if spare >= 2:
                 promoted = self._promote(frame, pend, min(spare // 2, self.max_promote))
         return {"demoted": pend.demoted, "promoted": promoted, "settled": settled}
