@@ -184,8 +184,8 @@ class PagedState(StepState):
         while fid.stats["base_blocks"] or fid.stats["in_flight"]:
             fid.drain()
             with self.pager.frame() as f:
-                # settle only: no demotion (need = free pages), no promotion of the policy's
-                # own (max_promote 0: it counts pages the settle frees, which hold() cannot take)
+                # settle only: no demotion (need = free pages) and none of the policy's own
+                # promotions (max_promote 0), so the round's, counted below, hold every page
                 fid.max_promote = 0
                 try:
                     got = fid.step(f, need=f.free_pages)
