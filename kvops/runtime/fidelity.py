@@ -23,7 +23,8 @@ Demotion (synchronous, on the current stream)
 
 Promotion (asynchronous, on a side stream)
     When a step demotes nothing, the pages left after ``need``, the reserve and ``headroom``
-    pay for promotions, two pages each while in flight (at most ``max_promote`` a step). A
+    pay for promotions, two pages each while in flight (at most ``max_promote`` a step), from
+    the pool's free pages (a hold never takes pages freed in the frame, e.g. by a settle). A
     promotion copies the pair's backing to the device and runs ``refine_base_pairs`` out of
     place into two held pages; the BASE page stays mapped (and retained), so attention keeps
     reading BASE meanwhile. A later ``step`` whose frame sees the side stream's event done
@@ -510,7 +511,10 @@ class Fidelity:
         elif short > 0:
             pend.demoted = self._demote(frame, pend, max(short, self.min_batch))
         else:
-            spare = free - need - math.ceil(self.reserve) - self.headroom
+            # promotions hold pool pages only; the reserves fall back on pages freed in the
+            # frame (a settle's BASE pages), so both fit when holds stay within the pool
+            spare = min(free - need, frame.holdable_pages) - math.ceil(self.reserve) \
+                - self.headroom
             if spare >= 2:
                 promoted = self._promote(frame, pend, min(spare // 2, self.max_promote))
         if promoted:
@@ -798,10 +802,12 @@ class Fidelity:
         pend.decided["settle"], pend.decided["orphans"] = done, orphans
         return settled
 
-    def promote(self, frame: Frame, key: Hashable) -> int:
+    def promote(self, frame: Frame, key: Hashable, limit: int | None = None) -> int:
         """Issue promotions of every BASE pair of ``key`` not yet in flight (whatever the
-        reserve); raises :class:`~kvops.runtime.OutOfPages` if the pool cannot hold them."""
-        return self._promote(frame, self._now(frame), 1 << 30, only=key)
+        reserve), or of its top ``limit`` pairs (two held pages each); raises
+        :class:`~kvops.runtime.OutOfPages` if the pool cannot hold them."""
+        want = 1 << 30 if limit is None else as_int("limit", limit)
+        return self._promote(frame, self._now(frame), want, only=key) if want else 0
 
     def drain(self) -> None:
         """Wait for every promotion in flight (the caller then settles them with ``step``)."""

@@ -324,6 +324,12 @@ class Frame:
         return self._pool.free + len(self.edits.freed_pages)
 
     @property
+    def holdable_pages(self) -> int:
+        """Pages a ``hold`` in this frame can take: the pool's free pages only (pages freed in
+        the frame are reusable by a ``reserve``, not held)."""
+        return self._pool.free
+
+    @property
     def copies(self) -> tuple[tuple[int, int], ...]:
         """The copies ``(src, dst)`` recorded so far, in order."""
         return tuple(self._copies)
