@@ -438,6 +438,25 @@ class Fidelity:
         self._count()
 
     # -- reads -------------------------------------------------------------------------------
+    @property
+    def host_free(self) -> int:
+        """Pairs the host backing pool can still take (demotion stops at zero)."""
+        return self._host.free
+
+    def demotable(self, key: Hashable) -> int:
+        """Pairs the next :meth:`step` can demote from ``key``, from the committed state: exact
+        for a session whose pages are unshared, none while a promotion of it is in flight
+        (the step may settle it and then find more). A caller that plans reserves on
+        demotion sums this over its sessions (and caps it by :attr:`host_free`)."""
+        if key not in self.pager.committed.sessions or self._flight.get(key):
+            return 0
+        S = self.pager.page_size
+        n = self.pager.length(key)
+        limit = min(n // S, -(-n // S) - self.protect_recent)
+        first, end = self.span(key)
+        start = end if end > first else self.protect_first
+        return max(0, (limit - start) // 2)
+
     def span(self, key: Hashable) -> tuple[int, int]:
         """Committed BASE span ``[first, end)`` of ``key`` (``(0, 0)`` none)."""
         return self._span.get(key, (0, 0))
@@ -467,11 +486,17 @@ class Fidelity:
         items = reserves.items() if hasattr(reserves, "items") else reserves
         return sum(frame.pages_needed(key, n) for key, n in items)
 
-    def step(self, frame: Frame, need: int = 0) -> dict:
+    def step(self, frame: Frame, need: int = 0, exclude=()) -> dict:
         """Settle finished promotions, then demote on shortage or promote with spare pages;
         once a frame. ``need``: pages the caller takes before the next step (blocks reserved
-        in this frame are never demoted in it). Returns this step's counts."""
+        in this frame are never demoted in it). ``exclude``: sessions none of whose blocks is
+        demoted in this frame (e.g. a request whose prefill still reads its blocks through a
+        TARGET-only kernel). Returns this step's counts."""
         need = as_int("need", need)
+        if isinstance(exclude, (str, bytes)):
+            raise TypeError(f"exclude: expected a collection of session keys, got the string "
+                            f"{exclude!r}")
+        exclude = frozenset(exclude)
         pend = self._now(frame)
         if pend.stepped:
             raise ValueError(f"step: already called in the frame of epoch {frame.epoch}; "
@@ -483,9 +508,10 @@ class Fidelity:
         short = need - free
         promoted = 0
         if short > 0:
-            pend.demoted = self._demote(frame, pend, max(short, self.min_batch))
+            pend.demoted = self._demote(frame, pend, max(short, self.min_batch), exclude)
         else:
             spare = free - need - math.ceil(self.reserve) - self.headroom
+            spare = min(spare, frame.holdable_pages)    # held pages come from the pool only
             if spare >= 2:
                 promoted = self._promote(frame, pend, min(spare // 2, self.max_promote))
         return {"demoted": pend.demoted, "promoted": promoted, "settled": settled}
@@ -525,13 +551,15 @@ class Fidelity:
             return False
         return not frame.copies or all(s != a and s != b for s, _ in frame.copies)
 
-    def _demote(self, frame: Frame, pend: _Pending, want: int) -> int:
+    def _demote(self, frame: Frame, pend: _Pending, want: int, exclude=frozenset()) -> int:
         """Pick up to ``want`` pairs, the next one always from the session with the smallest
-        BASE share (each session's pairs checked only as they are reached), and pack them."""
+        BASE share (each session's pairs checked only as they are reached), and pack them;
+        sessions in ``exclude`` give none."""
         S = self.pager.page_size
         heap, plan = [], {}
         for key in self.pager.sessions():
-            got = self._start(frame, pend, key) if frame.has(key) else None
+            ok = frame.has(key) and key not in exclude
+            got = self._start(frame, pend, key) if ok else None
             if got is not None:
                 first, end, limit = got
                 nb = -(-frame.length(key) // S)

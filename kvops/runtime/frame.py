@@ -314,6 +314,12 @@ class Frame:
         return self._pool.free + len(self.edits.freed_pages)
 
     @property
+    def holdable_pages(self) -> int:
+        """Pages a :meth:`hold` can take: the pool's free pages (never those freed in this
+        frame)."""
+        return self._pool.free
+
+    @property
     def copies(self) -> tuple[tuple[int, int], ...]:
         """The copies ``(src, dst)`` recorded so far, in order."""
         return tuple(self._copies)
