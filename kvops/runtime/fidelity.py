@@ -445,15 +445,21 @@ class Fidelity:
 
     def demotable(self, key: Hashable) -> int:
         """Pairs the next :meth:`step` can demote from ``key``, from the committed state: exact
-        for a session whose pages are unshared, none while a promotion of it is in flight
-        (the step may settle it and then find more). A caller that plans reserves on
-        demotion sums this over its sessions (and caps it by :attr:`host_free`)."""
-        if key not in self.pager.committed.sessions or self._flight.get(key):
+        for a session whose pages are unshared. Promotions of it whose work is done settle at
+        the step's start (their pairs are demotable again); while one is still running the
+        session gives none. A caller that plans reserves on demotion sums this over its
+        sessions (and caps it by :attr:`host_free`)."""
+        if key not in self.pager.committed.sessions:
             return 0
+        first, end = self.span(key)
+        flying = self._flight.get(key)
+        if flying:
+            if not all(pr.done is None or pr.done.query() for pr in flying):
+                return 0
+            end = flying[-1].j                  # the span once they settle
         S = self.pager.page_size
         n = self.pager.length(key)
         limit = min(n // S, -(-n // S) - self.protect_recent)
-        first, end = self.span(key)
         start = end if end > first else self.protect_first
         return max(0, (limit - start) // 2)
 
