@@ -12,9 +12,27 @@ import torch
 
 def _replay_parser(sub) -> None:
     p = sub.add_parser("replay", help="replay a trace through engine configurations")
+    p.add_argument("--mode", choices=["replay", "elastic"], default="replay",
+                   help="replay: one trace through the configurations; elastic: ElasticKV's "
+                        "pressure comparison, a sweep of concurrency (the 4096/1024 synthetic) "
+                        "or of --rate (a ShareGPT --trace) through elastic,paged,offload,reserve")
     p.add_argument("--configs", default=None,
-                   help="comma-separated: static, pager, pager+merge, kvrm, paged "
-                        "(default static,paged,kvrm)")
+                   help="comma-separated: static, pager, pager+merge, kvrm, paged, elastic, "
+                        "offload, reserve (default static,paged,kvrm; --mode elastic: "
+                        "elastic,paged,offload,reserve)")
+    p.add_argument("--sweep", default=None,
+                   help="--mode elastic: comma-separated concurrency values (synthetic) or "
+                        "request rates (ShareGPT); default by device")
+    p.add_argument("--requests-per-client", type=int, default=None,
+                   help="--mode elastic synthetic: requests a point = concurrency x this")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="replay as a closed loop of this many clients")
+    p.add_argument("--budget-tokens", type=int, default=None,
+                   help="KV budget in tokens of the model (overrides --budget-gib)")
+    p.add_argument("--input-len", type=int, default=None, help="--mode elastic synthetic prompt")
+    p.add_argument("--output-len", type=int, default=None, help="--mode elastic synthetic output")
+    p.add_argument("--output-scale", type=float, default=None,
+                   help="--mode elastic synthetic: multiply output lengths")
     p.add_argument("--trace", default=None, help="trace file (default: the shipped synthetic burst)")
     p.add_argument("--kind", choices=["azure", "mooncake", "sharegpt"], default=None)
     p.add_argument("--model", choices=["smollm2", "smollm2-random", "llama3-8b", "tiny"], default=None)
@@ -47,20 +65,56 @@ def _replay_parser(sub) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
-def replay(args) -> int:
-    from kvops.engine.replay import ReplaySettings, run, write
-
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+def _settings_kw(args, device) -> dict:
     kw = {k: getattr(args, k) for k in (
         "trace", "kind", "model", "dtype", "time_scale", "length_scale", "max_requests",
         "window_s", "rate",
         "arrival", "cv", "budget_gib", "max_seqs", "max_context", "window", "far_cap",
-        "far_chunk", "max_num_batched_tokens", "long_prefill_tokens", "preemption")}
+        "far_chunk", "max_num_batched_tokens", "long_prefill_tokens", "preemption",
+        "concurrency", "budget_tokens", "input_len", "output_len", "output_scale")}
     if args.configs:
         kw["configs"] = tuple(c.strip() for c in args.configs.split(",") if c.strip())
     kw["device"] = str(device)
-    kw["prefix_sharing"] = not args.no_prefix_sharing
     kw["graphs"] = False if args.no_graphs else None
+    return kw
+
+
+def elastic(args) -> int:
+    """``--mode elastic``: the pressure sweep (kvops.engine.pressure)."""
+    from kvops.engine.pressure import default_points, run_sweep, sweep_settings, write
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    kw = _settings_kw(args, device)
+    trace = kw.pop("trace")
+    kw.pop("device")
+    settings, axis = sweep_settings(device, trace, **kw)
+    if args.sweep:
+        try:
+            points = [float(x) for x in args.sweep.split(",") if x.strip()]
+        except ValueError:
+            raise SystemExit(f"--sweep: expected comma-separated numbers, got {args.sweep!r}")
+    else:
+        points = default_points(device, axis)
+    settings.device = str(device)
+    result = run_sweep(settings, axis, points, args.requests_per_client,
+                       progress=not args.no_progress)
+    table = write(result, args.out, figures=not args.no_figures)
+    print(table)
+    if args.record:
+        print(f"(recorded: {record(args.record, result, table)})")
+    print(f"(written: {args.out}/pressure.json, pressure.md"
+          f"{'' if args.no_figures else ', pressure_ttft.png'})")
+    return 0
+
+
+def replay(args) -> int:
+    from kvops.engine.replay import ReplaySettings, run, write
+
+    if args.mode == "elastic":
+        return elastic(args)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    kw = _settings_kw(args, device)
+    kw["prefix_sharing"] = not args.no_prefix_sharing
     settings = ReplaySettings.for_device(device, **kw)
     result = run(settings, progress=not args.no_progress)
     table = write(result, args.out, figures=not args.no_figures)

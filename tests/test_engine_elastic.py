@@ -182,3 +182,22 @@ def test_pressure_rows():
     rows = pressure_rows(5, input_len=4096, output_len=1024, output_scale=0.25)
     assert [(r.arrival, r.input_len, r.output_len) for r in rows] == [(0.0, 4096, 256)] * 5
     assert np.all(np.diff([r.arrival for r in pressure_rows(3, rate=2.0, seed=1)]) > 0)
+
+
+def test_replay_mode_elastic_writes_table_json_and_figure(tmp_path, capsys):
+    from kvops.cli import main
+
+    out = tmp_path / "out"
+    rc = main(["replay", "--mode", "elastic", "--configs", "elastic,paged", "--sweep", "2",
+               "--input-len", "512", "--output-len", "128", "--requests-per-client", "1",
+               "--max-seqs", "4", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "| concurrency | config |" in text and "| 2 | elastic | 2/2 | 0 |" in text
+    assert "elastic preemptions" in text.splitlines()[-6]
+    data = __import__("json").loads((out / "pressure.json").read_text())
+    assert [p["x"] for p in data["points"]] == [2.0]
+    assert set(data["points"][0]["results"]) == {"elastic", "paged"}
+    assert (out / "pressure.md").is_file() and (out / "pressure_ttft.png").is_file()
+    with pytest.raises(SystemExit, match="--sweep: expected comma-separated numbers"):
+        main(["replay", "--mode", "elastic", "--sweep", "a,b", "--out", str(out)])

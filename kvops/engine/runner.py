@@ -187,10 +187,13 @@ class ModelRunner:
                 o, _ = torch.ops.kvops.elastic_attention(
                     q, kv.k_pool[i], kv.v_pool[i], t["block_table"][:bk], t["seq_lens"][:bk])
                 return o
-            if self.decode == "elastic":        # the span table every step: one graph a bucket
+            if self.decode == "elastic":
+                # a captured step takes the span table always (one graph a bucket); eager
+                # steps take the native path while nothing is BASE
+                span = kv.fid.attention_kwargs(always=self.graphs).get("base_span")
                 o, _ = torch.ops.kvops.elastic_attention(
                     q, kv.k_pool[i], kv.v_pool[i], t["block_table"][:bk], t["seq_lens"][:bk],
-                    base_span=t["base_span"][:bk])
+                    base_span=None if span is None else span[:bk])
                 return o
             ka, va = kv.k_arena[i][:bk], kv.v_arena[i][:bk]
             ws, wl = t["win_start"][:bk], t["win_len"][:bk]
