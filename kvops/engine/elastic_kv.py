@@ -123,6 +123,12 @@ class ElasticKV(PagedKV):
             if end > first:
                 self.base_touched.add(req.rid)
 
+    def reset_counters(self) -> None:
+        super().reset_counters()
+        self.base_touched.clear()
+        st = self.fid.stats
+        st.update(demoted=0, promoted=0, demotion_batches=0, exposure_mean=0.0, steps=0)
+
     def quiesce(self) -> None:
         """Wait for promotions in flight and settle them (orphans' pages come back)."""
         self.fid.drain()

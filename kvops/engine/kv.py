@@ -126,6 +126,10 @@ class PagedKV:
     def quiesce(self) -> None:
         """Wait for background KV work (none here); the engine calls it before its last commit."""
 
+    def reset_counters(self) -> None:
+        """Start the counters again (after a warm-up); the state stays."""
+        self.prefix_hit_tokens = self.cow_copies = 0
+
     def pages_of(self, req: Request) -> int:
         """Pages a preemption of ``req`` gives back (those not shared)."""
         return sum(1 for p in self.pager.pages(req.key) if p >= 0 and self.pager.refcount(p) == 1)
@@ -368,6 +372,9 @@ class StaticKV:
 
     def admission_margin(self, reqs, computed=None) -> int:
         return 0
+
+    def reset_counters(self) -> None:
+        self.prefix_hit_tokens = 0
 
     def quiesce(self) -> None:
         pass

@@ -101,5 +101,9 @@ class OffloadKV(PagedKV):
             self.swap_bytes += host.numel() * host.element_size()
         self._restore = []
 
+    def reset_counters(self) -> None:
+        super().reset_counters()
+        self.swap_outs = self.swap_ins = self.swap_bytes = 0
+
     def held_host_bytes(self) -> int:
         return sum(h.numel() * h.element_size() for _, h in self._swapped.values())

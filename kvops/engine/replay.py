@@ -145,6 +145,7 @@ def _warmup(engine: Engine, vocab: int, max_context: int) -> None:
             b += 1
     engine.steps.clear()
     engine.kv.prefix_hit_tokens = 0
+    engine.kv.reset_counters()
     runner.buckets_used.clear()
     engine.warm_captures = runner.captures
 
