@@ -142,6 +142,7 @@ def test_excluded_sessions_are_never_demoted():
     assert (kv.fid.block_states("s1") == TARGET).all()
     assert (kv.fid.block_states("s0") != TARGET).any()
     assert kv.fid.demotable("s1") == 3 and kv.fid.demotable("s0") == 0   # 8 blocks, 1 protected
+    assert kv.fid._pool is not None      # every layer's K and V as one pool: one call a batch
 
 
 def test_a_prefill_over_base_blocks_is_refused(model):

@@ -50,8 +50,6 @@ class ElasticKV(PagedKV):
                              f"{kw['window']}")
         kw["prefix_sharing"] = False
         super().__init__(**kw)
-        both = torch.zeros((2, *self.k_pool.shape), dtype=dtype, device=self.device)
-        self.k_pool, self.v_pool = both[0], both[1]
         caches = [*self.k_pool.unbind(0), *self.v_pool.unbind(0)]   # consecutive: one pool
         fidelity = dict(fidelity or {})
         # every page may end up a BASE pair: its backing (a page of low bytes for float16, two
@@ -62,6 +60,12 @@ class ElasticKV(PagedKV):
         self.base_touched: set[int] = set()      # rids that had a BASE block at some commit
         self._live: dict[str, Request] = {}
         self.last_fidelity: dict = {"demoted": 0, "promoted": 0, "settled": 0, "fid_s": 0.0}
+
+    @staticmethod
+    def _pools(shape, dtype, device):
+        """K and V of every layer in one allocation ``[2, layers, P, S, Hkv, D]``."""
+        both = torch.zeros((2, *shape), dtype=dtype, device=device)
+        return both[0], both[1]
 
     # -- planning --------------------------------------------------------------------------------
     @staticmethod

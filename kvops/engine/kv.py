@@ -45,8 +45,7 @@ class PagedKV:
         self.token_bytes = 2 * layers * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
         self.pager = Pager(num_pages, page_size, max_sessions, max_blocks, device=device)
         pool = (layers, num_pages, page_size, kv_heads, head_dim)
-        self.k_pool = torch.zeros(pool, dtype=dtype, device=device)
-        self.v_pool = torch.zeros(pool, dtype=dtype, device=device)
+        self.k_pool, self.v_pool = self._pools(pool, dtype, device)
         self.window = window
         self.transport = self.far = None
         self.k_arena = self.v_arena = None
@@ -72,6 +71,12 @@ class PagedKV:
         self.cow_copies = 0
         self.last_commit = None
         self.deferred: set[Request] = set()
+
+    @staticmethod
+    def _pools(shape, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V pools ``[layers, P, S, Hkv, D]``."""
+        return (torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device))
 
     # -- capacity ------------------------------------------------------------------------------
     @property
