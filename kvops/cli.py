@@ -33,6 +33,10 @@ def _replay_parser(sub) -> None:
     p.add_argument("--output-len", type=int, default=None, help="--mode elastic synthetic output")
     p.add_argument("--output-scale", type=float, default=None,
                    help="--mode elastic synthetic: multiply output lengths")
+    p.add_argument("--fidelity", default=None, metavar="K=V,...",
+                   help="elastic: Fidelity's settings, e.g. reserve_decay=0 (eager promotion), "
+                        "max_promote=0 (no promotion), min_batch=32, protect_recent=4, "
+                        "demote=0 (every block TARGET)")
     p.add_argument("--trace", default=None, help="trace file (default: the shipped synthetic burst)")
     p.add_argument("--kind", choices=["azure", "mooncake", "sharegpt"], default=None)
     p.add_argument("--model", choices=["smollm2", "smollm2-random", "llama3-8b", "tiny"], default=None)
@@ -65,6 +69,30 @@ def _replay_parser(sub) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
+FIDELITY_KEYS = {"min_batch": int, "protect_first": int, "protect_recent": int,
+                 "reserve_decay": float, "headroom": int, "max_promote": int, "host_pairs": int,
+                 "codec": str, "demote": lambda v: v not in ("0", "false", "False")}
+
+
+def parse_fidelity(text: str | None) -> dict | None:
+    """``"reserve_decay=0,max_promote=0"`` -> ``{"reserve_decay": 0.0, "max_promote": 0}``."""
+    if not text:
+        return None
+    out = {}
+    for item in text.split(","):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or key not in FIDELITY_KEYS:
+            raise SystemExit(f"--fidelity: expected K=V items with K in "
+                             f"{', '.join(FIDELITY_KEYS)}, got {item!r}")
+        try:
+            out[key] = FIDELITY_KEYS[key](value.strip())
+        except ValueError:
+            kind = "an int" if FIDELITY_KEYS[key] is int else "a float"
+            raise SystemExit(f"--fidelity: {key}: expected {kind}, got {value!r}")
+    return out
+
+
 def _settings_kw(args, device) -> dict:
     kw = {k: getattr(args, k) for k in (
         "trace", "kind", "model", "dtype", "time_scale", "length_scale", "max_requests",
@@ -76,6 +104,7 @@ def _settings_kw(args, device) -> dict:
         kw["configs"] = tuple(c.strip() for c in args.configs.split(",") if c.strip())
     kw["device"] = str(device)
     kw["graphs"] = False if args.no_graphs else None
+    kw["fidelity"] = parse_fidelity(args.fidelity)
     return kw
 
 

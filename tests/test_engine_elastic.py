@@ -202,3 +202,15 @@ def test_replay_mode_elastic_writes_table_json_and_figure(tmp_path, capsys):
     assert (out / "pressure.md").is_file() and (out / "pressure_ttft.png").is_file()
     with pytest.raises(SystemExit, match="--sweep: expected comma-separated numbers"):
         main(["replay", "--mode", "elastic", "--sweep", "a,b", "--out", str(out)])
+
+
+def test_fidelity_settings_parse():
+    from kvops.cli import parse_fidelity
+
+    assert parse_fidelity("reserve_decay=0,max_promote=0,demote=0") == {
+        "reserve_decay": 0.0, "max_promote": 0, "demote": False}
+    assert parse_fidelity(None) is None
+    with pytest.raises(SystemExit, match="--fidelity: expected K=V"):
+        parse_fidelity("watermark=3")
+    with pytest.raises(SystemExit, match="--fidelity: min_batch: expected an int"):
+        parse_fidelity("min_batch=x")
