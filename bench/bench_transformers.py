@@ -1,26 +1,35 @@
 """transformers ``generate`` tokens/s: kvops SlidingCache and PagedCache against SDPA with a
-static cache and against flex attention, compiled and eager (GPU).
+static cache and against flex attention, compiled and eager.
 
-    python -m bench.bench_transformers --quick      # B 16 x 16k, 2 layers: about 3 minutes
-    python -m bench.bench_transformers              # B 1, 16, 64 x 4k, 16k (run in parts:
-    python -m bench.bench_transformers --batches 64 --contexts 16384 --impls sdpa,sliding
+    python -m bench.bench_transformers --record     # the grid below, one command (GPU)
+    python -m bench.bench_transformers --quick      # B 16 x 16k only
+    python -m bench.bench_transformers --smoke      # a toy model on the CPU (flex: ~40 s)
 
-A random-weight Llama-3-8B-shaped model (hidden 4096, 32 query / 8 KV heads of 128, MLP 14336,
-vocab 128256, bfloat16) with fewer layers than 32 (``--layers``, default 4): 32 layers of K/V
-at B 64 x 16k do not fit beside a second cache, and every compile is per layer. Each cache
-starts holding ``ctx`` tokens of random K/V (no 16k-token prefill), so ``generate`` is given
-the last token and a mask of ``ctx + 1``: its first step runs eagerly (transformers never
-compiles the prompt step), the other ``new - 1`` steps through the compiled call when compiled.
-Compiled = transformers' own auto-compile of a static cache (``CompileConfig()``: inductor,
-``reduce-overhead``, so CUDA graphs); eager = ``disable_compile=True``. One warm-up
-``generate`` before the timed one. tokens/s = B * new / wall time of the timed ``generate``.
+The grid: B 1, 16, 64 x context 4k, 16k x {sdpa, flex, sliding, paged} x {compiled, eager}, a
+random-weight Llama-3-8B-shaped model (hidden 4096, 32 query / 8 KV heads of 128, MLP 14336,
+vocab 128256, bfloat16) with 2 of its 32 layers (``--layers``): every compiled cell compiles
+its own decode graph (static shapes) and the compile time grows with the layers; the decode
+step's attention and MLP work a layer is the full model's. Each cache starts holding ``ctx``
+tokens of random K/V (no 16k-token prefill), so ``generate`` is given the last token and a
+mask of ``ctx + 1``. Compiled = transformers' own auto-compile of a static cache
+(``CompileConfig()``: inductor, ``reduce-overhead``, so CUDA graphs; on the CPU dynamo with the
+eager backend, which checks the graph only); eager = ``disable_compile=True``.
+
+Timing: a warm-up ``generate`` of 3 tokens (it compiles and records the CUDA graph), then two
+timed ones of ``--short`` and ``--new`` tokens on the same cache rewound to ``ctx``; step = the
+difference of their wall times / the difference of their lengths (the first, eager, step of a
+``generate`` and its fixed cost cancel); tokens/s = B / step. ``setup s``: the warm-up's wall
+time (the compile, for a compiled cell).
 
 Implementations: ``sdpa`` (``StaticCache``, transformers' SDPA), ``flex`` (``StaticCache``,
 ``flex_attention``), ``sliding`` (kvops ``SlidingCache``, window ctx + new + 1,
-``static_sliding_attention``; ``sliding-far``, not run by default: with a far view of 64
-chunks of 64, whose slots stay empty while the window holds the context), ``paged`` (kvops
-``PagedCache``, pages of 16, ``elastic_attention``). Goals: compiled >= 1.0x SDPA, eager step
-within 1.2x SDPA's.
+``static_sliding_attention``), ``paged`` (kvops ``PagedCache``, pages of 16,
+``elastic_attention`` native path); not run by default: ``sliding-far`` (a far view of 64
+chunks of 64, whose slots stay empty while the window holds the context) and ``paged-base``
+(``PagedCache`` with fidelity, half of every row's context demoted to BASE before the warm-up:
+``elastic_attention``'s structured path). Goals: compiled >= 1.0x SDPA, eager step within 1.2x
+SDPA's. ``--record`` writes ``bench/results/<date>-<name>.md`` (after every row, so a run cut
+short keeps its rows); the table prints last either way.
 """
 
 from __future__ import annotations
@@ -37,14 +46,25 @@ from bench.common import table, write_result
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                  num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                  rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=False)
+# --smoke: the tiny shape of the CPU tests (GQA groups of 2)
+TINY = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+            tie_word_embeddings=False)
 ATTN = {"sdpa": "sdpa", "flex": "flex_attention", "sliding": "kvops", "paged": "kvops",
-        "sliding-far": "kvops"}
+        "sliding-far": "kvops", "paged-base": "kvops"}
+PAGE = 16
 
 
-def build_model(layers: int, dtype=torch.bfloat16, device="cuda"):
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build_model(layers: int, shape: dict = LLAMA3_8B, dtype=torch.bfloat16, device="cuda"):
     import transformers
 
-    cfg = transformers.LlamaConfig(**LLAMA3_8B, num_hidden_layers=layers)
+    cfg = transformers.LlamaConfig(**shape, num_hidden_layers=layers)
+    torch.manual_seed(0)
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype,
                                                               attn_implementation="sdpa")
@@ -74,12 +94,12 @@ def filled_cache(impl: str, model, B: int, ctx: int, new: int):
         cache = kt.SlidingCache(model, B, window=total)
     elif impl == "sliding-far":      # the far view's work every step (its slots stay empty here)
         cache = kt.SlidingCache(model, B, window=total, far_chunks=64, far_chunk_size=64)
-    elif impl == "paged":
-        cache = kt.PagedCache(model, B, max_tokens=total, page_size=16)
+    elif impl in ("paged", "paged-base"):
+        cache = kt.PagedCache(model, B, max_tokens=total, page_size=PAGE,
+                              fidelity=True if impl == "paged-base" else None)
         cache.state.reserve(torch.zeros(B, dtype=torch.long), ctx)
-        S = cache.state.page_size
         i = torch.arange(ctx)
-        slots = torch.stack([torch.tensor(cache.pager.pages(b))[i // S] * S + i % S
+        slots = torch.stack([torch.tensor(cache.pager.pages(b))[i // PAGE] * PAGE + i % PAGE
                              for b in range(B)]).to(dev)
     else:
         raise ValueError(f"impl: expected one of {list(ATTN)}, got {impl!r}")
@@ -97,6 +117,8 @@ def filled_cache(impl: str, model, B: int, ctx: int, new: int):
     if ATTN[impl] == "kvops":
         cache.state.filled = True
     rewind(impl, cache, ctx)
+    if impl == "paged-base":         # half of every row's blocks (whole pairs) to BASE
+        cache.demote(pages=max(1, B * (ctx // PAGE // 4)))
     return cache
 
 
@@ -107,31 +129,49 @@ def rewind(impl: str, cache, ctx: int) -> None:
             layer.cumulative_length.fill_(ctx)
         return
     cache.state.pos.fill_(ctx)
-    if impl == "paged":
+    if impl.startswith("paged"):
         cache.state.lens.fill_(ctx)
         cache.state.seq_lens.fill_(ctx)
         cache.state.host_pos = ctx
 
 
-def run(model, impl: str, B: int, ctx: int, new: int, compiled: bool):
-    """``(seconds, tokens)`` of one timed ``generate`` of ``new`` tokens a row (after a warm-up)."""
+def compile_config(device):
+    """None on CUDA (transformers' default auto-compile); on the CPU dynamo with the eager
+    backend (transformers auto-compiles on CUDA only), which checks the decode graph."""
+    if torch.device(device).type == "cuda":
+        return None
+    from transformers.generation.configuration_utils import CompileConfig
+
+    cc = CompileConfig(backend="eager", mode=None, fullgraph=True, dynamic=False)
+    cc._compile_all_devices = True
+    return cc
+
+
+def run(model, impl: str, B: int, ctx: int, lengths: tuple[int, int], compiled: bool):
+    """``(step seconds, setup seconds, tokens)``: a warm-up ``generate`` of 3 tokens, then
+    timed ones of ``lengths`` tokens; step = their wall-time difference / length difference."""
     model.set_attn_implementation(ATTN[impl])
+    dev = model.device
+    short, new = lengths
     cache = filled_cache(impl, model, B, ctx, new)
-    g = torch.Generator(device=model.device).manual_seed(7)
-    ids = torch.randint(3, model.config.vocab_size, (B, 1), device=model.device, generator=g)
-    mask = torch.ones(B, ctx + 1, dtype=torch.long, device=model.device)
+    g = torch.Generator(device=dev).manual_seed(7)
+    ids = torch.randint(3, model.config.vocab_size, (B, 1), device=dev, generator=g)
+    mask = torch.ones(B, ctx + 1, dtype=torch.long, device=dev)
     kw = dict(attention_mask=mask, past_key_values=cache, do_sample=False, pad_token_id=0,
               disable_compile=not compiled)
+    if compiled and compile_config(dev) is not None:
+        kw["compile_config"] = compile_config(dev)
     try:
-        for n in (3, new):            # warm-up: compiles and records the CUDA graph at step 2
+        times = []
+        for n in (3, short, new):     # warm-up: compiles and records the CUDA graph at step 2
             rewind(impl, cache, ctx)
-            torch.cuda.synchronize()
+            sync(dev)
             t0 = time.perf_counter()
             out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
-            torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
+            sync(dev)
+            times.append(time.perf_counter() - t0)
             assert out.shape == (B, 1 + n), out.shape
-        return dt, out[:, 1:].cpu()
+        return (times[2] - times[1]) / (new - short), times[0], out[:, 1:].cpu()
     finally:
         del cache
         for attr in ("_compiled_call", "_last_compile_config"):
@@ -139,29 +179,57 @@ def run(model, impl: str, B: int, ctx: int, new: int, compiled: bool):
                 delattr(model, attr)
         torch._dynamo.reset()
         gc.collect()
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
-def main(argv: list[str] | None = None) -> None:
+HEADERS = ["mode", "B", "ctx", "impl", "step ms", "tokens/s", "vs SDPA", "setup s", "note"]
+
+
+def main(argv: list[str] | None = None) -> list[list]:
+    """Run the grid; returns the table's rows."""
     import warnings
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true",
-                    help="B 16 x 16k, 2 layers, 32 new tokens (about 3 minutes on the H200)")
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--quick", action="store_true", help="B 16 x 16k only")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a tiny model (hidden 64) on the CPU (CUDA with --device cuda): "
+                         "B 2 x ctx 64, 8 tokens; checks the plumbing, not speed")
+    ap.add_argument("--device", default=None, help="default: cuda, or cpu with --smoke")
+    ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--contexts", default="4096,16384")
     ap.add_argument("--impls", default="sdpa,sliding,paged,flex")
     ap.add_argument("--modes", default="compiled,eager")
-    ap.add_argument("--new", type=int, default=64, help="new tokens a row")
+    ap.add_argument("--new", type=int, default=40, help="new tokens a row, the long timed run")
+    ap.add_argument("--short", type=int, default=8, help="new tokens a row, the short timed run")
+    ap.add_argument("--record", action="store_true",
+                    help="write bench/results/<date>-<name>.md (and a copy under $OUT)")
     ap.add_argument("--name", default="transformers-generate")
     a = ap.parse_args(argv)
+    shape = LLAMA3_8B
     if a.quick:
-        a.layers, a.batches, a.contexts, a.new = 2, "16", "16384", 32
+        a.batches, a.contexts = "16", "16384"
         a.name += "-quick"
+    if a.smoke:
+        shape, a.batches, a.contexts, a.short, a.new = TINY, "2", "64", 4, 8
+        a.device = a.device or "cpu"
+        a.name += "-smoke"
+    if not 0 < a.short < a.new:
+        ap.error(f"--short: expected 0 < short < new={a.new}, got {a.short}")
+    for impl in a.impls.split(","):
+        if impl not in ATTN:
+            ap.error(f"--impls: expected some of {','.join(ATTN)}, got {impl!r}")
+    a.device = a.device or "cuda"
+    import kvops.integrations.transformers  # noqa: F401  (registers attn_implementation="kvops")
+
+    if torch.device(a.device).type == "cpu":
+        torch.set_num_threads(1)      # tiny matmuls: more threads on a shared machine are slower
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch._dynamo.config.cache_size_limit = 64
-    model = build_model(a.layers)
+    t_start = time.perf_counter()
+    model = build_model(a.layers, shape, device=a.device)
+    a.shape = "Llama-3-8B-shaped" if shape is LLAMA3_8B else "tiny (hidden 64, 4/2 heads of 16)"
     impls = a.impls.split(",")
     a.total = (len(a.modes.split(",")) * len(a.batches.split(",")) * len(a.contexts.split(","))
                * len(impls))
@@ -170,8 +238,10 @@ def main(argv: list[str] | None = None) -> None:
         for B in map(int, a.batches.split(",")):
             for ctx in map(int, a.contexts.split(",")):
                 for impl in impls:
+                    setup = None
                     try:
-                        dt, toks = run(model, impl, B, ctx, a.new, mode == "compiled")
+                        dt, setup, toks = run(model, impl, B, ctx, (a.short, a.new),
+                                              mode == "compiled")
                         results[mode, B, ctx, impl] = dt
                         ref = tokens.setdefault((B, ctx), toks)
                         same = (toks == ref).all(dim=1)
@@ -182,27 +252,36 @@ def main(argv: list[str] | None = None) -> None:
                         dt, note = None, f"failed: {type(e).__name__}: {str(e)[:80]}"
                     base = results.get((mode, B, ctx, "sdpa"))
                     rows.append([mode, B, ctx, impl,
-                                 f"{dt / a.new * 1e3:.2f}" if dt else "-",
-                                 f"{B * a.new / dt:,.0f}" if dt else "-",
-                                 f"{base / dt:.3f}x" if dt and base else "-", note])
+                                 f"{dt * 1e3:.2f}" if dt else "-",
+                                 f"{B / dt:,.0f}" if dt else "-",
+                                 f"{base / dt:.3f}x" if dt and base else "-",
+                                 f"{setup:.1f}" if setup is not None else "-", note])
                     print(" | ".join(map(str, rows[-1])), flush=True)
-                    report(a, rows)         # after every row: a run cut short keeps its rows
+                    if a.record:
+                        report(a, rows, time.perf_counter() - t_start)
+    body, path = report(a, rows, time.perf_counter() - t_start, write=a.record)
+    if path:
+        print(f"wrote {path}")
+    print(body)                       # the table last
+    return rows
 
 
-def report(a, rows) -> None:
+def report(a, rows, elapsed: float, write: bool = True):
+    """``(body, path)``: the header paragraph and the table; the results file when written."""
     import transformers
 
     body = "\n".join([
-        f"transformers {transformers.__version__}; random-weight Llama-3-8B-shaped model with "
-        f"{a.layers} of its 32 layers, bfloat16; {a.new} new tokens a row after `ctx` cached "
-        "tokens; step = wall time of the timed generate / new tokens (its first step eager); "
-        "vs SDPA = SDPA's time / this one's (> 1 is faster); note: whether the greedy tokens equal "
-        "those of the first run at that (B, ctx) (every cache holds the same K/V).", "",
-        table(["mode", "B", "ctx", "impl", "step ms", "tokens/s", "vs SDPA", "note"], rows)])
-    path = write_result(a.name, body)
-    if len(rows) == a.total:
-        print(body)
-        print(f"wrote {path}")
+        f"transformers {transformers.__version__}; random-weight {a.shape} model with "
+        f"{a.layers} of {'its 32' if a.shape.startswith('Llama') else 'its'} layers, bfloat16, "
+        f"on {a.device}; `ctx` cached tokens a row, then generate; step = (wall time of a "
+        f"{a.new}-token generate - that of a {a.short}-token one) / {a.new - a.short}; "
+        f"tokens/s = B / step; vs SDPA = SDPA's step / this one's (> 1 is faster); setup s = "
+        f"the 3-token warm-up generate (compile included); note: whether the greedy tokens "
+        f"equal those of the first run at that (B, ctx) (every cache holds the same K/V; "
+        f"random weights make near-ties, so bfloat16 rounding differences flip some). "
+        f"{len(rows)} of {a.total} cells in {elapsed / 60:.1f} min.", "",
+        table(HEADERS, rows)])
+    return body, write_result(a.name, body) if write else None
 
 
 if __name__ == "__main__":

@@ -56,11 +56,21 @@ def _replay_parser(sub) -> None:
     p.add_argument("--window", type=int, default=None)
     p.add_argument("--far-cap", type=int, default=None)
     p.add_argument("--far-chunk", type=int, default=None)
+    p.add_argument("--far-rerank", type=int, default=None,
+                   help="kvrm: decode steps between re-rankings of the far summaries (8)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--long-prefill-tokens", type=int, default=None)
     p.add_argument("--preemption", choices=["newest", "longest"], default=None)
     p.add_argument("--no-prefix-sharing", action="store_true")
     p.add_argument("--no-graphs", action="store_true", help="CUDA: decode eagerly")
+    p.add_argument("--tp", type=int, default=None, metavar="N",
+                   help="tensor parallelism over N ranks (docs/tp.md): under torchrun the "
+                        "world size (one process a GPU, NCCL); otherwise N processes spawned "
+                        "here (gloo on CPU, NCCL on CUDA, one GPU a rank); --tp 1 runs the "
+                        "distributed path in this process")
+    p.add_argument("--check-every", type=int, default=16, metavar="STEPS",
+                   help="--tp: ranks compare epoch, free pages and plan/table hashes every "
+                        "STEPS commits and at the end (default 16)")
     p.add_argument("--out", default="replay-out", help="directory for JSON, Markdown, figures")
     p.add_argument("--record", default=None, metavar="NAME",
                    help="also write bench/results/<date>-NAME.md (date, device, commit, command, "
@@ -98,7 +108,7 @@ def _settings_kw(args, device) -> dict:
         "trace", "kind", "model", "dtype", "time_scale", "length_scale", "max_requests",
         "window_s", "rate",
         "arrival", "cv", "budget_gib", "max_seqs", "max_context", "window", "far_cap",
-        "far_chunk", "max_num_batched_tokens", "long_prefill_tokens", "preemption",
+        "far_chunk", "far_rerank", "max_num_batched_tokens", "long_prefill_tokens", "preemption",
         "concurrency", "budget_tokens", "input_len", "output_len", "output_scale")}
     if args.configs:
         kw["configs"] = tuple(c.strip() for c in args.configs.split(",") if c.strip())
@@ -137,15 +147,62 @@ def elastic(args) -> int:
 
 
 def replay(args) -> int:
-    from kvops.engine.replay import ReplaySettings, run, write
+    import os
 
     if args.mode == "elastic":
+        if args.tp is not None:
+            raise SystemExit("kvops replay: --mode elastic runs on one device (no --tp)")
         return elastic(args)
+    if args.tp is None:
+        return _replay(args)
+    from kvops.engine import distributed
+    from kvops.engine.replay import ReplaySettings, model_config
+    from kvops.models.tp import check_tp
+
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    name = args.model or ReplaySettings.for_device(device).model
+    try:                                    # before any process starts
+        check_tp(model_config(name), args.tp)
+    except ValueError as exc:
+        raise SystemExit(f"kvops replay: --{exc} (model {name})") from None
+    if args.tp > 1 and args.configs is None:
+        args.configs = "static,paged"       # kvrm is not served under tp > 1 (docs/tp.md)
+    if "WORLD_SIZE" in os.environ or args.tp == 1:      # torchrun, or one rank right here
+        if "WORLD_SIZE" not in os.environ:                 # a group of one: any free port
+            os.environ["MASTER_PORT"] = str(distributed.free_port())
+        return _replay_rank(None, args)
+    distributed.spawn(_replay_rank, args.tp, args)
+    return 0
+
+
+def _replay_rank(rank, args) -> int:
+    from kvops.engine import distributed
+
+    tp = distributed.init(args.tp, rank=rank, device=args.device, check_every=args.check_every)
+    try:
+        return _replay(args, tp)
+    finally:
+        if rank is None:                                 # spawn's wrapper destroys its own
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _replay(args, tp=None) -> int:
+    from kvops.engine.replay import ReplaySettings, run, write
+
+    if tp is not None:
+        torch.set_num_threads(max(1, torch.get_num_threads() // tp.size))
+    device = tp.device if tp is not None else torch.device(
+        args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     kw = _settings_kw(args, device)
     kw["prefix_sharing"] = not args.no_prefix_sharing
     settings = ReplaySettings.for_device(device, **kw)
-    result = run(settings, progress=not args.no_progress)
+    result = run(settings, progress=not args.no_progress, tp=tp)
+    if tp is not None and not tp.leader:
+        return 0
+    if tp is not None:
+        result["tp"] = tp.size
     table = write(result, args.out, figures=not args.no_figures)
     print(table)
     for name, r in result["results"].items():

@@ -119,6 +119,50 @@ def test_kvrm_gives_far_pages_back_once_summarized(model):
     assert kv_k.free_pages() == kv_k.total_pages and kv_m.free_pages() == kv_m.total_pages
 
 
+def test_kvrm_pulls_far_utilities_every_rerank_steps(model, monkeypatch):
+    """The host ranks the far summaries again only every ``far_rerank`` steps (a pull syncs the
+    device); a bad interval is refused."""
+    from kvops.runtime import FarView
+
+    pulls = []
+    real = FarView.pull_scores
+    monkeypatch.setattr(FarView, "pull_scores", lambda self, values=None: (
+        pulls.append(1), real(self, values)))
+    tok = 2 * CFG.n_layers * CFG.n_kv_heads * CFG.head_dim * 4
+    for every in (1, 3):
+        pulls.clear()
+        kv = make_kv("kvrm", KVBudget(bytes=4096 * tok, max_seqs=4, max_context=192, window=32,
+                                      far_rerank=every), CFG, torch.float32, torch.device("cpu"))
+        engine = Engine(model, kv, "arena", SchedulerConfig(64, 4, 32))
+        engine.replay(build_requests([TraceRow(0.0, 400, 160, ())], CFG.vocab_size,
+                                     length_scale=0.125))
+        steps = engine.runner.steps
+        assert steps > 6 and len(pulls) == steps // every
+    with pytest.raises(ValueError, match="rerank_every"):
+        make_kv("kvrm", KVBudget(bytes=4096 * tok, max_seqs=4, max_context=192, window=32,
+                                 far_rerank=0), CFG, torch.float32, torch.device("cpu"))
+
+
+def test_a_prefix_aliased_in_a_step_is_not_evicted_for_a_later_admission():
+    """Admissions alias cached prefixes while later ones in the same step need pages: the
+    eviction skips the prefixes the step aliases (the commit trims before it aliases), and
+    every request finishes with no page lost."""
+    cfg = LlamaConfig(vocab_size=255, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                      hidden_dim=96, max_seq_len=1024)
+    rows = [TraceRow(0.0, 600 + 50 * i, 40 + 8 * i, (1, 2 + i % 2) if i % 3 else ())
+            for i in range(8)]
+    reqs = build_requests(rows, cfg.vocab_size, length_scale=0.125)
+    tok = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4
+    kv = make_kv("pager+merge", KVBudget(bytes=(8 * 64 + 160) * tok, max_seqs=8,
+                                         max_context=192, window=64),
+                 cfg, torch.float32, torch.device("cpu"))
+    engine = Engine(random_llama(cfg, dtype=torch.float32, std=0.5, seed=3), kv, "arena",
+                    SchedulerConfig(64, 8, 32))
+    metrics = engine.replay(reqs)
+    assert metrics["finished"] == 8 and metrics["prefix_hit_tokens"] > 0
+    assert kv.free_pages() == kv.total_pages
+
+
 def test_a_request_that_can_never_fit_is_refused_and_the_rest_finish(model):
     rows = burst(4) + [TraceRow(0.002, 8000, 80)]           # 1000 + 10 tokens > context 192
     reqs, kv, m = serve(model, rows)

@@ -195,15 +195,17 @@ def test_opcheck():
 
 
 def test_compiled_retrieval_step_never_recompiles():
-    """Summarize, select, gather and attend with tables changing every step: one compile."""
+    """Summarize, select, gather and attend with tables changing every step: one compile (the
+    Triton kernels on a GPU; the interpreter or the references on CPU)."""
     torch._dynamo.reset()
     backend, calls = counting_backend()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     B, N, K, S, Hkv, G, D, W = 2, 6, 2, 8, 2, 2, 32, 16
     P = B * N
-    k_cache, v_cache = (make_pool(P, S, Hkv, D, torch.float32, "cpu", s) for s in (7, 8))
-    win = torch.randn(2, B, W, Hkv, D)
-    ws = torch.zeros(B, dtype=torch.int32)
-    wl = torch.full((B,), W, dtype=torch.int32)
+    k_cache, v_cache = (make_pool(P, S, Hkv, D, torch.float32, dev, s) for s in (7, 8))
+    win = torch.randn(2, B, W, Hkv, D).to(dev)
+    ws = torch.zeros(B, dtype=torch.int32, device=dev)
+    wl = torch.full((B,), W, dtype=torch.int32, device=dev)
 
     def step(q, pages, num_far):
         lo, hi = torch.ops.kvops.far_page_summarize(k_cache, pages)
@@ -220,9 +222,9 @@ def test_compiled_retrieval_step_never_recompiles():
     gen = torch.Generator().manual_seed(9)
     with torch._dynamo.config.patch(error_on_recompile=True):
         for t in range(6):
-            q = torch.randn(B, Hkv * G, D, generator=gen)
-            pages = torch.randperm(P, generator=gen)[: B * N].view(B, N).to(torch.int32)
-            num_far = torch.tensor([t % (N + 1), N], dtype=torch.int32)
+            q = torch.randn(B, Hkv * G, D, generator=gen).to(dev)
+            pages = torch.randperm(P, generator=gen)[: B * N].view(B, N).to(torch.int32).to(dev)
+            num_far = torch.tensor([t % (N + 1), N], dtype=torch.int32, device=dev)
             out, lse = compiled(q, pages, num_far)
             want, want_lse = step(q, pages, num_far)
             torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)

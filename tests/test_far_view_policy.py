@@ -179,6 +179,37 @@ def test_observe_mass_from_lse_and_ema_update():
     assert torch.equal(far.scores[layer, 1, unselected[1:]], before[layer, 1, unselected[1:]])
 
 
+def test_a_bucket_of_the_first_slots_sees_and_scores_only_its_live_rows():
+    """A decode bucket of ``R`` rows gets the first ``R`` slots' far rows; ``observe`` with a
+    live mask moves the live rows' utilities as the whole batch would and leaves the others'."""
+    pager, far, k, v = setup(cap=2, max_leave=4, sessions=3)
+    commit(pager, far, k, v, {"a": 8 * S, "b": 6 * S, "c": 8 * S})
+    layer = 0
+    full = far.view(layer)
+    part = far.view(layer, 2)
+    for got, want in zip(part, full):
+        assert torch.equal(got, want[:2])
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(3, HKV * G, D, generator=gen)
+    win_k, win_v = torch.randn(3, W, HKV, D, generator=gen), torch.randn(3, W, HKV, D, generator=gen)
+    ws, wl = torch.zeros(3, dtype=torch.int32), torch.full((3,), W, dtype=torch.int32)
+    far.scores.uniform_(0.0, 1.0, generator=gen)
+    before = far.scores.clone()
+    _, lse = static_sliding_attention_ref(q, win_k, win_v, ws, wl, *full)
+    far.observe(layer, q, full[0], full[2], lse)              # every row live: the reference
+    want = far.scores.clone()
+    far.scores.copy_(before)
+    fk, fv, fb = part
+    live = torch.tensor([False, True])
+    far.observe(layer, q[:2], fk, fb, lse[:2], live=live)
+    assert torch.equal(far.scores[layer, 0], before[layer, 0])     # not live: untouched
+    assert torch.equal(far.scores[layer, 1], want[layer, 1])       # live: as in the full batch
+    assert torch.equal(far.scores[layer, 2], before[layer, 2])     # outside the bucket
+    assert not torch.equal(want[layer, 1], before[layer, 1])        # the update did something
+    with pytest.raises(ValueError, match="rows"):
+        far.view(layer, 4)
+
+
 def test_utility_keeps_the_attended_chunk_in_view():
     """A query aligned with one far chunk's keys: that chunk stays selected as newer chunks
     arrive and compete for two slots; chunks nobody attends to rotate out."""

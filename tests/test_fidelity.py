@@ -365,6 +365,52 @@ def test_promote_one_session_and_out_of_pages():
     w.check_all()
 
 
+def test_promote_a_limited_number_of_top_pairs():
+    """``promote(frame, key, limit)``: the span's top ``limit`` pairs, so a pool with few free
+    pages promotes in rounds (two held pages a pair, the BASE page freed at the settle)."""
+    torch.manual_seed(9)
+    w = World(P=16, min_batch=4, protect_recent=1)
+    start(w, {"a": 10 * w.S, "b": 5 * w.S})           # 15 of 16 pages
+    with w.pager.frame() as f:
+        w.fid.step(f, need=w.pager.free_pages + 4)
+    first, end = w.fid.span("a")
+    assert end - first >= 4
+    with pytest.raises(ValueError, match="limit: expected an int >= 0, got -1"):
+        with w.pager.frame() as f:
+            w.fid.promote(f, "a", limit=-1)
+    with w.pager.frame() as f:
+        assert w.fid.promote(f, "a", limit=0) == 0
+        assert w.fid.promote(f, "a", limit=1) == 1
+    states = w.fid.block_states("a")
+    assert list(states[end - 2: end]) == [PROMOTING] * 2 and (states[first: end - 2] == BASE).all()
+    with w.pager.frame() as f:
+        w.fid.step(f, need=w.pager.free_pages)          # settle, no new promotions
+    assert w.fid.span("a") == (first, end - 2)
+    w.check_all()
+
+
+def test_promotion_after_a_settle_holds_pool_pages_only():
+    """Pages a settle frees in a step's frame are reusable by reserves, not held: with an
+    empty pool the step promotes nothing (it counted them and raised OutOfPages in hold)."""
+    S = 8
+    w = World(P=40, B=4, L=40, min_batch=16, protect_recent=1, reserve_decay=0.0)
+    start(w, {"a": 33 * S})
+    with w.pager.frame() as f:
+        assert w.fid.step(f, need=w.pager.free_pages + 16)["demoted"] == 16
+    start(w, {"b": (w.pager.free_pages - 4) * S})      # 4 free pages
+    with w.pager.frame() as f:                          # the reserve decays to 0
+        w.fid.step(f, need=f.free_pages)
+    with w.pager.frame() as f:
+        assert w.fid.promote(f, "a", limit=2) == 2      # holds the 4
+    assert w.pager.free_pages == 0
+    with w.pager.frame() as f:                          # settles 2: their BASE pages free
+        assert w.fid.step(f, need=0) == {"demoted": 0, "promoted": 0, "settled": 2}
+    assert w.pager.free_pages == 2
+    with w.pager.frame() as f:                          # pool pages now: one more promotion
+        assert w.fid.step(f, need=0)["promoted"] == 1
+    w.check_all()
+
+
 def test_verbs_in_the_frame_of_a_step_see_its_edits():
     """One frame holding a step and other verbs (a second reading found each of these broken
     when the policy read only committed state): the session ending in its first demotion's

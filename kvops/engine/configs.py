@@ -50,6 +50,7 @@ class KVBudget:
     page_size: int = 16
     far_chunk: int = 128    # kvrm: tokens per far chunk
     far_cap: int = 16       # kvrm: far slots per session
+    far_rerank: int = 8     # kvrm: decode steps between utility pulls (the host's re-ranking)
 
 
 def make_kv(name: str, budget: KVBudget, model_cfg, dtype: torch.dtype, device: torch.device,
@@ -91,7 +92,8 @@ def make_kv(name: str, budget: KVBudget, model_cfg, dtype: torch.dtype, device: 
         return PagedKV(window=window, max_train_bytes=page_bytes, copy_tail=True, **kw)
     far = None
     if name == "kvrm":
-        far = {"chunk_tokens": min(budget.far_chunk, window), "cap": budget.far_cap}
+        far = {"chunk_tokens": min(budget.far_chunk, window), "cap": budget.far_cap,
+               "rerank_every": budget.far_rerank}
     return PagedKV(window=window, max_train_bytes=131072, copy_tail=False, far=far, **kw)
 
 

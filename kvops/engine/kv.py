@@ -31,9 +31,11 @@ def _blocks(n: int, S: int) -> int:
 class PagedKV:
     """Pool ``[layers, P, S, Hkv, D]`` mapped by a pager; ``window`` > 0 adds the arenas
     ``[layers, B, W, Hkv, D]`` and a transport (``max_train_bytes``, ``copy_tail``); ``far`` a
-    far view (``{"chunk_tokens", "cap"}``)."""
+    far view (``{"chunk_tokens", "cap"}``, optionally ``"rerank_every"``: steps between pulls of
+    the utilities, which the host ranks at the next commit; 1 by default)."""
 
     kind = "paged"
+    tp_edits = ("hold_prefix",)      # editing calls beyond the engine's own (distributed.KVLog)
 
     def __init__(self, *, num_pages: int, page_size: int, max_sessions: int, max_blocks: int,
                  layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -59,12 +61,16 @@ class PagedKV:
             self.far = FarView(self.pager, window_tokens=window, chunk_tokens=far["chunk_tokens"],
                                cap=far["cap"], num_layers=layers, num_kv_heads=kv_heads,
                                head_dim=head_dim, dtype=dtype, device=device)
+            self.far_rerank = int(far.get("rerank_every", 1))
+            if self.far_rerank < 1:
+                raise ValueError(f"far: rerank_every: expected >= 1 steps, got {self.far_rerank}")
         self.prefix_sharing = prefix_sharing
         self.far_trim = far_trim and self.far is not None
         self._far_trimmed: dict[str, int] = {}    # session -> leading blocks trimmed as far
         self._holders: dict[tuple, list[str]] = {}       # hash chain -> sessions holding it
         self._chains: dict[str, list[tuple]] = {}        # session -> chains it registered
         self._cached: OrderedDict[str, None] = OrderedDict()   # finished, kept as prefixes
+        self._held: set[str] = set()          # cached prefixes this step's admissions alias
         self._ends: list[tuple[str, list[int] | None]] = []     # trims for the next frame
         self._partial: set[str] = set()     # sessions that share a partly filled page
         self.prefix_hit_tokens = 0
@@ -139,12 +145,20 @@ class PagedKV:
         """Pages a preemption of ``req`` gives back (those not shared)."""
         return sum(1 for p in self.pager.pages(req.key) if p >= 0 and self.pager.refcount(p) == 1)
 
+    def hold_prefix(self, key: str) -> None:
+        """Keep the cached prefix ``key`` until this step's commit: an admission of the step
+        aliases it, and the commit runs trims before aliases, so evicting it now would end the
+        session the alias reads."""
+        self._held.add(key)
+
     def evict_cached(self) -> int | None:
-        """End the least recently used cached prefix (freed at the next commit); returns the
-        pages that gives back (0 when all are shared), None when none is cached."""
-        if not self._cached:
+        """End the least recently used cached prefix that no admission of this step aliases
+        (freed at the next commit); returns the pages that gives back (0 when all are shared),
+        None when none can be evicted."""
+        key = next((k for k in self._cached if k not in self._held), None)
+        if key is None:
             return None
-        key, _ = self._cached.popitem(last=False)
+        del self._cached[key]
         freed = sum(1 for p in self.pager.pages(key) if p >= 0 and self.pager.refcount(p) == 1)
         self._drop_chains(key)
         self._partial.discard(key)
@@ -221,6 +235,7 @@ class PagedKV:
             for req, n in self._before_reserves(f, reserves):
                 f.reserve(req.key, n)
         self._ends = []
+        self._held.clear()
         commit = f.result
         self.cow_copies += len(commit.copies)
         if commit.copies:

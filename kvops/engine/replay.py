@@ -26,10 +26,25 @@ from kvops.engine.traces import build_requests, load_rows, pressure_rows
 MODELS = ("smollm2", "smollm2-random", "llama3-8b", "tiny")
 
 
+def model_config(name: str):
+    """The :class:`~kvops.models.LlamaConfig` of a model name (its shape, before loading)."""
+    from kvops.models import SMOLLM2_135M, LlamaConfig
+    from kvops.models.paged import LLAMA3_8B
+
+    if name in ("smollm2", "smollm2-random"):
+        return SMOLLM2_135M
+    if name == "llama3-8b":
+        return LLAMA3_8B
+    if name == "tiny":
+        return LlamaConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                           head_dim=16, hidden_dim=128, max_seq_len=4096)
+    raise ValueError(f"model: expected one of {', '.join(MODELS)}, got {name!r}")
+
+
 def load_model(name: str, device: torch.device, dtype: torch.dtype):
     """``(model, note)``: SmolLM2-135M from its GGUF, or random weights of SmolLM2's,
     Llama-3-8B's or a tiny shape."""
-    from kvops.models import SMOLLM2_135M, Llama, LlamaConfig, ModelUnavailable
+    from kvops.models import SMOLLM2_135M, Llama, ModelUnavailable
     from kvops.models.paged import LLAMA3_8B, random_llama
 
     if name == "smollm2":
@@ -43,9 +58,8 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype):
     if name == "llama3-8b":
         return random_llama(LLAMA3_8B, dtype=dtype, device=device), "Llama-3-8B shape, random weights"
     if name == "tiny":
-        cfg = LlamaConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
-                          hidden_dim=128, max_seq_len=4096)
-        return random_llama(cfg, dtype=dtype, device=device, std=0.5), "tiny random Llama"
+        return (random_llama(model_config(name), dtype=dtype, device=device, std=0.5),
+                "tiny random Llama")
     raise ValueError(f"model: expected one of {', '.join(MODELS)}, got {name!r}")
 
 
@@ -69,6 +83,7 @@ class ReplaySettings:
     page_size: int = 16
     far_chunk: int = 64
     far_cap: int = 8
+    far_rerank: int = 8
     max_num_batched_tokens: int = 256
     long_prefill_tokens: int = 128
     preemption: str = "newest"
@@ -137,7 +152,7 @@ def _warmup(engine: Engine, vocab: int, max_context: int) -> None:
     if runner.graphs:
         b, seen = 1, set()
         while b <= runner.rows:
-            bk = bucket_of(b, runner.rows) if not runner.full_rows else runner.rows
+            bk = bucket_of(b, runner.rows)
             if bk not in seen:
                 seen.add(bk)
                 runner._pos.fill_(-1)           # rows that decode nothing: no writes
@@ -160,16 +175,35 @@ def replay_dtype(settings: ReplaySettings, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def run(settings: ReplaySettings, progress: bool = True, model=None) -> dict:
+def run(settings: ReplaySettings, progress: bool = True, tp=None, model=None) -> dict:
     """Replay ``settings.trace`` through each configuration; returns ``{"settings", "model",
     "device", "results": {config: metrics}, "steps": {config: [step records]}, "tokens":
-    {config: [outputs]}}``. ``model``: ``(model, note)`` already loaded (a sweep loads once)."""
+    {config: [outputs]}}``. ``tp``: this process's
+    :class:`~kvops.engine.distributed.TPContext`; every rank calls ``run`` with the same
+    settings, shards the model, and rank 0's scheduler drives (the results are rank 0's).
+    ``model``: ``(model, note)`` already loaded (a sweep loads once; not with ``tp``)."""
     for c in settings.configs:
         if c not in CONFIGS:
             raise ValueError(f"configs: expected names from {', '.join(CONFIGS)}, got {c!r}")
     device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if tp is not None:
+        device = tp.device
+        if tp.size > 1 and "kvrm" in settings.configs:
+            raise ValueError("configs: 'kvrm' is not served under tensor parallelism (tp > 1): "
+                             "its far view selects by attention scores, which each rank "
+                             "computes for its own heads; use static, pager, pager+merge or "
+                             "paged")
+        if model is not None:
+            raise ValueError("model: a loaded model is not taken with tp (each rank shards "
+                             "its own)")
+    say = print if tp is None or tp.leader else (lambda *a, **k: None)
+    progress = progress and (tp is None or tp.leader)
     dtype = replay_dtype(settings, device)
     model, note = model if model is not None else load_model(settings.model, device, dtype)
+    if tp is not None:
+        tp.check_model(model.cfg)
+        model = tp.shard(model)
+        note += f", tensor-parallel over {tp.size} ranks"
     cfg = model.cfg
     tok = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
     budget_bytes = (settings.budget_tokens * tok if settings.budget_tokens
@@ -177,7 +211,8 @@ def run(settings: ReplaySettings, progress: bool = True, model=None) -> dict:
     budget = KVBudget(bytes=budget_bytes, max_seqs=settings.max_seqs,
                       max_context=min(settings.max_context, cfg.max_seq_len),
                       window=settings.window, page_size=settings.page_size,
-                      far_chunk=settings.far_chunk, far_cap=settings.far_cap)
+                      far_chunk=settings.far_chunk, far_cap=settings.far_cap,
+                      far_rerank=settings.far_rerank)
     sched = SchedulerConfig(settings.max_num_batched_tokens, settings.max_seqs,
                             settings.long_prefill_tokens, settings.preemption)
     out = {"settings": dataclasses.asdict(settings), "model": note, "device": str(device),
@@ -185,9 +220,11 @@ def run(settings: ReplaySettings, progress: bool = True, model=None) -> dict:
            "dtype": str(dtype).replace("torch.", ""), "budget_bytes": budget_bytes,
            "results": {}, "steps": {}, "tokens": {}, "arrivals": []}
     for name in settings.configs:
-        kv = make_kv(name, budget, cfg, dtype, device, prefix_sharing=settings.prefix_sharing,
+        kv = make_kv(name, budget if tp is None else tp.kv_budget(budget), cfg, dtype, device,
+                     prefix_sharing=settings.prefix_sharing,
                      fidelity=settings.fidelity if name == "elastic" else None)
-        engine = Engine(model, kv, decode_kind(name), sched, graphs=settings.graphs)
+        make = Engine if tp is None else tp.engine
+        engine = make(model, kv, decode_kind(name), sched, graphs=settings.graphs)
         _warmup(engine, cfg.vocab_size, budget.max_context)
         reqs = _requests(settings, cfg.vocab_size, cfg.max_seq_len)
         bar = None
@@ -206,7 +243,7 @@ def run(settings: ReplaySettings, progress: bool = True, model=None) -> dict:
         res["warmup_captures"] = engine.warm_captures
         res["recaptures"] = engine.runner.captures - engine.warm_captures
         res["errors"] = sorted({r.error for r in reqs if r.status is Status.REFUSED})[:3]
-        print(f"{name}: {res['finished']}/{len(reqs)} done, {res['output_tok_s']:.1f} out tok/s, "
+        say(f"{name}: {res['finished']}/{len(reqs)} done, {res['output_tok_s']:.1f} out tok/s, "
               f"TTFT p99 {res['ttft_ms']['p99']:.1f} ms, TPOT p50/p99 "
               f"{res['tpot_ms']['median']:.2f}/{res['tpot_ms']['p99']:.2f} ms, reserved "
               f"{res['reserved_gib_mean']:.3f} GiB, {res['wall_s']:.1f} s", flush=True)

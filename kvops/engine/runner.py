@@ -9,12 +9,16 @@ A step runs, in order:
    ``paged_prefill_attention`` over each request's block table;
 3. the far view's summaries of chunks this commit made far (``kvrm``);
 4. the decode tokens, one row per KV slot up to a batch bucket (1, 2, 4, 8, then multiples of
-   8, and of 16 above 64; ``kvrm`` always all rows, since the far view's tables are per slot),
+   8, and of 16 above 64; ``kvrm`` too: the far view's tables are per slot, and a bucket
+   takes the first slots' far rows),
    with the configuration's decode attention: ``elastic_attention`` over block tables
    (``paged``, ``offload``, ``reserve``; ``elastic`` adds the BASE span table, so BASE blocks
    decode in place), ``static_sliding_attention`` over the worst-case arena (``static``) or over the
    window arena (``pager``, ``pager+merge``, ``kvrm``, with the far slots). On CUDA each bucket's
    decode step is captured once in a CUDA graph and replayed; captures are counted.
+5. ``kvrm``: every ``rerank_every`` steps, the far view's utilities to the host
+   (``FarView.pull_scores``), so the next commit ranks the sessions' summaries again; between
+   pulls a commit only places new summaries.
 
 Rows of the decode batch that decode nothing this step (free slots, slots in prefill) have
 position ``-1``: they write nothing and their logits are not read.
@@ -61,7 +65,6 @@ class ModelRunner:
             raise ValueError("graphs: CUDA graphs need a CUDA device")
         self.S = kv.S
         self.rows = kv.max_sessions
-        self.full_rows = kv.far is not None
         self.write_arena = kv.transport is not None
         if self.write_arena:
             S = self.S
@@ -74,6 +77,7 @@ class ModelRunner:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self.captures = 0
+        self.steps = 0
         self.buckets_used: set[int] = set()
 
     # -- slot arithmetic --------------------------------------------------------------------------
@@ -112,7 +116,9 @@ class ModelRunner:
         if decode:
             out.update(self._decode(decode))
         if kv.far is not None:
-            kv.far.pull_scores()
+            self.steps += 1
+            if self.steps % kv.far_rerank == 0:    # the next commit re-ranks (a device sync)
+                kv.far.pull_scores()
         return out
 
     def _prefill(self, items: list) -> dict:
@@ -200,9 +206,9 @@ class ModelRunner:
             if kv.far is None:
                 o, _ = torch.ops.kvops.static_sliding_attention(q, ka, va, ws, wl)
                 return o
-            fk, fv, fb = kv.far.view(i)
+            fk, fv, fb = kv.far.view(i, bk)
             o, lse = torch.ops.kvops.static_sliding_attention(q, ka, va, ws, wl, fk, fv, fb)
-            kv.far.observe(i, q, fk, fb, lse)
+            kv.far.observe(i, q, fk, fb, lse, live=valid)
             return o
 
         hidden = forward_packed(self.model, self._tok[:bk], pos, attend)
@@ -211,7 +217,7 @@ class ModelRunner:
     def _decode(self, items: list) -> dict:
         kv = self.kv
         slots = [kv.slot(req) for req, _, _ in items]
-        bk = self.rows if self.full_rows else bucket_of(max(slots) + 1, self.rows)
+        bk = bucket_of(max(slots) + 1, self.rows)
         self.buckets_used.add(bk)
         host = np.zeros((2, bk), dtype=np.int64)
         host[1] = -1

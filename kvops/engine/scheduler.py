@@ -162,6 +162,8 @@ class Scheduler:
             slots -= 1
             self.running.append(req)
             plan.admits.append((req, src, hit, n))
+            if hit:                                # a later admission must not evict it
+                kv.hold_prefix(src)
         return plan
 
     def finish(self, req: Request) -> None:

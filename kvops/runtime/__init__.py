@@ -10,11 +10,11 @@ from kvops.runtime.allocator import OutOfPages, SpanAllocator
 from kvops.runtime.copies import apply_copies
 from kvops.runtime.far_retrieval import FarRetrieval
 from kvops.runtime.far_view import FarView
-from kvops.runtime.fidelity import Fidelity
+from kvops.runtime.fidelity import Fidelity, FidelityPlan
 from kvops.runtime.frame import Frame
 from kvops.runtime.pager import Commit, Pager
 from kvops.runtime.policy import Staged
 from kvops.runtime.transport import Transport
 
-__all__ = ["Commit", "FarRetrieval", "FarView", "Fidelity", "Frame", "OutOfPages", "Pager",
-           "SpanAllocator", "Staged", "Transport", "apply_copies"]
+__all__ = ["Commit", "FarRetrieval", "FarView", "Fidelity", "FidelityPlan", "Frame", "OutOfPages",
+           "Pager", "SpanAllocator", "Staged", "Transport", "apply_copies"]

@@ -216,8 +216,8 @@ class FarView:
             take, left = [], list(st.pending)
             while left and len(take) < self.max_leave:
                 j = left.pop(0)
-                got = [d.page_after(i) if d is not None else frame.page(st.key, i)
-                       for i in range(j * M, (j + 1) * M)]
+                got = ([d.page_after(i) for i in range(j * M, (j + 1) * M)] if d is not None
+                       else frame.block_pages(st.key, j * M, (j + 1) * M))
                 if min(got) >= 0:
                     rows.append(b * self.max_leave + len(take))
                     pages.append(got)
@@ -345,27 +345,40 @@ class FarView:
         self.scores[layer].scatter_(1, ids, start.expand(B, n))
         self.scores[layer, :, J] = 0.0
 
-    def view(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
-        """``far_k, far_v [B, C, Hkv, D]`` and ``far_bias float32 [B, C]`` for ``layer``."""
+    def view(self, layer: int, rows: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """``far_k, far_v [R, C, Hkv, D]`` and ``far_bias float32 [R, C]`` for ``layer``, for
+        the slots ``[0, R)`` (``rows``; all ``B`` when None: a decode batch bucket takes the
+        first ``R`` slots)."""
+        R = self._rows(rows)
         t = self._tables()
-        sel = t["far_select"].view(self.layers, self.B, self.C)[layer].long()
+        sel = t["far_select"].view(self.layers, self.B, self.C)[layer, :R].long()
         idx = torch.where(sel >= 0, sel, self.J)
         at = idx[..., None, None].expand(-1, -1, *self.k_store.shape[-2:])
-        far_k = self.k_store[layer].gather(1, at)
-        far_v = self.v_store[layer].gather(1, at)
+        far_k = self.k_store[layer, :R].gather(1, at)
+        far_v = self.v_store[layer, :R].gather(1, at)
         live = math.log(self.count) if self.log_count_bias else 0.0
         far_bias = torch.where(sel >= 0, live, float("-inf")).to(torch.float32)
         return far_k, far_v, far_bias
 
-    def observe(self, layer: int, q: Tensor, far_k: Tensor, far_bias: Tensor, lse: Tensor,
-                scale: float | None = None) -> Tensor:
-        """Update ``layer``'s utilities from one attention call; returns ``mass [B, C]``.
+    def _rows(self, rows: int | None) -> int:
+        if rows is None:
+            return self.B
+        if not 1 <= rows <= self.B:
+            raise ValueError(f"rows: expected 1..{self.B} (the pager's session slots), got {rows}")
+        return rows
 
-        q [B, Hq, D] (the query the kernel saw); far_k [B, C, Hkv, D] and far_bias [B, C] (what
-        :meth:`view` gave it); lse float32 [B, Hq] (the kernel's). Rows with ``lse = -inf``
-        (nothing visible) add no mass.
+    def observe(self, layer: int, q: Tensor, far_k: Tensor, far_bias: Tensor, lse: Tensor,
+                scale: float | None = None, live: Tensor | None = None) -> Tensor:
+        """Update ``layer``'s utilities from one attention call; returns ``mass [R, C]``.
+
+        q [R, Hq, D] (the query the kernel saw, slots ``[0, R)``); far_k [R, C, Hkv, D] and
+        far_bias [R, C] (what :meth:`view` gave it); lse float32 [R, Hq] (the kernel's); live
+        bool [R] (optional): rows whose query is real (a decode batch's rows that decode
+        nothing must not move their slot's utilities). Rows with ``lse = -inf`` (nothing
+        visible) add no mass.
         """
         B, Hq, D = q.shape
+        self._rows(B)
         Hkv = far_k.shape[2]
         scale = D ** -0.5 if scale is None else scale
         qf = q.float().view(B, Hkv, Hq // Hkv, D)
@@ -373,10 +386,13 @@ class FarView:
         norm = lse.view(B, Hkv, Hq // Hkv, 1)
         # lse = -inf only when every far bias is -inf too: those logits stay -inf, mass 0
         norm = torch.where(norm > float("-inf"), norm, 0.0)
-        mass = torch.exp(logits + far_bias[:, None, None, :] - norm).sum(dim=(1, 2))   # [B, C]
-        sel = self._tables()["far_select"].view(self.layers, self.B, self.C)[layer].long()
+        mass = torch.exp(logits + far_bias[:, None, None, :] - norm).sum(dim=(1, 2))   # [R, C]
+        sel = self._tables()["far_select"].view(self.layers, self.B, self.C)[layer, :B].long()
         idx = torch.where(sel >= 0, sel, self.J)
-        old = self.scores[layer].gather(1, idx)
+        scores = self.scores[layer, :B]
+        old = scores.gather(1, idx)
         new = torch.where(sel >= 0, self.ema * old + (1.0 - self.ema) * mass, 0.0)
-        self.scores[layer].scatter_(1, idx, new)
+        if live is not None:
+            new = torch.where(live[:, None] & (sel >= 0), new, torch.where(sel >= 0, old, 0.0))
+        scores.scatter_(1, idx, new)
         return mass

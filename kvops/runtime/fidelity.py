@@ -23,7 +23,8 @@ Demotion (synchronous, on the current stream)
 
 Promotion (asynchronous, on a side stream)
     When a step demotes nothing, the pages left after ``need``, the reserve and ``headroom``
-    pay for promotions, two pages each while in flight (at most ``max_promote`` a step). A
+    pay for promotions, two pages each while in flight (at most ``max_promote`` a step), from
+    the pool's free pages (a hold never takes pages freed in the frame, e.g. by a settle). A
     promotion copies the pair's backing to the device and runs ``refine_base_pairs`` out of
     place into two held pages; the BASE page stays mapped (and retained), so attention keeps
     reading BASE meanwhile. A later ``step`` whose frame sees the side stream's event done
@@ -189,6 +190,21 @@ class _Pending:
     mine: dict = field(default_factory=dict)         # (key, j) -> page the policy mapped
     stepped: bool = False
     demoted: int = 0
+    decided: dict = field(default_factory=dict)      # this step's FidelityPlan fields
+
+
+@dataclass(frozen=True)
+class FidelityPlan:
+    """What one :meth:`Fidelity.step` decided, as plain data (picklable, hashable): the
+    promotions it settled (``(session, count)``, top of each stack first), the orphans whose
+    pages it released (indices), the pairs it demoted and the promotions it issued
+    (``(session, first block)``). ``step(frame, need, plan=...)`` applies a plan made
+    elsewhere instead of deciding: the tensor-parallel ranks apply rank 0's
+    (:class:`kvops.engine.distributed.FidelitySync`)."""
+    settle: tuple = ()
+    orphans: tuple = ()
+    demote: tuple = ()
+    promote: tuple = ()
 
 
 class Fidelity:
@@ -268,6 +284,8 @@ class Fidelity:
         self._orphans: list[_Promotion] = []                    # sessions ended in flight
         self._d2h: list[tuple[object, torch.Tensor]] = []       # (event, device backing)
         self._pend: _Pending | None = None                      # the open frame's record
+        self.last_plan: FidelityPlan | None = None              # the last step's decisions
+        self._picked: list = []                                 # the last promotions issued
         self.reserve = 0.0
         self.stats = {"demoted": 0, "promoted": 0, "demotion_batches": 0, "in_flight": 0,
                       "base_blocks": 0, "exposure": 0.0, "exposure_mean": 0.0, "steps": 0}
@@ -492,12 +510,17 @@ class Fidelity:
         items = reserves.items() if hasattr(reserves, "items") else reserves
         return sum(frame.pages_needed(key, n) for key, n in items)
 
-    def step(self, frame: Frame, need: int = 0, exclude=()) -> dict:
+    def step(self, frame: Frame, need: int = 0, plan: FidelityPlan | None = None,
+             exclude=()) -> dict:
         """Settle finished promotions, then demote on shortage or promote with spare pages;
         once a frame. ``need``: pages the caller takes before the next step (blocks reserved
-        in this frame are never demoted in it). ``exclude``: sessions none of whose blocks is
-        demoted in this frame (e.g. a request whose prefill still reads its blocks through a
-        TARGET-only kernel). Returns this step's counts."""
+        in this frame are never demoted in it). Returns this step's counts; its decisions
+        are ``last_plan``. ``plan``: apply those decisions (settle exactly those promotions,
+        waiting for their side-stream work; demote and promote exactly those pairs) instead
+        of deciding; a pair the plan names that is not eligible here raises ``ValueError``.
+        ``exclude``: sessions none of whose blocks is demoted in this frame by the policy's
+        own decision (e.g. a request whose prefill still reads its blocks through a
+        TARGET-only kernel)."""
         need = as_int("need", need)
         if isinstance(exclude, (str, bytes)):
             raise TypeError(f"exclude: expected a collection of session keys, got the string "
@@ -509,17 +532,30 @@ class Fidelity:
                              f"call it once a frame")
         pend.stepped = True
         self._reap_d2h()
-        settled = self._settle(frame, pend)
+        settled = self._settle(frame, pend, plan)
         free = frame.free_pages
         short = need - free
         promoted = 0
-        if short > 0:
-            pend.demoted = self._demote(frame, pend, max(short, self.min_batch), exclude)
+        if plan is not None:
+            if plan.demote:
+                pend.demoted = self._demote(frame, pend, len(plan.demote), picks=plan.demote)
+            if plan.promote:
+                promoted = self._promote(frame, pend, len(plan.promote), picks=plan.promote)
+        elif short > 0:
+            pend.demoted = self._demote(frame, pend, max(short, self.min_batch),
+                                        exclude=exclude)
         else:
-            spare = free - need - math.ceil(self.reserve) - self.headroom
-            spare = min(spare, frame.holdable_pages)    # held pages come from the pool only
+            # promotions hold pool pages only; the reserves fall back on pages freed in the
+            # frame (a settle's BASE pages), so both fit when holds stay within the pool
+            spare = min(free - need, frame.holdable_pages) - math.ceil(self.reserve) \
+                - self.headroom
             if spare >= 2:
                 promoted = self._promote(frame, pend, min(spare // 2, self.max_promote))
+        if promoted:
+            pend.decided["promote"] = self._picked
+        d = pend.decided
+        self.last_plan = FidelityPlan(tuple(d.get("settle", ())), tuple(d.get("orphans", ())),
+                                      tuple(d.get("demote", ())), tuple(d.get("promote", ())))
         return {"demoted": pend.demoted, "promoted": promoted, "settled": settled}
 
     def _count(self) -> None:
@@ -557,10 +593,12 @@ class Fidelity:
             return False
         return not frame.copies or all(s != a and s != b for s, _ in frame.copies)
 
-    def _demote(self, frame: Frame, pend: _Pending, want: int, exclude=frozenset()) -> int:
+    def _demote(self, frame: Frame, pend: _Pending, want: int, picks=None,
+                exclude=frozenset()) -> int:
         """Pick up to ``want`` pairs, the next one always from the session with the smallest
         BASE share (each session's pairs checked only as they are reached), and pack them;
-        sessions in ``exclude`` give none."""
+        sessions in ``exclude`` give none. ``picks``: these ``(session, block)`` pairs
+        instead, each the next of its span."""
         S = self.pager.page_size
         heap, plan = [], {}
         for key in self.pager.sessions():
@@ -572,6 +610,21 @@ class Fidelity:
                 plan[key] = [first, end, end, limit]          # first, span end, next, limit
                 heapq.heappush(heap, ((end - first) / nb, len(plan), key, nb))
         rows, who = [], []
+        if picks is not None:
+            if len(picks) > self._host.free:
+                raise ValueError(f"plan: demotes {len(picks)} pairs, the host pool has "
+                                 f"{self._host.free} free slots")
+            for key, j in picks:
+                p = plan.get(key)
+                if p is None or j != p[2] or j + 1 >= p[3] or not self._eligible(frame, key, j):
+                    raise ValueError(f"plan: blocks {j}, {j + 1} of {key!r} cannot be demoted "
+                                     f"here (span {self._span_now(key, pend)}, next pair "
+                                     f"{None if p is None else p[2]}); this pager's state is "
+                                     f"not the planner's")
+                rows.append((frame.page(key, j), frame.page(key, j + 1)))
+                who.append((key, j))
+                p[2] = j + 2
+            heap = []
         want = min(want, self._host.free)
         while heap and len(rows) < want:
             _, order, key, nb = heapq.heappop(heap)
@@ -585,6 +638,7 @@ class Fidelity:
             heapq.heappush(heap, ((j + 2 - p[0]) / nb, order, key, nb))
         if not rows:
             return 0
+        pend.decided["demote"] = list(who)
         triples = [(a, b, a) for a, b in rows]
         back = self._pack(triples)                            # [N, caches, 2, S, Hkv, D]
         slots = self._host.take(len(rows))
@@ -668,9 +722,20 @@ class Fidelity:
 
     # -- promotion -----------------------------------------------------------------------------
     def _promote(self, frame: Frame, pend: _Pending, want: int,
-                 only: Hashable | None = None) -> int:
+                 only: Hashable | None = None, picks=None) -> int:
         """Issue up to ``want`` promotions, top pairs of the sessions with the largest BASE
-        share first (``only``: that session's pairs)."""
+        share first (``only``: that session's pairs; ``picks``: these ``(session, block)``)."""
+        if picks is not None:
+            for key, j in picks:
+                first, end = self._span_now(key, pend)
+                if not frame.has(key) or not first <= j < end - 1 or (j - first) % 2 or any(
+                        pr.j == j for pr in self._flight_now(key, pend)):
+                    raise ValueError(f"plan: blocks {j}, {j + 1} of {key!r} are not a BASE "
+                                     f"pair to promote here (span [{first}, {end})); this "
+                                     f"pager's state is not the planner's")
+            self._picked = list(picks)
+            self._issue(frame, pend, self._picked)
+            return len(picks)
         S = self.pager.page_size
         picks = []
         keys = [only] if only is not None else list({**self._span, **pend.spans})
@@ -683,7 +748,7 @@ class Fidelity:
             for j in range(top - 2, first - 1, -2):
                 picks.append((-(j + 2 - first) / nb, key, j))
         picks.sort(key=lambda t: t[0])
-        picks = [(key, j) for _, key, j in picks[:want]]
+        picks = self._picked = [(key, j) for _, key, j in picks[:want]]
         if picks:
             self._issue(frame, pend, picks)
         return len(picks)
@@ -721,21 +786,43 @@ class Fidelity:
                 _Promotion(key, j, page, slots[i], (held[2 * i], held[2 * i + 1]), done, keep))
         frame.on_abort(lambda: done is not None and done.synchronize())
 
-    def _settle(self, frame: Frame, pend: _Pending) -> int:
+    def _settle(self, frame: Frame, pend: _Pending, plan: FidelityPlan | None = None) -> int:
         """Map finished promotions (each span's top pair first) and release the pages of
-        orphans whose side-stream work is done."""
-        for pr in self._orphans:
-            if pr.done is None or pr.done.query():
+        orphans whose side-stream work is done; with ``plan``, exactly its promotions and
+        orphans, after waiting for their side-stream work."""
+        ready = lambda pr: pr.done is None or pr.done.query()        # noqa: E731
+        if plan is not None:
+            wanted = dict(plan.settle)
+            for key, k in wanted.items():
+                if len(self._flight.get(key, ())) < k or not frame.has(key):
+                    raise ValueError(f"plan: settles {k} promotions of {key!r}, "
+                                     f"{len(self._flight.get(key, ()))} are in flight here; "
+                                     f"this pager's state is not the planner's")
+            if any(i >= len(self._orphans) for i in plan.orphans):
+                raise ValueError(f"plan: releases orphans {list(plan.orphans)}, "
+                                 f"{len(self._orphans)} are here")
+            for pr in [*(self._orphans[i] for i in plan.orphans),
+                       *(pr for key, k in wanted.items() for pr in self._flight[key][:k])]:
+                if pr.done is not None:
+                    pr.done.synchronize()
+        orphans = []
+        for i, pr in enumerate(self._orphans):
+            if (ready(pr) if plan is None else i in plan.orphans):
                 for p in (*pr.new, pr.page):
                     frame.release(p)
                 pend.orphans_done.append(pr)
-        settled = 0
+                orphans.append(i)
+        settled, done = 0, []
         for key, stack in self._flight.items():
             k = 0
-            while k < len(stack) and (stack[k].done is None or stack[k].done.query()):
-                k += 1
+            if plan is None:
+                while k < len(stack) and ready(stack[k]):
+                    k += 1
+            else:
+                k = wanted.get(key, 0)
             if not k or not frame.has(key):
                 continue
+            done.append((key, k))
             for pr in stack[:k]:
                 n0, n1 = pr.new
                 pend.mine[key, pr.j], pend.mine[key, pr.j + 1] = n0, n1
@@ -749,12 +836,15 @@ class Fidelity:
             self._set_span(frame, pend, key, (first, end) if end > first else (0, 0))
             pend.settled[key] = k
             settled += k
+        pend.decided["settle"], pend.decided["orphans"] = done, orphans
         return settled
 
-    def promote(self, frame: Frame, key: Hashable) -> int:
+    def promote(self, frame: Frame, key: Hashable, limit: int | None = None) -> int:
         """Issue promotions of every BASE pair of ``key`` not yet in flight (whatever the
-        reserve); raises :class:`~kvops.runtime.OutOfPages` if the pool cannot hold them."""
-        return self._promote(frame, self._now(frame), 1 << 30, only=key)
+        reserve), or of its top ``limit`` pairs (two held pages each); raises
+        :class:`~kvops.runtime.OutOfPages` if the pool cannot hold them."""
+        want = 1 << 30 if limit is None else as_int("limit", limit)
+        return self._promote(frame, self._now(frame), want, only=key) if want else 0
 
     def drain(self) -> None:
         """Wait for every promotion in flight (the caller then settles them with ``step``)."""

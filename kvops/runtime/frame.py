@@ -299,6 +299,16 @@ class Frame:
         j -= len(blocks)
         return app[j] if app is not None and j < len(app) else -1
 
+    def block_pages(self, key: Hashable, lo: int, hi: int) -> list[int]:
+        """Pages of logical blocks ``[lo, hi)`` of ``key`` in this frame's view (``-1`` none):
+        one slice of the committed blocks when the frame changed none of them."""
+        self._require(key)
+        sess = self._sessions.get(key)
+        if (sess is not None and hi <= len(sess.blocks) and key not in self._overlay
+                and key not in self._closed):
+            return sess.blocks[lo:hi]
+        return [self.page(key, j) for j in range(lo, hi)]
+
     def pages(self, key: Hashable) -> list[int]:
         """Pages of every logical block of ``key`` in this frame's view."""
         n = -(-self.length(key) // self.pager.page_size)
@@ -315,8 +325,8 @@ class Frame:
 
     @property
     def holdable_pages(self) -> int:
-        """Pages a :meth:`hold` can take: the pool's free pages (never those freed in this
-        frame)."""
+        """Pages a ``hold`` in this frame can take: the pool's free pages only (pages freed in
+        the frame are reusable by a ``reserve``, not held)."""
         return self._pool.free
 
     @property

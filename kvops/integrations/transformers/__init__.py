@@ -11,7 +11,8 @@ decodes every layer through ``torch.ops.kvops``. Caches (transformers ``Cache`` 
 
 - :class:`SlidingCache`: KV-RM's fixed ring window per layer, ``static_sliding_attention``;
 - :class:`PagedCache`: a KV pool mapped by :class:`kvops.runtime.Pager`, ``paged_kv_write`` and
-  ``elastic_attention`` (native path).
+  ``elastic_attention`` (native path; with ``fidelity=`` ElasticKV's BASE blocks, ``demote`` and
+  ``promote`` between steps).
 
 Supported: the Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM2), transformers 5.17-5.24
 (:mod:`._compat`). docs/transformers.md.

@@ -1,0 +1,79 @@
+"""Tensor parallelism at world size 1: the replay through the distributed path (the model sharded
+over one rank with its collectives, rank 0's engine broadcasting its step plans, the ranks'
+checks) against the plain replay, on the same requests; NCCL on CUDA, gloo on a CPU.
+
+The distributed path must give the same tokens (a group of one sums nothing, so the logits
+are the plain ones bit for bit), and costs what its collectives and plan broadcasts cost per
+step. The table gives, per configuration: whether the tokens are equal, output tokens/s and
+TPOT p50 of both, and the re-captures of the distributed run (zero: its CUDA graphs hold the
+NCCL collectives).
+
+    python -m bench.bench_tp                  # CUDA: random Llama-3-8B (bf16), 16 requests
+    python -m bench.bench_tp --model smollm2-random --max-requests 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+
+import torch
+import torch.distributed as dist
+
+from bench.common import table, write_result
+from kvops.engine import distributed
+from kvops.engine.replay import ReplaySettings, run
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="default: llama3-8b on CUDA, tiny on a CPU")
+    ap.add_argument("--configs", default="static,pager+merge,kvrm,paged")
+    ap.add_argument("--max-requests", type=int, default=16)
+    ap.add_argument("--length-scale", type=float, default=None,
+                    help="default: 0.25 on CUDA, 0.03 on a CPU")
+    ap.add_argument("--name", default="tp1-distributed-path")
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    kw = dict(model=args.model or ("llama3-8b" if cuda else "tiny"),
+              configs=tuple(c for c in args.configs.split(",") if c),
+              max_requests=args.max_requests,
+              length_scale=args.length_scale or (0.25 if cuda else 0.03), device=str(device))
+    settings = ReplaySettings.for_device(device, **kw)
+    plain = run(settings, progress=False)
+    _free(device)
+    os.environ["MASTER_PORT"] = str(distributed.free_port())
+    tp = distributed.init(1, rank=0, device=str(device))
+    try:
+        dist_res = run(settings, progress=False, tp=tp)
+    finally:
+        dist.destroy_process_group()
+    rows, same_all = [], True
+    for name in settings.configs:
+        a, b = plain["results"][name], dist_res["results"][name]
+        same = plain["tokens"][name] == dist_res["tokens"][name]
+        same_all &= same
+        rows.append([name, a["finished"], "yes" if same else "NO",
+                     a["output_tok_s"], b["output_tok_s"], a["tpot_ms"]["median"],
+                     b["tpot_ms"]["median"], b["recaptures"]])
+    body = (f"{plain['model']}, {plain['dtype']}, {settings.max_requests} requests at lengths x "
+            f"{settings.length_scale}; distributed path: tp=1 over "
+            f"{'NCCL' if cuda else 'gloo'} (plans on gloo)\n\n" + table(
+                ["config", "finished", "same tokens", "plain tok/s", "tp=1 tok/s",
+                 "plain TPOT p50 ms", "tp=1 TPOT p50 ms", "tp=1 recaptures"], rows))
+    path = write_result(args.name, body)
+    print(body)
+    print(f"(written: {path})")
+    return 0 if same_all else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

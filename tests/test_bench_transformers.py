@@ -1,0 +1,27 @@
+"""The transformers generate benchmark's CPU smoke path (``--smoke``): every kvops cache and
+SDPA run through the bench's own plumbing (filled caches, rewinds, timed generates) on a tiny
+model, and the tokens of every cache that holds the same K/V agree."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers", reason="needs the hf (or test) extra")
+
+
+def test_smoke_grid_runs_on_cpu(tmp_path, monkeypatch, capsys):
+    from bench import bench_transformers as bt
+
+    monkeypatch.setattr(bt, "write_result", lambda name, body: tmp_path / name)
+    # eager cells only (the compiled decode of these caches is the integration tests' subject);
+    # a kvops cache first: the bench registers attn_implementation="kvops" before any cell
+    rows = bt.main(["--smoke", "--impls", "sliding,sdpa,paged,paged-base", "--modes", "eager"])
+    assert [r[3] for r in rows] == ["sliding", "sdpa", "paged", "paged-base"]
+    for mode, B, ctx, impl, step, tps, vs, setup, note in rows:
+        assert (B, ctx) == (2, 64)
+        assert float(step) > 0 and not note.startswith("failed"), (impl, note)
+    # the same K/V in every cache: sliding, SDPA and paged agree on the tokens here
+    assert all(r[-1] == "tokens = first run's" for r in rows[:3])
+    out = capsys.readouterr().out
+    last = [c.strip() for c in out.rstrip().splitlines()[-1].split("|")[1:5]]
+    assert last == ["eager", "2", "64", "paged-base"]          # the table prints last
