@@ -7,9 +7,10 @@ lengths at rising Poisson request rates. One model serves every point (loaded on
 Defaults by device (:func:`sweep_settings`): on a CPU a tiny random Llama in bfloat16,
 prompts of 256 and outputs of 64 tokens (the paper's 4096 / 1024 at lengths / 16), a budget of
 2,048 tokens (128 pages of 16), 12 sessions, concurrency 4, 8, 12 with two requests a client; on CUDA random
-weights of Llama-3-8B's shape in bfloat16, prompts of 4096 and outputs of 256 tokens (1024 x
-0.25), a 16 GiB budget (131,072 tokens, 30 requests' whole context), concurrency 12, 24, 40 with
-one request a client, 64 sessions, 4,096 tokens a step, chunks of 2,048.
+weights of Llama-3-8B's shape in bfloat16, prompts of 4096 and outputs of 128 tokens (1024 x
+0.125, so that the sweep fits in minutes), a 16 GiB budget (131,072 tokens, 31 requests' whole
+context), concurrency 8, 24, 40 with one request a client, 64 sessions, 4,096 tokens a step,
+chunks of 2,048.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def sweep_settings(device: torch.device, trace: str | None = None, **kw) -> tupl
     if device.type == "cuda":
         base = dict(model="llama3-8b", budget_tokens=131072, max_seqs=64, max_context=8192,
                     max_num_batched_tokens=4096, long_prefill_tokens=2048, input_len=4096,
-                    output_len=1024, output_scale=0.25, length_scale=1.0, max_requests=None)
+                    output_len=1024, output_scale=0.125, length_scale=1.0, max_requests=None)
         if trace:
             base.update(max_requests=100)
     else:
@@ -52,7 +53,7 @@ def sweep_settings(device: torch.device, trace: str | None = None, **kw) -> tupl
 def default_points(device: torch.device, axis: str) -> tuple[float, ...]:
     if axis == "rate":
         return (2.0, 4.0, 8.0) if device.type == "cuda" else (4.0, 8.0, 16.0)
-    return (12, 24, 40) if device.type == "cuda" else (4, 8, 12)
+    return (8, 24, 40) if device.type == "cuda" else (4, 8, 12)
 
 
 def run_sweep(settings: ReplaySettings, axis: str, points, requests_per_client: int | None = None,
