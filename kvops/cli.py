@@ -99,7 +99,7 @@ def parse_fidelity(text: str | None) -> dict | None:
             out[key] = FIDELITY_KEYS[key](value.strip())
         except ValueError:
             kind = "an int" if FIDELITY_KEYS[key] is int else "a float"
-            raise SystemExit(f"--fidelity: {key}: expected {kind}, got {value!r}")
+            raise SystemExit(f"--fidelity: {key}: expected {kind}, got {value!r}") from None
     return out
 
 
@@ -131,7 +131,7 @@ def elastic(args) -> int:
         try:
             points = [float(x) for x in args.sweep.split(",") if x.strip()]
         except ValueError:
-            raise SystemExit(f"--sweep: expected comma-separated numbers, got {args.sweep!r}")
+            raise SystemExit(f"--sweep: expected comma-separated numbers, got {args.sweep!r}") from None
     else:
         points = default_points(device, axis)
     settings.device = str(device)

@@ -136,9 +136,3 @@ class ElasticKV(PagedKV):
     def quiesce(self) -> None:
         """Wait for promotions in flight and settle them (orphans' pages come back)."""
         self.fid.drain()
-
-    # -- reads -----------------------------------------------------------------------------------
-    def base_blocks(self) -> tuple[int, int]:
-        """(BASE blocks, live blocks) after the last commit."""
-        live = sum(_blocks(self.pager.length(k), self.S) for k in self.pager.sessions())
-        return self.fid.stats["base_blocks"], live
