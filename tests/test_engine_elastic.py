@@ -214,3 +214,22 @@ def test_fidelity_settings_parse():
         parse_fidelity("watermark=3")
     with pytest.raises(SystemExit, match="--fidelity: min_batch: expected an int"):
         parse_fidelity("min_batch=x")
+
+
+def test_sweep_over_sharegpt_rates(tmp_path):
+    from kvops.engine.pressure import markdown, run_sweep, sweep_settings
+
+    csv = tmp_path / "sharegpt_stats.csv"
+    csv.write_text("num_prefill_tokens,num_decode_tokens\n" + "".join(
+        f"{200 + 37 * i},{24 + 8 * i}\n" for i in range(8)))
+    settings, axis = sweep_settings(torch.device("cpu"), str(csv), configs=("elastic", "reserve"),
+                                    max_requests=3, max_seqs=4)
+    assert axis == "rate" and settings.kind == "sharegpt"
+    result = run_sweep(settings, axis, [50.0, 100.0], progress=False)
+    assert [p["x"] for p in result["points"]] == [50.0, 100.0]
+    for p in result["points"]:
+        assert {r["finished"] for r in p["results"].values()} == {3}
+    table = markdown(result)
+    assert "| rate | config |" in table and "At rate 100:" in table
+    with pytest.raises(ValueError, match="points: expected positive numbers"):
+        run_sweep(settings, axis, [0.0], progress=False)

@@ -83,15 +83,16 @@ class ElasticKV(PagedKV):
 
     def admission_margin(self, reqs: list[Request], computed: int | None = None) -> int:
         """Half a page for every block ``reqs`` still add to reach their whole context (a
-        grown block pair demotes into one page), so the admitted requests can finish at BASE
-        cost without a preemption."""
+        grown block pair demotes into one page) and one a request still growing (its protected
+        tail and an odd block stay TARGET), so the admitted requests can finish at BASE cost
+        without a preemption."""
         if not self.demote:
             return 0
         S = self.S
-        blocks = sum(max(_blocks(r.max_tokens, S)
-                         - _blocks(r.num_computed if computed is None else computed, S), 0)
-                     for r in reqs)
-        return -(-blocks // 2)
+        grow = [max(_blocks(r.max_tokens, S)
+                    - _blocks(r.num_computed if computed is None else computed, S), 0)
+                for r in reqs]
+        return sum(-(-g // 2) + 1 for g in grow if g)
 
     # -- the frame -------------------------------------------------------------------------------
     def _open(self, f, req, src, hit, n):
