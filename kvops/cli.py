@@ -12,9 +12,31 @@ import torch
 
 def _replay_parser(sub) -> None:
     p = sub.add_parser("replay", help="replay a trace through engine configurations")
+    p.add_argument("--mode", choices=["replay", "elastic"], default="replay",
+                   help="replay: one trace through the configurations; elastic: ElasticKV's "
+                        "pressure comparison, a sweep of concurrency (the 4096/1024 synthetic) "
+                        "or of --rate (a ShareGPT --trace) through elastic,paged,offload,reserve")
     p.add_argument("--configs", default=None,
-                   help="comma-separated: static, pager, pager+merge, kvrm, paged "
-                        "(default static,paged,kvrm)")
+                   help="comma-separated: static, pager, pager+merge, kvrm, paged, elastic, "
+                        "offload, reserve (default static,paged,kvrm; --mode elastic: "
+                        "elastic,paged,offload,reserve)")
+    p.add_argument("--sweep", default=None,
+                   help="--mode elastic: comma-separated concurrency values (synthetic) or "
+                        "request rates (ShareGPT); default by device")
+    p.add_argument("--requests-per-client", type=int, default=None,
+                   help="--mode elastic synthetic: requests a point = concurrency x this")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="replay as a closed loop of this many clients")
+    p.add_argument("--budget-tokens", type=int, default=None,
+                   help="KV budget in tokens of the model (overrides --budget-gib)")
+    p.add_argument("--input-len", type=int, default=None, help="--mode elastic synthetic prompt")
+    p.add_argument("--output-len", type=int, default=None, help="--mode elastic synthetic output")
+    p.add_argument("--output-scale", type=float, default=None,
+                   help="--mode elastic synthetic: multiply output lengths")
+    p.add_argument("--fidelity", default=None, metavar="K=V,...",
+                   help="elastic: Fidelity's settings, e.g. reserve_decay=0 (eager promotion), "
+                        "max_promote=0 (no promotion), min_batch=32, protect_recent=4, "
+                        "demote=0 (every block TARGET)")
     p.add_argument("--trace", default=None, help="trace file (default: the shipped synthetic burst)")
     p.add_argument("--kind", choices=["azure", "mooncake", "sharegpt"], default=None)
     p.add_argument("--model", choices=["smollm2", "smollm2-random", "llama3-8b", "tiny"], default=None)
@@ -57,9 +79,80 @@ def _replay_parser(sub) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
+FIDELITY_KEYS = {"min_batch": int, "protect_first": int, "protect_recent": int,
+                 "reserve_decay": float, "headroom": int, "max_promote": int, "host_pairs": int,
+                 "codec": str, "demote": lambda v: v not in ("0", "false", "False")}
+
+
+def parse_fidelity(text: str | None) -> dict | None:
+    """``"reserve_decay=0,max_promote=0"`` -> ``{"reserve_decay": 0.0, "max_promote": 0}``."""
+    if not text:
+        return None
+    out = {}
+    for item in text.split(","):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or key not in FIDELITY_KEYS:
+            raise SystemExit(f"--fidelity: expected K=V items with K in "
+                             f"{', '.join(FIDELITY_KEYS)}, got {item!r}")
+        try:
+            out[key] = FIDELITY_KEYS[key](value.strip())
+        except ValueError:
+            kind = "an int" if FIDELITY_KEYS[key] is int else "a float"
+            raise SystemExit(f"--fidelity: {key}: expected {kind}, got {value!r}") from None
+    return out
+
+
+def _settings_kw(args, device) -> dict:
+    kw = {k: getattr(args, k) for k in (
+        "trace", "kind", "model", "dtype", "time_scale", "length_scale", "max_requests",
+        "window_s", "rate",
+        "arrival", "cv", "budget_gib", "max_seqs", "max_context", "window", "far_cap",
+        "far_chunk", "far_rerank", "max_num_batched_tokens", "long_prefill_tokens", "preemption",
+        "concurrency", "budget_tokens", "input_len", "output_len", "output_scale")}
+    if args.configs:
+        kw["configs"] = tuple(c.strip() for c in args.configs.split(",") if c.strip())
+    kw["device"] = str(device)
+    kw["graphs"] = False if args.no_graphs else None
+    kw["fidelity"] = parse_fidelity(args.fidelity)
+    return kw
+
+
+def elastic(args) -> int:
+    """``--mode elastic``: the pressure sweep (kvops.engine.pressure)."""
+    from kvops.engine.pressure import default_points, run_sweep, sweep_settings, write
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    kw = _settings_kw(args, device)
+    trace = kw.pop("trace")
+    kw.pop("device")
+    settings, axis = sweep_settings(device, trace, **kw)
+    if args.sweep:
+        try:
+            points = [float(x) for x in args.sweep.split(",") if x.strip()]
+        except ValueError:
+            raise SystemExit(f"--sweep: expected comma-separated numbers, got {args.sweep!r}") from None
+    else:
+        points = default_points(device, axis)
+    settings.device = str(device)
+    result = run_sweep(settings, axis, points, args.requests_per_client,
+                       progress=not args.no_progress)
+    table = write(result, args.out, figures=not args.no_figures)
+    print(table)
+    if args.record:
+        print(f"(recorded: {record(args.record, result, table)})")
+    print(f"(written: {args.out}/pressure.json, pressure.md"
+          f"{'' if args.no_figures else ', pressure_ttft.png'})")
+    return 0
+
+
 def replay(args) -> int:
     import os
 
+    if args.mode == "elastic":
+        if args.tp is not None:
+            raise SystemExit("kvops replay: --mode elastic runs on one device (no --tp)")
+        return elastic(args)
     if args.tp is None:
         return _replay(args)
     from kvops.engine import distributed
@@ -102,16 +195,8 @@ def _replay(args, tp=None) -> int:
         torch.set_num_threads(max(1, torch.get_num_threads() // tp.size))
     device = tp.device if tp is not None else torch.device(
         args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    kw = {k: getattr(args, k) for k in (
-        "trace", "kind", "model", "dtype", "time_scale", "length_scale", "max_requests",
-        "window_s", "rate",
-        "arrival", "cv", "budget_gib", "max_seqs", "max_context", "window", "far_cap",
-        "far_chunk", "far_rerank", "max_num_batched_tokens", "long_prefill_tokens", "preemption")}
-    if args.configs:
-        kw["configs"] = tuple(c.strip() for c in args.configs.split(",") if c.strip())
-    kw["device"] = str(device)
+    kw = _settings_kw(args, device)
     kw["prefix_sharing"] = not args.no_prefix_sharing
-    kw["graphs"] = False if args.no_graphs else None
     settings = ReplaySettings.for_device(device, **kw)
     result = run(settings, progress=not args.no_progress, tp=tp)
     if tp is not None and not tp.leader:

@@ -63,8 +63,9 @@ def burst(n=8):
             for i in range(n)]
 
 
-@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c != "elastic"])   # float16/bf16
 def test_replay_finishes_every_request_with_its_length_and_leaks_no_page(model, config):
+    # elastic needs a 16-bit KV cache: tests/test_engine_elastic.py serves it in bfloat16
     reqs, kv, m = serve(model, burst())
     assert m["finished"] == len(reqs) and m["refused"] == 0
     assert [len(r.output) for r in reqs] == [r.output_len for r in reqs]

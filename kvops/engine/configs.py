@@ -10,11 +10,20 @@ how one KV budget in bytes becomes each configuration's KV manager.
 - ``kvrm``: ``pager+merge`` plus the far view (summaries of far chunks in the far slots), whose
   summarized far blocks go back to the pool (the bounded budget).
 - ``paged``: pager pages only; decode with ``elastic_attention``'s native path over block
-  tables (a vLLM-style paged runtime).
+  tables (a vLLM-style paged runtime, preemption by recompute).
+- ``elastic``: ``paged`` with ElasticKV's Fidelity policy over every layer's K and V pool:
+  demotion to BASE on shortage before any preemption, promotion back when pages are spare,
+  decode through ``elastic_attention``'s span path (float16 or bfloat16 KV; no prefix sharing).
+- ``offload``: ``paged`` whose preemption swaps the request's K/V to host memory and back
+  (ElasticKV's Exact-offload baseline).
+- ``reserve``: ``paged`` with worst-case reservation (prompt + every output) at admission;
+  it never preempts.
 
 Every configuration gets the same byte budget: ``static`` divides it into rows of
 ``max_context`` tokens (so it binds first), the arena configurations spend ``max_seqs x
-window`` tokens of it on the arenas and the rest on pages, ``paged`` spends it all on pages.
+window`` tokens of it on the arenas and the rest on pages; ``paged``, ``elastic``,
+``offload`` and ``reserve`` spend it all on pages (``elastic``'s BASE backings live in host
+memory, as ``offload``'s swapped K/V does).
 """
 
 from __future__ import annotations
@@ -23,9 +32,13 @@ from dataclasses import dataclass
 
 import torch
 
+from kvops.engine.elastic_kv import ElasticKV
 from kvops.engine.kv import PagedKV, StaticKV
+from kvops.engine.offload_kv import OffloadKV
+from kvops.engine.reserve_kv import ReserveKV
 
-CONFIGS = ("static", "pager", "pager+merge", "kvrm", "paged")
+CONFIGS = ("static", "pager", "pager+merge", "kvrm", "paged", "elastic", "offload", "reserve")
+PAGES_ONLY = {"paged": PagedKV, "elastic": ElasticKV, "offload": OffloadKV, "reserve": ReserveKV}
 
 
 @dataclass
@@ -41,7 +54,9 @@ class KVBudget:
 
 
 def make_kv(name: str, budget: KVBudget, model_cfg, dtype: torch.dtype, device: torch.device,
-            prefix_sharing: bool = True):
+            prefix_sharing: bool = True, fidelity: dict | None = None):
+    """The KV manager of configuration ``name`` on ``budget``; ``fidelity``: keyword arguments
+    of ``elastic``'s :class:`~kvops.runtime.Fidelity` (and ``demote``)."""
     if name not in CONFIGS:
         raise ValueError(f"config: expected one of {', '.join(CONFIGS)}, got {name!r}")
     S = budget.page_size
@@ -56,7 +71,7 @@ def make_kv(name: str, budget: KVBudget, model_cfg, dtype: torch.dtype, device: 
             raise ValueError(f"budget: {budget.bytes} bytes hold no static row of {max_context} "
                              f"tokens ({max_context * tok} bytes)")
         return StaticKV(slots=slots, slot_tokens=max_context, page_size=S, **geo)
-    window = min(-(-budget.window // S) * S, max_context) if name != "paged" else 0
+    window = min(-(-budget.window // S) * S, max_context) if name not in PAGES_ONLY else 0
     arena = budget.max_seqs * window * tok
     pages = (budget.bytes - arena) // (S * tok)
     if pages < 1:
@@ -64,8 +79,14 @@ def make_kv(name: str, budget: KVBudget, model_cfg, dtype: torch.dtype, device: 
                          f"({arena} bytes for {budget.max_seqs} x {window} tokens)")
     kw = dict(num_pages=int(pages), page_size=S, max_sessions=budget.max_seqs,
               max_blocks=max_context // S, prefix_sharing=prefix_sharing, **geo)
-    if name == "paged":
-        return PagedKV(**kw)
+    if fidelity is not None and name != "elastic":
+        raise ValueError(f"fidelity: only the elastic configuration takes it, got config {name!r}")
+    if name == "elastic":
+        fidelity = dict(fidelity or {})
+        demote = fidelity.pop("demote", True)
+        return ElasticKV(fidelity=fidelity, demote=demote, **kw)
+    if name in PAGES_ONLY:
+        return PAGES_ONLY[name](**kw)
     page_bytes = S * model_cfg.n_kv_heads * model_cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
     if name == "pager":
         return PagedKV(window=window, max_train_bytes=page_bytes, copy_tail=True, **kw)
@@ -77,4 +98,5 @@ def make_kv(name: str, budget: KVBudget, model_cfg, dtype: torch.dtype, device: 
 
 
 def decode_kind(name: str) -> str:
-    return {"static": "static", "paged": "paged"}.get(name, "arena")
+    return {"static": "static", "paged": "paged", "offload": "paged", "reserve": "paged",
+            "elastic": "elastic"}.get(name, "arena")

@@ -390,8 +390,8 @@ class LeaderEngine(Engine):
 
         self.runner.run = run_and_fold
 
-    def replay(self, requests: list[Request], progress=None) -> dict:
-        res = super().replay(requests, progress)
+    def replay(self, requests: list[Request], progress=None, concurrency=None) -> dict:
+        res = super().replay(requests, progress, concurrency)
         self.log.flush()
         return res
 
@@ -404,7 +404,8 @@ class FollowerEngine(Engine):
         super().__init__(model, kv, decode, sched, graphs=graphs)
         self.tp, self.checker = tp, _Checker(tp, kv)
 
-    def replay(self, requests: list[Request], progress=None) -> dict:
+    def replay(self, requests: list[Request], progress=None, concurrency=None) -> dict:
+        """``concurrency`` is rank 0's: its plans carry the admissions."""
         by_rid = {r.rid: r for r in requests}
         while True:
             plan = _broadcast(self.tp, None)

@@ -41,7 +41,7 @@ class Engine:
         t1 = time.perf_counter()
         kv.commit_step(plan.admits, plan.grows)
         t2 = time.perf_counter()
-        items = plan.items()
+        items = [it for it in plan.items() if it[0] not in kv.deferred]
         nxt = self.runner.run(items) if items else {}
         self.produced = len(nxt)
         now = self.now()
@@ -57,12 +57,20 @@ class Engine:
         kv.after_step([r for r, _, _ in items if r.status is Status.RUNNING])
         used = sum(r.num_computed for r in sched.running) * kv.token_bytes
         d = kv.dma()
+        fid = getattr(kv, "fid", None)
+        el = {}
+        if fid is not None:
+            got = kv.last_fidelity
+            el = dict(base_blocks=fid.stats["base_blocks"], exposure=fid.stats["exposure"],
+                      demoted=got["demoted"], promoted=got["promoted"], settled=got["settled"],
+                      fidelity_s=got["fid_s"])
         rec = StepRecord(
             t=now, step_s=time.perf_counter() - t0, schedule_s=t1 - t0, commit_s=t2 - t1,
             running=len(sched.running), waiting=len(sched.waiting),
             tokens=sum(n for _, _, n in items), decodes=sum(n == 1 for _, _, n in items),
             reserved_bytes=kv.reserved_bytes(), used_bytes=used, groups=d["groups"],
-            moving_sessions=d["sessions"], train_bytes=d["bytes"], far_groups=d["far_groups"])
+            moving_sessions=d["sessions"], train_bytes=d["bytes"], far_groups=d["far_groups"],
+            preempted=len(plan.preempted), **el)
         self.steps.append(rec)
         return rec
 
@@ -70,16 +78,26 @@ class Engine:
         """End every cached prefix and commit, so the pool is as it started."""
         while self.kv.evict_cached() is not None:
             pass
+        self.kv.quiesce()
         self.kv.commit_step([], [])
 
-    def replay(self, requests: list[Request], progress=None) -> dict:
-        """Serve ``requests`` at their arrival times; returns :func:`summarize`'s metrics."""
+    def replay(self, requests: list[Request], progress=None, concurrency: int | None = None) -> dict:
+        """Serve ``requests`` at their arrival times; returns :func:`summarize`'s metrics.
+        ``concurrency``: a closed loop of that many clients (vLLM ``bench serve
+        --max-concurrency``): a request is sent, and its arrival set to the clock, once it has
+        arrived and fewer than ``concurrency`` are in flight."""
+        if concurrency is not None and (not isinstance(concurrency, int) or concurrency < 1):
+            raise ValueError(f"concurrency: expected an int >= 1 or None, got {concurrency!r}")
         pending = sorted(requests, key=lambda r: (r.arrival, r.rid))
         sched, i = self.scheduler, 0
         self._t0, self._skip = time.perf_counter(), 0.0
         while i < len(pending) or sched.waiting or sched.running:
             now = self.now()
             while i < len(pending) and pending[i].arrival <= now:
+                if concurrency is not None:
+                    if len(sched.waiting) + len(sched.running) >= concurrency:
+                        break
+                    pending[i].arrival = now
                 sched.add(pending[i])
                 i += 1
             if not sched.waiting and not sched.running:
@@ -98,4 +116,11 @@ class Engine:
                  "decode_buckets": sorted(self.runner.buckets_used),
                  "kv_free_pages_end": self.kv.free_pages() if self.kv.kind == "paged" else None,
                  "cached_prefix_sessions_end": self.kv.cached_sessions()}
+        if getattr(self.kv, "swaps", False):
+            extra.update(swap_outs=self.kv.swap_outs, swap_ins=self.kv.swap_ins,
+                         swap_gib=self.kv.swap_bytes / 2**30)
+        if getattr(self.kv, "fid", None) is not None:
+            extra.update(base_requests=len(self.kv.base_touched),
+                         promoted_pairs=self.kv.fid.stats["promoted"],
+                         demoted_pairs=self.kv.fid.stats["demoted"])
         return summarize(requests, self.steps, extra)

@@ -47,8 +47,7 @@ class PagedKV:
         self.token_bytes = 2 * layers * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
         self.pager = Pager(num_pages, page_size, max_sessions, max_blocks, device=device)
         pool = (layers, num_pages, page_size, kv_heads, head_dim)
-        self.k_pool = torch.zeros(pool, dtype=dtype, device=device)
-        self.v_pool = torch.zeros(pool, dtype=dtype, device=device)
+        self.k_pool, self.v_pool = self._pools(pool, dtype, device)
         self.window = window
         self.transport = self.far = None
         self.k_arena = self.v_arena = None
@@ -77,6 +76,13 @@ class PagedKV:
         self.prefix_hit_tokens = 0
         self.cow_copies = 0
         self.last_commit = None
+        self.deferred: set[Request] = set()
+
+    @staticmethod
+    def _pools(shape, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V pools ``[layers, P, S, Hkv, D]``."""
+        return (torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device))
 
     # -- capacity ------------------------------------------------------------------------------
     @property
@@ -114,6 +120,26 @@ class PagedKV:
                     self.pager.refcount(self.pager.pages(req.key)[start // S]) > 1:
                 need += 1
         return need
+
+    swaps = False        # preemption swaps the request's K/V out (OffloadKV), else recompute
+
+    def reclaimable(self, reqs: list[Request]) -> int:
+        """Pages this step can free without preempting, by lowering fidelity of ``reqs``'
+        blocks (ElasticKV); none here."""
+        return 0
+
+    def admission_margin(self, reqs: list[Request], computed: int | None = None) -> int:
+        """Pages admission keeps free (or demotable) for ``reqs``' growth to their whole
+        context (``computed``: tokens computed once admitted, for one waiting request); none
+        here: admission takes free pages as vLLM does."""
+        return 0
+
+    def quiesce(self) -> None:
+        """Wait for background KV work (none here); the engine calls it before its last commit."""
+
+    def reset_counters(self) -> None:
+        """Start the counters again (after a warm-up); the state stays."""
+        self.prefix_hit_tokens = self.cow_copies = 0
 
     def pages_of(self, req: Request) -> int:
         """Pages a preemption of ``req`` gives back (those not shared)."""
@@ -198,30 +224,47 @@ class PagedKV:
         the :class:`~kvops.runtime.Commit`."""
         if self.far_trim:                   # not a session this step aliases from
             self._trim_far(grows, {src for _, src, hit, _ in admits if hit})
+        self.deferred = set()
         with self.pager.frame() as f:
             for key, blocks in self._ends:
                 f.trim(key, blocks)
+            reserves = []
             for req, src, hit, n in admits:
-                if hit:
-                    f.alias(req.key, src, hit)
-                    if hit % self.S:
-                        self._partial.update((req.key, src))
-                    if src in self._cached:
-                        self._cached.move_to_end(src)
-                f.reserve(req.key, n)
-            for req, n in grows:
+                reserves.append((req, self._open(f, req, src, hit, n)))
+            reserves += list(grows)
+            for req, n in self._before_reserves(f, reserves):
                 f.reserve(req.key, n)
         self._ends = []
         self._held.clear()
         commit = f.result
-        self.prefix_hit_tokens += sum(hit for _, _, hit, _ in admits)
         self.cow_copies += len(commit.copies)
         if commit.copies:
             for layer in range(self.layers):
                 apply_copies(self.k_pool[layer], self.v_pool[layer], commit.copies)
         self.last_commit = commit
+        self._after_commit(commit, admits)
         return commit
 
+    def _open(self, f, req: Request, src, hit: int, n: int) -> int:
+        """Open an admitted request's session in frame ``f`` (alias ``hit`` tokens of ``src``);
+        returns the tokens to reserve for it."""
+        if hit:
+            f.alias(req.key, src, hit)
+            if hit % self.S:
+                self._partial.update((req.key, src))
+            if src in self._cached:
+                self._cached.move_to_end(src)
+            self.prefix_hit_tokens += hit
+        return n
+
+    def _before_reserves(self, f, reserves: list[tuple[Request, int]]):
+        """The step's reserves ``(request, tokens)`` about to be made in ``f``, after its trims
+        and aliases: the ones to make (a subclass may act first, or defer some: those go into
+        ``self.deferred`` and compute nothing this step)."""
+        return reserves
+
+    def _after_commit(self, commit, admits) -> None:
+        """The frame committed (and its copy-on-write copies ran)."""
     def _trim_far(self, grows, keep: set) -> None:
         """``kvrm``'s bounded budget: once a decoding request's leading far chunks are
         summarized (absorbed in an earlier step), their blocks go back. A request still in
@@ -335,11 +378,26 @@ class StaticKV:
                     f"arena slot holds {self.slot_tokens}")
         return None
 
+    swaps = False
+    deferred: frozenset = frozenset()
+
     def pages_for(self, req: Request, n: int, hit: int = 0) -> int:
         return 0
 
     def pages_of(self, req: Request) -> int:
         return 0
+
+    def reclaimable(self, reqs) -> int:
+        return 0
+
+    def admission_margin(self, reqs, computed=None) -> int:
+        return 0
+
+    def reset_counters(self) -> None:
+        self.prefix_hit_tokens = 0
+
+    def quiesce(self) -> None:
+        pass
 
     def evict_cached(self) -> None:
         return None

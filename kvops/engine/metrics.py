@@ -6,7 +6,9 @@ requests; E2EL = last token - arrival. Each as mean, median, p90, p99 in millise
 throughput = output tokens / duration, duration from the trace's start to the last token.
 Per step: wall time, the control plane (scheduling, the frame commit, the table upload, the
 copy-on-write copies), running and waiting requests, reserved and used KV bytes, DMA groups
-(the transport's copy trains and the far view's summaries) and the sessions that moved pages.
+(the transport's copy trains and the far view's summaries) and the sessions that moved pages;
+for ``elastic`` the fidelity policy's BASE blocks, exposure, demotions, promotions and host time
+(:func:`fidelity_metrics`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,14 @@ class StepRecord:
     moving_sessions: int
     train_bytes: int         # one of K or V, one layer
     far_groups: int
+    preempted: int = 0       # requests preempted in the step
+    # elastic: the fidelity policy after the step's commit
+    base_blocks: int = 0     # BASE blocks mapped
+    exposure: float = 0.0    # BASE blocks / live blocks
+    demoted: int = 0         # pairs demoted in the step (one batch)
+    promoted: int = 0        # promotions issued
+    settled: int = 0         # promotions mapped back
+    fidelity_s: float = 0.0  # host time of Fidelity.step (plan, demotion packs, promotion issue)
 
 
 def _stats(values) -> dict:
@@ -80,9 +90,35 @@ def summarize(requests: list[Request], steps: list[StepRecord], extra: dict | No
                            / 1024),
         "preemptions": sum(r.preemptions for r in requests),
         "prefix_hit_tokens": sum(r.prefix_hit for r in requests),
+        "control_ms_per_step": float(control.mean() * 1e3),
+        **fidelity_metrics(steps),
     }
     res.update(extra or {})
     return res
+
+
+def fidelity_metrics(steps: list[StepRecord]) -> dict:
+    """ElasticKV's serving counters over the steps: BASE exposure (mean and max over steps),
+    demotion batches and pairs a batch, the share of steps that demote, promotions, and the
+    critical-path host time a step (scheduling + the frame commit, which holds the policy's
+    plan, demotion packs and promotion issue; ``fidelity_ms_per_step`` is the policy's part).
+    Zeros for configurations without the policy."""
+    n = max(len(steps), 1)
+    batches = [s.demoted for s in steps if s.demoted]
+    fid = np.array([s.fidelity_s for s in steps]) if steps else np.zeros(1)
+    return {
+        "base_exposure_mean": float(np.mean([s.exposure for s in steps])) if steps else 0.0,
+        "base_exposure_max": float(max((s.exposure for s in steps), default=0.0)),
+        "base_blocks_max": int(max((s.base_blocks for s in steps), default=0)),
+        "demotion_batches": len(batches),
+        "pairs_per_batch": float(np.mean(batches)) if batches else 0.0,
+        "demotion_step_share": len(batches) / n,
+        "promotions": int(sum(s.settled for s in steps)),
+        "fidelity_ms_per_step": float(fid.mean() * 1e3),
+        "fidelity_ms_p90": float(np.percentile(fid, 90) * 1e3),
+        "demotion_step_ms": float(np.mean([s.fidelity_s for s in steps if s.demoted]) * 1e3)
+        if batches else 0.0,
+    }
 
 
 def steps_as_dict(steps: list[StepRecord]) -> list[dict]:

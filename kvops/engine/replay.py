@@ -21,7 +21,7 @@ from kvops.engine.metrics import steps_as_dict
 from kvops.engine.request import Request, Status
 from kvops.engine.runner import bucket_of
 from kvops.engine.scheduler import SchedulerConfig
-from kvops.engine.traces import build_requests, load_rows
+from kvops.engine.traces import build_requests, load_rows, pressure_rows
 
 MODELS = ("smollm2", "smollm2-random", "llama3-8b", "tiny")
 
@@ -92,6 +92,12 @@ class ReplaySettings:
     device: str | None = None
     dtype: str | None = None
     seed: int = 0
+    concurrency: int | None = None       # a closed loop of this many clients (None: open loop)
+    budget_tokens: int | None = None     # KV budget in tokens of the model (overrides budget_gib)
+    input_len: int = 4096                # kind "pressure": ElasticKV's synthetic (lengths x
+    output_len: int = 1024               #   length_scale, outputs also x output_scale)
+    output_scale: float = 1.0
+    fidelity: dict | None = None         # elastic: Fidelity's keyword arguments
 
     @classmethod
     def for_device(cls, dev: torch.device, **kw) -> ReplaySettings:
@@ -113,8 +119,14 @@ class ReplaySettings:
 
 
 def _requests(s: ReplaySettings, vocab: int, max_seq_len: int) -> list[Request]:
-    rows = load_rows(s.trace, kind=s.kind, window_s=s.window_s, num_requests=s.max_requests or 64,
-                     rate=s.rate, arrival=s.arrival, cv=s.cv, seed=s.seed)
+    if s.kind == "pressure":
+        rows = pressure_rows(s.max_requests or 64, input_len=s.input_len,
+                             output_len=s.output_len, output_scale=s.output_scale,
+                             rate=None if s.concurrency else s.rate, seed=s.seed)
+    else:
+        rows = load_rows(s.trace, kind=s.kind, window_s=s.window_s,
+                         num_requests=s.max_requests or 64, rate=s.rate, arrival=s.arrival,
+                         cv=s.cv, seed=s.seed)
     return build_requests(rows, vocab, time_scale=s.time_scale, length_scale=s.length_scale,
                           max_requests=s.max_requests, max_context=max_seq_len, seed=s.seed)
 
@@ -148,16 +160,28 @@ def _warmup(engine: Engine, vocab: int, max_context: int) -> None:
             b += 1
     engine.steps.clear()
     engine.kv.prefix_hit_tokens = 0
+    engine.kv.reset_counters()
     runner.buckets_used.clear()
     engine.warm_captures = runner.captures
 
 
-def run(settings: ReplaySettings, progress: bool = True, tp=None) -> dict:
+def replay_dtype(settings: ReplaySettings, device: torch.device) -> torch.dtype:
+    """``settings.dtype``, else bfloat16 on CUDA or when ``elastic`` runs (its BASE form needs
+    a 16-bit cache), float32 otherwise."""
+    if settings.dtype:
+        return getattr(torch, settings.dtype)
+    if device.type == "cuda" or "elastic" in settings.configs:
+        return torch.bfloat16
+    return torch.float32
+
+
+def run(settings: ReplaySettings, progress: bool = True, tp=None, model=None) -> dict:
     """Replay ``settings.trace`` through each configuration; returns ``{"settings", "model",
     "device", "results": {config: metrics}, "steps": {config: [step records]}, "tokens":
     {config: [outputs]}}``. ``tp``: this process's
     :class:`~kvops.engine.distributed.TPContext`; every rank calls ``run`` with the same
-    settings, shards the model, and rank 0's scheduler drives (the results are rank 0's)."""
+    settings, shards the model, and rank 0's scheduler drives (the results are rank 0's).
+    ``model``: ``(model, note)`` already loaded (a sweep loads once; not with ``tp``)."""
     for c in settings.configs:
         if c not in CONFIGS:
             raise ValueError(f"configs: expected names from {', '.join(CONFIGS)}, got {c!r}")
@@ -169,17 +193,22 @@ def run(settings: ReplaySettings, progress: bool = True, tp=None) -> dict:
                              "its far view selects by attention scores, which each rank "
                              "computes for its own heads; use static, pager, pager+merge or "
                              "paged")
+        if model is not None:
+            raise ValueError("model: a loaded model is not taken with tp (each rank shards "
+                             "its own)")
     say = print if tp is None or tp.leader else (lambda *a, **k: None)
     progress = progress and (tp is None or tp.leader)
-    dtype = getattr(torch, settings.dtype) if settings.dtype else (
-        torch.bfloat16 if device.type == "cuda" else torch.float32)
-    model, note = load_model(settings.model, device, dtype)
+    dtype = replay_dtype(settings, device)
+    model, note = model if model is not None else load_model(settings.model, device, dtype)
     if tp is not None:
         tp.check_model(model.cfg)
         model = tp.shard(model)
         note += f", tensor-parallel over {tp.size} ranks"
     cfg = model.cfg
-    budget = KVBudget(bytes=int(settings.budget_gib * 2**30), max_seqs=settings.max_seqs,
+    tok = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
+    budget_bytes = (settings.budget_tokens * tok if settings.budget_tokens
+                    else int(settings.budget_gib * 2**30))
+    budget = KVBudget(bytes=budget_bytes, max_seqs=settings.max_seqs,
                       max_context=min(settings.max_context, cfg.max_seq_len),
                       window=settings.window, page_size=settings.page_size,
                       far_chunk=settings.far_chunk, far_cap=settings.far_cap,
@@ -188,11 +217,12 @@ def run(settings: ReplaySettings, progress: bool = True, tp=None) -> dict:
                             settings.long_prefill_tokens, settings.preemption)
     out = {"settings": dataclasses.asdict(settings), "model": note, "device": str(device),
            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-           "dtype": str(dtype).replace("torch.", ""), "results": {}, "steps": {}, "tokens": {},
-           "arrivals": []}
+           "dtype": str(dtype).replace("torch.", ""), "budget_bytes": budget_bytes,
+           "results": {}, "steps": {}, "tokens": {}, "arrivals": []}
     for name in settings.configs:
         kv = make_kv(name, budget if tp is None else tp.kv_budget(budget), cfg, dtype, device,
-                     prefix_sharing=settings.prefix_sharing)
+                     prefix_sharing=settings.prefix_sharing,
+                     fidelity=settings.fidelity if name == "elastic" else None)
         make = Engine if tp is None else tp.engine
         engine = make(model, kv, decode_kind(name), sched, graphs=settings.graphs)
         _warmup(engine, cfg.vocab_size, budget.max_context)
@@ -203,7 +233,7 @@ def run(settings: ReplaySettings, progress: bool = True, tp=None) -> dict:
             bar = tqdm(total=sum(r.output_len for r in reqs), desc=f"{name:12s}", unit="tok",
                        leave=False)
         t0 = time.perf_counter()
-        res = engine.replay(reqs, progress=bar)
+        res = engine.replay(reqs, progress=bar, concurrency=settings.concurrency)
         if bar is not None:
             bar.close()
         res["wall_s"] = time.perf_counter() - t0

@@ -16,7 +16,8 @@ def markdown(result: dict) -> str:
     s = result["settings"]
     head = (f"kvops replay: {result['model']}, {result['dtype']} on {result['device_name']}; "
             f"trace {s['trace'] or 'synthetic burst (shipped)'}, time x{s['time_scale']}, "
-            f"lengths x{s['length_scale']}; KV budget {s['budget_gib']:.3f} GiB, "
+            f"lengths x{s['length_scale']}; KV budget "
+            f"{result.get('budget_bytes', s['budget_gib'] * 2**30) / 2**30:.3f} GiB, "
             f"{s['max_seqs']} sessions, context {s['max_context']}, W {s['window']}, "
             f"{s['max_num_batched_tokens']} tokens/step")
     cols = ["config", "done/refused", "out tok/s", "TTFT p50 / p99 ms", "TPOT p50 / p99 ms",

@@ -12,7 +12,8 @@ A step runs, in order:
    8, and of 16 above 64; ``kvrm`` too: the far view's tables are per slot, and a bucket
    takes the first slots' far rows),
    with the configuration's decode attention: ``elastic_attention`` over block tables
-   (``paged``), ``static_sliding_attention`` over the worst-case arena (``static``) or over the
+   (``paged``, ``offload``, ``reserve``; ``elastic`` adds the BASE span table, so BASE blocks
+   decode in place), ``static_sliding_attention`` over the worst-case arena (``static``) or over the
    window arena (``pager``, ``pager+merge``, ``kvrm``, with the far slots). On CUDA each bucket's
    decode step is captured once in a CUDA graph and replayed; captures are counted.
 5. ``kvrm``: every ``rerank_every`` steps, the far view's utilities to the host
@@ -44,13 +45,19 @@ def bucket_of(rows: int, max_rows: int) -> int:
     return min(b, max_rows)
 
 
+DECODE_KINDS = ("paged", "elastic", "static", "arena")
+
+
 class ModelRunner:
     """Runs steps of ``model`` on ``kv`` with decode attention ``decode`` (``paged``,
-    ``static`` or ``arena``); ``graphs`` captures decode buckets (CUDA only)."""
+    ``elastic``, ``static`` or ``arena``); ``graphs`` captures decode buckets (CUDA only)."""
 
     def __init__(self, model, kv, decode: str, *, graphs: bool | None = None):
-        if decode not in ("paged", "static", "arena"):
-            raise ValueError(f"decode: expected 'paged', 'static' or 'arena', got {decode!r}")
+        if decode not in DECODE_KINDS:
+            raise ValueError(f"decode: expected one of {', '.join(DECODE_KINDS)}, got {decode!r}")
+        if decode == "elastic" and getattr(kv, "fid", None) is None:
+            raise ValueError("decode: 'elastic' needs a KV manager with a Fidelity policy "
+                             "(ElasticKV)")
         self.model, self.kv, self.decode = model, kv, decode
         self.device = kv.k_pool.device
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
@@ -116,6 +123,13 @@ class ModelRunner:
 
     def _prefill(self, items: list) -> dict:
         kv, dev = self.kv, self.device
+        if self.decode == "elastic":            # paged_prefill_attention reads TARGET only
+            for req, _, _ in items:
+                first, end = kv.fid.span(req.key)
+                if end > first:
+                    raise RuntimeError(f"prefill: request {req.rid} holds BASE blocks "
+                                       f"[{first}, {end}); paged_prefill_attention reads pages "
+                                       f"as TARGET (prefilling requests are never demoted)")
         toks, poss, pools, arenas, qs, lens, slots = [], [], [], [], [0], [], []
         for req, start, n in items:
             pos, pool, arena = self._slots(req, start, n)
@@ -178,6 +192,14 @@ class ModelRunner:
             if self.decode == "paged":
                 o, _ = torch.ops.kvops.elastic_attention(
                     q, kv.k_pool[i], kv.v_pool[i], t["block_table"][:bk], t["seq_lens"][:bk])
+                return o
+            if self.decode == "elastic":
+                # a captured step takes the span table always (one graph a bucket); eager
+                # steps take the native path while nothing is BASE
+                span = kv.fid.attention_kwargs(always=self.graphs).get("base_span")
+                o, _ = torch.ops.kvops.elastic_attention(
+                    q, kv.k_pool[i], kv.v_pool[i], t["block_table"][:bk], t["seq_lens"][:bk],
+                    base_span=None if span is None else span[:bk])
                 return o
             ka, va = kv.k_arena[i][:bk], kv.v_arena[i][:bk]
             ws, wl = t["win_start"][:bk], t["win_len"][:bk]

@@ -8,6 +8,12 @@ is dropped and it goes back to the head of the queue), and waits a step for the 
 the pager returns at the commit; no waiting request is admitted in such a step. Admission
 stops at the first waiting request that does not fit (no overtaking). A request whose
 context can never fit is refused when it arrives.
+
+KV managers change three things: ``reclaimable`` pages (``elastic``: pairs demotion can free
+in the step's own frame) count as free for growth before any preemption, and for admission
+beyond what the running requests need to reach their whole context at BASE cost;
+``swaps`` (``offload``) makes preemption a swap to host memory instead of recompute;
+``free_pages`` and ``pages_for`` (``reserve``) hold each request's worst case from admission.
 """
 
 from __future__ import annotations
@@ -71,10 +77,17 @@ class Scheduler:
             self.waiting.append(req)
 
     def _preempt(self, req: Request) -> int:
-        freed = self.kv.pages_of(req)
+        """Preempt ``req``: swap its K/V out (a KV manager that swaps) or drop it (recompute);
+        either way it goes back to the head of the queue. Returns the pages it gives back."""
         self.running.remove(req)
-        self.kv.end(req)
-        req.reset_for_recompute()
+        if self.kv.swaps:
+            freed = self.kv.swap_out(req)
+            req.preemptions += 1
+            req.status = Status.WAITING
+        else:
+            freed = self.kv.pages_of(req)
+            self.kv.end(req)
+            req.reset_for_recompute()
         self.waiting.appendleft(req)
         self.preemptions += 1
         return freed
@@ -82,19 +95,21 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         cfg, kv, plan = self.cfg, self.kv, StepPlan()
         budget, free, coming = cfg.max_num_batched_tokens, kv.free_pages(), 0
+        reclaim = kv.reclaimable(self.running)     # pages demotion frees in this step's frame
         starved = False                            # a running request waits for pages
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed, budget, cfg.long_prefill_tokens)
             need = kv.pages_for(req, n)
-            if need <= free:
-                free -= need
+            if need <= free + reclaim:             # demotion first, before any preemption
+                took = max(need - free, 0)
+                free, reclaim = free - need + took, reclaim - took
                 budget -= n
                 plan.grows.append((req, n))
                 i += 1
                 continue
-            while need > free + coming:            # make room for the next step
+            while need > free + reclaim + coming:  # make room for the next step
                 got = kv.evict_cached()
                 if got is not None:
                     coming += got
@@ -103,15 +118,21 @@ class Scheduler:
                 if not later:
                     break
                 victim = self.policy(later)
+                reclaim = max(reclaim - kv.reclaimable([victim]), 0)
                 coming += self._preempt(victim)
                 plan.preempted.append(victim)
             starved = True
-            if need > free + coming:               # nothing left to free but itself
+            if need > free + reclaim + coming:     # nothing left to free but itself
+                reclaim = max(reclaim - kv.reclaimable([req]), 0)
                 self._preempt(req)
                 plan.preempted.append(req)
                 continue
             i += 1                                 # runs once the pages are back
         slots = kv.free_slots()
+        # a KV manager that demotes admits only while its free and demotable pages also cover
+        # what every running request still needs at BASE cost (kv.admission_margin; zero for
+        # the others), so that growth does not preempt later
+        margin = kv.admission_margin(self.running)
         while (self.waiting and not starved and budget > 0
                and len(self.running) < cfg.max_num_seqs):
             req = self.waiting[0]
@@ -121,18 +142,22 @@ class Scheduler:
             src, hit = kv.prefix_lookup(req)
             n = min(req.num_tokens - hit, budget, cfg.long_prefill_tokens)
             need = kv.pages_for(req, n, hit)
-            if need > free:
+            own = kv.admission_margin([req], computed=hit + n)
+            if need + margin + own > free + reclaim:
                 while need > free + coming:
                     got = kv.evict_cached()
                     if got is None:
                         break
                     coming += got
                 break
+            took = max(need - free, 0)             # pages this step's demotion frees
+            free, reclaim, margin = free - need + took, reclaim - took, margin + own
             self.waiting.popleft()
+            restored = kv.swaps and kv.is_swapped(req)   # swap-in: its own K/V, no prefix hit
             req.status = Status.RUNNING
             req.num_computed = hit
-            req.prefix_hit = hit
-            free -= need
+            if not restored:
+                req.prefix_hit = hit
             budget -= n
             slots -= 1
             self.running.append(req)

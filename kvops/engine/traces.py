@@ -1,5 +1,6 @@
 """Replay traces as :class:`Request` lists: Azure 2023 CSVs, Mooncake JSONL, ShareGPT length
-statistics with Poisson or Gamma arrivals, and the small synthetic trace shipped with kvops.
+statistics with Poisson or Gamma arrivals, the small synthetic trace shipped with kvops, and
+ElasticKV's high-pressure synthetic (:func:`pressure_rows`: fixed 4096 / 1024 lengths).
 
 Traces give lengths, not text, so prompt tokens are drawn from a seeded generator: from the
 request id, or, where the trace has ``hash_ids``, block by block from each block's id, so that
@@ -210,6 +211,27 @@ def synthetic_burst_rows(num_requests: int = 64, seed: int = 0) -> list[TraceRow
         next_id += len(own)
         rows.append(TraceRow(float(round(t[i], 3)), n_in, n_out, tuple(fam[:nb]) + tuple(own)))
     return rows
+
+
+def pressure_rows(num_requests: int, *, input_len: int = 4096, output_len: int = 1024,
+                  output_scale: float = 1.0, rate: float | None = None,
+                  seed: int = 0) -> list[TraceRow]:
+    """ElasticKV's high-pressure synthetic workload: ``num_requests`` requests of
+    ``input_len`` prompt and ``output_len * output_scale`` output tokens (4096 and 1024 in the
+    paper), all arriving at 0 (replayed as a closed loop at a concurrency, vLLM ``bench serve
+    --max-concurrency``) or, with ``rate``, Poisson arrivals at that many requests/s."""
+    for name, v in (("num_requests", num_requests), ("input_len", input_len),
+                    ("output_len", output_len)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+    if not output_scale > 0 or (rate is not None and not rate > 0):
+        raise ValueError(f"output_scale, rate: expected > 0, got {output_scale}, {rate}")
+    n_out = max(1, round(output_len * output_scale))
+    t = np.zeros(num_requests)
+    if rate is not None:
+        gaps = np.random.default_rng(seed).exponential(1.0 / rate, num_requests)
+        t = np.concatenate([[0.0], np.cumsum(gaps)[:-1]])
+    return [TraceRow(float(t[i]), input_len, n_out) for i in range(num_requests)]
 
 
 def write_mooncake(rows: list[TraceRow], path: str | Path) -> None:

@@ -80,16 +80,17 @@ def _validate(k_cache, block_table, seq_lens, block_mode, base_span) -> None:
                             L + 1)
 
 
-def block_values(cache: Tensor, block_table: Tensor, modes: Tensor) -> Tensor:
+def block_values(cache: Tensor, block_table: Tensor, modes: Tensor | None) -> Tensor:
     """Decoded K or V of every logical block: ``[B, L, S, Hkv, D]`` in the cache dtype.
 
-    ``modes`` int [B, L]: 0 TARGET, 1 BASE half 0, 2 BASE half 1. Entries outside ``[0, P)``
-    (-1, or anything past a sequence's end) read page 0; callers mask those tokens.
+    ``modes`` int [B, L]: 0 TARGET, 1 BASE half 0, 2 BASE half 1 (None: all TARGET). Entries
+    outside ``[0, P)`` (-1, or anything past a sequence's end) read page 0; callers mask those
+    tokens.
     """
     pages = block_table.long()
     pages = torch.where((pages >= 0) & (pages < cache.shape[0]), pages, 0)
     target = cache[pages]
-    if cache.dtype == torch.float32:
+    if cache.dtype == torch.float32 or modes is None:      # float32 / the native path: TARGET
         return target
     halves = base_pair_view(cache)[pages]                                  # [B, L, 2, S, Hkv, D]
     half = (modes == 2).long()[:, :, None, None, None, None].expand_as(halves[:, :, :1])
@@ -121,7 +122,7 @@ def elastic_attention_ref(
     elif base_span is not None:
         modes = span_modes(base_span, L)
     else:
-        modes = torch.zeros_like(block_table, dtype=torch.int8)
+        modes = None                                       # native: no BASE decode
     k = block_values(k_cache, block_table, modes).reshape(B, L * S, Hkv, D).float()
     v = block_values(v_cache, block_table, modes).reshape(B, L * S, Hkv, D).float()
     qf = q.float().view(B, Hkv, G, D)

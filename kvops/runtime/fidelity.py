@@ -456,6 +456,31 @@ class Fidelity:
         self._count()
 
     # -- reads -------------------------------------------------------------------------------
+    @property
+    def host_free(self) -> int:
+        """Pairs the host backing pool can still take (demotion stops at zero)."""
+        return self._host.free
+
+    def demotable(self, key: Hashable) -> int:
+        """Pairs the next :meth:`step` can demote from ``key``, from the committed state: exact
+        for a session whose pages are unshared. Promotions of it whose work is done settle at
+        the step's start (their pairs are demotable again); while one is still running the
+        session gives none. A caller that plans reserves on demotion sums this over its
+        sessions (and caps it by :attr:`host_free`)."""
+        if key not in self.pager.committed.sessions:
+            return 0
+        first, end = self.span(key)
+        flying = self._flight.get(key)
+        if flying:
+            if not all(pr.done is None or pr.done.query() for pr in flying):
+                return 0
+            end = flying[-1].j                  # the span once they settle
+        S = self.pager.page_size
+        n = self.pager.length(key)
+        limit = min(n // S, -(-n // S) - self.protect_recent)
+        start = end if end > first else self.protect_first
+        return max(0, (limit - start) // 2)
+
     def span(self, key: Hashable) -> tuple[int, int]:
         """Committed BASE span ``[first, end)`` of ``key`` (``(0, 0)`` none)."""
         return self._span.get(key, (0, 0))
@@ -485,14 +510,22 @@ class Fidelity:
         items = reserves.items() if hasattr(reserves, "items") else reserves
         return sum(frame.pages_needed(key, n) for key, n in items)
 
-    def step(self, frame: Frame, need: int = 0, plan: FidelityPlan | None = None) -> dict:
+    def step(self, frame: Frame, need: int = 0, plan: FidelityPlan | None = None,
+             exclude=()) -> dict:
         """Settle finished promotions, then demote on shortage or promote with spare pages;
         once a frame. ``need``: pages the caller takes before the next step (blocks reserved
         in this frame are never demoted in it). Returns this step's counts; its decisions
         are ``last_plan``. ``plan``: apply those decisions (settle exactly those promotions,
         waiting for their side-stream work; demote and promote exactly those pairs) instead
-        of deciding; a pair the plan names that is not eligible here raises ``ValueError``."""
+        of deciding; a pair the plan names that is not eligible here raises ``ValueError``.
+        ``exclude``: sessions none of whose blocks is demoted in this frame by the policy's
+        own decision (e.g. a request whose prefill still reads its blocks through a
+        TARGET-only kernel)."""
         need = as_int("need", need)
+        if isinstance(exclude, (str, bytes)):
+            raise TypeError(f"exclude: expected a collection of session keys, got the string "
+                            f"{exclude!r}")
+        exclude = frozenset(exclude)
         pend = self._now(frame)
         if pend.stepped:
             raise ValueError(f"step: already called in the frame of epoch {frame.epoch}; "
@@ -509,7 +542,8 @@ class Fidelity:
             if plan.promote:
                 promoted = self._promote(frame, pend, len(plan.promote), picks=plan.promote)
         elif short > 0:
-            pend.demoted = self._demote(frame, pend, max(short, self.min_batch))
+            pend.demoted = self._demote(frame, pend, max(short, self.min_batch),
+                                        exclude=exclude)
         else:
             # promotions hold pool pages only; the reserves fall back on pages freed in the
             # frame (a settle's BASE pages), so both fit when holds stay within the pool
@@ -559,14 +593,17 @@ class Fidelity:
             return False
         return not frame.copies or all(s != a and s != b for s, _ in frame.copies)
 
-    def _demote(self, frame: Frame, pend: _Pending, want: int, picks=None) -> int:
+    def _demote(self, frame: Frame, pend: _Pending, want: int, picks=None,
+                exclude=frozenset()) -> int:
         """Pick up to ``want`` pairs, the next one always from the session with the smallest
-        BASE share (each session's pairs checked only as they are reached), and pack them.
-        ``picks``: these ``(session, block)`` pairs instead, each the next of its span."""
+        BASE share (each session's pairs checked only as they are reached), and pack them;
+        sessions in ``exclude`` give none. ``picks``: these ``(session, block)`` pairs
+        instead, each the next of its span."""
         S = self.pager.page_size
         heap, plan = [], {}
         for key in self.pager.sessions():
-            got = self._start(frame, pend, key) if frame.has(key) else None
+            ok = frame.has(key) and key not in exclude
+            got = self._start(frame, pend, key) if ok else None
             if got is not None:
                 first, end, limit = got
                 nb = -(-frame.length(key) // S)
