@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One check-and-benchmark pass on a GPU machine, as the device tool runs it: each part under its
+# own time cap, its log in $OUT/<part>.log, every results file it records copied to $OUT, and a
+# short table of the parts last. Parts are named on the command line (default: all, in order):
+#   bench/gpu_pass.sh tests engine elastic tp transformers
+set -u
+OUT=${OUT:-/tmp/gpu-pass}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+before=$(ls bench/results)
+declare -a rows
+
+part() {   # part NAME SECONDS COMMAND...
+    local name=$1 cap=$2; shift 2
+    local t0=$SECONDS
+    timeout "$cap" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    rows+=("| $name | $rc | $((SECONDS - t0)) | $(grep -E 'passed|failed|error' "$OUT/$name.log" | tail -1 | cut -c1-90) |")
+}
+
+tests() {
+    part tests 180 python3 -m pytest -q -n 14 --timeout 170 -rfE -p no:cacheprovider \
+        tests/test_far_page_ops.py tests/test_paged_prefill_attention.py::test_long_prefill_on_cuda \
+        tests/test_tp.py tests/test_transformers_fidelity.py tests/test_transformers_integration.py \
+        tests/test_bench_transformers.py tests/test_fidelity.py tests/test_engine.py \
+        tests/test_far_view_policy.py $(ls tests/test_engine_elastic.py tests/test_evals_elastic.py 2>/dev/null)
+}
+engine() {
+    part engine 150 python3 -m kvops replay --configs static,pager,pager+merge,kvrm,paged \
+        --max-requests 40 --record engine-table5-synthetic-8b --out "$OUT/engine" --no-progress --no-figures
+}
+elastic() {
+    part elastic 240 python3 -m kvops replay --mode elastic --record elastic-pressure-8b \
+        --out "$OUT/elastic" --no-progress
+}
+tp() {
+    part tp 80 python3 -m bench.bench_tp --configs static,pager+merge,paged
+}
+transformers() {
+    part transformers 110 python3 -m bench.bench_transformers --batches 1,64 --contexts 4096 \
+        --impls sdpa,sliding,paged --record
+}
+
+for p in "${@:-tests engine elastic tp transformers}"; do
+    for q in $p; do $q; done
+done
+for f in $(ls bench/results); do
+    grep -qx "$f" <<< "$before" || cp "bench/results/$f" "$OUT/"
+done
+echo
+echo "| part | rc | s | last line |"
+echo "|---|---|---|---|"
+printf '%s\n' "${rows[@]}"
