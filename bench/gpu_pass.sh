@@ -19,18 +19,18 @@ part() {   # part NAME SECONDS COMMAND...
 }
 
 tests() {
-    part tests 180 python3 -m pytest -q -n 14 --timeout 170 -rfE -p no:cacheprovider \
+    part tests 150 python3 -m pytest -q -n 14 --timeout 140 -rfE -p no:cacheprovider \
         tests/test_far_page_ops.py tests/test_paged_prefill_attention.py::test_long_prefill_on_cuda \
         tests/test_tp.py tests/test_transformers_fidelity.py tests/test_transformers_integration.py \
         tests/test_bench_transformers.py tests/test_fidelity.py tests/test_engine.py \
         tests/test_far_view_policy.py $(ls tests/test_engine_elastic.py tests/test_evals_elastic.py 2>/dev/null)
 }
 engine() {
-    part engine 150 python3 -m kvops replay --configs static,pager,pager+merge,kvrm,paged \
+    part engine 130 python3 -m kvops replay --configs static,pager,pager+merge,kvrm,paged \
         --max-requests 40 --record engine-table5-synthetic-8b --out "$OUT/engine" --no-progress --no-figures
 }
 elastic() {
-    part elastic 240 python3 -m kvops replay --mode elastic --record elastic-pressure-8b \
+    part elastic 200 python3 -m kvops replay --mode elastic --record elastic-pressure-8b \
         --out "$OUT/elastic" --no-progress
 }
 tp() {
