@@ -251,19 +251,20 @@ def check_op(model: Llama, ids: torch.Tensor, spans, dtype, codec: str,
 
 
 @torch.no_grad()
-def passkey_hits(model: Llama, tok, n_tokens: int, prompts: int, spans, dtype, codec: str,
-                 seed: int = 0) -> tuple[list[int], float]:
-    """Indices of the :func:`kvops.evals.passkey.passkey_cases` prompts retrieved (every digit
-    of the key the argmax, read from one forward over prompt + key) with the mixed cache of
-    ``spans`` (for the longest prompt; a position's BASE set depends on the position only),
-    and the seconds taken. The deepest prompt runs in full; the others reuse its K/V up to
-    where they depart from it."""
+def passkey_hits(model: Llama, tok, n_tokens: int, prompts: int, dtype, codec: str, cap: float,
+                 protect_first: int = 1, protect_recent: int = 2,
+                 seed: int = 0) -> tuple[list[int], float, float]:
+    """Passkey retrieval (:func:`kvops.evals.passkey.passkey_cases`: ``prompts`` prompts of
+    about ``n_tokens`` tokens, the key at depths 0..1) with the mixed cache of cap ``cap``:
+    the indices of the prompts retrieved (every digit of the key the argmax, read from one
+    forward over prompt + key), the BASE share of the live blocks at the last position of the
+    longest prompt, and the seconds taken. The deepest prompt runs in full; the others reuse its
+    K/V up to where they depart from it (a position's BASE set depends on the position only)."""
+    dtype, codec, cap = check_case(dtype, codec, cap)
     t0 = time.perf_counter()
     cases = passkey_cases(tok, n_tokens, prompts, seed)
-    need = max(len(p) + len(a) for _, p, a in cases)
-    if spans is not None and spans.shape[0] < need:
-        raise ValueError(f"spans: expected at least {need} positions (the longest prompt), got "
-                         f"{spans.shape[0]}")
+    T = max(len(p) + len(a) for _, p, a in cases)
+    spans = base_spans(T, cap, PAGE, protect_first, protect_recent)
     cache, base, hits = None, None, []
     for i in sorted(range(prompts), key=lambda i: -cases[i][0]):       # deepest first
         _, prompt, answer = cases[i]
@@ -278,4 +279,4 @@ def passkey_hits(model: Llama, tok, n_tokens: int, prompts: int, spans, dtype, c
             cache, base = kvs, ids
         if model.output(hidden[-n - 1:-1]).argmax(-1).tolist() == answer:
             hits.append(i)
-    return sorted(hits), time.perf_counter() - t0
+    return sorted(hits), exposure(spans)[0], time.perf_counter() - t0
