@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--protect-recent", type=int, default=2, help="recent blocks never demoted")
     ap.add_argument("--check-positions", type=int, default=4,
                     help="positions a layer compared with elastic_attention (0: no check)")
+    ap.add_argument("--check-context", type=int, default=0,
+                    help="tokens of the check (0: the smallest context)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     ap.add_argument("--tag", default="", help="appended to the result file's name")
     args = ap.parse_args(argv)
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
 
     checks = []
     if args.check_positions:
-        n = min(args.contexts + (args.passkey_contexts or []))
+        n = args.check_context or min(args.contexts + (args.passkey_contexts or []))
         ids = kjv_tokens(tok, n)
         below = [c for c in args.caps if 0 < c < 1]
         for d, c in args.cases:

@@ -18,10 +18,10 @@ and the protected ones included, as if each token's K/V were stored in BASE when
 (not a state the policy reaches; the paper's "all-BASE" row).
 
 How attention reads the mixed cache. Teacher-forced, block-parallel (:func:`attention_mixed`):
-for a block of queries at once, one SDPA over the TARGET keys (K/V rounded to the TARGET dtype,
-as the pool holds them) plus the BASE keys (``codecs.decode(codecs.encode(x))``, the values
-``elastic_attention`` decodes from a pair page), masked per query by its causal range and its
-span; the query is rounded to the TARGET dtype and the output too, as
+for a block of queries at once, attention over the TARGET keys (K/V rounded to the TARGET dtype,
+as the pool holds them) and the BASE keys (``codecs.decode(codecs.encode(x))``, the values
+``elastic_attention`` decodes from a pair page), each query seeing a key in the form its span
+gives (and only keys up to itself); the query is rounded to the TARGET dtype and the output too, as
 ``torch.ops.kvops.elastic_attention`` takes and returns them, with float32 math in between.
 The decode op itself is one call a token and a layer, which on a CPU costs minutes a case at
 2048 tokens; :func:`check_op` compares the block-parallel attention, at sampled positions of
@@ -119,13 +119,37 @@ def base_values(x: torch.Tensor, dtype: torch.dtype, codec: str) -> torch.Tensor
     return codecs.decode(base, dtype).float()
 
 
+def _attend(q, k, v, mask=None):
+    """``q [n, Hq, D]`` over ``k, v [m, Hkv, D]`` (float32): ``(out [n, Hq, D], lse [n, Hq])``.
+    ``mask [n, m]`` (True: visible; every row needs one) through explicit scores; ``None``:
+    every key visible, through PyTorch's CPU flash kernel where the tensors are on the CPU."""
+    g = q.shape[1] // k.shape[1]
+    qh = q.transpose(0, 1)
+    kh, vh = (x.repeat_interleave(g, 1).transpose(0, 1) for x in (k, v))
+    if mask is None and q.device.type == "cpu":
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        o, lse = flash(qh[None], kh[None], vh[None], 0.0, False)[:2]
+        return o[0].transpose(0, 1), lse[0].transpose(0, 1)
+    scores = qh @ kh.transpose(1, 2) * q.shape[-1] ** -0.5                  # [Hq, n, m]
+    if mask is not None:
+        scores = scores.masked_fill(~mask[None], float("-inf"))
+    lse = scores.logsumexp(-1)
+    o = torch.exp(scores - lse[..., None]) @ vh
+    return o.transpose(0, 1), lse.transpose(0, 1)
+
+
 @torch.no_grad()
 def attention_mixed(q, k, v, spans, dtype, codec: str, q0: int = 0, q_block: int = 256,
                     page_size: int = PAGE):
     """Causal attention of the queries of positions ``[q0, T)`` (``q [T - q0, Hq, D]``, float32)
     over ``k, v [T, Hkv, D]`` where, for query ``t``, the keys of blocks
     ``spans[t, 0] <= j < spans[t, 1]`` are read as BASE and the others as TARGET (module doc).
-    Returns float32 ``[T - q0, Hq, D]`` holding TARGET-dtype values."""
+    Returns float32 ``[T - q0, Hq, D]`` holding TARGET-dtype values.
+
+    Per block of queries, the keys before the block whose form is the same for every query of
+    the block (the span moves slowly) go through one unmasked flash call; the rest (keys whose
+    form differs between the block's queries, and the block's own causal keys) through masked
+    scores over their TARGET and BASE forms; the two parts merge by their log-sum-exp."""
     T = k.shape[0]
     kt, vt = k.to(dtype).float(), v.to(dtype).float()
     spans = spans.to(k.device).long()
@@ -137,23 +161,27 @@ def attention_mixed(q, k, v, spans, dtype, codec: str, q0: int = 0, q_block: int
     out = torch.empty_like(q)
     for t0 in range(q0, T, q_block):
         n = min(q_block, T - t0)
+        qb = qd[t0 - q0:t0 - q0 + n]
         t = torch.arange(t0, t0 + n, device=k.device)
         keys = torch.arange(t0 + n, device=k.device)
-        causal = keys[None, :] <= t[:, None]
-        first, end = spans[t, :1], spans[t, 1:]
-        is_base = (blk[keys][None, :] >= first) & (blk[keys][None, :] < end)
-        masks, ks, vs = [causal & ~is_base], [kt[:t0 + n]], [vt[:t0 + n]]
-        if kb is not None and bool(is_base.any()):
-            lo, hi = int(first.min()) * page_size, min(int(end.max()) * page_size, t0 + n)
-            masks.append((causal & is_base)[:, lo:hi])
-            ks.append(kb[lo:hi])
-            vs.append(vb[lo:hi])
-        bias = torch.where(torch.cat(masks, dim=1), 0.0, float("-inf"))
-        o = F.scaled_dot_product_attention(qd[t0 - q0:t0 - q0 + n].transpose(0, 1),
-                                           torch.cat(ks).transpose(0, 1),
-                                           torch.cat(vs).transpose(0, 1),
-                                           attn_mask=bias, enable_gqa=True)
-        out[t0 - q0:t0 - q0 + n] = o.transpose(0, 1).to(dtype).float()
+        is_base = (blk[None, :t0 + n] >= spans[t, :1]) & (blk[None, :t0 + n] < spans[t, 1:])
+        mixed = (is_base[:, :t0] != is_base[:1, :t0]).any(0).nonzero()
+        c = int(mixed[0]) if len(mixed) else t0          # keys [0, c): one form for all queries
+        causal = keys[None, c:] <= t[:, None]
+        masks, ks, vs = [causal & ~is_base[:, c:]], [kt[c:t0 + n]], [vt[c:t0 + n]]
+        if kb is not None and bool(is_base[:, c:].any()):
+            masks.append(causal & is_base[:, c:])
+            ks.append(kb[c:t0 + n])
+            vs.append(vb[c:t0 + n])
+        o, lse = _attend(qb, torch.cat(ks), torch.cat(vs), torch.cat(masks, dim=1))
+        if c:
+            use_base = is_base[0, :c, None, None]
+            kc = torch.where(use_base, kb[:c], kt[:c]) if kb is not None else kt[:c]
+            vc = torch.where(use_base, vb[:c], vt[:c]) if kb is not None else vt[:c]
+            o1, lse1 = _attend(qb, kc, vc)
+            both = torch.logaddexp(lse, lse1)
+            o = o * (lse - both).exp()[..., None] + o1 * (lse1 - both).exp()[..., None]
+        out[t0 - q0:t0 - q0 + n] = o.to(dtype).float()
     return out
 
 
