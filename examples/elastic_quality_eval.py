@@ -99,6 +99,39 @@ def main(argv: list[str] | None = None) -> None:
                 yield d, c, cap, ("TARGET" if cap == 0 else c)   # cap 0 reads no BASE
 
     ppl_rows, key_rows = [], []
+
+    def record() -> Path:
+        """Write the record of the rows so far; called after every row, so a stopped run
+        keeps what it measured."""
+        parts = [
+            f"SmolLM2-135M-Instruct (GGUF, float32 weights, CPU, {torch.get_num_threads()} "
+            f"threads); pages of {ev.PAGE} tokens; K/V stored in the TARGET dtype, BASE by the "
+            f"codec. Caps below 1: the blocks kvops.runtime.Fidelity demotes (protect_first="
+            f"{args.protect_first}, protect_recent={args.protect_recent}), as many pairs as keep "
+            "BASE blocks <= cap x live blocks; cap 1: every block BASE. Exposure = BASE blocks / "
+            "live blocks (at the last position, and the mean over positions). See examples/elastic_quality_eval.py for the "
+            "method.",
+        ]
+        if checks:
+            parts += ["", "Block-parallel evaluation vs torch.ops.kvops.elastic_attention over "
+                      "pack_base_pairs pools (every layer, "
+                      f"{args.check_positions} positions; max abs diff / max |out|):", "",
+                      table(["context N", "dtype", "codec", "cap", "rel diff"],
+                            [[a, b, c, f"{x:.2f}", f"{e:.2e}"] for a, b, c, x, e in checks])]
+        if ppl_rows:
+            parts += ["", "## Perplexity (KJV)", "",
+                      table(["context N", "TARGET", "BASE codec", "cap", "exposure (last)",
+                             "exposure (mean)", "perplexity", "vs TARGET (%)", "seconds"],
+                            ppl_rows)]
+        if key_rows:
+            parts += ["", "## Passkey", "",
+                      table(["context N", "TARGET", "BASE codec", "cap", "exposure (last)",
+                             "prompts", "retrieved", "accuracy", "retrieved at depths", "seconds"],
+                            key_rows)]
+        record.body = "\n".join(parts)
+        name = "elastic-quality" + (f"-{args.tag}" if args.tag else "")
+        return write_record(RESULTS, name, record.body)
+
     for n in args.contexts:
         if "perplexity" in args.tasks:
             ids = kjv_tokens(tok, n)
@@ -113,44 +146,20 @@ def main(argv: list[str] | None = None) -> None:
                                  f"{ppl:.4f}", f"{100 * (ppl / target[d] - 1):+.2f}",
                                  f"{time.perf_counter() - t:.0f}"])
                 print(ppl_rows[-1], flush=True)
+                record()
     for n in args.passkey_contexts or args.contexts:
         if "passkey" in args.tasks:
             for d, c, cap, label in cases():
                 hits, last, secs = ev.passkey_hits(model, tok, n, args.prompts, d, c, cap,
                                                    **protect)
-                key_rows.append([n, d, label, f"{cap:.2f}", f"{last:.3f}", args.prompts, len(hits),
-                                 f"{len(hits) / args.prompts:.2f}",
+                key_rows.append([n, d, label, f"{cap:.2f}", f"{last:.3f}", args.prompts,
+                                 len(hits), f"{len(hits) / args.prompts:.2f}",
                                  depth_ranges(hits, args.prompts), f"{secs:.0f}"])
                 print(key_rows[-1], flush=True)
+                record()
 
-    parts = [
-        f"SmolLM2-135M-Instruct (GGUF, float32 weights, CPU, {torch.get_num_threads()} threads); "
-        f"pages of {ev.PAGE} tokens; K/V stored in the TARGET dtype, BASE by the codec. Caps "
-        f"below 1: the blocks kvops.runtime.Fidelity demotes (protect_first={args.protect_first}, "
-        f"protect_recent={args.protect_recent}), as many pairs as keep BASE blocks <= cap x live "
-        "blocks; cap 1: every block BASE. Exposure = BASE blocks / live blocks (at the last "
-        "position, and the mean over positions). See examples/elastic_quality_eval.py for the "
-        "method.",
-    ]
-    if checks:
-        parts += ["", "Block-parallel evaluation vs torch.ops.kvops.elastic_attention over "
-                  "pack_base_pairs pools (every layer, "
-                  f"{args.check_positions} positions; max abs diff / max |out|):", "",
-                  table(["context N", "dtype", "codec", "cap", "rel diff"],
-                        [[a, b, c, f"{x:.2f}", f"{e:.2e}"] for a, b, c, x, e in checks])]
-    if ppl_rows:
-        parts += ["", "## Perplexity (KJV)", "",
-                  table(["context N", "TARGET", "BASE codec", "cap", "exposure (last)",
-                         "exposure (mean)", "perplexity", "vs TARGET (%)", "seconds"],
-                        ppl_rows)]
-    if key_rows:
-        parts += ["", "## Passkey", "",
-                  table(["context N", "TARGET", "BASE codec", "cap", "exposure (last)",
-                         "prompts", "retrieved", "accuracy", "retrieved at depths", "seconds"],
-                        key_rows)]
-    body = "\n".join(parts)
-    print(write_record(RESULTS, "elastic-quality" + (f"-{args.tag}" if args.tag else ""), body))
-    print(body)
+    print(record())
+    print(record.body)
 
 
 if __name__ == "__main__":
