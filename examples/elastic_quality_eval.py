@@ -109,8 +109,8 @@ def main(argv: list[str] | None = None) -> None:
             f"codec. Caps below 1: the blocks kvops.runtime.Fidelity demotes (protect_first="
             f"{args.protect_first}, protect_recent={args.protect_recent}), as many pairs as keep "
             "BASE blocks <= cap x live blocks; cap 1: every block BASE. Exposure = BASE blocks / "
-            "live blocks (at the last position, and the mean over positions). See examples/elastic_quality_eval.py for the "
-            "method.",
+            "live blocks (at the last position, and the mean over positions). See "
+            "examples/elastic_quality_eval.py for the method.",
         ]
         if checks:
             parts += ["", "Block-parallel evaluation vs torch.ops.kvops.elastic_attention over "

@@ -18,15 +18,17 @@ and the protected ones included, as if each token's K/V were stored in BASE when
 (not a state the policy reaches; the paper's "all-BASE" row).
 
 How attention reads the mixed cache. Teacher-forced, block-parallel (:func:`attention_mixed`):
-for a block of queries at once, attention over the TARGET keys (K/V rounded to the TARGET dtype,
-as the pool holds them) and the BASE keys (``codecs.decode(codecs.encode(x))``, the values
-``elastic_attention`` decodes from a pair page), each query seeing a key in the form its span
-gives (and only keys up to itself); the query is rounded to the TARGET dtype and the output too, as
-``torch.ops.kvops.elastic_attention`` takes and returns them, with float32 math in between.
-The decode op itself is one call a token and a layer, which on a CPU costs minutes a case at
-2048 tokens; :func:`check_op` compares the block-parallel attention, at sampled positions of
-every layer, with ``torch.ops.kvops.elastic_attention`` (structured path, ``base_span``) over a
-pool whose pairs ``torch.ops.kvops.pack_base_pairs`` packed in Fidelity's layout.
+for a block of queries at once, attention over the TARGET keys (K/V rounded to the TARGET
+dtype, as the pool holds them) and the BASE keys (``codecs.decode(codecs.encode(x))``, the
+values ``elastic_attention`` decodes from a pair page), each query seeing a key in the form its
+span gives (and only keys up to itself); the query is rounded to the TARGET dtype and the
+output too, as ``torch.ops.kvops.elastic_attention`` takes and returns them, with float32 math
+in between. The decode op itself is not what this pass runs: it is one call a token and a layer
+(61,440 calls for 2048 tokens of SmolLM2), and its CPU reference decodes every page of the
+sequence each call (about 0.1 s a call at 2048 tokens on the shared 2-core CPU), over an hour a
+case. :func:`check_op` compares the block-parallel attention, at sampled positions of every
+layer, with ``torch.ops.kvops.elastic_attention`` (structured path, ``base_span``) over a pool
+whose pairs ``torch.ops.kvops.pack_base_pairs`` packed in Fidelity's layout.
 
 Cap 0 runs the same path with no BASE block: it is the TARGET result exactly.
 """
