@@ -40,7 +40,6 @@ import numbers
 import time
 
 import torch
-import torch.nn.functional as F
 
 from kvops.evals.passkey import passkey_cases
 from kvops.evals.perplexity import nll_sum
