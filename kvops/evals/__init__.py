@@ -6,6 +6,9 @@
   (block-parallel, checked against the ops; summary and retrieval configurations), perplexity,
   token-by-token decode through ``Pager`` + ``FarView``, and the retrieval selection's churn;
 - :mod:`kvops.evals.passkey`: passkey and multikey retrieval over those configurations;
+- :mod:`kvops.evals.elastic`: ElasticKV's quality, perplexity and passkey with a share of the KV
+  blocks BASE (the blocks :class:`kvops.runtime.Fidelity` demotes, up to a BASE-exposure cap),
+  checked against ``torch.ops.kvops.elastic_attention`` over packed pools;
 - :mod:`kvops.evals.records`: Markdown tables and dated run records (date, device, commit,
   versions, command) as the benchmarks and examples write them.
 
