@@ -16,10 +16,11 @@ part() {   # part NAME SECONDS COMMAND...
     timeout "$cap" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
     rows+=("| $name | $rc | $((SECONDS - t0)) | $(grep -E 'passed|failed|error' "$OUT/$name.log" | tail -1 | cut -c1-90) |")
+    grep -E ' (FAILED|ERROR) ' "$OUT/$name.log" | sed 's/^/    /' | head -20
 }
 
 tests() {
-    part tests 150 python3 -m pytest -q -n 14 --timeout 140 -rfE -p no:cacheprovider \
+    part tests 150 python3 -m pytest -v -n 14 --timeout 140 -rfE -p no:cacheprovider \
         tests/test_far_page_ops.py tests/test_paged_prefill_attention.py::test_long_prefill_on_cuda \
         tests/test_tp.py tests/test_transformers_fidelity.py tests/test_transformers_integration.py \
         tests/test_bench_transformers.py tests/test_fidelity.py tests/test_engine.py \
