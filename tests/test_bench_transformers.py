@@ -17,7 +17,7 @@ def test_smoke_grid_runs_on_cpu(tmp_path, monkeypatch, capsys):
     # a kvops cache first: the bench registers attn_implementation="kvops" before any cell
     rows = bt.main(["--smoke", "--impls", "sliding,sdpa,paged,paged-base", "--modes", "eager"])
     assert [r[3] for r in rows] == ["sliding", "sdpa", "paged", "paged-base"]
-    for mode, B, ctx, impl, step, tps, vs, setup, note in rows:
+    for _mode, B, ctx, impl, step, _tps, _vs, _setup, note in rows:
         assert (B, ctx) == (2, 64)
         assert float(step) > 0 and not note.startswith("failed"), (impl, note)
     # the same K/V in every cache: sliding, SDPA and paged agree on the tokens here

@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers", reason="needs the hf (or test
 import kvops  # noqa: E402
 import kvops.integrations.transformers as kt  # noqa: E402
 from kvops.layouts import codecs  # noqa: E402
-from tests.test_transformers_integration import PAD, _config, _generate, _prompts  # noqa: E402
+from tests.test_transformers_integration import _config, _generate, _prompts  # noqa: E402
 
 S = 8          # page size
 # float16 logits of the tiny models are below 1 in magnitude, where a float16 ulp is <= 2**-11:

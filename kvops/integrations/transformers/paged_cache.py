@@ -306,10 +306,10 @@ class PagedCache(Cache):
         if num_pages is None:
             num_pages = least
         if not isinstance(num_pages, int) or num_pages < least:
+            why = "; promotion needs a spare page" if spare else ""
             raise ValueError(f"num_pages: expected an int >= batch_size * ceil(max_tokens / "
                              f"page_size){' + 1' if spare else ''} = {least} (every row reserves "
-                             f"its max_tokens at the prompt{'; promotion needs a spare page' if spare else ''}), "
-                             f"got {num_pages!r}")
+                             f"its max_tokens at the prompt{why}), got {num_pages!r}")
         # one pool for every layer's K and V: [2 * layers, P, S, Hkv, D]
         pool = torch.zeros((2 * geo.num_layers, num_pages, page_size, geo.num_kv_heads,
                             geo.head_dim), dtype=geo.dtype, device=geo.device)
