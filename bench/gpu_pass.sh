@@ -36,6 +36,7 @@ elastic() {
 }
 tp() {
     part tp 80 python3 -m bench.bench_tp --configs static,pager+merge,paged
+    part tp-eager 80 python3 -m bench.bench_tp --configs static,paged --no-graphs --name tp1-distributed-path-eager
 }
 transformers() {
     part transformers 110 python3 -m bench.bench_transformers --batches 1,64 --contexts 4096 \
