@@ -179,6 +179,23 @@ def test_observe_mass_from_lse_and_ema_update():
     assert torch.equal(far.scores[layer, 1, unselected[1:]], before[layer, 1, unselected[1:]])
 
 
+def test_an_absorb_is_due_only_after_a_commit_that_queued_summaries():
+    """Without queued summaries every leave row is empty: skipping the absorb changes nothing."""
+    pager, far, k, v = setup(cap=2, max_leave=1)
+    commit(pager, far, k, v, {"a": 6 * S})              # chunks 0 and 1 far: one summary a commit
+    assert far.summaries_due
+    commit(pager, far, k, v, {"a": 1})                   # the queue's second chunk
+    assert far.summaries_due
+    with pager.frame() as f:
+        f.reserve("a", 1)                                # nothing new is far
+    assert not far.summaries_due
+    stores = (far.k_store.clone(), far.v_store.clone(), far.scores.clone())
+    for layer in range(LAYERS):
+        far.absorb(layer, k[layer], v[layer])
+    for before, after in zip(stores, (far.k_store, far.v_store, far.scores)):
+        assert torch.equal(before[:, :, : far.J], after[:, :, : far.J])
+
+
 def test_a_bucket_of_the_first_slots_sees_and_scores_only_its_live_rows():
     """A decode bucket of ``R`` rows gets the first ``R`` slots' far rows; ``observe`` with a
     live mask moves the live rows' utilities as the whole batch would and leaves the others'."""

@@ -7,7 +7,8 @@ A step runs, in order:
 2. the prefill chunks, packed: K/V written into the pool with ``paged_kv_write`` (and into the
    arena ring for tokens inside the window, write-through), attention with
    ``paged_prefill_attention`` over each request's block table;
-3. the far view's summaries of chunks this commit made far (``kvrm``);
+3. the far view's summaries of chunks this commit made far (``kvrm``; nothing when the commit
+   queued none);
 4. the decode tokens, one row per KV slot up to a batch bucket (1, 2, 4, 8, then multiples of
    8, and of 16 above 64; ``kvrm`` too: the far view's tables are per slot, and a bucket
    takes the first slots' far rows),
@@ -110,7 +111,7 @@ class ModelRunner:
         prefill = [it for it in items if it[2] > 1]
         decode = [it for it in items if it[2] == 1]
         out = self._prefill(prefill) if prefill else {}
-        if kv.far is not None:
+        if kv.far is not None and kv.far.summaries_due:     # eager: skipped when none is due
             for i in range(kv.layers):
                 kv.far.absorb(i, kv.k_pool[i], kv.v_pool[i])
         if decode:

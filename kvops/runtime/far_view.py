@@ -307,6 +307,13 @@ class FarView:
         self._scores_new = False
 
     # -- host reads ---------------------------------------------------------------------------
+    @property
+    def summaries_due(self) -> bool:
+        """Whether the last commit queued summaries for :meth:`absorb` (without any, every
+        ``far_leave`` row is empty and an absorb changes nothing, so a caller outside a
+        captured graph may skip it)."""
+        return bool(self._leave_rows)
+
     def pull_scores(self, values=None) -> None:
         """Copy the device utilities to the host (ranked at the next commit); syncs the device.
         ``values``: host utilities ``[layers, B, J + 1]`` to rank instead (e.g. from a replay).
