@@ -33,6 +33,17 @@ settings.register_profile(
 settings.load_profile(os.environ.get("KVOPS_HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module of tiny matmuls: a second thread only adds
+    synchronization, and on a shared 2-core machine two threads run many times slower. Use
+    with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(autouse=True)
 def fresh_launch_plans():
     """Launch rules and plans are cached per shape; tests that patch a rule's constants or the

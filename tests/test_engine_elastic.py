@@ -24,12 +24,7 @@ TOKEN_BYTES = 2 * CFG.n_layers * CFG.n_kv_heads * CFG.head_dim * 2
 S = 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -39,12 +39,7 @@ ROUNDING = {"cpu": 2 * 2.0 ** -11, "cuda": 4 * 2.0 ** -11}
 BASE_DRIFT = 5e-2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 _MODELS: dict = {}

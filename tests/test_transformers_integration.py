@@ -20,13 +20,7 @@ NEW = 32
 PAD = 0
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny matmuls: two threads on a shared 2-core machine run 20x slower than one
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _config(arch: str):

@@ -16,12 +16,12 @@ chunks of 2,048.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
 
 from kvops.engine.replay import ReplaySettings, load_model, replay_dtype, run
+from kvops.engine.report import write_outputs
 
 PRESSURE_CONFIGS = ("elastic", "paged", "offload", "reserve")
 
@@ -184,14 +184,4 @@ def plot(result: dict, out_dir: Path) -> None:
 def write(result: dict, out_dir: str | Path, figures: bool = True) -> str:
     """``pressure.json``, ``pressure.md`` and (with matplotlib) ``pressure_ttft.png``;
     returns the Markdown table."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "pressure.json").write_text(json.dumps(result, indent=1, default=str))
-    table = markdown(result)
-    (out_dir / "pressure.md").write_text(table + "\n")
-    if figures:
-        try:
-            plot(result, out_dir)
-        except ImportError as exc:
-            print(f"(figures skipped: {exc}; pip install matplotlib)")
-    return table
+    return write_outputs(result, out_dir, "pressure", markdown, plot, figures)

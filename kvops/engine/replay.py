@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import time
 from pathlib import Path
 
@@ -268,16 +267,6 @@ def run(settings: ReplaySettings, progress: bool = True, tp=None, model=None) ->
 def write(result: dict, out_dir: str | Path, figures: bool = True) -> str:
     """``replay.json``, ``replay.md`` and (with matplotlib) ``timeline.png``, ``cdf.png`` in
     ``out_dir``; returns the Markdown table."""
-    from kvops.engine.report import markdown, plot
+    from kvops.engine.report import markdown, plot, write_outputs
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "replay.json").write_text(json.dumps(result, indent=1, default=str))
-    table = markdown(result)
-    (out_dir / "replay.md").write_text(table + "\n")
-    if figures:
-        try:
-            plot(result, out_dir)
-        except ImportError as exc:
-            print(f"(figures skipped: {exc}; pip install matplotlib)")
-    return table
+    return write_outputs(result, out_dir, "replay", markdown, plot, figures)

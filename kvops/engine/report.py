@@ -3,9 +3,27 @@ running and waiting requests, reserved KV, step latency; CDFs of TTFT and TPOT).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
+
+
+def write_outputs(result: dict, out_dir: str | Path, stem: str, markdown, plot,
+                  figures: bool = True) -> str:
+    """``<stem>.json`` and ``<stem>.md`` (the table ``markdown(result)`` gives) in ``out_dir``,
+    and with ``figures`` (and matplotlib) ``plot(result, out_dir)``; returns the table."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
+    table = markdown(result)
+    (out_dir / f"{stem}.md").write_text(table + "\n")
+    if figures:
+        try:
+            plot(result, out_dir)
+        except ImportError as exc:
+            print(f"(figures skipped: {exc}; pip install matplotlib)")
+    return table
 
 
 def _f(x, nd=1):

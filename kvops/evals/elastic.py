@@ -41,8 +41,8 @@ import time
 
 import torch
 
-from kvops.evals.passkey import passkey_cases
-from kvops.evals.perplexity import nll_sum
+from kvops.evals.passkey import passkey_cases, reusable_prefix
+from kvops.evals.perplexity import hidden_states_with, nll_sum
 from kvops.layouts import codecs
 from kvops.models import Llama
 
@@ -225,25 +225,16 @@ def hidden_states_from(model: Llama, ids: torch.Tensor, spans, dtype, codec: str
     sequence starting with ``ids[:start]``): the BASE set of a query depends on its position
     only, so they are what a full pass computes. ``check(layer, q, k, v, out)``: called with
     each layer's tensors (:func:`check_op`)."""
-    T = ids.shape[0]
     if spans is None:
-        spans = torch.zeros(T, 2, dtype=torch.int32)
-    cos, sin = model.rope_cos[start:T], model.rope_sin[start:T]
-    x = model.tok_embeddings(ids[start:])
-    kvs = []
-    for layer, block in enumerate(model.layers):
-        att = block.attention
-        q, k, v = att._qkv(block.attention_norm(x), cos, sin)
-        if start:
-            k = torch.cat([cache[layer][0][:start], k])
-            v = torch.cat([cache[layer][1][:start], v])
-        kvs.append((k, v))
+        spans = torch.zeros(ids.shape[0], 2, dtype=torch.int32)
+
+    def attend(layer, q, k, v):
         o = attention_mixed(q, k, v, spans, dtype, codec, q0=start)
         if check is not None:
             check(layer, q, k, v, o)
-        x = x + att.wo(o.flatten(-2))
-        x = x + block.feed_forward(block.ffn_norm(x))
-    return model.norm(x), kvs
+        return o
+
+    return hidden_states_with(model, ids, attend, start, cache)
 
 
 def logits(model: Llama, ids: torch.Tensor, spans, dtype, codec: str) -> torch.Tensor:
@@ -298,11 +289,8 @@ def passkey_hits(model: Llama, tok, n_tokens: int, prompts: int, dtype, codec: s
     for i in sorted(range(prompts), key=lambda i: -cases[i][0]):       # deepest first
         _, prompt, answer = cases[i]
         ids = torch.tensor(prompt + answer, device=model.rope_cos.device)
-        n, start = len(answer), 0
-        if cache is not None:
-            m = min(len(base), len(ids) - n - 1)
-            same = (base[:m] == ids[:m]).tolist()
-            start = same.index(False) if False in same else m
+        n = len(answer)
+        start = reusable_prefix(base, ids, n)
         hidden, kvs = hidden_states_from(model, ids, spans, dtype, codec, start, cache)
         if cache is None:
             cache, base = kvs, ids

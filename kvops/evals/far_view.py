@@ -40,7 +40,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kvops.evals.perplexity import nll_sum
+from kvops.evals.perplexity import hidden_states_with, nll_sum
 from kvops.models import Llama
 
 WINDOW, PAGE, CHUNK = 512, 16, 128
@@ -307,25 +307,14 @@ def hidden_states_from(model: Llama, ids: torch.Tensor, config: str, start: int 
     come from ``cache`` (the second result of a call on a sequence whose first ``start`` tokens
     are ``ids[:start]``; causal attention makes them independent of what follows)."""
     mode, cap, bias, sink = parse_config(config)
-    T = ids.shape[0]
-    cos, sin = model.rope_cos[start:T], model.rope_sin[start:T]
-    x = model.tok_embeddings(ids[start:])
-    kvs = []
-    for layer, block in enumerate(model.layers):
-        att = block.attention
-        q, k, v = att._qkv(block.attention_norm(x), cos, sin)
-        if start:
-            k = torch.cat([cache[layer][0][:start], k])
-            v = torch.cat([cache[layer][1][:start], v])
-        kvs.append((k, v))
+    every = retrieval_every(config)
+
+    def attend(layer, q, k, v):
         if mode == "dense":
-            o = attention_dense(q, k, v, start)
-        else:
-            o = attention_banded(q, k, v, mode, cap, bias, sink, q0=start,
-                                 every=retrieval_every(config))
-        x = x + att.wo(o.flatten(-2))
-        x = x + block.feed_forward(block.ffn_norm(x))
-    return model.norm(x), kvs
+            return attention_dense(q, k, v, start)
+        return attention_banded(q, k, v, mode, cap, bias, sink, q0=start, every=every)
+
+    return hidden_states_with(model, ids, attend, start, cache)
 
 
 @torch.no_grad()

@@ -45,6 +45,17 @@ def passkey_prompt(tok: Tokenizer, n_tokens: int, depth: float, key: str) -> tup
     return head + body + tail, answer
 
 
+def reusable_prefix(base: torch.Tensor | None, ids: torch.Tensor, answer_len: int) -> int:
+    """Leading tokens of ``ids`` (a prompt and its ``answer_len``-token answer) equal to those of
+    ``base`` (the sequence whose K/V is cached; None: nothing cached), never the token before
+    the answer: the positions a teacher-forced pass can take from the cache."""
+    if base is None:
+        return 0
+    m = min(len(base), len(ids) - answer_len - 1)
+    same = (base[:m] == ids[:m]).tolist()
+    return same.index(False) if False in same else m
+
+
 def passkey_cases(tok: Tokenizer, n_tokens: int, prompts: int, seed: int = 0):
     """The prompts: (depth, prompt ids, answer ids), depths ``0, 1/(prompts-1), ..., 1``."""
     rng = random.Random(seed)
@@ -91,12 +102,8 @@ def passkey_hits(model, tok, n_tokens, configs, prompts, seed=0) -> tuple[dict, 
             depth, prompt, answer = cases[i]
             ids = torch.tensor(prompt + answer, device=model.rope_cos.device)
             n = len(answer)
-            start = 0
-            if cache is not None:
-                m = min(len(base), len(ids) - n - 1)
-                same = (base[:m] == ids[:m]).tolist()
-                start = same.index(False) if False in same else m
-                start -= start % retrieval_every(c)   # a selection step's query is recomputed
+            start = reusable_prefix(base, ids, n)
+            start -= start % retrieval_every(c)       # a selection step's query is recomputed
             hidden, kvs = hidden_states_from(model, ids, c, start, cache)
             if cache is None:
                 cache, base = kvs, ids
@@ -167,12 +174,9 @@ def multikey_hits(model, tok, n_tokens, configs, trials, needles, seed=0) -> tup
         cache, base, hits[c] = None, None, []
         for r, i, depth, prompt, answer in cases:
             ids = torch.tensor(prompt + answer, device=model.rope_cos.device)
-            n, start = len(answer), 0
-            if cache is not None:
-                m = min(len(base), len(ids) - n - 1)
-                same = (base[:m] == ids[:m]).tolist()
-                start = same.index(False) if False in same else m
-                start -= start % retrieval_every(c)
+            n = len(answer)
+            start = reusable_prefix(base, ids, n)
+            start -= start % retrieval_every(c)
             hidden, cache = hidden_states_from(model, ids, c, start, cache)
             base = ids
             got = model.output(hidden[-n - 1:-1]).argmax(-1).tolist()

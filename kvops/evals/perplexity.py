@@ -58,6 +58,31 @@ def nll_sum(model: Llama, hidden: torch.Tensor, targets: torch.Tensor, chunk: in
 
 
 @torch.no_grad()
+def hidden_states_with(model: Llama, ids: torch.Tensor, attend, start: int = 0,
+                       cache: list | None = None) -> tuple[torch.Tensor, list]:
+    """Final-norm hidden states ``[T - start, dim]`` of positions ``[start, T)`` of ``ids [T]``
+    with each layer's attention ``attend(layer, q, k, v) -> out`` (``q`` of the new positions,
+    ``k, v`` of all ``T``), and every layer's ``(k, v)``. Positions before ``start`` are not
+    recomputed: their K/V come from ``cache`` (the second result of a call on a sequence whose
+    first ``start`` tokens are ``ids[:start]``; causal attention makes them independent of what
+    follows). The teacher-forced forward the quality evaluations share."""
+    T = ids.shape[0]
+    cos, sin = model.rope_cos[start:T], model.rope_sin[start:T]
+    x = model.tok_embeddings(ids[start:])
+    kvs = []
+    for layer, block in enumerate(model.layers):
+        att = block.attention
+        q, k, v = att._qkv(block.attention_norm(x), cos, sin)
+        if start:
+            k = torch.cat([cache[layer][0][:start], k])
+            v = torch.cat([cache[layer][1][:start], v])
+        kvs.append((k, v))
+        x = x + att.wo(attend(layer, q, k, v).flatten(-2))
+        x = x + block.feed_forward(block.ffn_norm(x))
+    return model.norm(x), kvs
+
+
+@torch.no_grad()
 def dense_ppl(model: Llama, ids: torch.Tensor) -> float:
     """Perplexity of ``ids [N]`` under the dense causal forward."""
     hidden = model.hidden_states(ids[None])[0]
