@@ -399,7 +399,7 @@ class FarView:
         scores = self.scores[layer, :B]
         old = scores.gather(1, idx)
         new = torch.where(sel >= 0, self.ema * old + (1.0 - self.ema) * mass, 0.0)
-        if live is not None:
-            new = torch.where(live[:, None] & (sel >= 0), new, torch.where(sel >= 0, old, 0.0))
+        if live is not None:                 # the sink column J holds 0, so old is 0 there
+            new = torch.where(live[:, None], new, old)
         scores.scatter_(1, idx, new)
         return mass
