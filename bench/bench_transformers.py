@@ -15,10 +15,12 @@ mask of ``ctx + 1``. Compiled = transformers' own auto-compile of a static cache
 (``CompileConfig()``: inductor, ``reduce-overhead``, so CUDA graphs; on the CPU dynamo with the
 eager backend, which checks the graph only); eager = ``disable_compile=True``.
 
-Timing: a warm-up ``generate`` of 3 tokens (it compiles and records the CUDA graph), then two
-timed ones of ``--short`` and ``--new`` tokens on the same cache rewound to ``ctx``; step = the
-difference of their wall times / the difference of their lengths (the first, eager, step of a
-``generate`` and its fixed cost cancel); tokens/s = B / step. ``setup s``: the warm-up's wall
+Timing: a warm-up ``generate`` of 3 tokens (it compiles and records the CUDA graph), then
+``--repeats`` timed ones each of ``--short`` and ``--new`` tokens on the same cache rewound to
+``ctx``; step = the difference of the two lengths' fastest wall times / the difference of their
+lengths (the first, eager, step of a ``generate`` and its fixed cost cancel); tokens/s = B /
+step. A cell whose long runs are not slower than its short ones (a busy machine) reports no
+step and says "timing noise". ``setup s``: the warm-up's wall
 time (the compile, for a compiled cell).
 
 Implementations: ``sdpa`` (``StaticCache``, transformers' SDPA), ``flex`` (``StaticCache``,
@@ -147,9 +149,12 @@ def compile_config(device):
     return cc
 
 
-def run(model, impl: str, B: int, ctx: int, lengths: tuple[int, int], compiled: bool):
+def run(model, impl: str, B: int, ctx: int, lengths: tuple[int, int], compiled: bool,
+        repeats: int = 3):
     """``(step seconds, setup seconds, tokens)``: a warm-up ``generate`` of 3 tokens, then
-    timed ones of ``lengths`` tokens; step = their wall-time difference / length difference."""
+    ``repeats`` timed ones of each of ``lengths`` tokens; step = the difference of the two
+    lengths' fastest wall times / the length difference (the fastest of a few runs is the one
+    least disturbed by other work on the machine)."""
     model.set_attn_implementation(ATTN[impl])
     dev = model.device
     short, new = lengths
@@ -162,16 +167,18 @@ def run(model, impl: str, B: int, ctx: int, lengths: tuple[int, int], compiled: 
     if compiled and compile_config(dev) is not None:
         kw["compile_config"] = compile_config(dev)
     try:
-        times = []
-        for n in (3, short, new):     # warm-up: compiles and records the CUDA graph at step 2
+        times = {"warm-up": [], short: [], new: []}
+        # the warm-up compiles and records the CUDA graph at step 2
+        for key, n in [("warm-up", 3)] + [(short, short)] * repeats + [(new, new)] * repeats:
             rewind(impl, cache, ctx)
             sync(dev)
             t0 = time.perf_counter()
             out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
             sync(dev)
-            times.append(time.perf_counter() - t0)
+            times[key].append(time.perf_counter() - t0)
             assert out.shape == (B, 1 + n), out.shape
-        return (times[2] - times[1]) / (new - short), times[0], out[:, 1:].cpu()
+        step = (min(times[new]) - min(times[short])) / (new - short)
+        return step, times["warm-up"][0], out[:, 1:].cpu()
     finally:
         del cache
         for attr in ("_compiled_call", "_last_compile_config"):
@@ -203,6 +210,8 @@ def main(argv: list[str] | None = None) -> list[list]:
     ap.add_argument("--modes", default="compiled,eager")
     ap.add_argument("--new", type=int, default=40, help="new tokens a row, the long timed run")
     ap.add_argument("--short", type=int, default=8, help="new tokens a row, the short timed run")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed generates of each length; the fastest counts")
     ap.add_argument("--record", action="store_true",
                     help="write bench/results/<date>-<name>.md (and a copy under $OUT)")
     ap.add_argument("--name", default="transformers-generate")
@@ -215,6 +224,8 @@ def main(argv: list[str] | None = None) -> list[list]:
         shape, a.batches, a.contexts, a.short, a.new = TINY, "2", "64", 4, 8
         a.device = a.device or "cpu"
         a.name += "-smoke"
+    if a.repeats < 1:
+        ap.error(f"--repeats: expected >= 1, got {a.repeats}")
     if not 0 < a.short < a.new:
         ap.error(f"--short: expected 0 < short < new={a.new}, got {a.short}")
     for impl in a.impls.split(","):
@@ -241,12 +252,15 @@ def main(argv: list[str] | None = None) -> list[list]:
                     setup = None
                     try:
                         dt, setup, toks = run(model, impl, B, ctx, (a.short, a.new),
-                                              mode == "compiled")
-                        results[mode, B, ctx, impl] = dt
+                                              mode == "compiled", a.repeats)
                         ref = tokens.setdefault((B, ctx), toks)
                         same = (toks == ref).all(dim=1)
                         note = ("tokens = first run's" if bool(same.all())
                                 else f"tokens = first run's in {int(same.sum())}/{B} rows")
+                        if dt <= 0:   # the long runs were not slower: no step time to report
+                            dt, note = None, f"{note}; timing noise (step {dt * 1e3:.2f} ms)"
+                        else:
+                            results[mode, B, ctx, impl] = dt
                     except Exception as e:  # a failing peer (e.g. flex) must not end the run
                         traceback.print_exc()
                         dt, note = None, f"failed: {type(e).__name__}: {str(e)[:80]}"

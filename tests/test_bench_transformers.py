@@ -19,9 +19,11 @@ def test_smoke_grid_runs_on_cpu(tmp_path, monkeypatch, capsys):
     assert [r[3] for r in rows] == ["sliding", "sdpa", "paged", "paged-base"]
     for _mode, B, ctx, impl, step, _tps, _vs, _setup, note in rows:
         assert (B, ctx) == (2, 64)
-        assert float(step) > 0 and not note.startswith("failed"), (impl, note)
+        assert not note.startswith("failed"), (impl, note)
+        # a step time is positive, or the row says the machine's noise hid it
+        assert (step != "-" and float(step) > 0) or "timing noise" in note, (impl, step, note)
     # the same K/V in every cache: sliding, SDPA and paged agree on the tokens here
-    assert all(r[-1] == "tokens = first run's" for r in rows[:3])
+    assert all(r[-1].split(";")[0] == "tokens = first run's" for r in rows[:3])
     out = capsys.readouterr().out
     last = [c.strip() for c in out.rstrip().splitlines()[-1].split("|")[1:5]]
     assert last == ["eager", "2", "64", "paged-base"]          # the table prints last
