@@ -87,9 +87,11 @@ def test_ten_thousand_moves_fast():
     src = np.repeat(rng.integers(0, 10**6, 2500), 4) + np.tile(np.arange(4), 2500)
     dst = np.arange(10000)
     plan_trains(src, dst, PAGE)
-    t0 = time.perf_counter()
-    trains, stats = plan_trains(src, dst, PAGE)
-    elapsed = time.perf_counter() - t0
+    elapsed = float("inf")
+    for _ in range(3):        # the fastest of three: other work on a loaded CI box only adds
+        t0 = time.perf_counter()
+        trains, stats = plan_trains(src, dst, PAGE)
+        elapsed = min(elapsed, time.perf_counter() - t0)
     assert stats["groups"] == 2500 and trains.shape == (2500, 3)
     # a Python loop over 10,000 moves takes ~5 ms here; vectorized it is well under that
     assert elapsed < 0.02, f"planning 10,000 moves took {elapsed * 1e3:.1f} ms"
