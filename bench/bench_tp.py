@@ -4,9 +4,11 @@ checks) against the plain replay, on the same requests; NCCL on CUDA, gloo on a 
 
 The distributed path must give the same tokens (a group of one sums nothing, so the logits
 are the plain ones bit for bit), and costs what its collectives and plan broadcasts cost per
-step. The table gives, per configuration: whether the tokens are equal, output tokens/s and
-TPOT p50 of both, and the re-captures of the distributed run (zero: its CUDA graphs hold the
-NCCL collectives).
+step. The table gives, per configuration: whether the tokens are equal, the requests whose
+outputs are equal and the earliest and median first differing position among the others (a
+wrong computation differs at the first tokens; a rounding difference under random weights
+flips a near-tie somewhere later), output tokens/s and TPOT p50 of both, and the re-captures
+of the distributed run (zero: its CUDA graphs hold the NCCL collectives).
 
     python -m bench.bench_tp                  # CUDA: random Llama-3-8B (bf16), 16 requests
     python -m bench.bench_tp --model smollm2-random --max-requests 32
@@ -30,6 +32,12 @@ def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    """The first position where two token lists differ (the shorter length if one is the
+    other's prefix)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def main(argv=None) -> int:
@@ -64,13 +72,19 @@ def main(argv=None) -> int:
         a, b = plain["results"][name], dist_res["results"][name]
         same = plain["tokens"][name] == dist_res["tokens"][name]
         same_all &= same
+        firsts = sorted(first_difference(x, y) for x, y in
+                        zip(plain["tokens"][name], dist_res["tokens"][name]) if x != y)
+        where = f"{firsts[0]} / {firsts[len(firsts) // 2]}" if firsts else "-"
         rows.append([name, a["finished"], "yes" if same else "NO",
+                     f"{len(plain['tokens'][name]) - len(firsts)}/{len(plain['tokens'][name])}",
+                     where,
                      a["output_tok_s"], b["output_tok_s"], a["tpot_ms"]["median"],
                      b["tpot_ms"]["median"], b["recaptures"]])
     body = (f"{plain['model']}, {plain['dtype']}, {settings.max_requests} requests at lengths x "
             f"{settings.length_scale}; distributed path: tp=1 over "
             f"{'NCCL' if cuda else 'gloo'} (plans on gloo)\n\n" + table(
-                ["config", "finished", "same tokens", "plain tok/s", "tp=1 tok/s",
+                ["config", "finished", "same tokens", "equal requests",
+                 "first difference min / median", "plain tok/s", "tp=1 tok/s",
                  "plain TPOT p50 ms", "tp=1 TPOT p50 ms", "tp=1 recaptures"], rows))
     print(body)
     if cuda:                                  # results files hold GPU runs only
