@@ -64,7 +64,7 @@ def far_slot_plan_ref(new: Tensor, block_table: Tensor, index: Tensor,
                       num_pages: int) -> tuple[Tensor, Tensor, Tensor]:
     """The bookkeeping half of the reference: the slots' new blocks and the copies to make.
 
-    Returns ``slots int32 [B, K]`` (the new ``index``) and the copies as
+    Returns ``slots int32 [B, K]`` (the new ``index``; a view) and the copies as
     :func:`~kvops.ops.paged_gather_merged.paged_gather_merged` trains over the far buffers
     viewed as ``B * K`` pages: ``trains int32 [B * K, 3]`` (one one-page row per fresh block,
     those first) and ``num_trains int32 [1]`` (their count), all on the device, fixed shapes.
@@ -90,7 +90,7 @@ def far_slot_plan_ref(new: Tensor, block_table: Tensor, index: Tensor,
                           fresh.to(page.dtype)], dim=-1).view(B * K, 3).to(torch.int32)
     flat = fresh.flatten()                    # the copies first, their count on the device
     trains = trains[torch.argsort((~flat).to(torch.int8), stable=True)]
-    return slots[:, :K].contiguous(), trains, flat.sum(dtype=torch.int32).view(1)
+    return slots[:, :K], trains, flat.sum(dtype=torch.int32).view(1)
 
 
 def slot_bias_ref(slots: Tensor, S: int) -> Tensor:
