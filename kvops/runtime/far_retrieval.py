@@ -29,10 +29,11 @@ Selection, on the device, no host sync
     tokens are brought exact into the layer's persistent ``far_k, far_v`` buffers by one
     ``far_slot_update`` launch: a page chosen the time before keeps its slot, only the newly
     chosen pages are copied (the copy costs the pages that changed), and a block trimmed
-    since its summary is never gathered (its slot gets bias ``-inf``). :meth:`view` returns the buffers. Selection
-    may run every step or every ``N`` steps (the host decides which step graph to replay; the
-    buffers keep the last selection, which stays valid because far pages do not change); the
-    page that leaves the window between two selections is in neither until the next one.
+    since its summary is never gathered (its slot gets bias ``-inf``). :meth:`view` returns
+    the buffers. Selection may run every step or every ``N`` steps (the host decides which step
+    graph to replay; the buffers keep the last selection, which stays valid because far pages
+    do not change); the page that leaves the window between two selections is in neither
+    until the next one.
 
 Host side
     Nothing but one table, ``far_ret_gen [B]``: the commit that opens or closes a session in a
