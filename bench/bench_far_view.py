@@ -16,15 +16,20 @@ torch form of the op.
 ``--retrieval``: the retrieval far view's decode step (one layer, Llama-3-8B heads Hq 32, Hkv 8,
 D 128, fp16, S 16, W 512, K 64 pages = 1024 far tokens) at B x context, against a dense window of
 ``W + K * S`` tokens and dense attention over the whole context (kvops' kernel over one window
-of the whole context, and SDPA flash). The step with selection is ``absorb`` (the step's leaving
-page per sequence: ``far_page_summarize`` + scatter) + ``select`` (``far_page_select`` over
-every far page, gather of the K pages into the far buffers) + ``static_sliding_attention``; the
-step without selection is absorb + attention. Selection copies only the pages it did not choose
-the time before: timed with rotating random queries (every page new, the worst case) and with
-the same query (no copy). Every N steps selection amortizes to ``(with + (N - 1) * without) /
-N`` (worst case). Each row also gives the eager host time per call (the
-Python and launch cost of one un-captured call, no sync). ``--smoke`` runs every path once on
-tiny CPU shapes (no timing) to check the code.
+of the whole context, and SDPA flash, cudnn, efficient). The step with selection is ``absorb``
+(the step's leaving page per sequence: ``far_page_summarize`` + scatter) + ``select``
+(``far_page_select`` over every far page, then the slot update) + ``static_sliding_attention``;
+the step without selection is absorb + attention. The slot update runs two ways on the same
+state: fused (one ``far_slot_update`` launch, what ``FarRetrieval.select`` runs) and unfused
+(the op's reference bookkeeping as torch ops on the device, ``paged_gather_merged`` for the
+copy, ``repeat_interleave`` for the bias). Only pages not chosen the time before are copied:
+timed with rotating random queries (pages changing, nearly all new), with queries whose
+selections differ by the share measured on SmolLM2 (``CHURN``) and with the same query (no
+copy). Every N steps selection amortizes to ``(with + (N - 1) * without) / N``. Each row gives
+the graph-replay time, the eager host time per call (the Python and launch cost of one
+un-captured call, no sync), the bytes the call must read, TB/s and the fraction of the 4.65
+TB/s read ceiling. ``--smoke`` runs every path once on tiny CPU shapes (no timing) to check the
+code.
 
     python -m bench.bench_far_view --retrieval          # B 16 and 32 at 32k; writes bench/results/
 """
@@ -137,6 +142,17 @@ def host_us(fn, calls: int = 20) -> float:
 CHURN = 0.086
 
 
+def new_share(ret, qs, k_pool, v_pool):
+    """Share of the chosen pages that are new from one query of the rotation ``qs`` to the next
+    (as a graph replaying the rotation sees it)."""
+    new = []
+    for a, b in zip(qs, qs[1:] + qs[:1]):
+        ia = ret.select(0, a, k_pool, v_pool).clone()
+        ib = ret.select(0, b, k_pool, v_pool)
+        new.append((~(ib[:, :, None] == ia[:, None, :]).any(-1)).float().mean().item())
+    return sum(new) / len(new)
+
+
 def churn_queries(ret, q, k_pool, v_pool, target, n=4):
     """``n`` queries near ``q`` whose consecutive selections differ in about ``target`` of
     their pages (the noise scale found by bisection on the device), and the share measured."""
@@ -145,21 +161,42 @@ def churn_queries(ret, q, k_pool, v_pool, target, n=4):
     for _ in range(14):
         eps = (lo + hi) / 2
         qs = [q + eps * z for z in noise]
-        new = []
-        for a, b in zip(qs, qs[1:] + qs[:1]):
-            ia = ret.select(0, a, k_pool, v_pool).clone()
-            ib = ret.select(0, b, k_pool, v_pool)
-            new.append((~(ib[:, :, None] == ia[:, None, :]).any(-1)).float().mean().item())
-        share = sum(new) / len(new)
+        share = new_share(ret, qs, k_pool, v_pool)
         best = (qs, share)
         lo, hi = (eps, hi) if share < target else (lo, eps)
     return best
 
 
+def unfused_update(ret, layer, new, k_cache, v_cache):
+    """The slot update unfused, for comparison: the op's reference bookkeeping as torch ops
+    (``far_slot_plan_ref``: the [B, K, K] compare, argsorts, cumsum, scatter, trains) on the
+    device, the copy by ``paged_gather_merged``, the bias by ``repeat_interleave``."""
+    from kvops.ops.far_slot_update import far_slot_plan_ref, slot_bias_ref
+
+    B, K, S = ret.B, ret.K, ret.S
+    bt = ret.pager.device_tables["block_table"]
+    slots, trains, num = far_slot_plan_ref(new, bt, ret.index[layer], k_cache.shape[0])
+    ret.index[layer].copy_(slots)
+    pages = (B * K, S, *k_cache.shape[2:])
+    torch.ops.kvops.paged_gather_merged(k_cache, v_cache, trains, num,
+                                        ret.far_k[layer].view(pages),
+                                        ret.far_v[layer].view(pages))
+    ret.far_bias[layer].copy_(slot_bias_ref(slots, S))
+
+
+def fused_update(ret, layer, new, k_cache, v_cache):
+    """The slot update as ``FarRetrieval.select`` runs it: one ``far_slot_update`` launch."""
+    torch.ops.kvops.far_slot_update(new, ret.pager.device_tables["block_table"], k_cache,
+                                    v_cache, ret.index[layer], ret.far_k[layer],
+                                    ret.far_v[layer], ret.far_bias[layer])
+
+
 def retrieval_setup(B, T, device, *, hq=32, hkv=8, d=128, S=16, W=512, K=64, dtype=DTYPE):
     """A pager of B sessions of T - S + 1 tokens (every far page in the pool and its summary
     absorbed but the one the step's token pushes out of the window), a one-layer FarRetrieval
-    on it, a dense window, and the whole-context K/V."""
+    on it, a dense window, and the whole-context K/V. Returns the policy, the timed calls
+    ``{name: (fn or rotation of fns, bytes the call must read)}``, the far page count and the
+    share of pages new a call in each case."""
     from kvops.runtime import FarRetrieval, Pager
 
     if T % S:
@@ -198,34 +235,59 @@ def retrieval_setup(B, T, device, *, hq=32, hkv=8, d=128, S=16, W=512, K=64, dty
     wlf = torch.full((B,), T, dtype=torch.int32, device=device)
     attn = torch.ops.kvops.static_sliding_attention
 
-    qs_new = [torch.randn_like(q) for _ in range(4)]     # rotating queries: new pages each call
-    qs_churn, churn = churn_queries(ret, q, k_pool, v_pool, CHURN)
+    def topk(x):
+        return torch.ops.kvops.far_page_select(x, ret.k_min[0, :, :-1], ret.k_max[0, :, :-1],
+                                               ret.done, K)[0]
 
-    def select_step(q=q):
+    def select(x, update):
+        update(ret, 0, topk(x), k_pool, v_pool)
+
+    def step(x, update):
         ret.absorb(0, k_pool)
-        ret.select(0, q, k_pool, v_pool)
+        select(x, update)
         return attn(q, kw, vw, ws, wl, *ret.view(0))
 
     def reuse_step():
         ret.absorb(0, k_pool)
         return attn(q, kw, vw, ws, wl, *ret.view(0))
 
-    fns = {
-        "step with selection, pages changing": [lambda x=x: select_step(x) for x in qs_new],
-        f"step with selection, {churn:.0%} of pages new": [lambda x=x: select_step(x)
-                                                            for x in qs_churn],
-        "step with selection, same pages": select_step,
-        "step without selection": reuse_step,
-        "  absorb (summarize + scatter)": lambda: ret.absorb(0, k_pool),
-        "  select, pages changing (score, top-k, copy)": [
-            lambda x=x: ret.select(0, x, k_pool, v_pool) for x in qs_new],
-        "  select, same pages": lambda: ret.select(0, q, k_pool, v_pool),
-        "  score + top-k only": lambda: torch.ops.kvops.far_page_select(
-            q, ret.k_min[0, :, :-1], ret.k_max[0, :, :-1], ret.done, K),
-        "  attention W + K*S far slots": lambda: attn(q, kw, vw, ws, wl, *ret.view(0)),
-        f"dense window {wide}": lambda: attn(q, kd, vd, ws, wld),
-        f"dense whole context {T} (kvops)": lambda: attn(q, kf, vf, ws, wlf),
-    }
+    qs_new = [torch.randn_like(q) for _ in range(4)]     # rotating queries: new pages each call
+    changing = new_share(ret, qs_new, k_pool, v_pool)
+    qs_churn, churn = churn_queries(ret, q, k_pool, v_pool, CHURN)
+    news = {"pages changing": [topk(x) for x in qs_new],
+            f"{churn:.0%} of pages new": [topk(x) for x in qs_churn], "same pages": [topk(q)]}
+    queries = {"pages changing": qs_new, f"{churn:.0%} of pages new": qs_churn,
+               "same pages": [q]}
+    share = {"pages changing": changing, f"{churn:.0%} of pages new": churn, "same pages": 0.0}
+    # bytes each part must read
+    item, page = k_pool.element_size(), S * hkv * d * k_pool.element_size()
+    summaries = 2 * B * nf * hkv * d * item
+    absorb = B * page
+    attn_far = 2 * B * wide * hkv * d * item
+    fresh = {case: 2 * round(B * K * sh) * page + 12 * B * K for case, sh in share.items()}
+
+    fns = {}
+    for case, qs in queries.items():
+        for tag, update in (("", fused_update), (", unfused", unfused_update)):
+            fns[f"step with selection, {case}{tag}"] = (
+                [lambda x=x, u=update: step(x, u) for x in qs],
+                absorb + summaries + fresh[case] + attn_far)
+    fns["step without selection"] = (reuse_step, absorb + attn_far)
+    fns["  absorb (summarize + scatter)"] = (lambda: ret.absorb(0, k_pool), absorb)
+    for case, qs in queries.items():
+        for tag, update in (("", fused_update), (", unfused", unfused_update)):
+            fns[f"  select, {case}{tag}"] = ([lambda x=x, u=update: select(x, u) for x in qs],
+                                             summaries + fresh[case])
+    fns["  score + top-k only"] = (lambda: topk(q), summaries)
+    for case, new in news.items():
+        for tag, update in (("", fused_update), (", unfused", unfused_update)):
+            fns[f"  slot update only, {case}{tag}"] = (
+                [lambda n=n, u=update: u(ret, 0, n, k_pool, v_pool) for n in new], fresh[case])
+    fns["  attention W + K*S far slots"] = (lambda: attn(q, kw, vw, ws, wl, *ret.view(0)),
+                                            attn_far)
+    fns[f"dense window {wide}"] = (lambda: attn(q, kd, vd, ws, wld), attn_far)
+    full = 2 * B * T * hkv * d * item
+    fns[f"dense whole context {T} (kvops)"] = (lambda: attn(q, kf, vf, ws, wlf), full)
     if device != "cpu":
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -242,53 +304,73 @@ def retrieval_setup(B, T, device, *, hq=32, hkv=8, d=128, S=16, W=512, K=64, dty
             except RuntimeError as e:
                 print(f"SDPA {name}: not available here ({str(e).splitlines()[0][:60]})")
                 continue
-            fns[f"dense whole context {T} (SDPA {name})"] = sdpa
-    return ret, fns, nf
+            fns[f"dense whole context {T} (SDPA {name})"] = (sdpa, full)
+    return ret, fns, nf, share
 
 
 def retrieval(batches, T, smoke=False):
-    rows, notes = [], []
+    rows, notes, versus, shares = [], [], [], []
     device = "cpu" if smoke else "cuda"
     for B in batches:
         if smoke:
-            ret, fns, nf = retrieval_setup(B, T, device, hq=4, hkv=2, d=32, S=16, W=64, K=4,
-                                           dtype=torch.float32)
+            ret, fns, nf, share = retrieval_setup(B, T, device, hq=4, hkv=2, d=32, S=16, W=64,
+                                                  K=4, dtype=torch.float32)
         else:
-            ret, fns, nf = retrieval_setup(B, T, device)
-        fns["step with selection, same pages"]()
-        live = int((ret.far_bias[0] == 0).sum()) // ret.S
-        assert live == B * ret.K, f"expected {B * ret.K} live far pages, got {live}"
+            ret, fns, nf, share = retrieval_setup(B, T, device)
+        shares.append(f"B {B}: " + ", ".join(f"{c} {v:.1%}" for c, v in share.items()))
+        for tag in ("", ", unfused"):         # either path leaves every slot live
+            fns[f"step with selection, same pages{tag}"][0][0]()
+            live = int((ret.far_bias[0] == 0).sum()) // ret.S
+            assert live == B * ret.K, f"expected {B * ret.K} live far pages, got {live}"
         if smoke:
-            for name, fn in fns.items():
+            for name, (fn, _) in fns.items():
                 for f in fn if isinstance(fn, list) else [fn]:
                     f()
                 print(f"smoke B {B}: {name.strip()} ran", flush=True)
             continue
         times = {}
-        for name, fn in fns.items():
+        for name, (fn, nbytes) in fns.items():
             times[name] = time_graph(fn)[1]
-            rows.append([B, T, name, times[name], host_us(fn[0] if isinstance(fn, list) else fn)])
+            rate = tbps(nbytes, times[name])
+            rows.append([B, T, name, times[name], host_us(fn[0] if isinstance(fn, list) else fn),
+                         nbytes / 2**20, rate, rate * 1e12 / READ_CEILING])
             print(rows[-1], flush=True)
-        wide = [n for n in times if n.startswith("dense window")][0]
+        wide = times[[n for n in times if n.startswith("dense window")][0]]
         full = min(t for n, t in times.items() if n.startswith("dense whole"))
-        worst = times["step with selection, pages changing"]
-        typical = [t for n, t in times.items() if n.endswith("of pages new")][0]
+        churn = [n for n in times if n.startswith("step") and n.endswith("of pages new")][0]
         without = times["step without selection"]
-        for every in (1, 2, 4, 8, 16):
-            step = (typical + (every - 1) * without) / every
-            step_worst = (worst + (every - 1) * without) / every
-            notes.append([B, T, every, step, step / times[wide], full / step, step_worst,
-                          step_worst / times[wide]])
+        for tag in ("", ", unfused"):
+            worst, typical = times[f"step with selection, pages changing{tag}"], times[churn + tag]
+            for every in (1, 2, 4, 8, 16):
+                step = (typical + (every - 1) * without) / every
+                step_worst = (worst + (every - 1) * without) / every
+                notes.append([B, T, tag.strip(", ") or "fused", every, step, step / wide,
+                              full / step, step_worst, step_worst / wide])
+        for part in ("step with selection", "  select", "  slot update only"):
+            for case in [n[len(part) + 2:] for n in times
+                         if n.startswith(part + ",") and not n.endswith("unfused")]:
+                old, ours = times[f"{part}, {case}, unfused"], times[f"{part}, {case}"]
+                versus.append([B, f"{part.strip()}, {case}", old, ours, old - ours, old / ours])
         del ret, fns
         torch.cuda.empty_cache()
     if smoke:
         return "smoke only"
-    body = table(["B", "context", "call", "graph us", "eager host us"], rows)
+    body = table(["B", "context", "call", "graph us", "eager host us", "MiB read", "TB/s",
+                  "of read ceiling"], rows)
+    body += ("\n\nShare of the chosen pages new a call (rotating queries: consecutive selections "
+             "differ by this much): " + "; ".join(shares) + ". MiB read: what the call must read "
+             "(summaries, the new pages' K and V, the attention's rows), so TB/s is of useful "
+             f"bytes; the ceiling is the {READ_CEILING / 1e12:.2f} TB/s streaming read.")
+    body += ("\n\nThe slot update fused (one far_slot_update launch, what FarRetrieval.select "
+             "runs) against unfused (torch bookkeeping + paged_gather_merged + bias), graph "
+             "replay:\n\n")
+    body += table(["B", "call", "unfused us", "fused us", "saved us", "x faster"], versus)
     body += ("\n\nAmortized step with selection every N steps: with the measured share of new "
-             f"pages ({CHURN:.1%} a step on SmolLM2), and with every page new (worst case):\n\n")
-    body += table(["B", "context", "select every N", "step us", "x dense window W+K*S",
-                   "x faster than dense whole context (best)", "worst-case step us",
-                   "worst x dense window"], notes)
+             f"pages ({CHURN:.1%} a step on SmolLM2), and with the rotating random queries "
+             "(pages changing, the share above: the worst case):\n\n")
+    body += table(["B", "context", "slot update", "select every N", "step us",
+                   "x dense window W+K*S", "x faster than dense whole context (best)",
+                   "worst-case step us", "worst x dense window"], notes)
     return body
 
 

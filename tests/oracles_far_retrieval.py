@@ -42,3 +42,37 @@ def page_scores_oracle(q, k_min, k_max, num_far):
                 best = max(best, float(torch.maximum(a, c).sum()))
             out[b, j] = best
     return out
+
+
+def far_slot_update_oracle(new, block_table, k_cache, v_cache, index, far_k, far_v, far_bias):
+    """The far slots after a new page choice, as plain loops (float64 copies of the buffers):
+    ``(index, far_k, far_v, far_bias)``. Per sequence: a chosen block outside the table or with
+    an unmapped page (-1 or outside the pool) is no choice; a slot whose block is chosen again
+    keeps it; the other chosen blocks, in their order, take the other slots in slot order and
+    their pages are copied; the slots left over are empty; bias 0 over a held slot, -inf over
+    an empty one. Rows of slots that are not refilled keep what they held."""
+    P, S = k_cache.shape[:2]
+    B, K = new.shape
+    L = block_table.shape[1]
+    kc, vc = k_cache.double().cpu(), v_cache.double().cpu()
+    out_k, out_v = far_k.double().cpu().clone(), far_v.double().cpu().clone()
+    out_i = torch.full((B, K), -1, dtype=torch.int32)
+    bias = torch.full((B, K * S), float("-inf"), dtype=torch.float64)
+    table, olds = block_table.cpu().tolist(), index.cpu().tolist()
+    for b, row in enumerate(new.cpu().tolist()):
+        chosen = [j for j in row if 0 <= j < L and 0 <= table[b][j] < P]
+        old = olds[b]
+        fresh = [j for j in chosen if j not in old]
+        free = [slot for slot in range(K) if old[slot] < 0 or old[slot] not in chosen]
+        for slot in range(K):
+            if slot not in free:
+                out_i[b, slot] = old[slot]
+        for j, slot in zip(fresh, free):
+            out_i[b, slot] = j
+            page = table[b][j]
+            out_k[b, slot * S:(slot + 1) * S] = kc[page]
+            out_v[b, slot * S:(slot + 1) * S] = vc[page]
+        for slot in range(K):
+            if out_i[b, slot] >= 0:
+                bias[b, slot * S:(slot + 1) * S] = 0.0
+    return out_i, out_k, out_v, bias

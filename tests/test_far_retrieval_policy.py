@@ -136,8 +136,8 @@ def check_slots(pager, ret, k, v, key, layer):
 
 @pytest.mark.parametrize("strided", [False, True], ids=["pool", "strided-pool"])
 def test_successive_selections_keep_every_slot_exact(strided):
-    """Pages chosen again keep their slots (not copied), new ones fill the freed slots; a
-    strided pool takes the gather-everything path. Either way every slot stays exact."""
+    """Pages chosen again keep their slots (not copied), new ones fill the freed slots; one
+    layer of a [P, layers, ...] pool (any page stride) works the same. Every slot stays exact."""
     pager, ret, k, v = setup(top_k=3)
     if strided:                                       # one layer of a [P, layers, ...] pool
         k = k.transpose(0, 1).contiguous().transpose(0, 1)

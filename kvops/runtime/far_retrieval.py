@@ -26,13 +26,14 @@ Selection, on the device, no host sync
     :meth:`select` (per layer, with the layer's query) runs ``far_page_select`` over blocks
     ``[0, done)``: the score of a page is the best bound ``sum_c max(q_c kmin_c, q_c kmax_c)``
     over all query heads (one page list per session), the top ``K`` pages win, and their
-    tokens are brought exact into the layer's persistent ``far_k, far_v`` buffers: a page
-    chosen the time before keeps its slot, only the newly chosen pages are copied (one
-    ``paged_gather_merged`` call, whose cost is the pages that changed), and a block trimmed
-    since its summary gets bias ``-inf``. :meth:`view` returns the buffers. Selection
-    may run every step or every ``N`` steps (the host decides which step graph to replay; the
-    buffers keep the last selection, which stays valid because far pages do not change); the
-    page that leaves the window between two selections is in neither until the next one.
+    tokens are brought exact into the layer's persistent ``far_k, far_v`` buffers by one
+    ``far_slot_update`` launch: a page chosen the time before keeps its slot, only the newly
+    chosen pages are copied (the copy costs the pages that changed), and a block trimmed
+    since its summary is never gathered (its slot gets bias ``-inf``). :meth:`view` returns
+    the buffers. Selection may run every step or every ``N`` steps (the host decides which step
+    graph to replay; the buffers keep the last selection, which stays valid because far pages
+    do not change); the page that leaves the window between two selections is in neither
+    until the next one.
 
 Host side
     Nothing but one table, ``far_ret_gen [B]``: the commit that opens or closes a session in a
@@ -118,7 +119,6 @@ class FarRetrieval:
         self.leave_pages = torch.full((B, max_leave), -1, dtype=torch.int32, device=dev)
         self.leave_ids = torch.full((B, max_leave), L, dtype=torch.int64, device=dev)
         self._offsets = torch.arange(max_leave, dtype=torch.int32, device=dev)
-        self._num_trains = torch.full((1,), B * K, dtype=torch.int32, device=dev)
         pager.attach(self)
 
     # -- pager hook ---------------------------------------------------------------------------
@@ -171,45 +171,18 @@ class FarRetrieval:
 
     def select(self, layer: int, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         """Pick ``layer``'s top-K far pages for ``q [B, Hq, D]`` and bring them exact into its
-        far buffers. A page chosen last time keeps its slot and is not copied again; the new
-        ones go to the freed slots, copied by ``paged_gather_merged`` (one one-page train
-        each, their count on the device: the copy costs only what changed). Returns the logical
-        block of each slot, int32 [B, K] (-1 empty)."""
-        B, K, S, L = self.B, self.K, self.S, self.L
+        far buffers: ``far_page_select`` scores and ranks, then one ``far_slot_update`` launch
+        keeps every slot whose page is chosen again (not copied), puts the new pages in the
+        freed slots (copying only them), and writes the index and the bias. ``k_cache,
+        v_cache [P, S, Hkv, D]``: contiguous pages, any page stride (one layer of a ``[P,
+        layers, S, Hkv, D]`` pool works). Returns the logical block of each slot, int32 [B, K]
+        (-1 empty)."""
+        L = self.L
         new, _ = torch.ops.kvops.far_page_select(q, self.k_min[layer, :, :L],
-                                                 self.k_max[layer, :, :L], self.done, K)
-        bt = self._tables()["block_table"]
-        page = bt.gather(1, new.clamp(min=0).long())
-        new = torch.where((new >= 0) & (page >= 0), new, -1)          # trimmed: never gathered
-        old = self.index[layer]
-        same = (new[:, :, None] == old[:, None, :]) & (new >= 0)[:, :, None]     # [B, K, K]
-        fresh = (new >= 0) & ~same.any(dim=2)                           # new pages to copy
-        kept = same.any(dim=1)                                          # old slots still chosen
-        # the r-th fresh page goes to the r-th slot not kept
-        free = torch.argsort(kept.to(torch.int8), dim=1, stable=True)   # free slots first
-        rank = (torch.cumsum(fresh.to(torch.int32), dim=1) - 1).clamp(min=0)
-        dest = torch.where(fresh, free.gather(1, rank.long()), K)       # K: no slot
-        slots = torch.cat([torch.where(kept, old, -1), old.new_full((B, 1), -1)], dim=1)
-        slots.scatter_(1, dest, torch.where(fresh, new, -1))
-        self.index[layer].copy_(slots[:, :K])
-        # copies: slot dest of sequence b <- page; zero pages where nothing changes
-        dst = torch.arange(B, device=new.device)[:, None] * K + dest.clamp(max=K - 1)
-        trains = torch.stack([torch.where(fresh, page, 0), dst.to(page.dtype),
-                              fresh.to(page.dtype)], dim=-1).view(B * K, 3).to(torch.int32)
-        flat = fresh.flatten()                    # the copies first, their count on the device
-        trains = trains[torch.argsort((~flat).to(torch.int8), stable=True)]
-        self._num_trains.copy_(flat.sum(dtype=torch.int32).view(1))
-        shape = (B * K, S, *k_cache.shape[2:])
-        if k_cache.is_contiguous() and v_cache.is_contiguous():
-            torch.ops.kvops.paged_gather_merged(k_cache, v_cache, trains, self._num_trains,
-                                                self.far_k[layer].view(shape),
-                                                self.far_v[layer].view(shape))
-        else:                                     # a strided pool: gather every slot's page
-            rows = bt.gather(1, self.index[layer].clamp(min=0).long()).clamp(min=0).flatten()
-            self.far_k[layer].copy_(k_cache.index_select(0, rows).view(self.far_k[layer].shape))
-            self.far_v[layer].copy_(v_cache.index_select(0, rows).view(self.far_v[layer].shape))
-        live = torch.where(self.index[layer] >= 0, 0.0, float("-inf")).to(torch.float32)
-        self.far_bias[layer].copy_(live.repeat_interleave(S, dim=1))
+                                                 self.k_max[layer, :, :L], self.done, self.K)
+        torch.ops.kvops.far_slot_update(new, self._tables()["block_table"], k_cache, v_cache,
+                                        self.index[layer], self.far_k[layer],
+                                        self.far_v[layer], self.far_bias[layer])
         return self.index[layer]
 
     def view(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
