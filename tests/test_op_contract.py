@@ -17,7 +17,7 @@ from tests.conftest import requires_cuda
 
 OPS = ["static_sliding_attention", "elastic_attention", "paged_gather_merged",
        "far_view_summarize", "pack_base_pairs", "refine_base_pairs", "paged_kv_write",
-       "paged_prefill_attention"]
+       "paged_prefill_attention", "far_page_summarize", "far_page_select", "far_slot_update"]
 PAGES_MSG = r"expected contiguous pages \[S, Hkv, D\] \(any page stride\)"
 
 
@@ -75,6 +75,15 @@ def _calls(k, v, device):
         torch.ops.kvops.paged_kv_write(new, -new, kc, vc, slots)
         return kc, vc
 
+    def slot_update(kc, vc):
+        K = 2
+        new = torch.tensor([[0, 2], [1, -1]], dtype=torch.int32, device=device)
+        index = torch.tensor([[2, -1], [-1, -1]], dtype=torch.int32, device=device)
+        far_k = torch.zeros(B, K * S, Hkv, D, dtype=k.dtype, device=device)
+        far_v, bias = torch.zeros_like(far_k), torch.zeros(B, K * S, device=device)
+        torch.ops.kvops.far_slot_update(new, table, kc, vc, index, far_k, far_v, bias)
+        return index, far_k, far_v, bias
+
     qs = torch.tensor([0, 2, 3], dtype=torch.int32, device=device)
     qp = q[:, :, :].reshape(B * Hkv * 2, D)[:3].reshape(3, 1, D).expand(3, Hkv * 2, D)
     qp = qp.contiguous()
@@ -87,6 +96,7 @@ def _calls(k, v, device):
         "elastic_attention (structured)": lambda kc, vc: torch.ops.kvops.elastic_attention(
             q, kc, vc, table, seq, base_span=span),
         "paged_gather_merged": gather,
+        "far_slot_update": slot_update,
         "far_view_summarize": lambda kc, vc: torch.ops.kvops.far_view_summarize(kc, vc, chunks),
         "pack_base_pairs / refine_base_pairs": pack_refine,
     }

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from kvops.kernels._attention import dot, load_query_group
 from kvops.kernels._common import dot_precision, next_pow2
+from kvops.kernels._launch import launch
 
 
 @triton.jit
@@ -77,13 +78,12 @@ def far_page_scores_fwd(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tenso
     block_n = block_n or default_block_n(D)
     num_n = triton.cdiv(N, block_n)
     q = q if q.stride(-1) == 1 else q.contiguous()
-    _far_page_scores_kernel[(B * num_n,)](
-        q, k_min, k_max, num_far, score,
-        q.stride(0), q.stride(1),
-        k_min.stride(0), k_min.stride(1), k_min.stride(2),
-        k_max.stride(0), k_max.stride(1), k_max.stride(2),
-        N, Hkv, num_n,
-        G=G, D=D, BLOCK_G=max(16, next_pow2(G)), BLOCK_D=next_pow2(D), BLOCK_N=block_n,
-        PRECISION=dot_precision(q.dtype), num_warps=num_warps or 4,
-    )
+    ints = (q.stride(0), q.stride(1), k_min.stride(0), k_min.stride(1), k_min.stride(2),
+            k_max.stride(0), k_max.stride(1), k_max.stride(2), N, Hkv, num_n)
+    meta = dict(G=G, D=D, BLOCK_G=max(16, next_pow2(G)), BLOCK_D=next_pow2(D), BLOCK_N=block_n,
+                PRECISION=dot_precision(q.dtype), num_warps=num_warps or 4)
+    tensors = (q, k_min, k_max, num_far, score)
+    key = (q.dtype, q.device, ints, tuple(meta.items()),
+           tuple(t.data_ptr() % 16 for t in tensors))
+    launch(_far_page_scores_kernel, (B * num_n,), key, (*tensors, *ints), meta)
     return score

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kvops.kernels._common import next_pow2, sm_count
+from kvops.kernels._launch import launch
 
 
 @triton.jit
@@ -80,10 +81,10 @@ def far_page_summarize_fwd(k_cache: torch.Tensor, pages: torch.Tensor, *,
     dt, df = default_blocks(B * N, F, S, k_cache.device)
     block_t, block_f = min(block_t or dt, S), block_f or df
     num_f = triton.cdiv(F, block_f)
-    _far_page_summarize_kernel[(B * N * num_f,)](
-        k_cache, pages, k_min, k_max,
-        k_cache.stride(0), k_cache.stride(1), pages.stride(0), pages.stride(1),
-        P, N, F,
-        NUM_F=num_f, S=S, BLOCK_T=block_t, BLOCK_F=block_f, num_warps=num_warps or 4,
-    )
+    ints = (k_cache.stride(0), k_cache.stride(1), pages.stride(0), pages.stride(1), P, N, F)
+    meta = dict(NUM_F=num_f, S=S, BLOCK_T=block_t, BLOCK_F=block_f, num_warps=num_warps or 4)
+    tensors = (k_cache, pages, k_min, k_max)
+    key = (k_cache.dtype, k_cache.device, ints, tuple(meta.items()),
+           tuple(t.data_ptr() % 16 for t in tensors))
+    launch(_far_page_summarize_kernel, (B * N * num_f,), key, (*tensors, *ints), meta)
     return k_min, k_max

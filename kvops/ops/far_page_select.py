@@ -31,6 +31,7 @@ from torch import Tensor
 
 from kvops import _checks
 from kvops._config import use_triton
+from kvops.ops._library import CheckedSignatures, register, sig
 
 
 def _check(q, k_min, k_max, num_far, top_k) -> None:
@@ -79,11 +80,12 @@ def far_page_select_ref(q: Tensor, k_min: Tensor, k_max: Tensor, num_far: Tensor
     return _top(page_scores_ref(q, k_min, k_max, num_far), top_k)
 
 
-@torch.library.custom_op("kvops::far_page_select", mutates_args=())
-def far_page_select(q: Tensor, k_min: Tensor, k_max: Tensor, num_far: Tensor,
-                    top_k: int) -> tuple[Tensor, Tensor]:
-    """The ``top_k`` far pages of highest key-bound score per sequence; see the module doc."""
-    _check(q, k_min, k_max, num_far, top_k)
+_checked = CheckedSignatures(_check)
+
+
+def _impl(q, k_min, k_max, num_far, top_k):
+    _checked((sig(q), sig(k_min), sig(k_max), sig(num_far), top_k),
+             q, k_min, k_max, num_far, top_k)
     if use_triton(q.device):
         from kvops.kernels.far_page_select import far_page_scores_fwd
 
@@ -91,9 +93,39 @@ def far_page_select(q: Tensor, k_min: Tensor, k_max: Tensor, num_far: Tensor,
     return far_page_select_ref(q, k_min, k_max, num_far, top_k)
 
 
-@far_page_select.register_fake
-def _(q, k_min, k_max, num_far, top_k):
+def _fake(q, k_min, k_max, num_far, top_k):
     _check(q, k_min, k_max, num_far, top_k)
     B = q.shape[0]
     return (q.new_empty((B, top_k), dtype=torch.int32),
             q.new_empty((B, top_k), dtype=torch.float32))
+
+
+_op = register(
+    "far_page_select",
+    "(Tensor q, Tensor k_min, Tensor k_max, Tensor num_far, int top_k) -> (Tensor, Tensor)",
+    _impl, _fake)
+
+
+def far_page_select(q: Tensor, k_min: Tensor, k_max: Tensor, num_far: Tensor,
+                    top_k: int) -> tuple[Tensor, Tensor]:
+    """The ``top_k`` far pages of highest key-bound score per sequence
+    (``torch.ops.kvops.far_page_select``; the retrieval far view's selection).
+
+    For query head ``q`` the logit against any key of far page ``j`` is at most
+    ``u_j(q) = sum_c max(q_c * kmin_jc, q_c * kmax_jc)``; a page's score is the best bound over
+    every query head (one page list a sequence, so a page any head needs is kept).
+
+    - q [B, Hq, D] (float16, bfloat16 or float32); k_min, k_max [B, N, Hkv, D] in q's dtype
+      (``far_page_summarize``'s bounds), last dim contiguous, other strides free; ``Hq`` a
+      multiple of ``Hkv``.
+    - num_far int32 [B]: candidates are entries ``[0, num_far[b])`` (clamped to ``[0, N]``).
+    - top_k: 1 <= top_k <= N.
+    - Returns index int32 [B, top_k] (decreasing score; ``-1`` past the candidates) and score
+      float32 [B, top_k] (``-inf`` where index is -1). Scores accumulate in float32; the order
+      of equal scores is unspecified.
+
+    Implementations: CUDA tensors run the scoring kernel ``kvops.kernels.far_page_select`` then
+    ``torch.topk``; CPU tensors run :func:`far_page_select_ref` (or the interpreted kernel under
+    backend "triton"). Output shapes depend on input shapes only; nothing syncs the host.
+    """
+    return _op(q, k_min, k_max, num_far, top_k)

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from kvops import _checks
 from kvops._config import use_triton, validate
+from kvops.ops._library import CheckedSignatures, register, sig
 
 
 def _check(k_cache, pages) -> None:
@@ -53,10 +54,11 @@ def far_page_summarize_ref(k_cache: Tensor, pages: Tensor) -> tuple[Tensor, Tens
     return (torch.where(keep, rows.amin(dim=2), zero), torch.where(keep, rows.amax(dim=2), zero))
 
 
-@torch.library.custom_op("kvops::far_page_summarize", mutates_args=())
-def far_page_summarize(k_cache: Tensor, pages: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-channel min and max of the keys of each listed page; see the module doc."""
-    _check(k_cache, pages)
+_checked = CheckedSignatures(_check)
+
+
+def _impl(k_cache, pages):
+    _checked((sig(k_cache), sig(pages)), k_cache, pages)
     if validate():
         _checks.index_range("pages", pages, 0, k_cache.shape[0], allow=-1)
     if use_triton(k_cache.device):
@@ -66,9 +68,31 @@ def far_page_summarize(k_cache: Tensor, pages: Tensor) -> tuple[Tensor, Tensor]:
     return far_page_summarize_ref(k_cache, pages)
 
 
-@far_page_summarize.register_fake
-def _(k_cache, pages):
+def _fake(k_cache, pages):
     _check(k_cache, pages)
     B, N = pages.shape
     _, _, Hkv, D = k_cache.shape
     return k_cache.new_empty((B, N, Hkv, D)), k_cache.new_empty((B, N, Hkv, D))
+
+
+_op = register("far_page_summarize", "(Tensor k_cache, Tensor pages) -> (Tensor, Tensor)",
+               _impl, _fake)
+
+
+def far_page_summarize(k_cache: Tensor, pages: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-channel min and max of the keys of each listed page
+    (``torch.ops.kvops.far_page_summarize``; the retrieval far view's page summaries).
+
+    - k_cache [P, S, Hkv, D] (NHD pool; float16, bfloat16 or float32); each page's ``[Hkv, D]``
+      rows dense (``stride(3) == 1``, ``stride(2) == D``); page and token strides free.
+    - pages int32 [B, N]: the pages to summarize; ``-1`` (or any id outside ``[0, P)``) is an
+      empty entry, which is not read.
+    - Returns k_min, k_max [B, N, Hkv, D] in the cache dtype (exact: a min and a max round
+      nothing); zeros for an empty entry.
+
+    Validation mode (``kvops.validate(True)``) raises IndexError for an id outside ``[0, P)``
+    other than ``-1``. Implementations: CUDA tensors run ``kvops.kernels.far_page_summarize``
+    (Triton); CPU tensors run :func:`far_page_summarize_ref` (or the interpreted kernel under
+    backend "triton"). Output shapes depend on input shapes only.
+    """
+    return _op(k_cache, pages)
