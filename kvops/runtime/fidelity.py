@@ -77,11 +77,13 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from kvops._config import use_triton
 from kvops.layouts import codecs
 from kvops.runtime.allocator import SpanAllocator
 from kvops.runtime.frame import Frame, as_int
@@ -117,14 +119,44 @@ def _transport_rule(fid, transport) -> str | None:
 
 class _HostPool:
     """Host slots for pair backings, ``[caches, 2, S, Hkv, D]`` each, pinned on CUDA: chunks of
-    ``chunk`` slots allocated when first used, slots handed out as contiguous runs (the
-    pager's span allocator), so a batch's backings move in a few copies and nothing is
-    pinned per batch."""
+    ``chunk`` slots, slots handed out as contiguous runs (the pager's span allocator), so a
+    batch's backings move in a few copies and nothing is pinned per batch.
 
-    def __init__(self, slot_shape, dtype, pin: bool, capacity: int, chunk: int = 64):
+    Pinning is slow (``cudaHostAlloc`` of a 256 MiB chunk takes tens of milliseconds), so
+    ``ahead`` slots' worth of chunks are kept allocated before they are needed, by a worker
+    thread (started with the pool, refilled after every ``take`` that used some): a slot whose
+    chunk is not allocated yet takes a ready one, and only when none is ready (a batch larger
+    than ``ahead``) does ``take`` wait for the worker or allocate itself. ``ahead = 0``
+    allocates a chunk when a slot of it is first taken."""
+
+    def __init__(self, slot_shape, dtype, pin: bool, capacity: int, chunk: int = 64,
+                 ahead: int = 0):
         self.slot_shape, self.dtype, self.pin, self.chunk = tuple(slot_shape), dtype, pin, chunk
         self.alloc = SpanAllocator(capacity)
         self.chunks: dict[int, torch.Tensor] = {}
+        self.limit = -(-capacity // chunk)                  # chunks the capacity spans
+        self.ahead = -(-min(ahead, capacity) // chunk)      # chunks kept ready
+        self._ready: list = []                              # futures of allocated chunks
+        self._worker = None
+        self.inline = 0                                     # chunks ``take`` had to allocate
+        self._refill()
+
+    def _new_chunk(self) -> torch.Tensor:
+        return torch.empty((self.chunk, *self.slot_shape), dtype=self.dtype, pin_memory=self.pin)
+
+    def _refill(self) -> None:
+        want = min(self.ahead, self.limit - len(self.chunks)) - len(self._ready)
+        if want <= 0:
+            return
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvops-host-pool")
+        for _ in range(want):
+            self._ready.append(self._worker.submit(self._new_chunk))
+
+    def wait(self) -> None:
+        """Wait until every chunk the worker is allocating is ready."""
+        for fut in self._ready:
+            fut.result()
 
     @property
     def free(self) -> int:
@@ -132,9 +164,29 @@ class _HostPool:
 
     def take(self, n: int) -> list[int]:
         slots = [s for start, k in self.alloc.take(n) for s in range(start, start + k)]
-        for c in {s // self.chunk for s in slots} - self.chunks.keys():
-            self.chunks[c] = torch.empty((self.chunk, *self.slot_shape), dtype=self.dtype,
-                                         pin_memory=self.pin)
+        new = sorted({s // self.chunk for s in slots} - self.chunks.keys())
+        if not new:
+            return slots
+        try:
+            for c in new:
+                got = None
+                if self._ready:
+                    done = [f for f in self._ready if f.done()]
+                    fut = done[0] if done else self._ready[0]
+                    self._ready.remove(fut)
+                    try:
+                        got = fut.result()
+                    except Exception:           # the worker's allocation failed: try here
+                        got = None
+                if got is None:
+                    got = self._new_chunk()
+                    self.inline += 1
+                self.chunks[c] = got
+        except BaseException:
+            for s in slots:
+                self.alloc.give(s)
+            raise
+        self._refill()
         return slots
 
     def give(self, slot: int) -> None:
@@ -232,13 +284,17 @@ class Fidelity:
     host_pairs : int or None
         Pairs the host backing pool holds at most (default: half the pager's pages, every
         pair the pool could form). Each takes ``caches * 2 * S * Hkv * D`` backing bytes (one
-        byte a value for float16 codecs, two for e4m3), pinned in chunks of 64 pairs as used.
+        byte a value for float16 codecs, two for e4m3), pinned in chunks of 64 pairs.
+    host_ahead : int or None
+        Backing slots kept allocated (pinned) ahead of use by a worker thread, so a demotion
+        batch of up to this many pairs pins nothing on the critical path (default: 256 on
+        CUDA, where pinning a chunk takes tens of milliseconds, 0 on the CPU).
     """
 
     def __init__(self, pager: Pager, caches: Sequence[torch.Tensor], codec: str | None = None,
                  *, min_batch: int = 16, protect_first: int = 0, protect_recent: int = 2,
                  reserve_decay: float = 0.9, headroom: int = 0, max_promote: int = 16,
-                 host_pairs: int | None = None):
+                 host_pairs: int | None = None, host_ahead: int | None = None):
         if not caches:
             raise ValueError("caches: expected at least one [P, S, Hkv, D] pool, got none")
         first = caches[0]
@@ -263,6 +319,10 @@ class Fidelity:
         host_pairs = pager.num_pages // 2 if host_pairs is None else host_pairs
         if not isinstance(host_pairs, int) or host_pairs < 1:
             raise ValueError(f"host_pairs: expected an int >= 1, got {host_pairs!r}")
+        host_ahead = (256 if first.device.type == "cuda" else 0) if host_ahead is None \
+            else host_ahead
+        if not isinstance(host_ahead, int) or host_ahead < 0:
+            raise ValueError(f"host_ahead: expected an int >= 0, got {host_ahead!r}")
         if not 0.0 <= reserve_decay < 1.0:
             raise ValueError(f"reserve_decay: expected a float in [0, 1), got {reserve_decay!r}")
         self.pager, self.caches = pager, list(caches)
@@ -274,9 +334,11 @@ class Fidelity:
         self._cuda = self.device.type == "cuda"
         self._side = torch.cuda.Stream(self.device) if self._cuda else None
         self._pool = _one_pool(self.caches)
+        if self._cuda and use_triton(self.device):
+            self._warm()
         self._host = _HostPool((len(self.caches), 2, *first.shape[1:]),
                                codecs.backing_dtype(self.codec, first.dtype), self._cuda,
-                               host_pairs)
+                               host_pairs, ahead=host_ahead)
         self._span: dict[Hashable, tuple[int, int]] = {}       # committed spans
         self._pairs: dict[int, _Pair] = {}                      # BASE page -> pair
         self._by_key: dict[Hashable, set[int]] = {}             # session -> its BASE pages
@@ -639,9 +701,15 @@ class Fidelity:
         if not rows:
             return 0
         pend.decided["demote"] = list(who)
-        triples = [(a, b, a) for a, b in rows]
-        back = self._pack(triples)                            # [N, caches, 2, S, Hkv, D]
-        slots = self._host.take(len(rows))
+        ab = np.array(rows, dtype=np.int32)
+        triples = np.concatenate([ab, ab[:, :1]], axis=1)    # (a, b, a): packed in place
+        slots = self._host.take(len(rows))                    # before the pack: may raise
+        try:
+            back = self._pack(triples)                        # [N, caches, 2, S, Hkv, D]
+        except BaseException:
+            for slot in slots:
+                self._host.give(slot)
+            raise
         frame.on_abort(lambda: self._undo_pack(triples, back, slots))
         self._to_host(back, slots)
         for n, ((a, _), (key, j)) in enumerate(zip(rows, who)):
@@ -680,11 +748,18 @@ class Fidelity:
     # -- the ops over every cache ----------------------------------------------------------------
     def _rows(self, triples) -> torch.Tensor:
         """int32 rows on the device: the triples, or for the one-pool view each triple once a
-        cache, offset by the cache's first page (pair-major, so a backing is ``[N, caches]``)."""
-        rows = torch.tensor(triples, dtype=torch.int32)
+        cache, offset by the cache's first page (pair-major, so a backing is ``[N, caches]``).
+        Built on the host with numpy and, on CUDA, copied up from pinned memory without
+        waiting: the stream orders the copy before the op that reads it, and no host sync
+        lands in the step (a pageable copy would wait for everything queued on the stream,
+        e.g. a promotion's backing copy on the side stream)."""
+        rows = np.asarray(triples, dtype=np.int32).reshape(-1, 3)
         if self._pool is not None:
-            offs = torch.arange(len(self.caches), dtype=torch.int32) * self.pager.num_pages
+            offs = np.arange(len(self.caches), dtype=np.int32) * np.int32(self.pager.num_pages)
             rows = (rows[:, None, :] + offs[None, :, None]).reshape(-1, 3)
+        rows = torch.from_numpy(rows)
+        if self._cuda:
+            return rows.pin_memory().to(self.device, non_blocking=True)
         return rows.to(self.device)
 
     def _pack(self, triples) -> torch.Tensor:
@@ -716,6 +791,23 @@ class Fidelity:
             return
         for c, cache in enumerate(self.caches):
             torch.ops.kvops.refine_base_pairs(cache, rows, back[:, c].contiguous(), self.codec)
+
+    def _warm(self) -> None:
+        """Compile the pack and refine kernels for these caches now, on scratch pages of the
+        same page stride and geometry: a kernel's first launch compiles it (hundreds of
+        milliseconds), which would otherwise land on the first demotion and promotion."""
+        c = self.caches[0]
+        E = c[0].numel()
+        base = torch.zeros(2 * c.stride(0) + E, dtype=c.dtype, device=self.device)
+        scratch = base.as_strided((3, *c.shape[1:]), c.stride())
+        rows = torch.tensor([[0, 1, 0]], dtype=torch.int32, device=self.device)
+        back = torch.empty((1, *self._host.slot_shape[1:]), dtype=self._host.dtype,
+                           device=self.device)
+        torch.ops.kvops.pack_base_pairs(scratch, rows, back, self.codec)
+        torch.ops.kvops.refine_base_pairs(scratch, rows, back, self.codec)
+        rows = torch.tensor([[1, 2, 0]], dtype=torch.int32, device=self.device)
+        torch.ops.kvops.refine_base_pairs(scratch, rows, back, self.codec)   # out of place
+        torch.cuda.synchronize(self.device)
 
     def _reap_d2h(self) -> None:
         self._d2h = [(ev, keep) for ev, keep in self._d2h if not ev.query()]
@@ -764,22 +856,29 @@ class Fidelity:
         held = frame.hold(2 * len(picks))
         for page in pages:
             frame.retain(page)
-        triples = [(held[2 * i], held[2 * i + 1], page) for i, page in enumerate(pages)]
         slots = [self._pair_now(page, pend).slot for page in pages]
+        # the refines run in host-slot order (rows are independent), so the backings come up
+        # in one copy a run of consecutive slots whatever order the pairs were picked in
+        order = sorted(range(len(pages)), key=slots.__getitem__)
+        triples = [(held[2 * i], held[2 * i + 1], pages[i]) for i in order]
+        ordered = [slots[i] for i in order]
         pool, m = self._host, len(pages)
         keep: list = []
         if self._cuda:
             self._side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._side):
                 dev = torch.empty((m, *pool.slot_shape), dtype=pool.dtype, device=self.device)
-                for i, slot, k in pool.runs(slots):
+                for i, slot, k in pool.runs(ordered):
                     dev[i: i + k].copy_(pool.view(slot, k), non_blocking=True)
                 self._refine(triples, dev)
                 done = torch.cuda.Event()
                 done.record(self._side)
             keep = [dev]
         else:
-            self._refine(triples, torch.cat([pool.view(slot, k) for _, slot, k in pool.runs(slots)]))
+            runs = pool.runs(ordered)
+            back = pool.view(runs[0][1], m) if len(runs) == 1 else \
+                torch.cat([pool.view(slot, k) for _, slot, k in runs])
+            self._refine(triples, back)
             done = None
         for i, ((key, j), page) in enumerate(zip(picks, pages)):
             pend.issued.setdefault(key, []).append(

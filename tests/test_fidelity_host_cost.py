@@ -1,0 +1,93 @@
+"""The host cost of the fidelity policy's transitions at the Llama-3-8B page geometry (32
+layers, K and V of each one allocation): a demotion batch is one ``pack_base_pairs`` launch
+and a promotion batch one ``refine_base_pairs`` launch over every pair and cache, with a
+number of other ops that does not grow with the pairs (but for one host copy a run of backing
+slots, 64 a chunk), none of them reading a device value back to the host, and no host memory
+allocated (pinned, on CUDA: tens of milliseconds a chunk) inside a step when the pool keeps
+chunks ahead. On CUDA, neither step waits for work queued on the current or the side stream.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.bench_fidelity_host import OpCounter, world
+
+LAYERS, D, HKV = 32, 16, 2
+
+
+def _steps(pairs: int, device="cpu", **kw):
+    pager, fid = world(LAYERS, 16, 256, pairs, D, device, hkv=HKV, **kw)
+    fid._host.wait()
+    with OpCounter() as dem:
+        with pager.frame() as f:
+            got = fid.step(f, need=pager.free_pages + pairs)
+    assert got["demoted"] == pairs
+    runs = len(fid._host.runs(sorted(p.slot for p in fid._pairs.values())))
+    with OpCounter() as pro:
+        with pager.frame() as f:
+            got = fid.step(f, need=0)
+    assert got["promoted"] == pairs
+    return fid, dem, pro, runs
+
+
+@pytest.mark.parametrize("pairs", [16, 100])
+def test_batch_ops_do_not_grow_with_pairs(pairs):
+    fid, dem, pro, runs = _steps(pairs)
+    for c in (dem, pro):
+        assert c.kvops == 1, dict(c.ops)         # one launch over every pair and cache
+        assert c.syncs == 0, dict(c.ops)         # nothing read back to the host
+    # the rest: the rows' upload, the device backing, the commit's table copy, and two
+    # slices and a copy a run of consecutive host slots (one a chunk of 64 here)
+    assert runs <= -(-pairs // 64) + 1
+    assert dem.total <= 8 + 3 * runs, dict(dem.ops)
+    assert pro.total <= 8 + 3 * runs, dict(pro.ops)
+
+
+def test_demotion_allocates_no_host_chunk_in_the_step():
+    """With ``host_ahead`` slots kept ahead (a worker thread allocates them), a batch of up to
+    that many pairs takes ready chunks: the step itself allocates no host memory."""
+    fid, dem, _, _ = _steps(100, host_ahead=128)
+    assert fid._host.inline == 0
+    chunk = (fid._host.chunk, *fid._host.slot_shape)
+    assert len(fid._host.chunks) >= 2
+    assert dem.ops["aten::empty.memory_format"] == 1, dict(dem.ops)   # the device backing only
+    fid._host.wait()                                 # the pool refills behind the batch
+    assert len(fid._host._ready) == 2 and all(
+        tuple(f.result().shape) == chunk for f in fid._host._ready)
+
+
+def test_host_pool_without_ahead_allocates_when_taken():
+    fid, _, _, _ = _steps(16, host_ahead=0)
+    assert fid._host.inline == 1 and not fid._host._ready
+
+
+def test_host_ahead_is_checked():
+    with pytest.raises(ValueError, match="host_ahead"):
+        world(1, 2, 64, 2, D, "cpu", hkv=HKV, host_ahead=-1)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_steps_do_not_wait_for_queued_work():
+    """A demotion step returns while the current stream still runs earlier work, and a
+    promotion step while the side stream does (a pageable copy of the pair rows would wait)."""
+    pager, fid = world(LAYERS, 16, 256, 16, D, "cuda", hkv=HKV)
+    fid._host.wait()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)                 # about a second on the current stream
+    busy = torch.cuda.Event()
+    busy.record()
+    with pager.frame() as f:
+        assert fid.step(f, need=pager.free_pages + 16)["demoted"] == 16
+    assert not busy.query()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(fid._side):
+        torch.cuda._sleep(2_000_000_000)
+        busy = torch.cuda.Event()
+        busy.record(fid._side)
+    with pager.frame() as f:
+        assert fid.step(f, need=0)["promoted"] == 16
+    assert not busy.query()
+    torch.cuda.synchronize()
