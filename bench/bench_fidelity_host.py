@@ -8,9 +8,12 @@ promotion step of the same pairs, each timed as ``step`` plus the frame's commit
 dispatch counter that records every torch op the policy issues (each one at least a launch or
 a copy on a GPU; a ``kvops`` op is one kernel launch over every pair and cache of the batch)
 and the ops that read a value back to the host (``aten._local_scalar_dense`` and friends: a
-device sync on a GPU). ``python ms`` is the step's time less the time inside the ops, the
-policy's own host work; on the CPU the ops run the PyTorch reference, whose time is the byte
-work a GPU does asynchronously.
+device sync on a GPU). ``python ms``: the step's CPU time on this thread less the CPU time
+inside the ops, the policy's own host work (thread CPU time, so other processes on a shared
+machine do not count); ``op ms``: the CPU time inside the ops (on the CPU the PyTorch
+reference doing the byte work a GPU does asynchronously; on a GPU the launches); ``step wall
+ms``: the step's wall time (on a GPU the critical path: a host sync or a pinning shows here).
+Each the fastest of the timed repetitions after a warm-up.
 
     python -m bench.bench_fidelity_host                 # CPU: writes nothing, prints a table
     python -m bench.bench_fidelity_host --device cuda   # also writes bench/results/<date>-fidelity-host.md
@@ -40,14 +43,16 @@ class OpCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops: Counter = Counter()
-        self.op_s = 0.0
+        self.op_s = 0.0           # this thread's CPU time inside the ops
+        self.op_wall = 0.0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.name()
         self.ops[name] += 1
-        t0 = time.perf_counter()
+        t0, w0 = time.thread_time(), time.perf_counter()
         out = func(*args, **(kwargs or {}))
-        self.op_s += time.perf_counter() - t0
+        self.op_s += time.thread_time() - t0
+        self.op_wall += time.perf_counter() - w0
         return out
 
     @property
@@ -91,31 +96,35 @@ def _sync(device):
 def timed(pager, fid, need, device):
     _sync(device)
     with OpCounter() as c:
-        t0 = time.perf_counter()
+        t0, w0 = time.thread_time(), time.perf_counter()
         with pager.frame() as f:
             got = fid.step(f, need=need)
-        wall = time.perf_counter() - t0
+        cpu, wall = time.thread_time() - t0, time.perf_counter() - w0
     _sync(device)
-    return got, wall, c
+    c.cpu, c.wall = cpu, wall
+    return got, c
 
 
-def run(layers: int, B: int, ctx: int, pairs: int, D: int, device: str, reps: int = 3):
+def run(layers: int, B: int, ctx: int, pairs: int, D: int, device: str, reps: int = 5):
     pager, fid = world(layers, B, ctx, pairs, D, device)
+    if hasattr(fid._host, "wait"):
+        fid._host.wait()
     rows = {"demote": [], "promote": []}
     for _ in range(reps):
-        got, wall, c = timed(pager, fid, pager.free_pages + pairs, device)
-        rows["demote"].append((got["demoted"], wall, c))
-        got, wall, c = timed(pager, fid, 0, device)
-        rows["promote"].append((got["promoted"], wall, c))
+        got, c = timed(pager, fid, pager.free_pages + pairs, device)
+        rows["demote"].append((got["demoted"], c))
+        got, c = timed(pager, fid, 0, device)
+        rows["promote"].append((got["promoted"], c))
         fid.drain()
         with pager.frame() as f:                        # map the refined pages
             fid.step(f, need=pager.free_pages)
     out = []
     for kind, rs in rows.items():
-        best = min(rs[1:] or rs, key=lambda r: r[1] - r[2].op_s)    # the first warms up
-        n, wall, c = best
-        out.append([kind, layers, n, c.total, c.kvops, c.syncs, (wall - c.op_s) * 1e3,
-                    wall * 1e3])
+        rs = rs[1:] or rs                               # the first warms up
+        n, c = min(rs, key=lambda r: r[1].cpu - r[1].op_s)
+        out.append([kind, layers, n, c.total, c.kvops, c.syncs,
+                    min((r[1].cpu - r[1].op_s) * 1e3 for r in rs),
+                    min(r[1].op_s * 1e3 for r in rs), min(r[1].wall * 1e3 for r in rs)])
     return out, rows
 
 
@@ -133,12 +142,13 @@ def main(argv=None):
         table += got
         if a.ops:
             for kind, rs in rows.items():
-                print(kind, layers, pairs, dict(rs[-1][2].ops))
-    head = ["step", "layers", "pairs", "ops", "kvops ops", "host reads", "python ms", "wall ms"]
+                print(kind, layers, pairs, dict(rs[-1][1].ops))
+    head = ["step", "layers", "pairs", "ops", "kvops ops", "host reads", "python ms",
+            "op ms", "step wall ms"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in table:
-        lines.append("| " + " | ".join([*(str(x) for x in r[:6]), f"{r[6]:.2f}", f"{r[7]:.1f}"])
-                     + " |")
+        lines.append("| " + " | ".join([*(str(x) for x in r[:6]), f"{r[6]:.2f}", f"{r[7]:.2f}",
+                                        f"{r[8]:.2f}"]) + " |")
     body = "\n".join(lines)
     if torch.device(a.device).type == "cuda":
         from bench.common import write_result

@@ -58,6 +58,15 @@ def test_demotion_allocates_no_host_chunk_in_the_step():
         tuple(f.result().shape) == chunk for f in fid._host._ready)
 
 
+def test_host_pool_stock_is_used_before_anything_more_is_pinned():
+    """``host_ahead`` beyond the refill (four chunks): the stock pinned from the start is
+    used first, and nothing more is allocated while it lasts."""
+    fid, _, _, _ = _steps(100, host_ahead=640, host_pairs=1024)
+    fid._host.wait()
+    assert fid._host.inline == 0
+    assert len(fid._host.chunks) + len(fid._host._ready) == 10
+
+
 def test_host_pool_without_ahead_allocates_when_taken():
     fid, _, _, _ = _steps(16, host_ahead=0)
     assert fid._host.inline == 1 and not fid._host._ready

@@ -35,11 +35,21 @@ Promotion (asynchronous, on a side stream)
 
 Host backing
     A host pool of slots ``[caches, 2, S, Hkv, D]`` (uint8 low bytes for float16 codecs, the
-    bfloat16 values for e4m3), pinned on CUDA in chunks of 64 slots allocated on first use,
-    holds each BASE pair's backing for every cache (``host_pairs`` slots at most; demotion
-    stops when they are taken). A batch takes consecutive slots where it can, so a demotion
-    copies its backings down, and a promotion up, in one copy a run of slots, on the side
-    stream. A slot goes back when its pair is promoted or its session ends.
+    bfloat16 values for e4m3), pinned on CUDA in chunks of 64 slots, holds each BASE pair's
+    backing for every cache (``host_pairs`` slots at most; demotion stops when they are
+    taken). A worker thread pins chunks ahead of use (``host_ahead``), since pinning takes
+    tens of milliseconds a chunk. A batch takes consecutive slots where it can, so a demotion
+    copies its backings down, and a promotion up (its refines in slot order), in one copy a
+    run of slots, on the side stream. A slot goes back when its pair is promoted or its
+    session ends.
+
+Host cost
+    A demotion batch is one ``pack_base_pairs`` launch and a promotion batch one
+    ``refine_base_pairs`` launch over every pair and cache when the caches are one pool (else
+    one a cache), plus a copy a run of host slots; the pair rows are built with numpy and go
+    up from pinned memory without a sync; nothing reads a device value back. On CUDA the
+    constructor compiles both kernels on scratch pages, so no step compiles.
+    ``bench/bench_fidelity_host.py`` counts a transition's ops and times its Python.
 
 Frames
     ``step`` runs once a frame; ``promote``, ``alias``, ``trim`` and ``reserve`` may share its
@@ -122,12 +132,14 @@ class _HostPool:
     ``chunk`` slots, slots handed out as contiguous runs (the pager's span allocator), so a
     batch's backings move in a few copies and nothing is pinned per batch.
 
-    Pinning is slow (``cudaHostAlloc`` of a 256 MiB chunk takes tens of milliseconds), so
-    ``ahead`` slots' worth of chunks are kept allocated before they are needed, by a worker
-    thread (started with the pool, refilled after every ``take`` that used some): a slot whose
-    chunk is not allocated yet takes a ready one, and only when none is ready (a batch larger
-    than ``ahead``) does ``take`` wait for the worker or allocate itself. ``ahead = 0``
-    allocates a chunk when a slot of it is first taken."""
+    Pinning is slow (``cudaHostAlloc`` of a 256 MiB chunk takes tens of milliseconds), so a
+    worker thread allocates chunks before they are needed: ``ahead`` slots' worth from the
+    start, and once that stock is used, it keeps ``REFILL`` chunks (at most the stock) ready
+    after every ``take`` that used some. A slot whose chunk is not allocated yet takes a ready
+    one; only when none is ready does ``take`` wait for the worker or allocate itself.
+    ``ahead = 0`` allocates a chunk when a slot of it is first taken."""
+
+    REFILL = 4
 
     def __init__(self, slot_shape, dtype, pin: bool, capacity: int, chunk: int = 64,
                  ahead: int = 0):
@@ -135,17 +147,19 @@ class _HostPool:
         self.alloc = SpanAllocator(capacity)
         self.chunks: dict[int, torch.Tensor] = {}
         self.limit = -(-capacity // chunk)                  # chunks the capacity spans
-        self.ahead = -(-min(ahead, capacity) // chunk)      # chunks kept ready
+        self.ahead = -(-min(ahead, capacity) // chunk)      # chunks pinned from the start
+        self.refill = min(self.ahead, self.REFILL)          # chunks kept ready after that
         self._ready: list = []                              # futures of allocated chunks
         self._worker = None
         self.inline = 0                                     # chunks ``take`` had to allocate
-        self._refill()
+        self._refill(self.ahead)
 
     def _new_chunk(self) -> torch.Tensor:
         return torch.empty((self.chunk, *self.slot_shape), dtype=self.dtype, pin_memory=self.pin)
 
-    def _refill(self) -> None:
-        want = min(self.ahead, self.limit - len(self.chunks)) - len(self._ready)
+    def _refill(self, ready: int) -> None:
+        """Start allocating chunks until ``ready`` are ready or on their way."""
+        want = min(ready, self.limit - len(self.chunks)) - len(self._ready)
         if want <= 0:
             return
         if self._worker is None:
@@ -186,7 +200,7 @@ class _HostPool:
             for s in slots:
                 self.alloc.give(s)
             raise
-        self._refill()
+        self._refill(self.refill)
         return slots
 
     def give(self, slot: int) -> None:
@@ -286,9 +300,10 @@ class Fidelity:
         pair the pool could form). Each takes ``caches * 2 * S * Hkv * D`` backing bytes (one
         byte a value for float16 codecs, two for e4m3), pinned in chunks of 64 pairs.
     host_ahead : int or None
-        Backing slots kept allocated (pinned) ahead of use by a worker thread, so a demotion
-        batch of up to this many pairs pins nothing on the critical path (default: 256 on
-        CUDA, where pinning a chunk takes tens of milliseconds, 0 on the CPU).
+        Backing slots a worker thread allocates (pins) from the start, so demotion pins
+        nothing on the critical path until that many pairs are BASE; after that it keeps four
+        chunks (256 slots) ready at most (default: 256 on CUDA, where pinning a chunk takes
+        tens of milliseconds, 0 on the CPU). :meth:`drain` waits for it.
     """
 
     def __init__(self, pager: Pager, caches: Sequence[torch.Tensor], codec: str | None = None,
@@ -642,18 +657,22 @@ class Fidelity:
         first, end = self._span_now(key, pend)
         if first == end:                    # a new span starts at the first eligible pair
             end = self.protect_first
-            while end + 1 < limit and not self._eligible(frame, key, end):
+            while end + 1 < limit and self._eligible(frame, key, end) is None:
                 end += 1
             first = end
         return (first, end, limit) if end + 1 < limit else None
 
-    def _eligible(self, frame: Frame, key, j: int) -> bool:
-        """Blocks ``j, j + 1`` can form a pair: two live unshared pages, neither the source of
-        a copy this frame makes (the copy runs after the pack, and must read TARGET bytes)."""
+    def _eligible(self, frame: Frame, key, j: int, sources=None) -> tuple[int, int] | None:
+        """The pages ``(a, b)`` of blocks ``j, j + 1`` when they can form a pair: two live
+        unshared pages, neither the source of a copy this frame makes (the copy runs after the
+        pack, and must read TARGET bytes); else None. ``sources``: those copies' sources,
+        when the caller has them as a set."""
         a, b = frame.page(key, j), frame.page(key, j + 1)
         if a < 0 or b < 0 or a == b or frame.refcount(a) != 1 or frame.refcount(b) != 1:
-            return False
-        return not frame.copies or all(s != a and s != b for s, _ in frame.copies)
+            return None
+        if sources is None:
+            sources = {s for s, _ in frame.copies}
+        return None if a in sources or b in sources else (a, b)
 
     def _demote(self, frame: Frame, pend: _Pending, want: int, picks=None,
                 exclude=frozenset()) -> int:
@@ -672,18 +691,21 @@ class Fidelity:
                 plan[key] = [first, end, end, limit]          # first, span end, next, limit
                 heapq.heappush(heap, ((end - first) / nb, len(plan), key, nb))
         rows, who = [], []
+        sources = {s for s, _ in frame.copies}
         if picks is not None:
             if len(picks) > self._host.free:
                 raise ValueError(f"plan: demotes {len(picks)} pairs, the host pool has "
                                  f"{self._host.free} free slots")
             for key, j in picks:
                 p = plan.get(key)
-                if p is None or j != p[2] or j + 1 >= p[3] or not self._eligible(frame, key, j):
+                ab = None if p is None or j != p[2] or j + 1 >= p[3] else \
+                    self._eligible(frame, key, j, sources)
+                if ab is None:
                     raise ValueError(f"plan: blocks {j}, {j + 1} of {key!r} cannot be demoted "
                                      f"here (span {self._span_now(key, pend)}, next pair "
                                      f"{None if p is None else p[2]}); this pager's state is "
                                      f"not the planner's")
-                rows.append((frame.page(key, j), frame.page(key, j + 1)))
+                rows.append(ab)
                 who.append((key, j))
                 p[2] = j + 2
             heap = []
@@ -692,17 +714,18 @@ class Fidelity:
             _, order, key, nb = heapq.heappop(heap)
             p = plan[key]
             j = p[2]
-            if j + 1 >= p[3] or not self._eligible(frame, key, j):
+            ab = self._eligible(frame, key, j, sources) if j + 1 < p[3] else None
+            if ab is None:
                 continue                                      # this session's span stops here
-            rows.append((frame.page(key, j), frame.page(key, j + 1)))
+            rows.append(ab)
             who.append((key, j))
             p[2] = j + 2
             heapq.heappush(heap, ((j + 2 - p[0]) / nb, order, key, nb))
         if not rows:
             return 0
         pend.decided["demote"] = list(who)
-        ab = np.array(rows, dtype=np.int32)
-        triples = np.concatenate([ab, ab[:, :1]], axis=1)    # (a, b, a): packed in place
+        pages = np.array(rows, dtype=np.int32)
+        triples = np.concatenate([pages, pages[:, :1]], axis=1)   # (a, b, a): in place
         slots = self._host.take(len(rows))                    # before the pack: may raise
         try:
             back = self._pack(triples)                        # [N, caches, 2, S, Hkv, D]
@@ -946,7 +969,9 @@ class Fidelity:
         return self._promote(frame, self._now(frame), want, only=key) if want else 0
 
     def drain(self) -> None:
-        """Wait for every promotion in flight (the caller then settles them with ``step``)."""
+        """Wait for every promotion in flight (the caller then settles them with ``step``) and
+        for the host backing chunks being pinned ahead (``host_ahead``)."""
+        self._host.wait()
         for pr in [*self._orphans, *(p for s in self._flight.values() for p in s)]:
             if pr.done is not None:
                 pr.done.synchronize()
