@@ -100,3 +100,40 @@ def test_steps_do_not_wait_for_queued_work():
         assert fid.step(f, need=0)["promoted"] == 16
     assert not busy.query()
     torch.cuda.synchronize()
+
+
+def test_warm_compiles_what_the_transitions_launch(kernel_device, monkeypatch):
+    """The constructor's warm-up (on CUDA) launches the pack and refine kernels with the launch
+    keys a demotion, a promotion and an aborted demotion's undo use, so none of them compiles
+    inside a step. Checked through the launch keys under the Triton backend."""
+    import kvops
+    import kvops.kernels.base_pairs as bp
+
+    keys = []
+    real = bp.launch
+
+    def spy(kernel, grid, key, args, meta):
+        keys.append((kernel, key))
+        return real(kernel, grid, key, args, meta)
+
+    monkeypatch.setattr(bp, "launch", spy)
+    with kvops.backend("triton"):
+        pager, fid = world(1, 2, 64, 2, D, str(kernel_device), hkv=HKV)
+        before = [c.clone() for c in fid.caches]
+        fid._warm()
+        warm = set(keys)
+        assert len(warm) >= 2
+        assert all(torch.equal(a, b) for a, b in zip(before, fid.caches))   # scratch only
+        keys.clear()
+        with pager.frame() as f:
+            assert fid.step(f, need=pager.free_pages + 2)["demoted"] == 2
+        with pager.frame() as f:
+            assert fid.step(f, need=0)["promoted"] == 2
+        with pytest.raises(RuntimeError, match="boom"):
+            with pager.frame() as f:
+                assert fid.step(f, need=pager.num_pages)["demoted"] == 2
+                raise RuntimeError("boom")
+    kernels = [k for k, _ in keys]
+    assert kernels.count(bp._pack_pairs_kernel) == 2          # both demotions
+    assert kernels.count(bp._refine_pairs_kernel) == 2        # the promotion and the undo
+    assert set(keys) <= warm

@@ -349,11 +349,11 @@ class Fidelity:
         self._cuda = self.device.type == "cuda"
         self._side = torch.cuda.Stream(self.device) if self._cuda else None
         self._pool = _one_pool(self.caches)
-        if self._cuda and use_triton(self.device):
-            self._warm()
         self._host = _HostPool((len(self.caches), 2, *first.shape[1:]),
                                codecs.backing_dtype(self.codec, first.dtype), self._cuda,
                                host_pairs, ahead=host_ahead)
+        if self._cuda and use_triton(self.device):
+            self._warm()
         self._span: dict[Hashable, tuple[int, int]] = {}       # committed spans
         self._pairs: dict[int, _Pair] = {}                      # BASE page -> pair
         self._by_key: dict[Hashable, set[int]] = {}             # session -> its BASE pages
@@ -830,7 +830,8 @@ class Fidelity:
         torch.ops.kvops.refine_base_pairs(scratch, rows, back, self.codec)
         rows = torch.tensor([[1, 2, 0]], dtype=torch.int32, device=self.device)
         torch.ops.kvops.refine_base_pairs(scratch, rows, back, self.codec)   # out of place
-        torch.cuda.synchronize(self.device)
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
 
     def _reap_d2h(self) -> None:
         self._d2h = [(ev, keep) for ev, keep in self._d2h if not ev.query()]
