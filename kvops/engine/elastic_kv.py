@@ -53,14 +53,16 @@ class ElasticKV(PagedKV):
         caches = [*self.k_pool.unbind(0), *self.v_pool.unbind(0)]   # consecutive: one pool
         fidelity = dict(fidelity or {})
         # every page may end up a BASE pair: its backing (a page of low bytes for float16, two
-        # pages of bfloat16 values for e4m3) is host memory, pinned in chunks as it is used
+        # pages of bfloat16 values for e4m3) is host memory, pinned in chunks of 64 pairs
         fidelity.setdefault("host_pairs", self.pager.num_pages)
-        # on CUDA half of it is pinned ahead by Fidelity's worker thread, starting here (the
-        # warm-up's drain waits for it), so a step pins nothing until half the pages are BASE
-        # pairs (a 256 MiB chunk takes tens of ms to pin)
-        if torch.device(self.device).type == "cuda":
+        # on CUDA half of it is pinned here, before any step or graph capture, so a step pins
+        # nothing until half the pages are BASE pairs (a 256 MiB chunk takes tens of ms)
+        cuda = torch.device(self.device).type == "cuda"
+        if cuda:
             fidelity.setdefault("host_ahead", fidelity["host_pairs"] // 2)
         self.fid = Fidelity(self.pager, caches, **fidelity)
+        if cuda:
+            self.fid.drain()
         self.demote = demote
         self.base_touched: set[int] = set()      # rids that had a BASE block at some commit
         self._live: dict[str, Request] = {}
