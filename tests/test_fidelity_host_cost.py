@@ -17,8 +17,8 @@ from bench.bench_fidelity_host import OpCounter, world
 LAYERS, D, HKV = 32, 16, 2
 
 
-def _steps(pairs: int, device="cpu", **kw):
-    pager, fid = world(LAYERS, 16, 256, pairs, D, device, hkv=HKV, **kw)
+def _steps(pairs: int, device="cpu", layers=LAYERS, **kw):
+    pager, fid = world(layers, 16, 256, pairs, D, device, hkv=HKV, **kw)
     fid._host.wait()
     with OpCounter() as dem:
         with pager.frame() as f:
@@ -43,6 +43,13 @@ def test_batch_ops_do_not_grow_with_pairs(pairs):
     assert runs <= -(-pairs // 64) + 1
     assert dem.total <= 8 + 3 * runs, dict(dem.ops)
     assert pro.total <= 8 + 3 * runs, dict(pro.ops)
+
+
+def test_batch_ops_do_not_grow_with_layers():
+    one = _steps(100, layers=1)
+    many = _steps(100)
+    assert one[3] == many[3]                         # the same host-slot runs
+    assert dict(one[1].ops) == dict(many[1].ops) and dict(one[2].ops) == dict(many[2].ops)
 
 
 def test_demotion_allocates_no_host_chunk_in_the_step():
