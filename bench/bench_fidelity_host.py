@@ -12,16 +12,21 @@ device sync on a GPU). ``python ms``: the step's CPU time on this thread less th
 inside the ops, the policy's own host work (thread CPU time, so other processes on a shared
 machine do not count); ``op ms``: the CPU time inside the ops (on the CPU the PyTorch
 reference doing the byte work a GPU does asynchronously; on a GPU the launches); ``step wall
-ms``: the step's wall time (on a GPU the critical path: a host sync or a pinning shows here).
-Each the fastest of the timed repetitions after a warm-up.
+ms``: the step's wall time (on a GPU the critical path: a host sync or a pinning shows here);
+``first wall ms``: the first step's, whose host slots are new (``--host-ahead 0``: the chunks
+are pinned in it; later steps reuse the slots).
+Each the fastest of its repetitions after a warm-up: ops and python ms from steps under the
+counter, wall from steps without it (its Python per op is not the policy's).
 
     python -m bench.bench_fidelity_host                 # CPU: writes nothing, prints a table
     python -m bench.bench_fidelity_host --device cuda   # also writes bench/results/<date>-fidelity-host.md
+    python -m bench.bench_fidelity_host --device cuda --host-ahead 0   # first steps pin
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from collections import Counter
 
@@ -93,9 +98,13 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def timed(pager, fid, need, device):
+def timed(pager, fid, need, device, count: bool):
+    """One step of ``fid`` in a frame of its own: (the step's counts, the OpCounter with its
+    ``cpu`` and ``wall`` seconds set); ``count=False`` runs it without the counter (whose
+    Python per op would be in the wall time), leaving the op counts empty."""
     _sync(device)
-    with OpCounter() as c:
+    c = OpCounter()
+    with c if count else contextlib.nullcontext():
         t0, w0 = time.thread_time(), time.perf_counter()
         with pager.frame() as f:
             got = fid.step(f, need=need)
@@ -105,26 +114,32 @@ def timed(pager, fid, need, device):
     return got, c
 
 
-def run(layers: int, B: int, ctx: int, pairs: int, D: int, device: str, reps: int = 5):
-    pager, fid = world(layers, B, ctx, pairs, D, device)
-    if hasattr(fid._host, "wait"):
-        fid._host.wait()
+def run(layers: int, B: int, ctx: int, pairs: int, D: int, device: str, reps: int = 7,
+        host_ahead: int | None = None):
+    """Demotion and promotion steps, ``reps`` of each: the first warms up, then counted ones
+    (ops, Python) alternate with uncounted ones (wall). Returns the table rows and the steps."""
+    kw = {} if host_ahead is None else {"host_ahead": host_ahead}
+    pager, fid = world(layers, B, ctx, pairs, D, device, **kw)
+    fid._host.wait()
     rows = {"demote": [], "promote": []}
-    for _ in range(reps):
-        got, c = timed(pager, fid, pager.free_pages + pairs, device)
-        rows["demote"].append((got["demoted"], c))
-        got, c = timed(pager, fid, 0, device)
-        rows["promote"].append((got["promoted"], c))
+    for rep in range(reps):
+        count = rep % 2 == 1
+        got, c = timed(pager, fid, pager.free_pages + pairs, device, count)
+        rows["demote"].append((got["demoted"], c, count))
+        got, c = timed(pager, fid, 0, device, count)
+        rows["promote"].append((got["promoted"], c, count))
         fid.drain()
         with pager.frame() as f:                        # map the refined pages
             fid.step(f, need=pager.free_pages)
     out = []
     for kind, rs in rows.items():
-        rs = rs[1:] or rs                               # the first warms up
-        n, c = min(rs, key=lambda r: r[1].cpu - r[1].op_s)
+        counted = [r for r in rs[1:] if r[2]]
+        plain = [r for r in rs[1:] if not r[2]]
+        n, c, _ = min(counted, key=lambda r: r[1].cpu - r[1].op_s)
         out.append([kind, layers, n, c.total, c.kvops, c.syncs,
-                    min((r[1].cpu - r[1].op_s) * 1e3 for r in rs),
-                    min(r[1].op_s * 1e3 for r in rs), min(r[1].wall * 1e3 for r in rs)])
+                    min((r[1].cpu - r[1].op_s) * 1e3 for r in counted),
+                    min(r[1].op_s * 1e3 for r in counted), min(r[1].wall * 1e3 for r in plain),
+                    rs[0][1].wall * 1e3])
     return out, rows
 
 
@@ -133,27 +148,31 @@ def main(argv=None):
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--D", type=int, default=128)
     ap.add_argument("--ops", action="store_true", help="print the ops of each step")
+    ap.add_argument("--host-ahead", type=int, default=None,
+                    help="Fidelity's host_ahead (default: twice the pairs; 0 pins inside the "
+                         "steps that first use a chunk)")
     a = ap.parse_args(argv)
     cells = [(32, 16, 256, 16), (32, 16, 256, 100), (32, 32, 256, 200), (8, 16, 256, 100),
              (1, 16, 256, 100)]
     table = []
     for layers, B, ctx, pairs in cells:
-        got, rows = run(layers, B, ctx, pairs, a.D, a.device)
+        got, rows = run(layers, B, ctx, pairs, a.D, a.device, host_ahead=a.host_ahead)
         table += got
         if a.ops:
             for kind, rs in rows.items():
-                print(kind, layers, pairs, dict(rs[-1][1].ops))
+                print(kind, layers, pairs, dict(rs[1][1].ops))
     head = ["step", "layers", "pairs", "ops", "kvops ops", "host reads", "python ms",
-            "op ms", "step wall ms"]
+            "op ms", "step wall ms", "first wall ms"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in table:
-        lines.append("| " + " | ".join([*(str(x) for x in r[:6]), f"{r[6]:.2f}", f"{r[7]:.2f}",
-                                        f"{r[8]:.2f}"]) + " |")
+        lines.append("| " + " | ".join([*(str(x) for x in r[:6]),
+                                        *(f"{x:.2f}" for x in r[6:])]) + " |")
     body = "\n".join(lines)
     if torch.device(a.device).type == "cuda":
         from bench.common import write_result
+        ahead = "twice the pairs" if a.host_ahead is None else a.host_ahead
         write_result("fidelity-host", "## Fidelity host cost (bfloat16 e4m3, 2 caches a layer "
-                     f"[P, {S}, {HKV}, {a.D}])\n\n" + body)
+                     f"[P, {S}, {HKV}, {a.D}], host_ahead {ahead})\n\n" + body)
     print(body)
 
 
