@@ -144,3 +144,57 @@ def test_warm_compiles_what_the_transitions_launch(kernel_device, monkeypatch):
     assert kernels.count(bp._pack_pairs_kernel) == 2          # both demotions
     assert kernels.count(bp._refine_pairs_kernel) == 2        # the promotion and the undo
     assert set(keys) <= warm
+
+
+def _sorted_picks(fid, frame, pend, want):
+    """Promotion order by its definition: every BASE pair not in flight, by BASE share after
+    it (largest first), ties in session order then top pair first (a stable sort)."""
+    S, picks = fid.pager.page_size, []
+    for key in list({**fid._span, **pend.spans}):
+        first, end = fid._span_now(key, pend)
+        if not frame.has(key) or end <= first:
+            continue
+        top = end - 2 * len(fid._flight_now(key, pend))
+        nb = -(-frame.length(key) // S)
+        picks += [(-(j + 2 - first) / nb, key, j) for j in range(top - 2, first - 1, -2)]
+    picks.sort(key=lambda t: t[0])
+    return [(key, j) for _, key, j in picks[:want]]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_promotion_merge_picks_as_the_sorted_order(seed):
+    """The promotion planner's heap merge over sessions picks exactly the pairs, in the order,
+    that sorting every BASE pair by share gives (ties included: equal-length sessions)."""
+    import random
+
+    from kvops.runtime import Pager
+    from kvops.runtime.fidelity import Fidelity
+
+    rng = random.Random(seed)
+    B, S, L = 10, 16, 40
+    pager = Pager(B * L, S, B, L)
+    caches = list(torch.zeros(2, B * L, S, 1, 16, dtype=torch.float16).unbind(0))
+    fid = Fidelity(pager, caches, min_batch=1, protect_recent=2, reserve_decay=0.0,
+                   max_promote=1 << 20)
+    with pager.frame() as f:
+        for b in range(B):
+            f.reserve(b, S * rng.choice([8, 16, 16, 24, 33]))
+    for _ in range(4):
+        with pager.frame() as f:
+            fid.step(f, need=f.free_pages + rng.randint(1, 30))
+    assert len(fid._pairs) > 20
+    for want in (1, 3, 7, 1 << 20):
+        with pytest.raises(RuntimeError, match="undo"):
+            with pager.frame() as f:
+                pend = fid._now(f)
+                expect = _sorted_picks(fid, f, pend, want)
+                fid._promote(f, pend, want)
+                assert fid._picked == expect
+                raise RuntimeError("undo")
+    only = next(iter(fid._span))
+    with pytest.raises(RuntimeError, match="undo"):
+        with pager.frame() as f:
+            fid.promote(f, only, limit=2)
+            top = fid.span(only)[1]
+            assert fid._picked == [(only, top - 2), (only, top - 4)][:len(fid._picked)]
+            raise RuntimeError("undo")

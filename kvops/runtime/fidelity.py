@@ -852,19 +852,29 @@ class Fidelity:
             self._picked = list(picks)
             self._issue(frame, pend, self._picked)
             return len(picks)
+        # each session's pairs come top first, their shares falling: merge the sessions on a
+        # heap (ties: the earlier session), so a step looks at ``want`` pairs, not every pair
         S = self.pager.page_size
-        picks = []
+        heap = []
         keys = [only] if only is not None else list({**self._span, **pend.spans})
-        for key in keys:
+        for order, key in enumerate(keys):
             first, end = self._span_now(key, pend)
             if not frame.has(key) or end <= first:
                 continue
-            top = end - 2 * len(self._flight_now(key, pend))
+            j = end - 2 * len(self._flight_now(key, pend)) - 2
             nb = -(-frame.length(key) // S)
-            for j in range(top - 2, first - 1, -2):
-                picks.append((-(j + 2 - first) / nb, key, j))
-        picks.sort(key=lambda t: t[0])
-        picks = self._picked = [(key, j) for _, key, j in picks[:want]]
+            if j >= first:
+                heap.append((-(j + 2 - first) / nb, order, j, first, nb, key))
+        heapq.heapify(heap)
+        picks = []
+        while heap and len(picks) < want:
+            _, order, j, first, nb, key = heap[0]
+            picks.append((key, j))
+            if j - 2 >= first:
+                heapq.heapreplace(heap, (-(j - first) / nb, order, j - 2, first, nb, key))
+            else:
+                heapq.heappop(heap)
+        self._picked = picks
         if picks:
             self._issue(frame, pend, picks)
         return len(picks)
