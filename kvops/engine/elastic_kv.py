@@ -38,7 +38,7 @@ class ElasticKV(PagedKV):
     """:class:`PagedKV` (pages only, no prefix sharing) plus a :class:`Fidelity` over its
     pools; ``fidelity`` holds Fidelity's keyword arguments (``codec``, ``min_batch``,
     ``protect_first``, ``protect_recent``, ``reserve_decay``, ``headroom``, ``max_promote``,
-    ``host_pairs``) and ``demote=False`` keeps every block TARGET (the policy still runs)."""
+    ``host_pairs``, ``host_ahead``) and ``demote=False`` keeps every block TARGET (the policy still runs)."""
 
     def __init__(self, *, fidelity: dict | None = None, demote: bool = True, **kw):
         dtype = kw["dtype"]
@@ -53,9 +53,16 @@ class ElasticKV(PagedKV):
         caches = [*self.k_pool.unbind(0), *self.v_pool.unbind(0)]   # consecutive: one pool
         fidelity = dict(fidelity or {})
         # every page may end up a BASE pair: its backing (a page of low bytes for float16, two
-        # pages of bfloat16 values for e4m3) is host memory, pinned in chunks as it is used
+        # pages of bfloat16 values for e4m3) is host memory, pinned in chunks of 64 pairs
         fidelity.setdefault("host_pairs", self.pager.num_pages)
+        # on CUDA half of it is pinned here, before any step or graph capture, so a step pins
+        # nothing until half the pages are BASE pairs (a 256 MiB chunk takes tens of ms)
+        cuda = torch.device(self.device).type == "cuda"
+        if cuda:
+            fidelity.setdefault("host_ahead", fidelity["host_pairs"] // 2)
         self.fid = Fidelity(self.pager, caches, **fidelity)
+        if cuda:
+            self.fid.drain()
         self.demote = demote
         self.base_touched: set[int] = set()      # rids that had a BASE block at some commit
         self._live: dict[str, Request] = {}

@@ -35,11 +35,21 @@ Promotion (asynchronous, on a side stream)
 
 Host backing
     A host pool of slots ``[caches, 2, S, Hkv, D]`` (uint8 low bytes for float16 codecs, the
-    bfloat16 values for e4m3), pinned on CUDA in chunks of 64 slots allocated on first use,
-    holds each BASE pair's backing for every cache (``host_pairs`` slots at most; demotion
-    stops when they are taken). A batch takes consecutive slots where it can, so a demotion
-    copies its backings down, and a promotion up, in one copy a run of slots, on the side
-    stream. A slot goes back when its pair is promoted or its session ends.
+    bfloat16 values for e4m3), pinned on CUDA in chunks of 64 slots, holds each BASE pair's
+    backing for every cache (``host_pairs`` slots at most; demotion stops when they are
+    taken). A worker thread pins chunks ahead of use (``host_ahead``), since pinning takes
+    tens of milliseconds a chunk. A batch takes consecutive slots where it can, so a demotion
+    copies its backings down, and a promotion up (its refines in slot order), in one copy a
+    run of slots, on the side stream. A slot goes back when its pair is promoted or its
+    session ends.
+
+Host cost
+    A demotion batch is one ``pack_base_pairs`` launch and a promotion batch one
+    ``refine_base_pairs`` launch over every pair and cache when the caches are one pool (else
+    one a cache), plus a copy a run of host slots; the pair rows are built with numpy and go
+    up from pinned memory without a sync; nothing reads a device value back. On CUDA the
+    constructor compiles both kernels on scratch pages, so no step compiles.
+    ``bench/bench_fidelity_host.py`` counts a transition's ops and times its Python.
 
 Frames
     ``step`` runs once a frame; ``promote``, ``alias``, ``trim`` and ``reserve`` may share its
@@ -77,11 +87,13 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from kvops._config import use_triton
 from kvops.layouts import codecs
 from kvops.runtime.allocator import SpanAllocator
 from kvops.runtime.frame import Frame, as_int
@@ -117,14 +129,48 @@ def _transport_rule(fid, transport) -> str | None:
 
 class _HostPool:
     """Host slots for pair backings, ``[caches, 2, S, Hkv, D]`` each, pinned on CUDA: chunks of
-    ``chunk`` slots allocated when first used, slots handed out as contiguous runs (the
-    pager's span allocator), so a batch's backings move in a few copies and nothing is
-    pinned per batch."""
+    ``chunk`` slots, slots handed out as contiguous runs (the pager's span allocator), so a
+    batch's backings move in a few copies and nothing is pinned per batch.
 
-    def __init__(self, slot_shape, dtype, pin: bool, capacity: int, chunk: int = 64):
+    Pinning is slow (``cudaHostAlloc`` of a 256 MiB chunk takes tens of milliseconds), so a
+    worker thread allocates chunks before they are needed: ``ahead`` slots' worth from the
+    start, and once that stock is used, it keeps ``REFILL`` chunks (at most the stock) ready
+    after every ``take`` that used some. A slot whose chunk is not allocated yet takes a ready
+    one; only when none is ready does ``take`` wait for the worker or allocate itself.
+    ``ahead = 0`` allocates a chunk when a slot of it is first taken."""
+
+    REFILL = 4
+
+    def __init__(self, slot_shape, dtype, pin: bool, capacity: int, chunk: int = 64,
+                 ahead: int = 0):
         self.slot_shape, self.dtype, self.pin, self.chunk = tuple(slot_shape), dtype, pin, chunk
         self.alloc = SpanAllocator(capacity)
         self.chunks: dict[int, torch.Tensor] = {}
+        self.limit = -(-capacity // chunk)                  # chunks the capacity spans
+        self.ahead = -(-min(ahead, capacity) // chunk)      # chunks pinned from the start
+        self.refill = min(self.ahead, self.REFILL)          # chunks kept ready after that
+        self._ready: list = []                              # futures of allocated chunks
+        self._worker = None
+        self.inline = 0                                     # chunks ``take`` had to allocate
+        self._refill(self.ahead)
+
+    def _new_chunk(self) -> torch.Tensor:
+        return torch.empty((self.chunk, *self.slot_shape), dtype=self.dtype, pin_memory=self.pin)
+
+    def _refill(self, ready: int) -> None:
+        """Start allocating chunks until ``ready`` are ready or on their way."""
+        want = min(ready, self.limit - len(self.chunks)) - len(self._ready)
+        if want <= 0:
+            return
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvops-host-pool")
+        for _ in range(want):
+            self._ready.append(self._worker.submit(self._new_chunk))
+
+    def wait(self) -> None:
+        """Wait until every chunk the worker is allocating is ready."""
+        for fut in self._ready:
+            fut.result()
 
     @property
     def free(self) -> int:
@@ -132,9 +178,29 @@ class _HostPool:
 
     def take(self, n: int) -> list[int]:
         slots = [s for start, k in self.alloc.take(n) for s in range(start, start + k)]
-        for c in {s // self.chunk for s in slots} - self.chunks.keys():
-            self.chunks[c] = torch.empty((self.chunk, *self.slot_shape), dtype=self.dtype,
-                                         pin_memory=self.pin)
+        new = sorted({s // self.chunk for s in slots} - self.chunks.keys())
+        if not new:
+            return slots
+        try:
+            for c in new:
+                got = None
+                if self._ready:
+                    done = [f for f in self._ready if f.done()]
+                    fut = done[0] if done else self._ready[0]
+                    self._ready.remove(fut)
+                    try:
+                        got = fut.result()
+                    except Exception:           # the worker's allocation failed: try here
+                        got = None
+                if got is None:
+                    got = self._new_chunk()
+                    self.inline += 1
+                self.chunks[c] = got
+        except BaseException:
+            for s in slots:
+                self.alloc.give(s)
+            raise
+        self._refill(self.refill)
         return slots
 
     def give(self, slot: int) -> None:
@@ -232,13 +298,18 @@ class Fidelity:
     host_pairs : int or None
         Pairs the host backing pool holds at most (default: half the pager's pages, every
         pair the pool could form). Each takes ``caches * 2 * S * Hkv * D`` backing bytes (one
-        byte a value for float16 codecs, two for e4m3), pinned in chunks of 64 pairs as used.
+        byte a value for float16 codecs, two for e4m3), pinned in chunks of 64 pairs.
+    host_ahead : int or None
+        Backing slots a worker thread allocates (pins) from the start, so demotion pins
+        nothing on the critical path until that many pairs are BASE; after that it keeps four
+        chunks (256 slots) ready at most (default: 256 on CUDA, where pinning a chunk takes
+        tens of milliseconds, 0 on the CPU). :meth:`drain` waits for it.
     """
 
     def __init__(self, pager: Pager, caches: Sequence[torch.Tensor], codec: str | None = None,
                  *, min_batch: int = 16, protect_first: int = 0, protect_recent: int = 2,
                  reserve_decay: float = 0.9, headroom: int = 0, max_promote: int = 16,
-                 host_pairs: int | None = None):
+                 host_pairs: int | None = None, host_ahead: int | None = None):
         if not caches:
             raise ValueError("caches: expected at least one [P, S, Hkv, D] pool, got none")
         first = caches[0]
@@ -263,6 +334,10 @@ class Fidelity:
         host_pairs = pager.num_pages // 2 if host_pairs is None else host_pairs
         if not isinstance(host_pairs, int) or host_pairs < 1:
             raise ValueError(f"host_pairs: expected an int >= 1, got {host_pairs!r}")
+        host_ahead = (256 if first.device.type == "cuda" else 0) if host_ahead is None \
+            else host_ahead
+        if not isinstance(host_ahead, int) or host_ahead < 0:
+            raise ValueError(f"host_ahead: expected an int >= 0, got {host_ahead!r}")
         if not 0.0 <= reserve_decay < 1.0:
             raise ValueError(f"reserve_decay: expected a float in [0, 1), got {reserve_decay!r}")
         self.pager, self.caches = pager, list(caches)
@@ -276,7 +351,9 @@ class Fidelity:
         self._pool = _one_pool(self.caches)
         self._host = _HostPool((len(self.caches), 2, *first.shape[1:]),
                                codecs.backing_dtype(self.codec, first.dtype), self._cuda,
-                               host_pairs)
+                               host_pairs, ahead=host_ahead)
+        if self._cuda and use_triton(self.device):
+            self._warm()
         self._span: dict[Hashable, tuple[int, int]] = {}       # committed spans
         self._pairs: dict[int, _Pair] = {}                      # BASE page -> pair
         self._by_key: dict[Hashable, set[int]] = {}             # session -> its BASE pages
@@ -580,18 +657,22 @@ class Fidelity:
         first, end = self._span_now(key, pend)
         if first == end:                    # a new span starts at the first eligible pair
             end = self.protect_first
-            while end + 1 < limit and not self._eligible(frame, key, end):
+            while end + 1 < limit and self._eligible(frame, key, end) is None:
                 end += 1
             first = end
         return (first, end, limit) if end + 1 < limit else None
 
-    def _eligible(self, frame: Frame, key, j: int) -> bool:
-        """Blocks ``j, j + 1`` can form a pair: two live unshared pages, neither the source of
-        a copy this frame makes (the copy runs after the pack, and must read TARGET bytes)."""
+    def _eligible(self, frame: Frame, key, j: int, sources=None) -> tuple[int, int] | None:
+        """The pages ``(a, b)`` of blocks ``j, j + 1`` when they can form a pair: two live
+        unshared pages, neither the source of a copy this frame makes (the copy runs after the
+        pack, and must read TARGET bytes); else None. ``sources``: those copies' sources,
+        when the caller has them as a set."""
         a, b = frame.page(key, j), frame.page(key, j + 1)
         if a < 0 or b < 0 or a == b or frame.refcount(a) != 1 or frame.refcount(b) != 1:
-            return False
-        return not frame.copies or all(s != a and s != b for s, _ in frame.copies)
+            return None
+        if sources is None:
+            sources = {s for s, _ in frame.copies}
+        return None if a in sources or b in sources else (a, b)
 
     def _demote(self, frame: Frame, pend: _Pending, want: int, picks=None,
                 exclude=frozenset()) -> int:
@@ -610,18 +691,21 @@ class Fidelity:
                 plan[key] = [first, end, end, limit]          # first, span end, next, limit
                 heapq.heappush(heap, ((end - first) / nb, len(plan), key, nb))
         rows, who = [], []
+        sources = {s for s, _ in frame.copies}
         if picks is not None:
             if len(picks) > self._host.free:
                 raise ValueError(f"plan: demotes {len(picks)} pairs, the host pool has "
                                  f"{self._host.free} free slots")
             for key, j in picks:
                 p = plan.get(key)
-                if p is None or j != p[2] or j + 1 >= p[3] or not self._eligible(frame, key, j):
+                ab = None if p is None or j != p[2] or j + 1 >= p[3] else \
+                    self._eligible(frame, key, j, sources)
+                if ab is None:
                     raise ValueError(f"plan: blocks {j}, {j + 1} of {key!r} cannot be demoted "
                                      f"here (span {self._span_now(key, pend)}, next pair "
                                      f"{None if p is None else p[2]}); this pager's state is "
                                      f"not the planner's")
-                rows.append((frame.page(key, j), frame.page(key, j + 1)))
+                rows.append(ab)
                 who.append((key, j))
                 p[2] = j + 2
             heap = []
@@ -630,18 +714,25 @@ class Fidelity:
             _, order, key, nb = heapq.heappop(heap)
             p = plan[key]
             j = p[2]
-            if j + 1 >= p[3] or not self._eligible(frame, key, j):
+            ab = self._eligible(frame, key, j, sources) if j + 1 < p[3] else None
+            if ab is None:
                 continue                                      # this session's span stops here
-            rows.append((frame.page(key, j), frame.page(key, j + 1)))
+            rows.append(ab)
             who.append((key, j))
             p[2] = j + 2
             heapq.heappush(heap, ((j + 2 - p[0]) / nb, order, key, nb))
         if not rows:
             return 0
         pend.decided["demote"] = list(who)
-        triples = [(a, b, a) for a, b in rows]
-        back = self._pack(triples)                            # [N, caches, 2, S, Hkv, D]
-        slots = self._host.take(len(rows))
+        pages = np.array(rows, dtype=np.int32)
+        triples = np.concatenate([pages, pages[:, :1]], axis=1)   # (a, b, a): in place
+        slots = self._host.take(len(rows))                    # before the pack: may raise
+        try:
+            back = self._pack(triples)                        # [N, caches, 2, S, Hkv, D]
+        except BaseException:
+            for slot in slots:
+                self._host.give(slot)
+            raise
         frame.on_abort(lambda: self._undo_pack(triples, back, slots))
         self._to_host(back, slots)
         for n, ((a, _), (key, j)) in enumerate(zip(rows, who)):
@@ -680,11 +771,18 @@ class Fidelity:
     # -- the ops over every cache ----------------------------------------------------------------
     def _rows(self, triples) -> torch.Tensor:
         """int32 rows on the device: the triples, or for the one-pool view each triple once a
-        cache, offset by the cache's first page (pair-major, so a backing is ``[N, caches]``)."""
-        rows = torch.tensor(triples, dtype=torch.int32)
+        cache, offset by the cache's first page (pair-major, so a backing is ``[N, caches]``).
+        Built on the host with numpy and, on CUDA, copied up from pinned memory without
+        waiting: the stream orders the copy before the op that reads it, and no host sync
+        lands in the step (a pageable copy would wait for everything queued on the stream,
+        e.g. a promotion's backing copy on the side stream)."""
+        rows = np.asarray(triples, dtype=np.int32).reshape(-1, 3)
         if self._pool is not None:
-            offs = torch.arange(len(self.caches), dtype=torch.int32) * self.pager.num_pages
+            offs = np.arange(len(self.caches), dtype=np.int32) * np.int32(self.pager.num_pages)
             rows = (rows[:, None, :] + offs[None, :, None]).reshape(-1, 3)
+        rows = torch.from_numpy(rows)
+        if self._cuda:
+            return rows.pin_memory().to(self.device, non_blocking=True)
         return rows.to(self.device)
 
     def _pack(self, triples) -> torch.Tensor:
@@ -717,6 +815,24 @@ class Fidelity:
         for c, cache in enumerate(self.caches):
             torch.ops.kvops.refine_base_pairs(cache, rows, back[:, c].contiguous(), self.codec)
 
+    def _warm(self) -> None:
+        """Compile the pack and refine kernels for these caches now, on scratch pages of the
+        same page stride and geometry: a kernel's first launch compiles it (hundreds of
+        milliseconds), which would otherwise land on the first demotion and promotion."""
+        c = self.caches[0]
+        E = c[0].numel()
+        base = torch.zeros(2 * c.stride(0) + E, dtype=c.dtype, device=self.device)
+        scratch = base.as_strided((3, *c.shape[1:]), c.stride())
+        rows = torch.tensor([[0, 1, 0]], dtype=torch.int32, device=self.device)
+        back = torch.empty((1, *self._host.slot_shape[1:]), dtype=self._host.dtype,
+                           device=self.device)
+        torch.ops.kvops.pack_base_pairs(scratch, rows, back, self.codec)
+        torch.ops.kvops.refine_base_pairs(scratch, rows, back, self.codec)
+        rows = torch.tensor([[1, 2, 0]], dtype=torch.int32, device=self.device)
+        torch.ops.kvops.refine_base_pairs(scratch, rows, back, self.codec)   # out of place
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+
     def _reap_d2h(self) -> None:
         self._d2h = [(ev, keep) for ev, keep in self._d2h if not ev.query()]
 
@@ -736,19 +852,29 @@ class Fidelity:
             self._picked = list(picks)
             self._issue(frame, pend, self._picked)
             return len(picks)
+        # each session's pairs come top first, their shares falling: merge the sessions on a
+        # heap (ties: the earlier session), so a step looks at ``want`` pairs, not every pair
         S = self.pager.page_size
-        picks = []
+        heap = []
         keys = [only] if only is not None else list({**self._span, **pend.spans})
-        for key in keys:
+        for order, key in enumerate(keys):
             first, end = self._span_now(key, pend)
             if not frame.has(key) or end <= first:
                 continue
-            top = end - 2 * len(self._flight_now(key, pend))
+            j = end - 2 * len(self._flight_now(key, pend)) - 2
             nb = -(-frame.length(key) // S)
-            for j in range(top - 2, first - 1, -2):
-                picks.append((-(j + 2 - first) / nb, key, j))
-        picks.sort(key=lambda t: t[0])
-        picks = self._picked = [(key, j) for _, key, j in picks[:want]]
+            if j >= first:
+                heap.append((-(j + 2 - first) / nb, order, j, first, nb, key))
+        heapq.heapify(heap)
+        picks = []
+        while heap and len(picks) < want:
+            _, order, j, first, nb, key = heap[0]
+            picks.append((key, j))
+            if j - 2 >= first:
+                heapq.heapreplace(heap, (-(j - first) / nb, order, j - 2, first, nb, key))
+            else:
+                heapq.heappop(heap)
+        self._picked = picks
         if picks:
             self._issue(frame, pend, picks)
         return len(picks)
@@ -764,22 +890,29 @@ class Fidelity:
         held = frame.hold(2 * len(picks))
         for page in pages:
             frame.retain(page)
-        triples = [(held[2 * i], held[2 * i + 1], page) for i, page in enumerate(pages)]
         slots = [self._pair_now(page, pend).slot for page in pages]
+        # the refines run in host-slot order (rows are independent), so the backings come up
+        # in one copy a run of consecutive slots whatever order the pairs were picked in
+        order = sorted(range(len(pages)), key=slots.__getitem__)
+        triples = [(held[2 * i], held[2 * i + 1], pages[i]) for i in order]
+        ordered = [slots[i] for i in order]
         pool, m = self._host, len(pages)
         keep: list = []
         if self._cuda:
             self._side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._side):
                 dev = torch.empty((m, *pool.slot_shape), dtype=pool.dtype, device=self.device)
-                for i, slot, k in pool.runs(slots):
+                for i, slot, k in pool.runs(ordered):
                     dev[i: i + k].copy_(pool.view(slot, k), non_blocking=True)
                 self._refine(triples, dev)
                 done = torch.cuda.Event()
                 done.record(self._side)
             keep = [dev]
         else:
-            self._refine(triples, torch.cat([pool.view(slot, k) for _, slot, k in pool.runs(slots)]))
+            runs = pool.runs(ordered)
+            back = pool.view(runs[0][1], m) if len(runs) == 1 else \
+                torch.cat([pool.view(slot, k) for _, slot, k in runs])
+            self._refine(triples, back)
             done = None
         for i, ((key, j), page) in enumerate(zip(picks, pages)):
             pend.issued.setdefault(key, []).append(
@@ -847,7 +980,9 @@ class Fidelity:
         return self._promote(frame, self._now(frame), want, only=key) if want else 0
 
     def drain(self) -> None:
-        """Wait for every promotion in flight (the caller then settles them with ``step``)."""
+        """Wait for every promotion in flight (the caller then settles them with ``step``) and
+        for the host backing chunks being pinned ahead (``host_ahead``)."""
+        self._host.wait()
         for pr in [*self._orphans, *(p for s in self._flight.values() for p in s)]:
             if pr.done is not None:
                 pr.done.synchronize()
