@@ -2,7 +2,7 @@
 # One check-and-benchmark pass on a GPU machine, as the device tool runs it: each part under its
 # own time cap, its log in $OUT/<part>.log, every results file it records copied to $OUT, and a
 # short table of the parts last. Parts are named on the command line (default: all, in order):
-#   bench/gpu_pass.sh tests engine elastic tp transformers
+#   bench/gpu_pass.sh tests fidelity farret elastic engine tp transformers
 set -u
 OUT=${OUT:-/tmp/gpu-pass}
 mkdir -p "$OUT"
@@ -24,7 +24,15 @@ tests() {
         tests/test_far_page_ops.py tests/test_paged_prefill_attention.py::test_long_prefill_on_cuda \
         tests/test_tp.py tests/test_transformers_fidelity.py tests/test_transformers_integration.py \
         tests/test_bench_transformers.py tests/test_fidelity.py tests/test_engine.py \
-        tests/test_far_view_policy.py $(ls tests/test_engine_elastic.py tests/test_evals_elastic.py 2>/dev/null)
+        tests/test_far_view_policy.py tests/test_engine_elastic.py tests/test_evals_elastic.py \
+        tests/test_far_slot_update.py tests/test_far_retrieval_policy.py tests/test_fidelity_host_cost.py \
+        tests/test_op_contract.py
+}
+fidelity() {
+    part fidelity 90 python3 -m bench.bench_fidelity_host --device cuda
+}
+farret() {
+    part farret 150 python3 -m bench.bench_far_view --retrieval
 }
 engine() {
     part engine 130 python3 -m kvops replay --configs static,pager,pager+merge,kvrm,paged \
@@ -37,13 +45,14 @@ elastic() {
 tp() {
     part tp 80 python3 -m bench.bench_tp --configs static,pager+merge,paged
     part tp-eager 80 python3 -m bench.bench_tp --configs static,paged --no-graphs --name tp1-distributed-path-eager
+    part tp-fp32 80 python3 -m bench.bench_tp --configs static,paged --dtype float32 --name tp1-distributed-path-fp32
 }
 transformers() {
     part transformers 110 python3 -m bench.bench_transformers --batches 1,64 --contexts 4096 \
         --impls sdpa,sliding,paged --record
 }
 
-for p in "${@:-tests engine elastic tp transformers}"; do
+for p in "${@:-tests fidelity farret elastic engine tp transformers}"; do
     for q in $p; do $q; done
 done
 for f in $(ls bench/results); do
