@@ -78,15 +78,20 @@ _NONE.flags.writeable = False
 _FILL = np.array(-1, dtype=np.int32)            # an empty leave page or selection slot
 _FILL.flags.writeable = False
 _EMPTY_KEY = np.iinfo(np.int64).min             # the ranking key of an empty selection slot
+_LOW31 = np.int32(0x7FFFFFFF)
 _CLEARED, _DECODE, _GENERAL = "cleared", "decode", "general"     # kinds of staged state
 
 
 def rank_keys(utility: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """int64 ranking keys ordered as ``(utility, id)`` (float32 utilities, ids in
     ``[0, 2**31)``): a higher utility ranks higher, and of equal ones the higher id (the newer
-    chunk). The float's bits mapped to an order-preserving int32, shifted, plus the id."""
-    bits = np.ascontiguousarray(utility, dtype=np.float32).view(np.int32).astype(np.int64)
-    return (np.where(bits < 0, bits ^ 0x7FFFFFFF, bits) << 32) | ids
+    chunk); the id is the key's low 32 bits. The float's bits mapped to an order-preserving
+    int32 (negative ones with their magnitude bits flipped), shifted up, plus the id."""
+    bits = np.ascontiguousarray(utility, dtype=np.float32).view(np.int32)
+    key = (bits ^ ((bits >> 31) & _LOW31)).astype(np.int64)
+    key <<= 32
+    key |= ids
+    return key
 
 
 _FRESH = int(rank_keys(np.array([np.inf], dtype=np.float32), np.zeros(1, np.int64))[0])
@@ -168,13 +173,12 @@ class FarView:
         n = np.arange(pager.max_blocks * S + 1, dtype=np.int64)
         self._far_at = np.clip((-(-n // S) - self.window_pages) // self.M, 0, J)
         # index helpers
-        self._lidx = np.arange(L, dtype=np.int64)[:, None, None]
         self._lrow = np.arange(L, dtype=np.int64)[:, None]
         self._chunk_blocks = np.arange(J)[:, None] * self.M + np.arange(self.M)   # [J, M]
         self._chunk_ids = np.arange(J, dtype=np.int64)
         self._leave_cols = np.arange(max_leave, dtype=np.int64)
         self._sink = np.array(J, dtype=np.int32)
-        self._bt = self._sel = None                    # host table views, at the first plan
+        self._bt = self._sel = self._score_at = None   # host table views, at the first plan
         self.last: dict = {}
         pager.attach(self)
 
@@ -351,29 +355,32 @@ class FarView:
                 dropped: list[tuple[int, int]]):
         """The selection rows of a general commit, as writes; returns the rows changed and
         the ranking keys to adopt: ``("rows", sessions, keys [L, u, C])`` for the sessions
-        written, or ``("all", fresh)`` after a pull (every key computed again at adoption from
-        the committed rows, this commit's summaries, ``fresh``, at +inf).
+        written, or ``("all", keys [L, B, C])`` after a pull.
 
         A closed or reopened slot shows nothing. Without a pull, a session's rows hold the top
         ``C`` of its summaries by ranking key, so each new summary (key +inf, above all but
         newer ones) replaces the row's lowest entry: one argmin over every session and layer
         a round (one round per summary a session takes in this commit). After a pull, every
-        session with more than ``C`` summaries is ranked again by the pulled utilities (this
-        commit's summaries first, ties toward the newer chunk), all of them and every layer in
-        one sort, and only rows whose chunks changed are written."""
-        L, C, B, J = self.layers, self.C, self.B, self.J
+        committed entry's key is computed again from the pulled utilities, and every session
+        with more than ``C`` summaries is ranked again (this commit's summaries first, ties
+        toward the newer chunk), all of them and every layer in one sort of their keys; a row
+        whose entries all rank in the new top ``C`` is kept, the others are written."""
+        L, C, B = self.layers, self.C, self.B
         sel = self._sel
         changed = 0
+        at = np.array(resets, dtype=np.int64) if resets else None
         if resets:
-            at = np.array(resets, dtype=np.int64)
             wipe = (sel[:, at] >= 0).any(axis=2)                  # [L, r]
             changed += int(wipe.sum())
             frame.write("far_select", (slice(None), at), _FILL, via=sel)
         sessions = taken = None
         if take is not None:
             sessions, taken = take[4], take[5]
-        ranked = _NONE
+        ranked, keys = _NONE, None
         if self._scores_new:
+            keys = self._keys_of(sel)           # [L, B, C], the committed entries, pulled
+            if resets:
+                keys[:, at] = _EMPTY_KEY
             summ = (self._chunk_ids < done[:, None]) & ~self._dropped
             if resets:
                 summ[resets] = False
@@ -386,17 +393,17 @@ class FarView:
             if sessions is not None:            # the rest show every summary they have
                 keep = ~many[sessions]
                 sessions, taken = sessions[keep], taken[keep]
-        keyed = None
+        keyed = None if keys is None else ("all", keys)
         if sessions is not None and sessions.size:
             cur = sel[:, sessions]                                # [L, u, C]
-            kr = self._sel_key[:, sessions]
+            kr = (self._sel_key if keys is None else keys)[:, sessions]
             if resets:
                 gone = np.isin(sessions, resets)
                 cur[:, gone], kr[:, gone] = -1, _EMPTY_KEY
-            at = np.arange(sessions.size)
+            idx = np.arange(sessions.size)
             for r in range(taken.shape[1]):
                 new = taken[:, r]
-                p = at[new >= 0]
+                p = idx[new >= 0]
                 if not p.size:
                     break
                 col = kr[:, p].argmin(axis=2)                     # [L, p]
@@ -404,29 +411,42 @@ class FarView:
                 kr[self._lrow, p, col] = self._fresh_key[new[p]]
             frame.write("far_select", (slice(None), sessions), cur, via=sel)
             changed += int(cur.shape[0] * sessions.size)
-            keyed = ("rows", sessions, kr)
-        if self._scores_new:
-            keyed = ("all", None if take is None else (take[1], take[2]))
+            if keys is None:
+                keyed = ("rows", sessions, kr)
+            else:
+                keys[:, sessions] = kr
         if ranked.size:
-            key = rank_keys(self.host_scores[:, ranked, :J], self._chunk_ids)   # [L, m, J]
+            n = int(done[ranked].max())         # every summary's id is below its done
+            key = rank_keys(self.host_scores[:, ranked, :n], self._chunk_ids[:n])  # [L, m, n]
             if take is not None:
                 pos = np.full(B, -1, dtype=np.int64)
                 pos[ranked] = np.arange(ranked.size)
                 fresh = pos[take[1]] >= 0
                 key[:, pos[take[1]][fresh], take[2][fresh]] = self._fresh_key[take[2][fresh]]
-            key[:, ~summ[ranked]] = _EMPTY_KEY
-            top = np.sort(np.argpartition(key, J - C, axis=2)[..., J - C:], axis=2)
-            top = top.astype(np.int32)                            # [L, m, C], ids ascending
-            cur = sel[:, ranked]
-            if resets:
-                cur[:, np.isin(ranked, resets)] = -1
-            cur = np.sort(cur.view(np.uint32), axis=2).view(np.int32)   # ids ascending
-            layers, which = np.nonzero((cur != top).any(axis=2))
+            np.copyto(key, _EMPTY_KEY, where=~summ[ranked, :n])
+            key.sort(axis=2)
+            best = key[..., n - C:]                               # [L, m, C], the C best
+            # keys are unique, so a row holds the top C iff its lowest entry is among them
+            layers, which = np.nonzero(keys[:, ranked].min(axis=2) < best[..., 0])
             if layers.size:                     # one write for every changed row
-                frame.write("far_select", (layers, ranked[which]), top[layers, which],
+                rows = ranked[which]
+                got = best[layers, which]
+                frame.write("far_select", (layers, rows), (got & 0xFFFFFFFF).astype(np.int32),
                             via=sel)
+                keys[layers, rows] = got
             changed += int(layers.size)
         return changed, keyed
+
+    def _keys_of(self, sel: np.ndarray) -> np.ndarray:
+        """Ranking keys of the selection ``sel [L, B, C]`` from the pulled utilities."""
+        L, B, J = self.layers, self.B, self.J
+        if self._score_at is None:                # flat index of (layer, slot, chunk 0)
+            self._score_at = (np.arange(L * B, dtype=np.int64) * (J + 1)).reshape(L, B, 1)
+        # an empty entry (-1) reads its neighbour; its key is set to empty below
+        key = rank_keys(self.host_scores.reshape(-1).take(self._score_at + sel),
+                        sel.astype(np.int64))
+        np.copyto(key, _EMPTY_KEY, where=sel < 0)
+        return key
 
     def adopt(self, state) -> None:
         how, got = state
@@ -456,17 +476,8 @@ class FarView:
                 self._dropped[tuple(np.array(dropped).T)] = True
             if keyed is not None and keyed[0] == "rows":
                 self._sel_key[:, keyed[1]] = keyed[2]
-            elif keyed is not None:             # after a pull: every key from the table
-                sel = self._sel
-                key = rank_keys(self.host_scores[self._lidx, np.arange(self.B)[:, None], sel],
-                                sel.astype(np.int64))
-                if keyed[1] is not None:
-                    new = np.zeros((self.B, self.J + 1), dtype=bool)
-                    new[keyed[1]] = True
-                    hot = new[np.arange(self.B)[:, None], sel]
-                    key[hot] = self._fresh_key[sel[hot]]
-                key[sel < 0] = _EMPTY_KEY
-                self._sel_key = key
+            elif keyed is not None:             # after a pull: every entry's key
+                self._sel_key = keyed[1]
             self._leave_rows, self._queue, self.last = rows, queue, last
             self._scores_new = False
 
