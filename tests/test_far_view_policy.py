@@ -446,3 +446,62 @@ def test_decode_with_far_view_matches_the_block_parallel_evaluation(monkeypatch)
             torch.testing.assert_close(out[0], want[t], atol=1e-5, rtol=1e-5,
                                        msg=lambda m, t=t, b=bias: f"position {t}, bias {b}: {m}")
         assert len(far.summarized(0)) == (T - Wt) // CHUNK
+
+
+def test_rank_keys_order_by_utility_then_newer_chunk():
+    from kvops.runtime.far_view import rank_keys
+
+    u = np.array([-np.inf, -2.0, -1.0, -0.0, 0.0, 1e-30, 0.5, 0.5, 2.0, np.inf], np.float32)
+    ids = np.array([9, 3, 4, 5, 1, 2, 6, 7, 0, 8])
+    key = rank_keys(u, ids)
+    assert np.all(np.diff(key) > 0)
+    assert np.array_equal(key & 0xFFFFFFFF, ids)                 # the id is the low bits
+    assert rank_keys(np.float32([0.5]), np.array([1]))[0] < rank_keys(np.float32([0.5]),
+                                                                       np.array([2]))[0]
+
+
+@pytest.mark.parametrize("max_leave", [1, 2])
+def test_selection_matches_a_top_cap_oracle_under_random_steps(max_leave):
+    """Random growth (decode and long appends), trims of far blocks, sessions closed and
+    opened, pulls of utilities with many ties: after every commit each row holds the top C
+    of the slot's summaries by (utility, id), a summary stored since the last pull ranking
+    above every pulled one (the host does not know its utility yet; among those, the newer)."""
+    rng = np.random.default_rng(max_leave)
+    cap, sessions = 3, 4
+    pager = Pager(200, S, max_sessions=sessions, max_blocks=40, device="cpu")
+    far = FarView(pager, window_tokens=W, chunk_tokens=CHUNK, cap=cap, num_layers=LAYERS,
+                  num_kv_heads=HKV, head_dim=D, dtype=torch.float32, max_leave=max_leave)
+    fresh: dict[int, set] = {}                  # session -> chunks stored since the last pull
+    next_key = most = gaps = 0
+    for step in range(160):
+        with pager.frame() as f:
+            for key in list(fresh):
+                n = pager.length(key)
+                r = rng.random()
+                if r < 0.04:                                     # EOS
+                    f.trim(key)
+                    del fresh[key]
+                elif r < 0.1 and n > W + 2 * CHUNK:              # a far block goes back
+                    f.trim(key, [int(rng.integers(0, -(-n // S) - W // S))])
+                elif n < 30 * S:
+                    f.reserve(key, int(rng.choice([1, 1, 1, S, 3 * CHUNK])))
+            if len(fresh) < sessions and rng.random() < 0.3:
+                fresh[next_key] = set()
+                f.reserve(next_key, int(rng.integers(1, 12 * S)))
+                next_key += 1
+        ids = pager.host_tables["far_leave_ids"].reshape(sessions, max_leave)
+        for key, new in fresh.items():
+            b = pager.slot(key)
+            new |= {j for j in ids[b].tolist() if j != far.J}
+            have = far.summarized(b)
+            assert new <= set(have)
+            most = max(most, len(have))
+            gaps += len(have) < (max(have) + 1 if have else 0)    # a dropped chunk
+            for layer in range(LAYERS):
+                util = far.host_scores[layer, b]
+                rank = sorted(have, key=lambda j: (j in new, 0.0 if j in new else util[j], j))
+                assert chosen(far, layer, b) == sorted(rank[-cap:]), (step, layer, key)
+        if step % 5 == 4:                                        # a pull: ties on purpose
+            far.pull_scores(rng.integers(0, 3, far.host_scores.shape).astype(np.float32))
+            fresh = {key: set() for key in fresh}
+    assert most > cap + 2 and gaps and next_key > sessions      # ranked, dropped, reused
