@@ -27,11 +27,15 @@ Utility and selection
     received, ``mass_c = sum over query heads of exp(q . k_sum_c * scale + far_bias_c - lse)``,
     and updates that chunk's utility ``u_c <- ema * u_c + (1 - ema) * mass_c`` on the device.
     Chunks not in the view keep their utility. A new summary starts at the largest utility
-    among the session's selected chunks (optimistic, so it gets tried). At every commit the
-    host picks, per layer and session, the ``C`` summarized chunks of highest utility (ties: the
-    newer chunk); a chunk summarized in this very commit is always picked (it has no utility
-    yet). The utilities the host ranks are the ones :meth:`FarView.pull_scores` last copied from
-    the device (one step old when called after each step).
+    among the session's selected chunks (optimistic, so it gets tried). The host keeps, per
+    layer and session, the ``C`` summarized chunks of highest utility (ties: the newer chunk),
+    ranking the utilities :meth:`FarView.pull_scores` last copied from the device (one step old
+    when called after each step; the engine pulls every ``far_rerank`` steps). A chunk
+    summarized since the last pull has no utility on the host yet and ranks above every pulled
+    one (of two such, the newer). Between pulls the ranking cannot change, so a commit only
+    puts each new summary in place of its row's lowest entry (an empty slot first); the first
+    commit after a pull ranks every session with more than ``C`` summaries again. A row's
+    slots are in no particular order (the kernel does not care).
 
 Commits
     The far view is a pager policy (:mod:`kvops.runtime.policy`): its tables
@@ -39,10 +43,14 @@ Commits
     M]`` and ``far_leave_ids [B * max_leave]`` are written inside the step's frame and go up
     with the pager's single upload, so the kernel shapes and the one-commit-per-step rule hold.
     Selection rows are written only where they change. A queued chunk keeps only its id; its
-    pages are read from the frame's view when its summary is due, and a chunk whose blocks were
-    trimmed meanwhile is dropped. The plan returns the next host state (immutable per-slot
-    records); the pager adopts it once the commit is complete, so an aborted frame leaves the
-    far view as it was.
+    pages are read when its summary is due (from the committed block table, or the frame's view
+    for a session the frame edits), and a chunk whose blocks were trimmed meanwhile is dropped.
+    Host state is a few arrays over the slots (chunks far, chunks done, dropped chunks, the
+    ranking key of every committed selection entry), so a commit's work is array ops over all
+    sessions and layers at once, Python only per session with general edits; a decode step's
+    commit takes a short path of about a dozen array ops. The plan returns the next host state
+    without touching the current one; the pager adopts it once the commit is complete, so an
+    aborted frame leaves the far view as it was.
 
 Bias switch
     ``far_bias = log(M * S)`` for a selected slot when ``log_count_bias`` (a summary stands for
@@ -212,7 +220,7 @@ class FarView:
         if g.size:
             far = self._far_at[grown.after]
             had = self._seen[g]
-            hit = np.flatnonzero(far > had)
+            hit = (far > had).nonzero()[0]
         else:
             hit = _NONE
         if not hit.size:
@@ -232,15 +240,16 @@ class FarView:
             frame.write("far_leave_ids", rows, self._sink)
         frame.write("far_leave_pages", q, pages)
         frame.write("far_leave_ids", q, first)
-        col = self._sel_key[:, q].argmin(axis=2)                  # [L, n]: the entry to replace
+        col = self._sel_key.take(q, axis=1).argmin(axis=2)        # [L, n]: the entry to replace
         frame.write("far_select", (self._lrow, q, col), first, via=self._sel)
-        more = far[hit] - first                 # far chunks each session gained
+        lim = far[hit]
+        more = lim - first                      # far chunks each session gained
         queue, pending = _NONE, 0
         if more.max() > 1:
             queue, pending = q[more > 1], int(more.sum()) - q.size
         last = {"summaries": int(q.size), "select_rows_changed": int(col.size),
                 "pending": pending}
-        return Staged((_DECODE, (q, first, first + more, col, queue, last)), last)
+        return Staged((_DECODE, (q, first, lim, col, queue, last)), last)
 
     def _plan_general(self, frame: Frame, deltas: list[SessionDelta],
                       grown: GrownBatch) -> Staged:
@@ -268,7 +277,7 @@ class FarView:
         g = grown.slots
         if g.size:                              # growth-only sessions whose far history grew
             far = far_at[grown.after]
-            hit = np.flatnonzero(far > seen[g])
+            hit = (far > seen[g]).nonzero()[0]
             seen[g[hit]] = far[hit]
         dropped: list[tuple[int, int]] = []
         take = self._take(frame, seen, done, views, keys, dropped)
@@ -303,7 +312,7 @@ class FarView:
         Returns ``None`` (no summary) or ``(rows, slots, ids, pages, sessions, taken)``: per
         summary its far_leave row, slot, chunk id and pages ``[n, M]``; per session with a
         summary its slot and its chunk ids ``[u, max_leave]`` in order (``-1`` padded)."""
-        q = np.flatnonzero(seen > done)
+        q = (seen > done).nonzero()[0]
         if not q.size:
             return None
         M, n = self.M, self.max_leave
@@ -503,7 +512,8 @@ class FarView:
         return ids[~self._dropped[slot, : ids.size]].tolist()
 
     def selection(self, layer: int, slot: int) -> list[int]:
-        """Committed far slots of ``slot`` at ``layer`` (chunk ids, -1 empty)."""
+        """Committed far slots of ``slot`` at ``layer`` (chunk ids, -1 empty), in slot order
+        (the order of ``view``'s far slots; the chunks in a row are in no particular order)."""
         return self.pager.host_tables["far_select"][layer * self.B + slot].tolist()
 
     # -- device side (fixed shapes, no host sync) ---------------------------------------------
