@@ -182,7 +182,9 @@ class FarView:
         self._far_at = np.clip((-(-n // S) - self.window_pages) // self.M, 0, J)
         # index helpers
         self._lrow = np.arange(L, dtype=np.int64)[:, None]
-        self._chunk_blocks = np.arange(J)[:, None] * self.M + np.arange(self.M)   # [J, M]
+        self._chunk_cols = np.arange(self.M, dtype=np.int64)
+        self._chunk_blocks = np.arange(J)[:, None] * self.M + self._chunk_cols   # [J, M]
+        self._row_at = np.arange(B, dtype=np.int64) * pager.max_blocks   # block_table rows
         self._chunk_ids = np.arange(J, dtype=np.int64)
         self._leave_cols = np.arange(max_leave, dtype=np.int64)
         self._sink = np.array(J, dtype=np.int32)
@@ -212,15 +214,16 @@ class FarView:
         if self._bt is None:
             tables = self.pager.host_tables
             self._bt = tables["block_table"]
+            self._bt_flat = self._bt.reshape(-1)
             self._sel = tables["far_select"].reshape(self.layers, self.B, self.C)
         if deltas or self._queue.size or self._scores_new or self.max_leave != 1:
             return self._plan_general(frame, deltas, grown)
         g = grown.slots
         rows = self._leave_rows
         if g.size:
-            far = self._far_at[grown.after]
             had = self._seen[g]
-            hit = (far > had).nonzero()[0]
+            more = self._far_at[grown.after] - had      # far chunks each session gained
+            hit = more.nonzero()[0]
         else:
             hit = _NONE
         if not hit.size:
@@ -232,8 +235,11 @@ class FarView:
             return Staged((None, last), last)
         q = g[hit]                              # max_leave 1: the slots are the leave rows
         first = had[hit]                        # nothing queued: the first new far chunk
-        pages = self._bt[q[:, None], self._chunk_blocks[first]]
-        if pages.min() < 0:                     # a trimmed block, or one of this frame's
+        at = (self._row_at[q] + first * self.M)[:, None] + self._chunk_cols
+        pages = self._bt_flat.take(at)                         # [n, M], committed
+        # a trimmed block, or one appended in this frame (a Python min is the cheaper test
+        # of a few pages)
+        if (min(pages.ravel().tolist()) if q.size < 8 else pages.min()) < 0:
             return self._plan_general(frame, deltas, grown)
         if rows.size:
             frame.write("far_leave_pages", rows, _FILL)
@@ -242,11 +248,10 @@ class FarView:
         frame.write("far_leave_ids", q, first)
         col = self._sel_key.take(q, axis=1).argmin(axis=2)        # [L, n]: the entry to replace
         frame.write("far_select", (self._lrow, q, col), first, via=self._sel)
-        lim = far[hit]
-        more = lim - first                      # far chunks each session gained
-        queue, pending = _NONE, 0
-        if more.max() > 1:
-            queue, pending = q[more > 1], int(more.sum()) - q.size
+        queue, lim, pending = _NONE, None, 0
+        if more.max() > 1:                      # more far chunks than one summary: queued
+            more = more[hit]
+            queue, lim, pending = q[more > 1], first + more, int(more.sum()) - q.size
         last = {"summaries": int(q.size), "select_rows_changed": int(col.size),
                 "pending": pending}
         return Staged((_DECODE, (q, first, lim, col, queue, last)), last)
@@ -465,11 +470,11 @@ class FarView:
             self._leave_rows, self.last = _NONE, got
         elif how is _DECODE:
             q, first, lim, col, queue, last = got
-            if queue.size:
+            if lim is None:                     # seen = done: nothing queued
+                self._sd[:, q] = first + 1
+            else:
                 self._seen[q] = lim
                 self._done[q] = first + 1
-            else:                               # seen = done = lim: nothing queued
-                self._sd[:, q] = lim
             self._sel_key[self._lrow, q, col] = self._fresh_key[first]
             self._leave_rows, self._queue, self.last = q, queue, last
         else:
