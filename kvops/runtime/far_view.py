@@ -184,7 +184,9 @@ class FarView:
         self._lrow = np.arange(L, dtype=np.int64)[:, None]
         self._chunk_cols = np.arange(self.M, dtype=np.int64)
         self._chunk_blocks = np.arange(J)[:, None] * self.M + self._chunk_cols   # [J, M]
-        self._row_at = np.arange(B, dtype=np.int64) * pager.max_blocks   # block_table rows
+        # where chunk j of slot b starts in the flat block table
+        self._chunk_at = (np.arange(B, dtype=np.int64)[:, None] * pager.max_blocks
+                          + np.arange(J, dtype=np.int64) * self.M)
         self._chunk_ids = np.arange(J, dtype=np.int64)
         self._leave_cols = np.arange(max_leave, dtype=np.int64)
         self._sink = np.array(J, dtype=np.int32)
@@ -235,8 +237,7 @@ class FarView:
             return Staged((None, last), last)
         q = g[hit]                              # max_leave 1: the slots are the leave rows
         first = had[hit]                        # nothing queued: the first new far chunk
-        at = (self._row_at[q] + first * self.M)[:, None] + self._chunk_cols
-        pages = self._bt_flat.take(at)                         # [n, M], committed
+        pages = self._bt_flat.take(self._chunk_at[q, first][:, None] + self._chunk_cols)
         # a trimmed block, or one appended in this frame (a Python min is the cheaper test
         # of a few pages)
         if (min(pages.ravel().tolist()) if q.size < 8 else pages.min()) < 0:
