@@ -184,9 +184,9 @@ class FarView:
         self._lrow = np.arange(L, dtype=np.int64)[:, None]
         self._chunk_cols = np.arange(self.M, dtype=np.int64)
         self._chunk_blocks = np.arange(J)[:, None] * self.M + self._chunk_cols   # [J, M]
-        # where chunk j of slot b starts in the flat block table
-        self._chunk_at = (np.arange(B, dtype=np.int64)[:, None] * pager.max_blocks
-                          + np.arange(J, dtype=np.int64) * self.M)
+        # where the blocks of chunk j of slot b are in the flat block table: [B, J, M]
+        self._page_at = (np.arange(B, dtype=np.int64)[:, None] * pager.max_blocks
+                         + np.arange(J * self.M, dtype=np.int64)).reshape(B, J, self.M)
         self._chunk_ids = np.arange(J, dtype=np.int64)
         self._leave_cols = np.arange(max_leave, dtype=np.int64)
         self._sink = np.array(J, dtype=np.int32)
@@ -237,7 +237,7 @@ class FarView:
             return Staged((None, last), last)
         q = g[hit]                              # max_leave 1: the slots are the leave rows
         first = had[hit]                        # nothing queued: the first new far chunk
-        pages = self._bt_flat.take(self._chunk_at[q, first][:, None] + self._chunk_cols)
+        pages = self._bt_flat.take(self._page_at[q, first])     # [n, M], committed
         # a trimmed block, or one appended in this frame (a Python min is the cheaper test
         # of a few pages)
         if (min(pages.ravel().tolist()) if q.size < 8 else pages.min()) < 0:
@@ -250,7 +250,9 @@ class FarView:
         col = self._sel_key.take(q, axis=1).argmin(axis=2)        # [L, n]: the entry to replace
         frame.write("far_select", (self._lrow, q, col), first, via=self._sel)
         queue, lim, pending = _NONE, None, 0
-        if more.max() > 1:                      # more far chunks than one summary: queued
+        # more far chunks than one summary queue; a session gains at most one far chunk unless
+        # its new tokens spanned several blocks (grown.multi, empty in a decode step)
+        if grown.multi and more.max() > 1:
             more = more[hit]
             queue, lim, pending = q[more > 1], first + more, int(more.sum()) - q.size
         last = {"summaries": int(q.size), "select_rows_changed": int(col.size),
