@@ -72,6 +72,7 @@ host-sync free (compiles once, replays in a CUDA graph).
 from __future__ import annotations
 
 import math
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -168,6 +169,7 @@ class FarView:
         self._sd = np.zeros((2, B), dtype=np.int64)
         self._seen, self._done = self._sd
         self._dropped = np.zeros((B, J), dtype=bool)
+        self._holes: set[int] = set()                 # slots with a dropped chunk
         self._keys: list = [None] * B                 # the session in each slot
         self._queue = _NONE                           # the slots with queued chunks
         self._leave_rows = _NONE                      # far_leave rows the last commit filled
@@ -210,9 +212,10 @@ class FarView:
         block table does not hold); growth, the queue, the leave rows and the selection are
         array ops over all sessions and layers at once. A decode step's commit (growth only,
         nothing queued, no pull to rank, ``max_leave`` 1) takes a short path of about a dozen
-        array ops: one lookup and comparison find the sessions whose next chunk became far,
-        one gather reads their pages, one argmin over every layer's ranking keys finds the
-        entry each new summary replaces, and one write puts it there."""
+        array ops whatever the session count: one lookup and subtraction find the sessions
+        whose next chunk became far, one take of the committed block table reads their pages,
+        one argmin over every layer's ranking keys finds the entry each new summary replaces,
+        and one write puts it there."""
         if self._bt is None:
             tables = self.pager.host_tables
             self._bt = tables["block_table"]
@@ -488,9 +491,11 @@ class FarView:
                 self._keys[b] = key
             if resets:
                 self._dropped[resets] = False
+                self._holes.difference_update(resets)
                 self._sel_key[:, resets] = _EMPTY_KEY
             if dropped:
                 self._dropped[tuple(np.array(dropped).T)] = True
+                self._holes.update(b for b, _ in dropped)
             if keyed is not None and keyed[0] == "rows":
                 self._sel_key[:, keyed[1]] = keyed[2]
             elif keyed is not None:             # after a pull: every entry's key
@@ -516,8 +521,10 @@ class FarView:
 
     def summarized(self, slot: int) -> list[int]:
         """Chunk ids of ``slot`` whose summaries are stored (after the last commit's step)."""
-        ids = self._chunk_ids[: self._done[slot]]
-        return ids[~self._dropped[slot, : ids.size]].tolist()
+        done = int(self._done[slot])
+        if slot not in self._holes:             # nothing dropped: every chunk below done
+            return list(range(done))
+        return self._chunk_ids[:done][~self._dropped[slot, :done]].tolist()
 
     def selection(self, layer: int, slot: int) -> list[int]:
         """Committed far slots of ``slot`` at ``layer`` (chunk ids, -1 empty), in slot order
