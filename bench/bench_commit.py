@@ -11,6 +11,9 @@ the ratios are the result, the absolute times depend on the host.
 - ``+ far view, pull every 8``: the same with ``pull_scores`` every 8 steps (host utilities,
   the engine's default ``far_rerank``), so the commit after each pull ranks the summaries
   again; its mean shows that ranking spread over the steps;
+- ``+ far view, summarized blocks trimmed``: the next frame trims the blocks of each chunk a
+  commit summarized, as the engine's ``kvrm`` does (``far_trim``): those commits carry general
+  edits;
 - ``--far-from REV``: the far view rows again with ``kvops/runtime/far_view.py`` as of git
   revision ``REV`` (a before/after of that file on the same steps).
 
@@ -60,8 +63,9 @@ def far_view_at(rev: str):
 class Config:
     """One pager on the workload; ``step(n)`` runs ``n`` steps and records the commits."""
 
-    def __init__(self, sessions: int, copy_tail: bool, far_cls=None, pull: int = 0):
-        self.sessions, self.pull = sessions, pull
+    def __init__(self, sessions: int, copy_tail: bool, far_cls=None, pull: int = 0,
+                 trim: bool = False):
+        self.sessions, self.pull, self.trim = sessions, pull, trim
         self.pager = Pager(sessions * 300, S, sessions, 512)
         Transport(self.pager, W, S * HKV * D * 2, copy_tail=copy_tail)
         self.far = None
@@ -76,6 +80,7 @@ class Config:
         self.cpu: list[float] = []
         self.summaries = 0
         self.steps = 0
+        self.to_trim: list[tuple[int, range]] = []
 
     def step(self, n: int, record: bool = True) -> None:
         pager, sessions, far = self.pager, self.sessions, self.far
@@ -84,11 +89,18 @@ class Config:
             if self.pull and self.steps % self.pull == 0:
                 far.pull_scores(self.rng.random(far.host_scores.shape, dtype=np.float32))
             f = pager.frame()
+            for key, blocks in self.to_trim:    # the summarized chunks' blocks go back
+                f.trim(key, blocks)
             for s in range(sessions):
                 f.reserve(s, 1)
             c1 = time.thread_time()
             f.commit()
             c2 = time.thread_time()
+            if self.trim:
+                ids, M = pager.host_tables["far_leave_ids"], far.M
+                self.to_trim = [(s, range(int(ids[pager.slot(s)]) * M,
+                                          (int(ids[pager.slot(s)]) + 1) * M))
+                                for s in np.flatnonzero(ids != far.J).tolist()]
             if record:
                 self.cpu.append(c2 - c1)
                 if far is not None:
@@ -99,12 +111,16 @@ def run(sessions: int, rounds: int, block: int, far_from: str | None) -> list[li
     configs = {"copy tail": Config(sessions, True), "write-through": Config(sessions, False),
                "write-through + far view": Config(sessions, False, FarView),
                "write-through + far view, pull every 8": Config(sessions, False, FarView,
-                                                                RERANK)}
+                                                                RERANK),
+               "write-through + far view, summarized blocks trimmed":
+                   Config(sessions, False, FarView, trim=True)}
     if far_from:
         old = far_view_at(far_from)
         configs[f"write-through + far view ({far_from})"] = Config(sessions, False, old)
         configs[f"write-through + far view, pull every 8 ({far_from})"] = \
             Config(sessions, False, old, RERANK)
+        configs[f"write-through + far view, summarized blocks trimmed ({far_from})"] = \
+            Config(sessions, False, old, trim=True)
     order = list(configs.values())
     for c in order:                          # past the first commits' prefill queue
         c.step(100, record=False)

@@ -462,7 +462,7 @@ def test_rank_keys_order_by_utility_then_newer_chunk():
 
 @pytest.mark.parametrize("max_leave", [1, 2])
 def test_selection_matches_a_top_cap_oracle_under_random_steps(max_leave):
-    """Random growth (decode and long appends), trims of far blocks, sessions closed and
+    """Random growth (decode and long appends), trims of far and window blocks, sessions closed and
     opened, pulls of utilities with many ties: after every commit each row holds the top C
     of the slot's summaries by (utility, id), a summary stored since the last pull ranking
     above every pulled one (the host does not know its utility yet; among those, the newer)."""
@@ -483,6 +483,8 @@ def test_selection_matches_a_top_cap_oracle_under_random_steps(max_leave):
                     del fresh[key]
                 elif r < 0.1 and n > W + 2 * CHUNK:              # a far block goes back
                     f.trim(key, [int(rng.integers(0, -(-n // S) - W // S))])
+                elif r < 0.13 and n > 2 * S:                     # a block before the tail
+                    f.trim(key, [int(rng.integers(0, -(-n // S) - 1))])
                 elif n < 30 * S:
                     f.reserve(key, int(rng.choice([1, 1, 1, S, 3 * CHUNK])))
             if len(fresh) < sessions and rng.random() < 0.3:

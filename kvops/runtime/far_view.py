@@ -210,8 +210,10 @@ class FarView:
         writes; the host state to adopt. No loop over sessions or layers: Python work is per
         session with general edits (and per queued chunk one of whose pages the committed
         block table does not hold); growth, the queue, the leave rows and the selection are
-        array ops over all sessions and layers at once. A decode step's commit (growth only,
-        nothing queued, no pull to rank, ``max_leave`` 1) takes a short path of about a dozen
+        array ops over all sessions and layers at once. A decode step's commit (nothing queued,
+        no pull to rank, ``max_leave`` 1, no session opened, closed or given a far chunk by a
+        general edit: growth, and trims such as the engine's of summarized far blocks) takes a
+        short path of about a dozen
         array ops whatever the session count: one lookup and subtraction find the sessions
         whose next chunk became far, one take of the committed block table reads their pages,
         one argmin over every layer's ranking keys finds the entry each new summary replaces,
@@ -221,8 +223,13 @@ class FarView:
             self._bt = tables["block_table"]
             self._bt_flat = self._bt.reshape(-1)
             self._sel = tables["far_select"].reshape(self.layers, self.B, self.C)
-        if deltas or self._queue.size or self._scores_new or self.max_leave != 1:
+        if self._queue.size or self._scores_new or self.max_leave != 1:
             return self._plan_general(frame, deltas, grown)
+        if deltas:                  # the short path holds if no edited session opens, closes
+            seen, far_at = self._seen, self._far_at    # or gains a far chunk (a trim of
+            for d in deltas:                           # summarized far blocks, say)
+                if d.closed or d.new or far_at[d.after_length] != seen[d.slot]:
+                    return self._plan_general(frame, deltas, grown)
         g = grown.slots
         rows = self._leave_rows
         if g.size:
