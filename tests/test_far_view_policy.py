@@ -491,6 +491,8 @@ def test_selection_matches_a_top_cap_oracle_under_random_steps(max_leave):
                 fresh[next_key] = set()
                 f.reserve(next_key, int(rng.integers(1, 12 * S)))
                 next_key += 1
+        for name in ("far_select", "far_leave_pages", "far_leave_ids"):  # the upload's ranges
+            assert np.array_equal(pager.device_tables[name].numpy(), pager.host_tables[name])
         ids = pager.host_tables["far_leave_ids"].reshape(sessions, max_leave)
         for key, new in fresh.items():
             b = pager.slot(key)

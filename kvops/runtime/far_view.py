@@ -458,8 +458,9 @@ class FarView:
             if layers.size:                     # one write for every changed row
                 rows = ranked[which]
                 got = best[layers, which]
-                frame.write("far_select", (layers, rows), (got & 0xFFFFFFFF).astype(np.int32),
-                            via=sel)
+                # by far_select row (layer * B + slot): the upload copies the rows written
+                frame.write("far_select", layers * B + rows,
+                            (got & 0xFFFFFFFF).astype(np.int32))
                 keys[layers, rows] = got
             changed += int(layers.size)
         return changed, keyed
