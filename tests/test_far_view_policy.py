@@ -41,6 +41,11 @@ def commit(pager, far, k, v, grow):
     return {b: [j for j in ids[b].tolist() if j != far.J] for b in range(far.B)}
 
 
+def chosen(far, layer, slot):
+    """The chunk ids ``slot`` shows at ``layer``, ascending (a row's slots are in no order)."""
+    return sorted(j for j in far.selection(layer, slot) if j >= 0)
+
+
 def chunk_mean(cache, pages, j):
     rows = torch.cat([cache[p] for p in pages[j * M:(j + 1) * M]]).double()
     return rows.mean(0)
@@ -92,26 +97,26 @@ def test_selection_is_top_cap_by_utility_and_fresh_chunks_get_in():
     commit(pager, far, k, v, {"a": 10 * S})              # chunks 0..3 far, all fresh
     slot = pager.slot("a")
     # four fresh chunks, cap 2: the newest two win the tie
-    assert far.selection(0, slot) == [2, 3]
+    assert chosen(far, 0, slot) == [2, 3]
     far.host_scores[0, slot, :4] = [0.5, 0.9, 0.1, 0.2]
     far.host_scores[1, slot, :4] = [0.3, 0.3, 0.3, 0.0]
     far.pull_scores(far.host_scores.copy())
     commit(pager, far, k, v, {"a": 1})
-    assert far.selection(0, slot) == [0, 1]
-    assert far.selection(1, slot) == [1, 2]              # ties broken toward the newer chunk
+    assert chosen(far, 0, slot) == [0, 1]
+    assert chosen(far, 1, slot) == [1, 2]              # ties broken toward the newer chunk
     commit(pager, far, k, v, {"a": 2 * S - 1})           # 12 blocks: chunk 4 becomes far
     assert 4 in far.selection(0, slot) and 4 in far.selection(1, slot)
-    assert far.selection(0, slot) == [1, 4]
+    assert chosen(far, 0, slot) == [1, 4]
     assert far.last["select_rows_changed"] == 2
     far.host_scores[:, slot, 4] = 1.0                    # as pull_scores would bring it
     far.pull_scores(far.host_scores.copy())
     commit(pager, far, k, v, {"a": 1})
     assert far.last["select_rows_changed"] == 0          # no change, no edit
-    assert far.selection(1, slot) == [2, 4]
+    assert chosen(far, 1, slot) == [2, 4]
     far.host_scores[0, slot, 4] = 0.0
     far.pull_scores(far.host_scores.copy())
     commit(pager, far, k, v, {"a": 1})
-    assert far.selection(0, slot) == [0, 1]
+    assert chosen(far, 0, slot) == [0, 1]
     # the device table is the committed host table
     dev = pager.device_tables["far_select"].view(LAYERS, far.B, far.C)
     assert dev[0, slot].tolist() == far.selection(0, slot)
@@ -441,3 +446,66 @@ def test_decode_with_far_view_matches_the_block_parallel_evaluation(monkeypatch)
             torch.testing.assert_close(out[0], want[t], atol=1e-5, rtol=1e-5,
                                        msg=lambda m, t=t, b=bias: f"position {t}, bias {b}: {m}")
         assert len(far.summarized(0)) == (T - Wt) // CHUNK
+
+
+def test_rank_keys_order_by_utility_then_newer_chunk():
+    from kvops.runtime.far_view import rank_keys
+
+    u = np.array([-np.inf, -2.0, -1.0, -0.0, 0.0, 1e-30, 0.5, 0.5, 2.0, np.inf], np.float32)
+    ids = np.array([9, 3, 4, 5, 1, 2, 6, 7, 0, 8])
+    key = rank_keys(u, ids)
+    assert np.all(np.diff(key) > 0)
+    assert np.array_equal(key & 0xFFFFFFFF, ids)                 # the id is the low bits
+    assert rank_keys(np.float32([0.5]), np.array([1]))[0] < rank_keys(np.float32([0.5]),
+                                                                       np.array([2]))[0]
+
+
+@pytest.mark.parametrize("max_leave", [1, 2])
+def test_selection_matches_a_top_cap_oracle_under_random_steps(max_leave):
+    """Random growth (decode and long appends), trims of far and window blocks, sessions closed and
+    opened, pulls of utilities with many ties: after every commit each row holds the top C
+    of the slot's summaries by (utility, id), a summary stored since the last pull ranking
+    above every pulled one (the host does not know its utility yet; among those, the newer)."""
+    rng = np.random.default_rng(max_leave)
+    cap, sessions = 3, 4
+    pager = Pager(200, S, max_sessions=sessions, max_blocks=40, device="cpu")
+    far = FarView(pager, window_tokens=W, chunk_tokens=CHUNK, cap=cap, num_layers=LAYERS,
+                  num_kv_heads=HKV, head_dim=D, dtype=torch.float32, max_leave=max_leave)
+    fresh: dict[int, set] = {}                  # session -> chunks stored since the last pull
+    next_key = most = gaps = 0
+    for step in range(160):
+        with pager.frame() as f:
+            for key in list(fresh):
+                n = pager.length(key)
+                r = rng.random()
+                if r < 0.04:                                     # EOS
+                    f.trim(key)
+                    del fresh[key]
+                elif r < 0.1 and n > W + 2 * CHUNK:              # a far block goes back
+                    f.trim(key, [int(rng.integers(0, -(-n // S) - W // S))])
+                elif r < 0.13 and n > 2 * S:                     # a block before the tail
+                    f.trim(key, [int(rng.integers(0, -(-n // S) - 1))])
+                elif n < 30 * S:
+                    f.reserve(key, int(rng.choice([1, 1, 1, S, 3 * CHUNK])))
+            if len(fresh) < sessions and rng.random() < 0.3:
+                fresh[next_key] = set()
+                f.reserve(next_key, int(rng.integers(1, 12 * S)))
+                next_key += 1
+        for name in ("far_select", "far_leave_pages", "far_leave_ids"):  # the upload's ranges
+            assert np.array_equal(pager.device_tables[name].numpy(), pager.host_tables[name])
+        ids = pager.host_tables["far_leave_ids"].reshape(sessions, max_leave)
+        for key, new in fresh.items():
+            b = pager.slot(key)
+            new |= {j for j in ids[b].tolist() if j != far.J}
+            have = far.summarized(b)
+            assert new <= set(have)
+            most = max(most, len(have))
+            gaps += len(have) < (max(have) + 1 if have else 0)    # a dropped chunk
+            for layer in range(LAYERS):
+                util = far.host_scores[layer, b]
+                rank = sorted(have, key=lambda j: (j in new, 0.0 if j in new else util[j], j))
+                assert chosen(far, layer, b) == sorted(rank[-cap:]), (step, layer, key)
+        if step % 5 == 4:                                        # a pull: ties on purpose
+            far.pull_scores(rng.integers(0, 3, far.host_scores.shape).astype(np.float32))
+            fresh = {key: set() for key in fresh}
+    assert most > cap + 2 and gaps and next_key > sessions      # ranked, dropped, reused

@@ -27,11 +27,15 @@ Utility and selection
     received, ``mass_c = sum over query heads of exp(q . k_sum_c * scale + far_bias_c - lse)``,
     and updates that chunk's utility ``u_c <- ema * u_c + (1 - ema) * mass_c`` on the device.
     Chunks not in the view keep their utility. A new summary starts at the largest utility
-    among the session's selected chunks (optimistic, so it gets tried). At every commit the
-    host picks, per layer and session, the ``C`` summarized chunks of highest utility (ties: the
-    newer chunk); a chunk summarized in this very commit is always picked (it has no utility
-    yet). The utilities the host ranks are the ones :meth:`FarView.pull_scores` last copied from
-    the device (one step old when called after each step).
+    among the session's selected chunks (optimistic, so it gets tried). The host keeps, per
+    layer and session, the ``C`` summarized chunks of highest utility (ties: the newer chunk),
+    ranking the utilities :meth:`FarView.pull_scores` last copied from the device (one step old
+    when called after each step; the engine pulls every ``far_rerank`` steps). A chunk
+    summarized since the last pull has no utility on the host yet and ranks above every pulled
+    one (of two such, the newer). Between pulls the ranking cannot change, so a commit only
+    puts each new summary in place of its row's lowest entry (an empty slot first); the first
+    commit after a pull ranks every session with more than ``C`` summaries again. A row's
+    slots are in no particular order (the kernel does not care).
 
 Commits
     The far view is a pager policy (:mod:`kvops.runtime.policy`): its tables
@@ -39,10 +43,14 @@ Commits
     M]`` and ``far_leave_ids [B * max_leave]`` are written inside the step's frame and go up
     with the pager's single upload, so the kernel shapes and the one-commit-per-step rule hold.
     Selection rows are written only where they change. A queued chunk keeps only its id; its
-    pages are read from the frame's view when its summary is due, and a chunk whose blocks were
-    trimmed meanwhile is dropped. The plan returns the next host state (immutable per-slot
-    records); the pager adopts it once the commit is complete, so an aborted frame leaves the
-    far view as it was.
+    pages are read when its summary is due (from the committed block table, or the frame's view
+    for a session the frame edits), and a chunk whose blocks were trimmed meanwhile is dropped.
+    Host state is a few arrays over the slots (chunks far, chunks done, dropped chunks, the
+    ranking key of every committed selection entry), so a commit's work is array ops over all
+    sessions and layers at once, Python only per session with general edits; a decode step's
+    commit takes a short path of about a dozen array ops. The plan returns the next host state
+    without touching the current one; the pager adopts it once the commit is complete, so an
+    aborted frame leaves the far view as it was.
 
 Bias switch
     ``far_bias = log(M * S)`` for a selected slot when ``log_count_bias`` (a summary stands for
@@ -64,7 +72,6 @@ host-sync free (compiles once, replays in a CUDA graph).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -75,19 +82,28 @@ from kvops.runtime.pager import Pager
 from kvops.runtime.policy import Staged
 
 
-@dataclass(frozen=True, slots=True)
-class _Slot:
-    """Host state of one session slot (replaced, never mutated, so a staged commit can hold
-    it): chunks ``[0, seen)`` have become far; ``pending`` chunk ids wait for a summary, in
-    order; ``summarized`` are stored."""
-
-    key: object = None
-    seen: int = 0
-    pending: tuple[int, ...] = ()
-    summarized: tuple[int, ...] = ()
+_NONE = np.zeros(0, dtype=np.int64)
+_NONE.flags.writeable = False
+_FILL = np.array(-1, dtype=np.int32)            # an empty leave page or selection slot
+_FILL.flags.writeable = False
+_EMPTY_KEY = np.iinfo(np.int64).min             # the ranking key of an empty selection slot
+_LOW31 = np.int32(0x7FFFFFFF)
+_CLEARED, _DECODE, _GENERAL = "cleared", "decode", "general"     # kinds of staged state
 
 
-_EMPTY_SLOT = _Slot()
+def rank_keys(utility: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """int64 ranking keys ordered as ``(utility, id)`` (float32 utilities, ids in
+    ``[0, 2**31)``): a higher utility ranks higher, and of equal ones the higher id (the newer
+    chunk); the id is the key's low 32 bits. The float's bits mapped to an order-preserving
+    int32 (negative ones with their magnitude bits flipped), shifted up, plus the id."""
+    bits = np.ascontiguousarray(utility, dtype=np.float32).view(np.int32)
+    key = (bits ^ ((bits >> 31) & _LOW31)).astype(np.int64)
+    key <<= 32
+    key |= ids
+    return key
+
+
+_FRESH = int(rank_keys(np.array([np.inf], dtype=np.float32), np.zeros(1, np.int64))[0])
 
 
 class FarView:
@@ -146,17 +162,37 @@ class FarView:
         self.v_store = torch.zeros(store, dtype=dtype, device=dev)
         self.scores = torch.zeros((num_layers, self.B, self.J + 1), dtype=torch.float32, device=dev)
         self.host_scores = np.zeros((num_layers, self.B, self.J + 1), dtype=np.float32)
-        self._slots = [_EMPTY_SLOT] * self.B
-        # the length at which each slot's next chunk becomes far (a chunk of M blocks is far
-        # once W/S more blocks follow it: length > ((seen + 1) * M + W/S - 1) * S)
-        self._next_len = np.full(self.B, self._first_far(0), dtype=np.int64)
-        self._queued: frozenset[int] = frozenset()           # slots with pending chunks
-        self._many: frozenset[int] = frozenset()              # slots with more than C summaries
-        self._leave_rows: tuple[int, ...] = ()    # far_leave rows the last commit filled
-        self._scores_new = False                  # pull_scores ran since the last commit
+        B, J, L = self.B, self.J, num_layers
+        # host state, one entry per slot: chunks [0, seen) have become far, [0, done) were
+        # summarized or dropped (so [done, seen) are queued, in order; nothing is queued where
+        # they are equal); ``dropped`` marks those with a trimmed block, never summarized
+        self._sd = np.zeros((2, B), dtype=np.int64)
+        self._seen, self._done = self._sd
+        self._dropped = np.zeros((B, J), dtype=bool)
+        self._holes: set[int] = set()                 # slots with a dropped chunk
+        self._keys: list = [None] * B                 # the session in each slot
+        self._queue = _NONE                           # the slots with queued chunks
+        self._leave_rows = _NONE                      # far_leave rows the last commit filled
+        self._scores_new = False                      # pull_scores ran since the last commit
+        # the ranking key (rank_keys) of every committed far_select entry: its pulled utility,
+        # +inf for a summary stored since the last pull (its utility is not on the host yet),
+        # _EMPTY_KEY for an empty slot; so a row's lowest entry is the one a new summary evicts
+        self._sel_key = np.full((L, B, cap), _EMPTY_KEY, dtype=np.int64)
+        self._fresh_key = _FRESH | np.arange(J, dtype=np.int64)
         # far chunks of a session of n tokens (a lookup by length, as the transport's)
         n = np.arange(pager.max_blocks * S + 1, dtype=np.int64)
-        self._far_at = np.clip((-(-n // S) - self.window_pages) // self.M, 0, self.J)
+        self._far_at = np.clip((-(-n // S) - self.window_pages) // self.M, 0, J)
+        # index helpers
+        self._lrow = np.arange(L, dtype=np.int64)[:, None]
+        self._chunk_cols = np.arange(self.M, dtype=np.int64)
+        self._chunk_blocks = np.arange(J)[:, None] * self.M + self._chunk_cols   # [J, M]
+        # where the blocks of chunk j of slot b are in the flat block table: [B, J, M]
+        self._page_at = (np.arange(B, dtype=np.int64)[:, None] * pager.max_blocks
+                         + np.arange(J * self.M, dtype=np.int64)).reshape(B, J, self.M)
+        self._chunk_ids = np.arange(J, dtype=np.int64)
+        self._leave_cols = np.arange(max_leave, dtype=np.int64)
+        self._sink = np.array(J, dtype=np.int32)
+        self._bt = self._sel = self._score_at = None   # host table views, at the first plan
         self.last: dict = {}
         pager.attach(self)
 
@@ -169,142 +205,311 @@ class FarView:
                 "far_leave_pages": ((n, M), -1),
                 "far_leave_ids": ((n,), self.J)}
 
-    def _first_far(self, seen: int) -> int:
-        """Tokens at which chunk ``seen`` becomes far (past the table's length once all ``J``
-        chunks are far)."""
-        if seen >= self.J:
-            return 1 << 62
-        return ((seen + 1) * self.M + self.window_pages - 1) * self.pager.page_size + 1
-
     def plan(self, frame: Frame, deltas: list[SessionDelta], grown: GrownBatch) -> Staged:
         """Policy plan: new far chunks, this commit's summaries and the selection, as table
-        writes; the host state to adopt. Python work is per session with general edits, per
-        session whose far history grows and per summary; the growth batch is three array ops.
-        """
-        M, J, C, B, L = self.M, self.J, self.C, self.B, self.layers
-        slots: dict[int, _Slot] = {}           # touched slots' next state
+        writes; the host state to adopt. No loop over sessions or layers: Python work is per
+        session with general edits (and per queued chunk one of whose pages the committed
+        block table does not hold); growth, the queue, the leave rows and the selection are
+        array ops over all sessions and layers at once. A decode step's commit (nothing queued,
+        no pull to rank, ``max_leave`` 1, no session opened, closed or given a far chunk by a
+        general edit: growth, and trims such as the engine's of summarized far blocks) takes a
+        short path of about a dozen
+        array ops whatever the session count: one lookup and subtraction find the sessions
+        whose next chunk became far, one take of the committed block table reads their pages,
+        one argmin over every layer's ranking keys finds the entry each new summary replaces,
+        and one write puts it there."""
+        if self._bt is None:
+            tables = self.pager.host_tables
+            self._bt = tables["block_table"]
+            self._bt_flat = self._bt.reshape(-1)
+            self._sel = tables["far_select"].reshape(self.layers, self.B, self.C)
+        if self._queue.size or self._scores_new or self.max_leave != 1:
+            return self._plan_general(frame, deltas, grown)
+        if deltas:                  # the short path holds if no edited session opens, closes
+            seen, far_at = self._seen, self._far_at    # or gains a far chunk (a trim of
+            for d in deltas:                           # summarized far blocks, say)
+                if d.closed or d.new or far_at[d.after_length] != seen[d.slot]:
+                    return self._plan_general(frame, deltas, grown)
+        g = grown.slots
+        rows = self._leave_rows
+        if g.size:
+            had = self._seen[g]
+            more = self._far_at[grown.after] - had      # far chunks each session gained
+            hit = more.nonzero()[0]
+        else:
+            hit = _NONE
+        if not hit.size:
+            last = {"summaries": 0, "select_rows_changed": 0, "pending": 0}
+            if rows.size:                       # last commit's rows: nothing to summarize
+                frame.write("far_leave_pages", rows, _FILL)
+                frame.write("far_leave_ids", rows, self._sink)
+                return Staged((_CLEARED, last), last)
+            return Staged((None, last), last)
+        q = g[hit]                              # max_leave 1: the slots are the leave rows
+        first = had[hit]                        # nothing queued: the first new far chunk
+        pages = self._bt_flat.take(self._page_at[q, first])     # [n, M], committed
+        # a trimmed block, or one appended in this frame (a Python min is the cheaper test
+        # of a few pages)
+        if (min(pages.ravel().tolist()) if q.size < 8 else pages.min()) < 0:
+            return self._plan_general(frame, deltas, grown)
+        if rows.size:
+            frame.write("far_leave_pages", rows, _FILL)
+            frame.write("far_leave_ids", rows, self._sink)
+        frame.write("far_leave_pages", q, pages)
+        frame.write("far_leave_ids", q, first)
+        col = self._sel_key.take(q, axis=1).argmin(axis=2)        # [L, n]: the entry to replace
+        frame.write("far_select", (self._lrow, q, col), first, via=self._sel)
+        queue, lim, pending = _NONE, None, 0
+        # more far chunks than one summary queue; a session gains at most one far chunk unless
+        # its new tokens spanned several blocks (grown.multi, empty in a decode step)
+        if grown.multi and more.max() > 1:
+            more = more[hit]
+            queue, lim, pending = q[more > 1], first + more, int(more.sum()) - q.size
+        last = {"summaries": int(q.size), "select_rows_changed": int(col.size),
+                "pending": pending}
+        return Staged((_DECODE, (q, first, lim, col, queue, last)), last)
+
+    def _plan_general(self, frame: Frame, deltas: list[SessionDelta],
+                      grown: GrownBatch) -> Staged:
+        """:meth:`plan` for any commit: general edits, a queue, a pull to rank, ``max_leave``
+        above 1, pages the committed block table does not hold."""
+        sd = self._sd.copy()
+        seen, done = sd
         views: dict[int, SessionDelta] = {}
-        for d in deltas:                       # EOS first: a reused slot starts empty
-            if d.closed:
-                slots[d.slot] = _EMPTY_SLOT
-                continue
-            views[d.slot] = d
-            old = _Slot(d.key) if d.new else slots.get(d.slot, self._slots[d.slot])
-            far = int(self._far_at[d.after_length])
-            if far > old.seen:
-                old = _Slot(d.key, far, old.pending + tuple(range(old.seen, far)),
-                            old.summarized)
-            slots[d.slot] = old
-        if grown.slots.size:                   # growth-only sessions whose far history grew
-            gs, after = grown.slots, grown.after
-            for i in np.flatnonzero(after >= self._next_len[gs]).tolist():
-                b = int(gs[i])
-                old = self._slots[b]
-                far = int(self._far_at[after[i]])
-                slots[b] = _Slot(old.key, far, old.pending + tuple(range(old.seen, far)),
-                                 old.summarized)
-        for b in self._queued:                  # untouched sessions still drain their queue
-            if b not in slots:
-                slots[b] = self._slots[b]
-        # this commit's summaries: each queued chunk's pages as the frame maps them now; a
-        # chunk with a trimmed block is dropped, never summarized
-        rows, pages, ids, fresh = [], [], [], {}
-        for b, st in list(slots.items()):
-            if not st.pending:
-                continue
+        resets: list[int] = []
+        keys: dict[int, object] = {}
+        far_at = self._far_at
+        for d in deltas:                        # EOS first: a reused slot starts empty
+            b = d.slot
+            views.pop(b, None)
+            if d.closed or d.new:
+                seen[b] = done[b] = 0
+                resets.append(b)
+                keys[b] = d.key if d.new else None
+                if d.closed:
+                    continue
+            views[b] = d
+            far = far_at[d.after_length]
+            if far > seen[b]:
+                seen[b] = far
+        g = grown.slots
+        if g.size:                              # growth-only sessions whose far history grew
+            far = far_at[grown.after]
+            hit = (far > seen[g]).nonzero()[0]
+            seen[g[hit]] = far[hit]
+        dropped: list[tuple[int, int]] = []
+        take = self._take(frame, seen, done, views, keys, dropped)
+        last_rows = self._leave_rows
+        if last_rows.size:                      # last commit's rows: nothing to summarize
+            frame.write("far_leave_pages", last_rows, _FILL)
+            frame.write("far_leave_ids", last_rows, self._sink)
+        rows = _NONE
+        if take is not None:
+            rows, _, ids, pages, _, _ = take
+            frame.write("far_leave_pages", rows, pages)
+            frame.write("far_leave_ids", rows, ids)
+        changed, keyed = self._select(frame, done, take, resets, dropped)
+        left = seen - done
+        queue = np.flatnonzero(left)
+        pending = int(left[queue].sum()) if queue.size else 0
+        last = {"summaries": int(rows.size), "select_rows_changed": changed, "pending": pending}
+        return Staged((_GENERAL, (sd, take, resets, keys, dropped, keyed, rows, queue, last)),
+                      last)
+
+    def _take(self, frame: Frame, seen: np.ndarray, done: np.ndarray,
+              views: dict[int, SessionDelta], keys: dict[int, object],
+              dropped: list[tuple[int, int]]):
+        """This commit's summaries, advancing ``done`` in place: every session's next
+        ``max_leave`` queued chunks, their pages as the frame maps them now. A chunk with a
+        trimmed block is dropped (into ``dropped``), never summarized, and the next queued one
+        is tried instead. Pages come from the committed block table in one gather; sessions
+        with general edits in the frame, or with a chunk one of whose pages that table does not
+        hold (trimmed, or appended in this frame), are read from the frame's view, one chunk at
+        a time.
+
+        Returns ``None`` (no summary) or ``(rows, slots, ids, pages, sessions, taken)``: per
+        summary its far_leave row, slot, chunk id and pages ``[n, M]``; per session with a
+        summary its slot and its chunk ids ``[u, max_leave]`` in order (``-1`` padded)."""
+        q = (seen > done).nonzero()[0]
+        if not q.size:
+            return None
+        M, n = self.M, self.max_leave
+        first, lim = done[q], seen[q]
+        ids = first[:, None] + self._leave_cols                   # [q, n]
+        valid = ids < lim[:, None]
+        pages = self._bt[q[:, None, None], self._chunk_blocks[np.minimum(ids, self.J - 1)]]
+        bad = (valid & (pages.min(axis=2) < 0)).any(axis=1)       # pages: [q, n, M]
+        if views:
+            mark = np.zeros(self.B, dtype=bool)
+            mark[list(views)] = True
+            bad |= mark[q]
+        fast = ~bad
+        use = valid & fast[:, None]
+        slots = np.broadcast_to(q[:, None], ids.shape)[use]
+        got_rows = [slots * n + np.broadcast_to(self._leave_cols, ids.shape)[use]]
+        got_slots, got_ids, got_pages = [slots], [ids[use]], [pages[use]]
+        done[q[fast]] = np.minimum(first + n, lim)[fast]
+        sessions, taken = [q[fast]], [np.where(valid, ids, -1)[fast]]
+        for b in q[bad].tolist():               # Python, chunk by chunk, as the frame maps it
             d = views.get(b)
-            take, left = [], list(st.pending)
-            while left and len(take) < self.max_leave:
-                j = left.pop(0)
-                got = ([d.page_after(i) for i in range(j * M, (j + 1) * M)] if d is not None
-                       else frame.block_pages(st.key, j * M, (j + 1) * M))
+            key = keys.get(b, self._keys[b])
+            j, stop, mine = int(done[b]), int(seen[b]), []
+            while j < stop and len(mine) < n:
+                lo, hi = j * M, (j + 1) * M
+                got = ([d.page_after(i) for i in range(lo, hi)] if d is not None
+                       else frame.block_pages(key, lo, hi))
                 if min(got) >= 0:
-                    rows.append(b * self.max_leave + len(take))
-                    pages.append(got)
-                    ids.append(j)
-                    take.append(j)
-            fresh[b] = take
-            slots[b] = _Slot(st.key, st.seen, tuple(left), st.summarized + tuple(take))
-        if rows:
-            at = np.array(rows, dtype=np.int64)
-            frame.write("far_leave_pages", at, np.array(pages, dtype=np.int32))
-            frame.write("far_leave_ids", at, np.array(ids, dtype=np.int32))
-        stale = set(self._leave_rows).difference(rows)
-        if stale:                               # last commit's rows: nothing to summarize
-            at = np.array(sorted(stale), dtype=np.int64)
-            frame.write("far_leave_pages", at, -1)
-            frame.write("far_leave_ids", at, J)
-        # selection, written only where it changes. A session with at most C summaries shows
-        # them all, so its rows change only with its summaries (new ones, or the slot reset);
-        # above C, utilities order them, and they are ranked again when the scores were pulled
-        # since the last commit or their summaries changed: all such sessions together, all
-        # layers at once (padded to the longest list)
-        many = self._many
-        few, rank = [], []
-        for b, st in slots.items():
-            changed = st.summarized != self._slots[b].summarized or st is _EMPTY_SLOT
-            if len(st.summarized) > C:
-                if b not in many:
-                    many = many | {b}
-                if changed:
-                    rank.append(b)
-            else:
-                if b in many:
-                    many = many - {b}
-                if changed:
-                    few.append(b)
-        rank = sorted(many) if self._scores_new else sorted(rank)
-        cols = few + rank
+                    got_rows.append(np.array([b * n + len(mine)]))
+                    got_slots.append(np.array([b]))
+                    got_ids.append(np.array([j]))
+                    got_pages.append(np.array([got], dtype=np.int32))
+                    mine.append(j)
+                else:
+                    dropped.append((b, j))
+                j += 1
+            done[b] = j
+            if mine:
+                sessions.append(np.array([b]))
+                taken.append(np.array([mine + [-1] * (n - len(mine))]))
+        rows = np.concatenate(got_rows).astype(np.int64)
+        if not rows.size:
+            return None
+        return (rows, np.concatenate(got_slots).astype(np.int64),
+                np.concatenate(got_ids).astype(np.int64), np.concatenate(got_pages),
+                np.concatenate(sessions).astype(np.int64), np.concatenate(taken))
+
+    def _select(self, frame: Frame, done: np.ndarray, take, resets: list[int],
+                dropped: list[tuple[int, int]]):
+        """The selection rows of a general commit, as writes; returns the rows changed and
+        the ranking keys to adopt: ``("rows", sessions, keys [L, u, C])`` for the sessions
+        written, or ``("all", keys [L, B, C])`` after a pull.
+
+        A closed or reopened slot shows nothing. Without a pull, a session's rows hold the top
+        ``C`` of its summaries by ranking key, so each new summary (key +inf, above all but
+        newer ones) replaces the row's lowest entry: one argmin over every session and layer
+        a round (one round per summary a session takes in this commit). After a pull, every
+        committed entry's key is computed again from the pulled utilities, and every session
+        with more than ``C`` summaries is ranked again (this commit's summaries first, ties
+        toward the newer chunk), all of them and every layer in one sort of their keys; a row
+        whose entries all rank in the new top ``C`` is kept, the others are written."""
+        L, C, B = self.layers, self.C, self.B
+        sel = self._sel
         changed = 0
-        if cols:
-            want = np.full((L, len(cols), C), -1, dtype=np.int32)
-            for i, b in enumerate(few):                 # every summary fits: all layers alike
-                got = slots[b].summarized
-                want[:, i, : len(got)] = np.sort(got)
-            if rank:
-                # each session's chunks newest first, so a stable sort by utility breaks ties
-                # toward the newer chunk; padding (-1) ranks last, this commit's summaries first
-                lists = [slots.get(b, self._slots[b]).summarized[::-1] for b in rank]
-                n = max(len(x) for x in lists)
-                idm = np.full((len(rank), n), -1, dtype=np.int64)
-                for i, x in enumerate(lists):
-                    idm[i, : len(x)] = x
-                util = self.host_scores[:, np.array(rank)[:, None], np.maximum(idm, 0)]
-                util[:, idm < 0] = -np.inf
-                if any(fresh.get(b) for b in rank):
-                    new = np.zeros(idm.shape, dtype=bool)
-                    for i, b in enumerate(rank):
-                        if fresh.get(b):
-                            got = set(fresh[b])
-                            new[i] = [x in got for x in lists[i]] + [False] * (n - len(lists[i]))
-                    util[:, new] = np.inf
-                order = np.argsort(-util, axis=-1, kind="stable")[..., :C]
-                top = idm[np.arange(len(rank))[:, None], order]       # [L, m, C]
-                want[:, len(few):] = np.sort(top, axis=-1)
-            committed = self.pager.host_tables["far_select"].reshape(L, B, C)
-            layers, which = np.nonzero((committed[:, cols] != want).any(axis=-1))
-            if layers.size:                                # one write for every changed row
-                frame.write("far_select", layers * B + np.asarray(cols)[which],
-                            want[layers, which])
-            changed = int(layers.size)
-        pending = sum(len(st.pending) for st in slots.values())
-        last = {"summaries": len(rows), "select_rows_changed": changed, "pending": pending}
-        return Staged((slots, tuple(rows), many, last), last)
+        at = np.array(resets, dtype=np.int64) if resets else None
+        if resets:
+            wipe = (sel[:, at] >= 0).any(axis=2)                  # [L, r]
+            changed += int(wipe.sum())
+            frame.write("far_select", (slice(None), at), _FILL, via=sel)
+        sessions = taken = None
+        if take is not None:
+            sessions, taken = take[4], take[5]
+        ranked, keys = _NONE, None
+        if self._scores_new:
+            keys = self._keys_of(sel)           # [L, B, C], the committed entries, pulled
+            if resets:
+                keys[:, at] = _EMPTY_KEY
+            summ = (self._chunk_ids < done[:, None]) & ~self._dropped
+            if resets:
+                summ[resets] = False
+            if dropped:
+                summ[tuple(np.array(dropped).T)] = False
+            if take is not None:
+                summ[take[1], take[2]] = True
+            many = summ.sum(axis=1) > C
+            ranked = np.flatnonzero(many)
+            if sessions is not None:            # the rest show every summary they have
+                keep = ~many[sessions]
+                sessions, taken = sessions[keep], taken[keep]
+        keyed = None if keys is None else ("all", keys)
+        if sessions is not None and sessions.size:
+            cur = sel[:, sessions]                                # [L, u, C]
+            kr = (self._sel_key if keys is None else keys)[:, sessions]
+            if resets:
+                gone = np.isin(sessions, resets)
+                cur[:, gone], kr[:, gone] = -1, _EMPTY_KEY
+            idx = np.arange(sessions.size)
+            for r in range(taken.shape[1]):
+                new = taken[:, r]
+                p = idx[new >= 0]
+                if not p.size:
+                    break
+                col = kr[:, p].argmin(axis=2)                     # [L, p]
+                cur[self._lrow, p, col] = new[p]
+                kr[self._lrow, p, col] = self._fresh_key[new[p]]
+            frame.write("far_select", (slice(None), sessions), cur, via=sel)
+            changed += int(cur.shape[0] * sessions.size)
+            if keys is None:
+                keyed = ("rows", sessions, kr)
+            else:
+                keys[:, sessions] = kr
+        if ranked.size:
+            n = int(done[ranked].max())         # every summary's id is below its done
+            key = rank_keys(self.host_scores[:, ranked, :n], self._chunk_ids[:n])  # [L, m, n]
+            if take is not None:
+                pos = np.full(B, -1, dtype=np.int64)
+                pos[ranked] = np.arange(ranked.size)
+                fresh = pos[take[1]] >= 0
+                key[:, pos[take[1]][fresh], take[2][fresh]] = self._fresh_key[take[2][fresh]]
+            np.copyto(key, _EMPTY_KEY, where=~summ[ranked, :n])
+            key.sort(axis=2)
+            best = key[..., n - C:]                               # [L, m, C], the C best
+            # keys are unique, so a row holds the top C iff its lowest entry is among them
+            layers, which = np.nonzero(keys[:, ranked].min(axis=2) < best[..., 0])
+            if layers.size:                     # one write for every changed row
+                rows = ranked[which]
+                got = best[layers, which]
+                # by far_select row (layer * B + slot): the upload copies the rows written
+                frame.write("far_select", layers * B + rows,
+                            (got & 0xFFFFFFFF).astype(np.int32))
+                keys[layers, rows] = got
+            changed += int(layers.size)
+        return changed, keyed
+
+    def _keys_of(self, sel: np.ndarray) -> np.ndarray:
+        """Ranking keys of the selection ``sel [L, B, C]`` from the pulled utilities."""
+        L, B, J = self.layers, self.B, self.J
+        if self._score_at is None:                # flat index of (layer, slot, chunk 0)
+            self._score_at = (np.arange(L * B, dtype=np.int64) * (J + 1)).reshape(L, B, 1)
+        # an empty entry (-1) reads its neighbour; its key is set to empty below
+        key = rank_keys(self.host_scores.reshape(-1).take(self._score_at + sel),
+                        sel.astype(np.int64))
+        np.copyto(key, _EMPTY_KEY, where=sel < 0)
+        return key
 
     def adopt(self, state) -> None:
-        slots, rows, many, last = state
-        queued = self._queued
-        for b, st in slots.items():
-            self._slots[b] = st
-            self._next_len[b] = self._first_far(st.seen)
-            if st.pending:
-                if b not in queued:
-                    queued = queued | {b}
-            elif b in queued:
-                queued = queued - {b}
-        self._queued, self._many = queued, many
-        self._leave_rows, self.last = rows, last
-        self._scores_new = False
+        how, got = state
+        if how is None:                         # nothing changed but the stats
+            self.last = got
+        elif how is _CLEARED:
+            self._leave_rows, self.last = _NONE, got
+        elif how is _DECODE:
+            q, first, lim, col, queue, last = got
+            if lim is None:                     # seen = done: nothing queued
+                self._sd[:, q] = first + 1
+            else:
+                self._seen[q] = lim
+                self._done[q] = first + 1
+            self._sel_key[self._lrow, q, col] = self._fresh_key[first]
+            self._leave_rows, self._queue, self.last = q, queue, last
+        else:
+            sd, take, resets, keys, dropped, keyed, rows, queue, last = got
+            self._sd = sd
+            self._seen, self._done = sd
+            for b, key in keys.items():
+                self._keys[b] = key
+            if resets:
+                self._dropped[resets] = False
+                self._holes.difference_update(resets)
+                self._sel_key[:, resets] = _EMPTY_KEY
+            if dropped:
+                self._dropped[tuple(np.array(dropped).T)] = True
+                self._holes.update(b for b, _ in dropped)
+            if keyed is not None and keyed[0] == "rows":
+                self._sel_key[:, keyed[1]] = keyed[2]
+            elif keyed is not None:             # after a pull: every entry's key
+                self._sel_key = keyed[1]
+            self._leave_rows, self._queue, self.last = rows, queue, last
+            self._scores_new = False
 
     # -- host reads ---------------------------------------------------------------------------
     @property
@@ -312,7 +517,7 @@ class FarView:
         """Whether the last commit queued summaries for :meth:`absorb` (without any, every
         ``far_leave`` row is empty and an absorb changes nothing, so a caller outside a
         captured graph may skip it)."""
-        return bool(self._leave_rows)
+        return bool(self._leave_rows.size)
 
     def pull_scores(self, values=None) -> None:
         """Copy the device utilities to the host (ranked at the next commit); syncs the device.
@@ -324,10 +529,14 @@ class FarView:
 
     def summarized(self, slot: int) -> list[int]:
         """Chunk ids of ``slot`` whose summaries are stored (after the last commit's step)."""
-        return list(self._slots[slot].summarized)
+        done = int(self._done[slot])
+        if slot not in self._holes:             # nothing dropped: every chunk below done
+            return list(range(done))
+        return self._chunk_ids[:done][~self._dropped[slot, :done]].tolist()
 
     def selection(self, layer: int, slot: int) -> list[int]:
-        """Committed far slots of ``slot`` at ``layer`` (chunk ids, -1 empty)."""
+        """Committed far slots of ``slot`` at ``layer`` (chunk ids, -1 empty), in slot order
+        (the order of ``view``'s far slots; the chunks in a row are in no particular order)."""
         return self.pager.host_tables["far_select"][layer * self.B + slot].tolist()
 
     # -- device side (fixed shapes, no host sync) ---------------------------------------------
