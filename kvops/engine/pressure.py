@@ -71,8 +71,8 @@ def _cost(length_scale: float) -> tuple[float, float, float]:
 
 def window_settings(device: torch.device, trace: str, **kw) -> ReplaySettings:
     """Mooncake windows (module doc): on CUDA every request of each 300 s window at full
-    length on the wall clock; on a CPU every 32nd request, prompts x 1/32 and outputs x 1/8,
-    time x 0.1, on the modeled clock with :data:`~kvops.engine.clock.H200_8B` scaled to the
+    length on the wall clock; on a CPU every 64th request, prompts x 1/32 and outputs x 1/8,
+    time x 0.02, on the modeled clock with :data:`~kvops.engine.clock.H200_8B` scaled to the
     lengths (a prompt costs what the full-length prompt would)."""
     if device.type == "cuda":
         base = dict(model="llama3-8b", budget_tokens=131072, max_seqs=64, max_context=16384,
@@ -81,7 +81,7 @@ def window_settings(device: torch.device, trace: str, **kw) -> ReplaySettings:
     else:
         base = dict(model="tiny", budget_tokens=1024, max_seqs=12, max_context=512,
                     max_num_batched_tokens=128, long_prefill_tokens=64, length_scale=1 / 32,
-                    output_scale=4.0, time_scale=0.1, thin=32, clock="model")
+                    output_scale=4.0, time_scale=0.02, thin=64, clock="model")
     base.update(configs=PRESSURE_CONFIGS, kind="mooncake", trace=trace, dtype="bfloat16",
                 prefix_sharing=False, trace_window=0, trace_windows=3, trace_window_s=300.0,
                 max_requests=None)
