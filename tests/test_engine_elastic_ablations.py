@@ -93,7 +93,7 @@ def test_block_modes_of_spans():
 
 
 def test_watermark_demotes_before_any_shortage(model):
-    rows = pressure_rows(6, input_len=192, output_len=32)     # 84 blocks on 96 pages: no shortage
+    rows = pressure_rows(6, input_len=192, output_len=48)     # 90 blocks on 96 pages: no shortage
     plain = serve(model, "elastic", rows)
     assert plain[3]["demotion_batches"] == 0 and plain[3]["preemptions"] == 0
     reqs, kv, engine, m = serve(model, "elastic-watermark", rows)
@@ -169,10 +169,10 @@ def test_step_and_model_clocks_count_the_engine_steps(model):
 
 
 def test_model_clock_replays_are_the_same_on_any_machine(model):
-    rows = [TraceRow(0.01 * i, 100 + 20 * i, 8) for i in range(4)]
-    a = serve(model, "elastic", rows, pages=16, concurrency=None, clock="model",
+    rows = pressure_rows(6, input_len=192, output_len=32, rate=20.0)     # open loop
+    a = serve(model, "elastic", rows, pages=64, concurrency=None, clock="model",
               fidelity={"min_batch": 2})
-    b = serve(model, "elastic", rows, pages=16, concurrency=None, clock="model",
+    b = serve(model, "elastic", rows, pages=64, concurrency=None, clock="model",
               fidelity={"min_batch": 2})
     assert a[3]["demotion_batches"] > 0
     assert [r.token_times for r in a[0]] == [r.token_times for r in b[0]]
