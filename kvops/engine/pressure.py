@@ -12,11 +12,11 @@ Synthetic defaults by device (:func:`sweep_settings`): on a CPU a tiny random Ll
 bfloat16, prompts of 256 and outputs of 64 tokens (the paper's 4096 / 1024 at lengths / 16), a
 budget of 2,048 tokens (128 pages of 16; 6.4 whole contexts), 12 sessions, concurrency 4, 8, 12
 with two requests a client; on CUDA random weights of Llama-3-8B's shape in bfloat16, prompts
-of 2048 and outputs of 512 tokens (the paper's ratio of output to prompt, at half its
-lengths), a 10 GiB budget (81,920 tokens: 32 whole contexts of 2,560), concurrency 8, 24, 40
-with two requests a client (the second wave arrives while the budget is full, the KV-bound
-regime the paper measures: at 40 the clients need 1.25x the budget's whole contexts), 64
-sessions, 4,096 tokens a step, chunks of 2,048.
+of 1024 and outputs of 256 tokens (the paper's 4:1, at a quarter of its lengths), a 5 GiB
+budget (40,960 tokens: 32 whole contexts of 1,280), concurrency 8, 24, 40 with four requests
+a client (later waves arrive while the budget is full: the KV-bound regime the paper
+measures; at 40 the clients need 1.25x the budget's whole contexts), 64 sessions, 4,096 tokens
+a step, chunks of 2,048.
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ def sweep_settings(device: torch.device, trace: str | None = None, **kw) -> tupl
         return window_settings(device, trace, **kw), "window"
     axis = "rate" if trace else "concurrency"
     if device.type == "cuda":
-        base = dict(model="llama3-8b", budget_tokens=81920, max_seqs=64, max_context=8192,
-                    max_num_batched_tokens=4096, long_prefill_tokens=2048, input_len=2048,
-                    output_len=512, output_scale=1.0, length_scale=1.0, max_requests=None)
+        base = dict(model="llama3-8b", budget_tokens=40960, max_seqs=64, max_context=8192,
+                    max_num_batched_tokens=4096, long_prefill_tokens=2048, input_len=1024,
+                    output_len=256, output_scale=1.0, length_scale=1.0, max_requests=None)
         if trace:
             base.update(max_requests=100)
     else:
@@ -112,7 +112,7 @@ def run_sweep(settings: ReplaySettings, axis: str, points, requests_per_client: 
     """Every point of the sweep through every configuration; returns ``{"settings", "axis",
     "points": [{"x", "results": {config: metrics}, "steps": {config: [records]}}], "model",
     "device_name", "dtype", "budget_bytes"}``. ``requests_per_client``: requests at a
-    concurrency point = clients x this (default 2)."""
+    concurrency point = clients x this (default 4 on CUDA, 2 on a CPU)."""
     if axis not in ("concurrency", "rate", "window"):
         raise ValueError(f"axis: expected 'concurrency', 'rate' or 'window', got {axis!r}")
     points = list(points)
@@ -124,7 +124,7 @@ def run_sweep(settings: ReplaySettings, axis: str, points, requests_per_client: 
         raise ValueError(f"points: expected positive numbers, got {points!r}")
     device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     settings = dataclasses.replace(settings, device=str(device))
-    per = requests_per_client or 2
+    per = requests_per_client or (4 if device.type == "cuda" else 2)
     model = load_model(settings.model, device, replay_dtype(settings, device))
     out = {"settings": dataclasses.asdict(settings), "axis": axis, "points": []}
     for x in points:
