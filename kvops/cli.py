@@ -18,11 +18,13 @@ def _replay_parser(sub) -> None:
                         "or of --rate (a ShareGPT --trace) through elastic,paged,offload,reserve")
     p.add_argument("--configs", default=None,
                    help="comma-separated: static, pager, pager+merge, kvrm, paged, elastic, "
-                        "offload, reserve (default static,paged,kvrm; --mode elastic: "
-                        "elastic,paged,offload,reserve)")
+                        "elastic-watermark, elastic-eager-promote, elastic-no-promote, "
+                        "elastic-general, offload, reserve (default static,paged,kvrm; --mode "
+                        "elastic: elastic,paged,offload,reserve)")
     p.add_argument("--sweep", default=None,
-                   help="--mode elastic: comma-separated concurrency values (synthetic) or "
-                        "request rates (ShareGPT); default by device")
+                   help="--mode elastic: comma-separated concurrency values (synthetic), "
+                        "request rates (ShareGPT) or window indices (a Mooncake --trace: 0,1,2 "
+                        "= windows A, B, C); default by device")
     p.add_argument("--requests-per-client", type=int, default=None,
                    help="--mode elastic synthetic: requests a point = concurrency x this")
     p.add_argument("--concurrency", type=int, default=None,
@@ -33,6 +35,16 @@ def _replay_parser(sub) -> None:
     p.add_argument("--output-len", type=int, default=None, help="--mode elastic synthetic output")
     p.add_argument("--output-scale", type=float, default=None,
                    help="--mode elastic synthetic: multiply output lengths")
+    p.add_argument("--ablations", action="store_true",
+                   help="--mode elastic: also run ElasticKV's ablations (elastic-watermark, "
+                        "elastic-eager-promote, elastic-no-promote, elastic-general)")
+    p.add_argument("--clock", choices=["wall", "model"], default=None,
+                   help="the engine's driving clock: wall time, or modeled step costs (the "
+                        "same replay on every machine; kvops/engine/clock.py)")
+    p.add_argument("--step-cost", default=None, metavar="A,B,C",
+                   help="modeled step cost in seconds: A a step + B a token + C a KV token")
+    p.add_argument("--thin", type=int, default=None,
+                   help="--mode elastic Mooncake windows: every THIN-th request")
     p.add_argument("--fidelity", default=None, metavar="K=V,...",
                    help="elastic: Fidelity's settings, e.g. reserve_decay=0 (eager promotion), "
                         "max_promote=0 (no promotion), min_batch=32, protect_recent=4, "
@@ -42,7 +54,9 @@ def _replay_parser(sub) -> None:
     p.add_argument("--model", choices=["smollm2", "smollm2-random", "llama3-8b", "tiny"], default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16")
-    p.add_argument("--time-scale", type=float, default=None, help="multiply arrival times")
+    p.add_argument("--time-scale", type=float, default=None,
+                   help="multiply arrival times (the Mooncake windows' dilation: larger is "
+                        "lighter)")
     p.add_argument("--length-scale", type=float, default=None, help="multiply lengths")
     p.add_argument("--max-requests", type=int, default=None)
     p.add_argument("--window-s", type=float, default=None,
@@ -109,9 +123,18 @@ def _settings_kw(args, device) -> dict:
         "window_s", "rate",
         "arrival", "cv", "budget_gib", "max_seqs", "max_context", "window", "far_cap",
         "far_chunk", "far_rerank", "max_num_batched_tokens", "long_prefill_tokens", "preemption",
-        "concurrency", "budget_tokens", "input_len", "output_len", "output_scale")}
+        "concurrency", "budget_tokens", "input_len", "output_len", "output_scale", "clock",
+        "thin")}
     if args.configs:
         kw["configs"] = tuple(c.strip() for c in args.configs.split(",") if c.strip())
+    if args.step_cost:
+        from kvops.engine.clock import StepCost
+
+        try:
+            c = StepCost.parse(args.step_cost)
+        except ValueError as exc:
+            raise SystemExit(f"--{exc}".replace("--step_cost", "--step-cost")) from None
+        kw["step_cost"] = (c.a, c.b, c.c)
     kw["device"] = str(device)
     kw["graphs"] = False if args.no_graphs else None
     kw["fidelity"] = parse_fidelity(args.fidelity)
@@ -127,6 +150,11 @@ def elastic(args) -> int:
     trace = kw.pop("trace")
     kw.pop("device")
     settings, axis = sweep_settings(device, trace, **kw)
+    if args.ablations:
+        from kvops.engine.pressure import ABLATION_CONFIGS
+
+        settings.configs = tuple(settings.configs) + tuple(
+            c for c in ABLATION_CONFIGS if c not in settings.configs)
     if args.sweep:
         try:
             points = [float(x) for x in args.sweep.split(",") if x.strip()]
@@ -141,8 +169,9 @@ def elastic(args) -> int:
     print(table)
     if args.record:
         print(f"(recorded: {record(args.record, result, table)})")
+    figs = "window_<A..>.png" if axis == "window" else "pressure_ttft.png"
     print(f"(written: {args.out}/pressure.json, pressure.md"
-          f"{'' if args.no_figures else ', pressure_ttft.png'})")
+          f"{'' if args.no_figures else ', ' + figs})")
     return 0
 
 

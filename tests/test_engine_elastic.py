@@ -190,7 +190,7 @@ def test_replay_mode_elastic_writes_table_json_and_figure(tmp_path, capsys):
     assert rc == 0
     text = capsys.readouterr().out
     assert "| concurrency | config |" in text and "| 2 | elastic | 2/2 | 0 |" in text
-    assert "elastic preemptions" in text.splitlines()[-6]
+    assert any(line.startswith("| elastic preemptions | 0 |") for line in text.splitlines())
     data = __import__("json").loads((out / "pressure.json").read_text())
     assert [p["x"] for p in data["points"]] == [2.0]
     assert set(data["points"][0]["results"]) == {"elastic", "paged"}

@@ -14,6 +14,9 @@ how one KV budget in bytes becomes each configuration's KV manager.
 - ``elastic``: ``paged`` with ElasticKV's Fidelity policy over every layer's K and V pool:
   demotion to BASE on shortage before any preemption, promotion back when pages are spare,
   decode through ``elastic_attention``'s span path (float16 or bfloat16 KV; no prefix sharing).
+- ``elastic-watermark``, ``elastic-eager-promote``, ``elastic-no-promote``,
+  ``elastic-general``: ElasticKV's ablations (its Table 3), ``elastic`` with one mechanism
+  changed (:data:`kvops.engine.elastic_kv.ABLATIONS`).
 - ``offload``: ``paged`` whose preemption swaps the request's K/V to host memory and back
   (ElasticKV's Exact-offload baseline).
 - ``reserve``: ``paged`` with worst-case reservation (prompt + every output) at admission;
@@ -32,13 +35,20 @@ from dataclasses import dataclass
 
 import torch
 
-from kvops.engine.elastic_kv import ElasticKV
+from kvops.engine.elastic_kv import ELASTIC_CONFIGS, ElasticKV, elastic_arguments
 from kvops.engine.kv import PagedKV, StaticKV
 from kvops.engine.offload_kv import OffloadKV
 from kvops.engine.reserve_kv import ReserveKV
 
-CONFIGS = ("static", "pager", "pager+merge", "kvrm", "paged", "elastic", "offload", "reserve")
-PAGES_ONLY = {"paged": PagedKV, "elastic": ElasticKV, "offload": OffloadKV, "reserve": ReserveKV}
+CONFIGS = ("static", "pager", "pager+merge", "kvrm", "paged", *ELASTIC_CONFIGS, "offload",
+           "reserve")
+PAGES_ONLY = {"paged": PagedKV, **dict.fromkeys(ELASTIC_CONFIGS, ElasticKV), "offload": OffloadKV,
+              "reserve": ReserveKV}
+
+
+def is_elastic(name: str) -> bool:
+    """``elastic`` or one of its ablations."""
+    return name in ELASTIC_CONFIGS
 
 
 @dataclass
@@ -56,7 +66,7 @@ class KVBudget:
 def make_kv(name: str, budget: KVBudget, model_cfg, dtype: torch.dtype, device: torch.device,
             prefix_sharing: bool = True, fidelity: dict | None = None):
     """The KV manager of configuration ``name`` on ``budget``; ``fidelity``: keyword arguments
-    of ``elastic``'s :class:`~kvops.runtime.Fidelity` (and ``demote``)."""
+    of ``elastic``'s (and its ablations') :class:`~kvops.runtime.Fidelity` (and ``demote``)."""
     if name not in CONFIGS:
         raise ValueError(f"config: expected one of {', '.join(CONFIGS)}, got {name!r}")
     S = budget.page_size
@@ -79,12 +89,10 @@ def make_kv(name: str, budget: KVBudget, model_cfg, dtype: torch.dtype, device: 
                          f"({arena} bytes for {budget.max_seqs} x {window} tokens)")
     kw = dict(num_pages=int(pages), page_size=S, max_sessions=budget.max_seqs,
               max_blocks=max_context // S, prefix_sharing=prefix_sharing, **geo)
-    if fidelity is not None and name != "elastic":
-        raise ValueError(f"fidelity: only the elastic configuration takes it, got config {name!r}")
-    if name == "elastic":
-        fidelity = dict(fidelity or {})
-        demote = fidelity.pop("demote", True)
-        return ElasticKV(fidelity=fidelity, demote=demote, **kw)
+    if fidelity is not None and not is_elastic(name):
+        raise ValueError(f"fidelity: only the elastic configurations take it, got config {name!r}")
+    if is_elastic(name):
+        return ElasticKV(**elastic_arguments(name, fidelity), **kw)
     if name in PAGES_ONLY:
         return PAGES_ONLY[name](**kw)
     page_bytes = S * model_cfg.n_kv_heads * model_cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
@@ -98,5 +106,7 @@ def make_kv(name: str, budget: KVBudget, model_cfg, dtype: torch.dtype, device: 
 
 
 def decode_kind(name: str) -> str:
-    return {"static": "static", "paged": "paged", "offload": "paged", "reserve": "paged",
-            "elastic": "elastic"}.get(name, "arena")
+    if is_elastic(name):
+        return "elastic"
+    return {"static": "static", "paged": "paged", "offload": "paged", "reserve": "paged"
+            }.get(name, "arena")

@@ -19,12 +19,29 @@ Which blocks may be BASE
     A request's BASE blocks are therefore those of its decode phase; it goes back to prefill
     only after a preemption, which ends its session.
 
+Ablations (ElasticKV's Table 3; :data:`ABLATIONS`, configurations ``elastic-<name>``), each
+changing one mechanism and nothing else:
+
+- ``watermark``: demotion whenever the free pages left after the step's reserves would fall
+  under a fixed watermark (``watermark`` x the pool's pages, 1/8 by default), instead of only
+  on a shortage: the step passes ``need + watermark`` to ``Fidelity.step``, which then demotes
+  at least ``min_batch`` pairs (a shortage is also under the watermark, so it still demotes
+  there; promotion then keeps the watermark free too).
+- ``eager-promote``: the decaying reserve is zero at every step (``Fidelity.reserve`` set to 0
+  before each step), so promotion spends every spare page at once, pages just freed by a
+  demotion included; its other checks (spare pages, ``headroom``, ``max_promote``) stay.
+- ``no-promote``: ``max_promote = 0``: a BASE pair stays BASE until its request ends.
+- ``general``: mixed batches decode through ``elastic_attention``'s general path (a block
+  mode table built from the spans, :func:`kvops.engine.runner.block_modes`) instead of the
+  structured one; TARGET-only batches keep the native path.
+
 Not supported here: prefix sharing (a BASE page is mapped by one session only, and cached
 prefixes would need promotion before every alias); ``make_kv`` turns it off for ``elastic``.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -34,13 +51,46 @@ from kvops.engine.request import Request
 from kvops.runtime import Fidelity
 
 
+ABLATIONS = {
+    "watermark": {"watermark": 0.125},
+    "eager-promote": {"eager": True},
+    "no-promote": {"fidelity": {"max_promote": 0}},
+    "general": {"general": True},
+}
+"""ElasticKV's ablations (module doc): configuration ``elastic-<name>`` is ``elastic`` with
+these :class:`ElasticKV` arguments."""
+
+ELASTIC_CONFIGS = ("elastic", *(f"elastic-{n}" for n in ABLATIONS))
+
+
+def elastic_arguments(name: str, fidelity: dict | None = None) -> dict:
+    """:class:`ElasticKV`'s keyword arguments for configuration ``name`` (``elastic`` or an
+    ablation) with the caller's Fidelity settings ``fidelity`` (and ``demote``) under the
+    ablation's (the ablation's mechanism wins)."""
+    if name not in ELASTIC_CONFIGS:
+        raise ValueError(f"config: expected one of {', '.join(ELASTIC_CONFIGS)}, got {name!r}")
+    fid = dict(fidelity or {})
+    out = {"demote": fid.pop("demote", True)}
+    abl = ABLATIONS.get(name.removeprefix("elastic-"), {}) if name != "elastic" else {}
+    fid.update(abl.get("fidelity", {}))
+    out.update({k: v for k, v in abl.items() if k != "fidelity"}, fidelity=fid)
+    return out
+
+
 class ElasticKV(PagedKV):
     """:class:`PagedKV` (pages only, no prefix sharing) plus a :class:`Fidelity` over its
     pools; ``fidelity`` holds Fidelity's keyword arguments (``codec``, ``min_batch``,
     ``protect_first``, ``protect_recent``, ``reserve_decay``, ``headroom``, ``max_promote``,
-    ``host_pairs``, ``host_ahead``) and ``demote=False`` keeps every block TARGET (the policy still runs)."""
+    ``host_pairs``, ``host_ahead``) and ``demote=False`` keeps every block TARGET (the policy
+    still runs). The ablations' switches (module doc): ``watermark`` (a fraction of the pool's
+    pages in [0, 1); 0: demotion on shortage only), ``eager`` (reserve 0 every step) and
+    ``general`` (the general decode path for mixed batches)."""
 
-    def __init__(self, *, fidelity: dict | None = None, demote: bool = True, **kw):
+    def __init__(self, *, fidelity: dict | None = None, demote: bool = True,
+                 watermark: float = 0.0, eager: bool = False, general: bool = False, **kw):
+        if not isinstance(watermark, (int, float)) or not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark: expected a fraction of the pool's pages in [0, 1), "
+                             f"got {watermark!r}")
         dtype = kw["dtype"]
         if dtype not in (torch.float16, torch.bfloat16):
             raise TypeError(f"dtype: the elastic configuration's BASE form needs a float16 or "
@@ -64,6 +114,8 @@ class ElasticKV(PagedKV):
         if cuda:
             self.fid.drain()
         self.demote = demote
+        self.watermark_pages = math.ceil(watermark * self.pager.num_pages)
+        self.eager, self.general = bool(eager), bool(general)
         self.base_touched: set[int] = set()      # rids that had a BASE block at some commit
         self._live: dict[str, Request] = {}
         self.last_fidelity: dict = {"demoted": 0, "promoted": 0, "settled": 0, "fid_s": 0.0}
@@ -89,17 +141,22 @@ class ElasticKV(PagedKV):
         return min(pairs, self.fid.host_free)
 
     def admission_margin(self, reqs: list[Request], computed: int | None = None) -> int:
-        """Half a page for every block ``reqs`` still add to reach their whole context (a
-        grown block pair demotes into one page) and one a request still growing (its protected
-        tail and an odd block stay TARGET), so the admitted requests can finish at BASE cost
-        without a preemption."""
+        """Pages for ``reqs`` to reach their whole context at BASE cost, so the admitted
+        requests can finish without a preemption: a page for every prompt block still to be
+        computed (it stays TARGET while the prefill reads it), half a page for every later
+        block (a grown block pair demotes into one page) and one a request still growing (its
+        protected tail and an odd block stay TARGET)."""
         if not self.demote:
             return 0
-        S = self.S
-        grow = [max(_blocks(r.max_tokens, S)
-                    - _blocks(r.num_computed if computed is None else computed, S), 0)
-                for r in reqs]
-        return sum(-(-g // 2) + 1 for g in grow if g)
+        S, margin = self.S, 0
+        for r in reqs:
+            have = _blocks(r.num_computed if computed is None else computed, S)
+            prompt, whole = _blocks(len(r.prompt), S), _blocks(r.max_tokens, S)
+            full = max(prompt - have, 0)
+            rest = max(whole - max(have, prompt), 0)
+            if full or rest:
+                margin += full + -(-rest // 2) + 1
+        return margin
 
     # -- the frame -------------------------------------------------------------------------------
     def _open(self, f, req, src, hit, n):
@@ -110,8 +167,10 @@ class ElasticKV(PagedKV):
         need = self.fid.need(f, [(r.key, n) for r, n in reserves])
         exclude = {k for k, r in self._live.items() if self.prefilling(r)}
         t0 = time.perf_counter()
+        if self.eager:
+            self.fid.reserve = 0.0                  # eager promotion: no protected reserve
         if self.demote:
-            got = self.fid.step(f, need=need, exclude=exclude)
+            got = self.fid.step(f, need=need + self.watermark_pages, exclude=exclude)
         else:                                       # never short: promotions only (none)
             got = self.fid.step(f, need=0)
         fid_s = time.perf_counter() - t0

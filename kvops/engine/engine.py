@@ -7,15 +7,19 @@
         next_tokens = runner.run(plan.items())          (prefill chunks, then decodes)
         append tokens; finished requests end            (their trims go into the next frame)
 
-The clock is wall time since the replay started; while nothing is in flight it jumps to the
-next arrival (no request waits then, so no latency changes).
+The driving clock (``clock``) is wall time since the replay started (``"wall"``) or modeled
+time (``"model"``: the sum of :class:`~kvops.engine.clock.StepCost` over the steps so far,
+the same on every machine); while nothing is in flight it jumps to the next arrival (no
+request waits then, so no latency changes). Every token is also stamped on the other clock
+and with its step (:mod:`kvops.engine.clock`).
 """
 
 from __future__ import annotations
 
 import time
 
-from kvops.engine.metrics import StepRecord, summarize
+from kvops.engine.clock import H200_8B, StepCost, check_clock
+from kvops.engine.metrics import EFF_TBT_S, EFF_TTFT_S, StepRecord, summarize
 from kvops.engine.request import Request, Status
 from kvops.engine.runner import ModelRunner
 from kvops.engine.scheduler import Scheduler, SchedulerConfig
@@ -23,16 +27,34 @@ from kvops.engine.scheduler import Scheduler, SchedulerConfig
 
 class Engine:
     def __init__(self, model, kv, decode: str, sched: SchedulerConfig | None = None, *,
-                 graphs: bool | None = None):
+                 graphs: bool | None = None, clock: str = "wall",
+                 step_cost: StepCost | None = None):
         self.model, self.kv = model, kv
+        self.clock = check_clock(clock)
+        self.step_cost = StepCost.parse(step_cost) if step_cost is not None else H200_8B
+        self.model_t = 0.0                  # modeled seconds of the steps so far
+        self.eff = (EFF_TTFT_S, EFF_TBT_S)  # Eff@300's thresholds (s)
         self.scheduler = Scheduler(sched or SchedulerConfig(), kv)
         self.runner = ModelRunner(model, kv, decode, graphs=graphs)
         self.steps: list[StepRecord] = []
         self._t0 = time.perf_counter()
         self._skip = 0.0
 
+    def wall(self) -> float:
+        """Wall seconds since the replay started (with the idle jumps under the wall clock)."""
+        return time.perf_counter() - self._t0 + (self._skip if self.clock == "wall" else 0.0)
+
     def now(self) -> float:
+        """The driving clock."""
+        if self.clock == "model":
+            return self.model_t + self._skip
         return time.perf_counter() - self._t0 + self._skip
+
+    def arrive(self, req: Request) -> None:
+        """Stamp ``req``'s arrival on every clock (the engine takes it in now)."""
+        req.arrival_step = len(self.steps)
+        req.arrival_wall = req.arrival if self.clock == "wall" else self.wall()
+        req.arrival_model = req.arrival if self.clock == "model" else self.model_t
 
     def step(self) -> StepRecord:
         sched, kv = self.scheduler, self.kv
@@ -44,13 +66,20 @@ class Engine:
         items = [it for it in plan.items() if it[0] not in kv.deferred]
         nxt = self.runner.run(items) if items else {}
         self.produced = len(nxt)
-        now = self.now()
+        tokens = sum(n for _, _, n in items)
+        kv_tokens = sum(start + n for _, start, n in items)
+        cost = self.step_cost.of(tokens, kv_tokens)
+        self.model_t += cost
+        now, wall, index = self.now(), self.wall(), len(self.steps) + 1
         for req, start, n in items:
             req.num_computed = start + n
             tok = nxt.get(req)
             if tok is not None:
                 req.output.append(tok)
                 req.token_times.append(now)
+                req.token_walls.append(wall)
+                req.token_model.append(self.model_t)
+                req.token_steps.append(index)
                 if req.done:
                     req.status, req.finish_time = Status.FINISHED, now
                     sched.finish(req)
@@ -67,7 +96,8 @@ class Engine:
         rec = StepRecord(
             t=now, step_s=time.perf_counter() - t0, schedule_s=t1 - t0, commit_s=t2 - t1,
             running=len(sched.running), waiting=len(sched.waiting),
-            tokens=sum(n for _, _, n in items), decodes=sum(n == 1 for _, _, n in items),
+            tokens=tokens, decodes=sum(n == 1 for _, _, n in items), kv_tokens=kv_tokens,
+            model_s=cost, path=self.runner.last_path if items else "",
             reserved_bytes=kv.reserved_bytes(), used_bytes=used, groups=d["groups"],
             moving_sessions=d["sessions"], train_bytes=d["bytes"], far_groups=d["far_groups"],
             preempted=len(plan.preempted), **el)
@@ -90,7 +120,7 @@ class Engine:
             raise ValueError(f"concurrency: expected an int >= 1 or None, got {concurrency!r}")
         pending = sorted(requests, key=lambda r: (r.arrival, r.rid))
         sched, i = self.scheduler, 0
-        self._t0, self._skip = time.perf_counter(), 0.0
+        self._t0, self._skip, self.model_t = time.perf_counter(), 0.0, 0.0
         while i < len(pending) or sched.waiting or sched.running:
             now = self.now()
             while i < len(pending) and pending[i].arrival <= now:
@@ -98,6 +128,7 @@ class Engine:
                     if len(sched.waiting) + len(sched.running) >= concurrency:
                         break
                     pending[i].arrival = now
+                self.arrive(pending[i])
                 sched.add(pending[i])
                 i += 1
             if not sched.waiting and not sched.running:
@@ -114,6 +145,7 @@ class Engine:
                  "recaptures": self.runner.captures - len(self.runner.buckets_used)
                  if self.runner.graphs else 0,
                  "decode_buckets": sorted(self.runner.buckets_used),
+                 "decode_paths": dict(self.runner.paths), "clock": self.clock,
                  "kv_free_pages_end": self.kv.free_pages() if self.kv.kind == "paged" else None,
                  "cached_prefix_sessions_end": self.kv.cached_sessions()}
         if getattr(self.kv, "swaps", False):
@@ -123,4 +155,4 @@ class Engine:
             extra.update(base_requests=len(self.kv.base_touched),
                          promoted_pairs=self.kv.fid.stats["promoted"],
                          demoted_pairs=self.kv.fid.stats["demoted"])
-        return summarize(requests, self.steps, extra)
+        return summarize(requests, self.steps, extra, eff=self.eff)

@@ -9,6 +9,17 @@ copy-on-write copies), running and waiting requests, reserved and used KV bytes,
 (the transport's copy trains and the far view's summaries) and the sessions that moved pages;
 for ``elastic`` the fidelity policy's BASE blocks, exposure, demotions, promotions and host time
 (:func:`fidelity_metrics`).
+
+Clocks (:mod:`kvops.engine.clock`): ``ttft_ms`` and the rest above are on the engine's driving
+clock; ``clocks`` holds TTFT and TPOT on each clock: ``wall`` and ``model`` in milliseconds,
+``steps`` in engine steps (TTFT: steps from the request's arrival to the step of its first
+token, inclusive; TPOT: steps between its first and last token a token), beside Eff@300 on the
+wall and modeled clocks.
+
+Eff@300 (ElasticKV C.3.2, the Mooncake effective-request ratio): the share of a replay's
+requests that finish with TTFT under 30 s and a TBT under 300 ms, TBT being the mean of the
+slowest 10 % (at least one) of the request's inter-token gaps (:func:`tbt`); a request with
+one output token has no gap (TBT 0); one that does not finish is not effective.
 """
 
 from __future__ import annotations
@@ -37,6 +48,9 @@ class StepRecord:
     train_bytes: int         # one of K or V, one layer
     far_groups: int
     preempted: int = 0       # requests preempted in the step
+    kv_tokens: int = 0       # context the step's tokens attend to (sum of start + n)
+    model_s: float = 0.0     # the step's modeled cost (kvops.engine.clock.StepCost)
+    path: str = ""           # decode attention: native | span | general ("" without decodes)
     # elastic: the fidelity policy after the step's commit
     base_blocks: int = 0     # BASE blocks mapped
     exposure: float = 0.0    # BASE blocks / live blocks
@@ -46,8 +60,8 @@ class StepRecord:
     fidelity_s: float = 0.0  # host time of Fidelity.step (plan, demotion packs, promotion issue)
 
 
-def _stats(values) -> dict:
-    a = np.asarray(values, dtype=np.float64) * 1e3
+def _stats(values, unit: float = 1e3) -> dict:
+    a = np.asarray(values, dtype=np.float64) * unit
     if a.size == 0:
         return {"mean": float("nan"), "median": float("nan"), "p90": float("nan"),
                 "p99": float("nan"), "n": 0}
@@ -56,7 +70,73 @@ def _stats(values) -> dict:
             "n": int(a.size)}
 
 
-def summarize(requests: list[Request], steps: list[StepRecord], extra: dict | None = None) -> dict:
+EFF_TTFT_S, EFF_TBT_S = 30.0, 0.3
+
+
+def tbt(times) -> float:
+    """Mean of the slowest 10 % (at least one) of the gaps between consecutive token times;
+    0 without a gap."""
+    gaps = np.diff(np.asarray(times, dtype=np.float64))
+    if gaps.size == 0:
+        return 0.0
+    k = max(1, int(np.ceil(0.1 * gaps.size)))
+    return float(np.sort(gaps)[-k:].mean())
+
+
+def effective(arrival: float, times, ttft_s: float = EFF_TTFT_S, tbt_s: float = EFF_TBT_S) -> bool:
+    """A finished request's Eff@300 test: TTFT under ``ttft_s`` and :func:`tbt` under ``tbt_s``."""
+    return len(times) > 0 and times[0] - arrival < ttft_s and tbt(times) < tbt_s
+
+
+def eff_ratio(requests: list[Request], clock: str = "engine", ttft_s: float = EFF_TTFT_S,
+              tbt_s: float = EFF_TBT_S) -> float:
+    """Eff@300 of ``requests`` (effective / all) on ``clock``: ``"engine"`` (the driving
+    clock), ``"wall"`` or ``"model"``."""
+    if not requests:
+        return float("nan")
+    ok = 0
+    for r in requests:
+        if r.status is not Status.FINISHED:
+            continue
+        a, t = _times(r, clock)
+        ok += t is not None and effective(a, t, ttft_s, tbt_s)
+    return ok / len(requests)
+
+
+def _times(r: Request, clock: str):
+    """``(arrival, token times)`` of ``r`` on ``clock``; times None where this process did
+    not stamp that clock (a tensor-parallel follower stamps its engine clock only)."""
+    a, t = {"engine": (r.arrival, r.token_times), "wall": (r.arrival_wall, r.token_walls),
+            "model": (r.arrival_model, r.token_model),
+            "steps": (r.arrival_step, r.token_steps)}[clock]
+    return a, (t if len(t) == len(r.token_times) else None)
+
+
+def clock_metrics(done: list[Request], eff: tuple[float, float] = (EFF_TTFT_S, EFF_TBT_S),
+                  total: int | None = None) -> dict:
+    """TTFT and TPOT of the finished requests on each clock (ms; steps for ``steps``) and
+    Eff@300 on the wall and modeled clocks over ``total`` requests (default: ``done``)."""
+    out = {}
+    total = len(done) if total is None else total
+    for clock in ("wall", "model", "steps"):
+        ttft, tpot, ok = [], [], 0
+        for r in done:
+            a, t = _times(r, clock)
+            if t is None or not t:
+                continue
+            ttft.append(t[0] - a)
+            if len(t) > 1:
+                tpot.append((t[-1] - t[0]) / (len(t) - 1))
+            ok += effective(a, t, *eff)
+        unit = 1.0 if clock == "steps" else 1e3
+        out[clock] = {"ttft": _stats(ttft, unit), "tpot": _stats(tpot, unit)}
+        if clock != "steps":
+            out[clock]["eff"] = ok / total if total else float("nan")
+    return out
+
+
+def summarize(requests: list[Request], steps: list[StepRecord], extra: dict | None = None,
+              eff: tuple[float, float] = (EFF_TTFT_S, EFF_TBT_S)) -> dict:
     done = [r for r in requests if r.status is Status.FINISHED]
     ttft = [r.token_times[0] - r.arrival for r in done]
     tpot = [(r.token_times[-1] - r.token_times[0]) / (len(r.output) - 1)
@@ -91,6 +171,10 @@ def summarize(requests: list[Request], steps: list[StepRecord], extra: dict | No
         "preemptions": sum(r.preemptions for r in requests),
         "prefix_hit_tokens": sum(r.prefix_hit for r in requests),
         "control_ms_per_step": float(control.mean() * 1e3),
+        "eff": eff_ratio(requests, "engine", *eff), "eff_thresholds_s": list(eff),
+        "clocks": clock_metrics(done, eff, total=len(requests)),
+        "model_s": float(sum(s.model_s for s in steps)),
+        "waiting_mean": float(np.mean([s.waiting for s in steps])) if steps else 0.0,
         **fidelity_metrics(steps),
     }
     res.update(extra or {})

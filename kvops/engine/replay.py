@@ -14,13 +14,14 @@ from pathlib import Path
 
 import torch
 
-from kvops.engine.configs import CONFIGS, KVBudget, decode_kind, make_kv
+from kvops.engine.clock import StepCost, check_clock
+from kvops.engine.configs import CONFIGS, KVBudget, decode_kind, is_elastic, make_kv
 from kvops.engine.engine import Engine
-from kvops.engine.metrics import steps_as_dict
+from kvops.engine.metrics import effective, steps_as_dict, tbt
 from kvops.engine.request import Request, Status
 from kvops.engine.runner import bucket_of
 from kvops.engine.scheduler import SchedulerConfig
-from kvops.engine.traces import build_requests, load_rows, pressure_rows
+from kvops.engine.traces import build_requests, load_rows, pressure_rows, trace_windows
 
 MODELS = ("smollm2", "smollm2-random", "llama3-8b", "tiny")
 
@@ -97,6 +98,14 @@ class ReplaySettings:
     output_len: int = 1024               #   length_scale, outputs also x output_scale)
     output_scale: float = 1.0
     fidelity: dict | None = None         # elastic: Fidelity's keyword arguments
+    clock: str = "wall"                  # the engine's driving clock: wall | model
+    step_cost: tuple[float, float, float] | None = None   # model clock (a, b, c) s; None: H200_8B
+    trace_window: int | None = None      # mooncake: replay window i of trace_windows (None: all)
+    trace_windows: int = 3               #   windows, temporally separated
+    trace_window_s: float = 300.0        #   seconds a window
+    thin: int = 1                        #   every thin-th request of the window
+    eff_ttft_s: float = 30.0             # Eff@300: TTFT under this
+    eff_tbt_s: float = 0.3               #   and the slowest-10 % gap mean under this
 
     @classmethod
     def for_device(cls, dev: torch.device, **kw) -> ReplaySettings:
@@ -122,6 +131,19 @@ def _requests(s: ReplaySettings, vocab: int, max_seq_len: int) -> list[Request]:
         rows = pressure_rows(s.max_requests or 64, input_len=s.input_len,
                              output_len=s.output_len, output_scale=s.output_scale,
                              rate=None if s.concurrency else s.rate, seed=s.seed)
+    elif s.trace_window is not None:
+        if not isinstance(s.thin, int) or s.thin < 1:
+            raise ValueError(f"thin: expected an int >= 1, got {s.thin!r}")
+        rows = load_rows(s.trace, kind="mooncake")
+        windows = trace_windows(rows, s.trace_windows, s.trace_window_s)
+        if not 0 <= s.trace_window < len(windows):
+            raise ValueError(f"trace_window: expected 0..{len(windows) - 1}, got "
+                             f"{s.trace_window!r}")
+        rows = windows[s.trace_window][::s.thin]
+        # long prompts are clipped to the replay's context rather than refused
+        return build_requests(rows, vocab, time_scale=s.time_scale, length_scale=s.length_scale,
+                              output_scale=s.output_scale, max_requests=s.max_requests,
+                              max_context=min(s.max_context, max_seq_len), seed=s.seed)
     else:
         rows = load_rows(s.trace, kind=s.kind, window_s=s.window_s,
                          num_requests=s.max_requests or 64, rate=s.rate, arrival=s.arrival,
@@ -158,6 +180,7 @@ def _warmup(engine: Engine, vocab: int, max_context: int) -> None:
                 runner._replay(bk)
             b += 1
     engine.steps.clear()
+    runner.paths.clear()
     engine.kv.prefix_hit_tokens = 0
     engine.kv.reset_counters()
     runner.buckets_used.clear()
@@ -169,7 +192,7 @@ def replay_dtype(settings: ReplaySettings, device: torch.device) -> torch.dtype:
     a 16-bit cache), float32 otherwise."""
     if settings.dtype:
         return getattr(torch, settings.dtype)
-    if device.type == "cuda" or "elastic" in settings.configs:
+    if device.type == "cuda" or any(is_elastic(c) for c in settings.configs):
         return torch.bfloat16
     return torch.float32
 
@@ -184,6 +207,11 @@ def run(settings: ReplaySettings, progress: bool = True, tp=None, model=None) ->
     for c in settings.configs:
         if c not in CONFIGS:
             raise ValueError(f"configs: expected names from {', '.join(CONFIGS)}, got {c!r}")
+    check_clock(settings.clock)
+    step_cost = StepCost.parse(settings.step_cost) if settings.step_cost is not None else None
+    if tp is not None and settings.clock != "wall":
+        raise ValueError(f"clock: tensor-parallel replays run on the wall clock, got "
+                         f"{settings.clock!r}")
     device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if tp is not None:
         device = tp.device
@@ -221,9 +249,13 @@ def run(settings: ReplaySettings, progress: bool = True, tp=None, model=None) ->
     for name in settings.configs:
         kv = make_kv(name, budget if tp is None else tp.kv_budget(budget), cfg, dtype, device,
                      prefix_sharing=settings.prefix_sharing,
-                     fidelity=settings.fidelity if name == "elastic" else None)
-        make = Engine if tp is None else tp.engine
-        engine = make(model, kv, decode_kind(name), sched, graphs=settings.graphs)
+                     fidelity=settings.fidelity if is_elastic(name) else None)
+        if tp is None:
+            engine = Engine(model, kv, decode_kind(name), sched, graphs=settings.graphs,
+                            clock=settings.clock, step_cost=step_cost)
+        else:
+            engine = tp.engine(model, kv, decode_kind(name), sched, graphs=settings.graphs)
+        engine.eff = (settings.eff_ttft_s, settings.eff_tbt_s)
         _warmup(engine, cfg.vocab_size, budget.max_context)
         reqs = _requests(settings, cfg.vocab_size, cfg.max_seq_len)
         bar = None
@@ -255,6 +287,10 @@ def run(settings: ReplaySettings, progress: bool = True, tp=None, model=None) ->
              "ttft": r.token_times[0] - r.arrival if r.token_times else None,
              "tpot": ((r.token_times[-1] - r.token_times[0]) / (len(r.output) - 1)
                       if len(r.output) > 1 else None),
+             "ttft_steps": (r.token_steps[0] - r.arrival_step) if r.token_steps else None,
+             "tbt": tbt(r.token_times),
+             "effective": r.status is Status.FINISHED and effective(r.arrival, r.token_times,
+                                                                    *engine.eff),
              "preemptions": r.preemptions, "prefix_hit": r.prefix_hit,
              "status": r.status.value} for r in reqs]
         del engine, kv

@@ -6,7 +6,8 @@ traces, one ``hash_id`` per 512-token block of its prompt (equal ids are an equa
 request ``n`` tokens starting there, and when those reach the end of ``prompt + output`` the
 step's logits give the next token. Decode is the case ``n = 1``; preemption by recompute sets
 ``num_computed`` back to 0, so the next prefill runs over the prompt and the tokens generated
-so far, as vLLM does.
+so far, as vLLM does. Token times are kept on three clocks (wall, modeled, engine steps:
+:mod:`kvops.engine.clock`); ``arrival`` and ``token_times`` are the engine's driving clock.
 """
 
 from __future__ import annotations
@@ -46,8 +47,16 @@ class Request:
     prefix_hit: int = 0                  # tokens aliased from another session at admission
     preemptions: int = 0
     error: str | None = None
-    token_times: list[float] = field(default_factory=list)   # wall time of each output token
+    token_times: list[float] = field(default_factory=list)   # each output token, engine clock
     finish_time: float | None = None
+    # the same on every clock (kvops.engine.clock): at arrival (when the engine took the
+    # request in) and at each output token
+    arrival_wall: float = 0.0
+    arrival_model: float = 0.0
+    arrival_step: int = 0                # engine steps done before it arrived
+    token_walls: list[float] = field(default_factory=list)
+    token_model: list[float] = field(default_factory=list)
+    token_steps: list[int] = field(default_factory=list)    # the step (1-based) of each token
 
     def __post_init__(self):
         if not self.prompt:

@@ -14,7 +14,9 @@ A step runs, in order:
    takes the first slots' far rows),
    with the configuration's decode attention: ``elastic_attention`` over block tables
    (``paged``, ``offload``, ``reserve``; ``elastic`` adds the BASE span table, so BASE blocks
-   decode in place), ``static_sliding_attention`` over the worst-case arena (``static``) or over the
+   decode in place on the structured path, or with ``kv.general`` a block-mode table made
+   from the spans on the device, the general path, for mixed batches: the
+   ``elastic-general`` ablation), ``static_sliding_attention`` over the worst-case arena (``static``) or over the
    window arena (``pager``, ``pager+merge``, ``kvrm``, with the far slots). On CUDA each bucket's
    decode step is captured once in a CUDA graph and replayed; captures are counted.
 5. ``kvrm``: every ``rerank_every`` steps, the far view's utilities to the host
@@ -26,6 +28,8 @@ position ``-1``: they write nothing and their logits are not read.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import numpy as np
 import torch
@@ -47,6 +51,16 @@ def bucket_of(rows: int, max_rows: int) -> int:
 
 
 DECODE_KINDS = ("paged", "elastic", "static", "arena")
+
+
+def block_modes(span: torch.Tensor, blocks: int) -> torch.Tensor:
+    """``elastic_attention``'s general-path table ``int8 [B, blocks]`` (0 TARGET, 1 half 0,
+    2 half 1) of the structured spans ``int32 [B, 2]``: block ``j`` of ``[first, end)`` is in
+    half ``(j - first) % 2`` of its page. Device ops only (capturable)."""
+    j = torch.arange(blocks, device=span.device, dtype=torch.int32)[None, :]
+    first, end = span[:, :1], span[:, 1:]
+    inside = (j >= first) & (j < end)
+    return torch.where(inside, 1 + (j - first) % 2, 0).to(torch.int8)
 
 
 class ModelRunner:
@@ -80,6 +94,8 @@ class ModelRunner:
         self.captures = 0
         self.steps = 0
         self.buckets_used: set[int] = set()
+        self.paths: Counter = Counter()        # decode steps by attention path
+        self.last_path = ""
 
     # -- slot arithmetic --------------------------------------------------------------------------
     def _slots(self, req, start: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -102,6 +118,7 @@ class ModelRunner:
         """Compute ``items`` ``(request, start, n)``; returns ``{request: next token}`` for
         the requests whose tokens reach the end of what they have."""
         kv = self.kv
+        self.last_path = ""
         if kv.transport is not None:
             t = kv.tables()
             for i in range(kv.layers):
@@ -185,6 +202,17 @@ class ModelRunner:
             W = kv.window
             arena_map = torch.where(valid, self._rows[:bk] * W + pos % W, none)
 
+        mixed = {}
+        if self.decode == "elastic":
+            # a captured step takes the BASE table always (one graph a bucket); eager steps
+            # take the native path while nothing is BASE
+            span = kv.fid.attention_kwargs(always=self.graphs).get("base_span")
+            if span is not None and getattr(kv, "general", False):
+                mixed = {"block_mode": block_modes(span[:bk], t["block_table"].shape[1])}
+            elif span is not None:
+                mixed = {"base_span": span[:bk]}
+        self.last_path = ("general" if "block_mode" in mixed else "span" if mixed else "native")
+
         def attend(i, q, k, v):
             torch.ops.kvops.paged_kv_write(k, v, kv.k_pool[i], kv.v_pool[i], slot_map)
             if self.write_arena:
@@ -195,12 +223,9 @@ class ModelRunner:
                     q, kv.k_pool[i], kv.v_pool[i], t["block_table"][:bk], t["seq_lens"][:bk])
                 return o
             if self.decode == "elastic":
-                # a captured step takes the span table always (one graph a bucket); eager
-                # steps take the native path while nothing is BASE
-                span = kv.fid.attention_kwargs(always=self.graphs).get("base_span")
                 o, _ = torch.ops.kvops.elastic_attention(
                     q, kv.k_pool[i], kv.v_pool[i], t["block_table"][:bk], t["seq_lens"][:bk],
-                    base_span=None if span is None else span[:bk])
+                    **mixed)
                 return o
             ka, va = kv.k_arena[i][:bk], kv.v_arena[i][:bk]
             ws, wl = t["win_start"][:bk], t["win_len"][:bk]
@@ -228,6 +253,10 @@ class ModelRunner:
         self._tok[:bk].copy_(dev[0])
         self._pos[:bk].copy_(dev[1])
         nxt = self._replay(bk) if self.graphs else self._decode_forward(bk)
+        if self.graphs:                     # the captured path: BASE tables always
+            self.last_path = "native" if self.decode != "elastic" else (
+                "general" if getattr(self.kv, "general", False) else "span")
+        self.paths[self.last_path] += 1
         nxt = nxt.tolist()
         return {req: nxt[s] for (req, _, _), s in zip(items, slots)}
 

@@ -91,6 +91,36 @@ def read_mooncake(path: str | Path) -> list[TraceRow]:
     return out
 
 
+def trace_windows(rows: list[TraceRow], count: int = 3,
+                  seconds: float = 300.0) -> list[list[TraceRow]]:
+    """``count`` temporally separated windows of ``seconds`` of a trace sorted by arrival
+    (ElasticKV's Mooncake replay: three 300 s windows): their starts evenly spaced from the
+    first arrival to the last arrival minus ``seconds`` (the first window opens the trace, the
+    last closes it), each the rows arriving in ``[start, start + seconds)``, in order, with
+    arrivals relative to the start. Raises ``ValueError`` when the trace is too short for
+    ``count`` windows that do not overlap."""
+    if not isinstance(count, int) or count < 1 or not seconds > 0:
+        raise ValueError(f"count, seconds: expected an int >= 1 and seconds > 0, got {count!r}, "
+                         f"{seconds!r}")
+    if not rows:
+        raise ValueError("rows: expected a trace, got no rows")
+    t = np.array([r.arrival for r in rows])
+    if np.any(np.diff(t) < 0):
+        raise ValueError("rows: expected rows sorted by arrival")
+    span = t[-1] - t[0]
+    if count > 1 and span < count * seconds:
+        raise ValueError(f"rows: the trace spans {span:.1f} s, too short for {count} separate "
+                         f"windows of {seconds:g} s")
+    starts = [t[0] + (span - seconds) * k / (count - 1) for k in range(count)] if count > 1 \
+        else [t[0]]
+    out = []
+    for start in starts:
+        i, j = np.searchsorted(t, start, "left"), np.searchsorted(t, start + seconds, "left")
+        out.append([TraceRow(float(r.arrival - start), r.input_len, r.output_len, r.hash_ids)
+                    for r in rows[i:j]])
+    return out
+
+
 def read_sharegpt(path: str | Path, num_requests: int, rate: float, *, arrival: str = "poisson",
                   cv: float = 1.0, seed: int = 0) -> list[TraceRow]:
     """Lengths sampled from a ShareGPT stats CSV (``num_prefill_tokens,num_decode_tokens``)
@@ -140,19 +170,21 @@ def _block_tokens(hash_id: int, n: int, vocab: int, seed: int) -> list[int]:
 
 
 def build_requests(rows: list[TraceRow], vocab: int, *, time_scale: float = 1.0,
-                   length_scale: float = 1.0, max_requests: int | None = None,
-                   max_context: int | None = None, seed: int = 0) -> list[Request]:
+                   length_scale: float = 1.0, output_scale: float = 1.0,
+                   max_requests: int | None = None, max_context: int | None = None,
+                   seed: int = 0) -> list[Request]:
     """Requests with synthetic prompt tokens for ``rows``. ``max_context`` clips a prompt so
     that prompt + output fit (longer traces than the model's positions); hash ids are kept
-    only for the blocks that remain whole or are the clipped prompt's last."""
-    if time_scale <= 0 or length_scale <= 0:
-        raise ValueError(f"time_scale and length_scale: expected > 0, got {time_scale}, "
-                         f"{length_scale}")
+    only for the blocks that remain whole or are the clipped prompt's last. Outputs are also
+    multiplied by ``output_scale``."""
+    if time_scale <= 0 or length_scale <= 0 or output_scale <= 0:
+        raise ValueError(f"time_scale, length_scale and output_scale: expected > 0, got "
+                         f"{time_scale}, {length_scale}, {output_scale}")
     rows = rows[:max_requests] if max_requests else rows
     block = max(1, round(HASH_BLOCK * length_scale))
     out = []
     for rid, r in enumerate(rows):
-        n_out = max(1, round(r.output_len * length_scale))
+        n_out = max(1, round(r.output_len * length_scale * output_scale))
         n_in = max(1, round(r.input_len * length_scale))
         if max_context is not None:
             n_out = min(n_out, max_context // 2)
