@@ -1,4 +1,5 @@
-"""``python -m kvops``: the main job, ``kvops replay`` on the shipped synthetic burst (see
+"""``python -m kvops``: the main job, ``kvops replay`` on the shipped synthetic burst and one
+ElasticKV pressure comparison at CPU scale (see
 :mod:`kvops.cli`); ``python -m kvops demo`` (or ``kvops-demo``) runs the attention-stack demo:
 
 1. The attention-stack demo (``kvops.demo``): a Llama-shaped decoder with random weights whose

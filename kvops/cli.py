@@ -1,6 +1,7 @@
 """The ``kvops`` command (and ``python -m kvops``): ``kvops replay`` (trace replay through the
-engine's configurations, the main job, also what a bare ``kvops`` runs), ``kvops generate``
-(greedy text from SmolLM2 through the engine) and ``kvops demo`` (the attention-stack demo)."""
+engine's configurations), ``kvops generate`` (greedy text from SmolLM2 through the engine) and
+``kvops demo`` (the attention-stack demo). A bare ``kvops`` runs the main job: the replay of
+the shipped burst, then one ElasticKV pressure comparison at CPU scale (:data:`PRESSURE_POINT`)."""
 
 from __future__ import annotations
 
@@ -276,8 +277,22 @@ def generate(args) -> int:
     return 0
 
 
+# The main job's pressure comparison: the CPU sweep's top point (tiny random Llama, prompts of
+# 256 and outputs of 64 tokens on 128 pages of 16) through elastic and the two target-only
+# managers that preempt, on the modeled clock so that the numbers do not depend on the machine;
+# about 15 s on a CPU, on the CPU on any machine.
+PRESSURE_POINT = ["--mode", "elastic", "--sweep", "12", "--configs", "elastic,paged,offload",
+                  "--clock", "model", "--device", "cpu"]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:                              # the main job
+        rc = main(["replay"])
+        if rc == 0:
+            print("\nElasticKV under KV pressure, at CPU scale (kvops replay --mode elastic):")
+            rc = main(["replay", *PRESSURE_POINT, "--out", "replay-out/pressure"])
+        return rc
     if argv[:1] == ["demo"]:
         from kvops.__main__ import demo_main
 

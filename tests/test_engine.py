@@ -266,3 +266,18 @@ def test_kvrm_with_shared_prefixes_and_far_trims(model):
     reqs, kv, m = serve(model, rows, "kvrm", window=32, max_context=192)
     assert m["finished"] == 8 and all(len(r.output) == r.output_len for r in reqs)
     assert m["prefix_hit_tokens"] > 0 and kv.free_pages() == kv.total_pages
+
+
+def test_bare_kvops_runs_the_replay_then_one_pressure_comparison(monkeypatch, tmp_path):
+    from kvops import cli
+
+    seen = []
+    monkeypatch.setattr(cli, "replay", lambda args: seen.append(args) or 0)
+    assert cli.main([]) == 0
+    first, second = seen
+    assert first.mode == "replay" and first.configs is None         # the replay's defaults
+    assert second.mode == "elastic" and second.clock == "model" and second.device == "cpu"
+    assert second.configs == "elastic,paged,offload" and second.out == "replay-out/pressure"
+    seen.clear()
+    monkeypatch.setattr(cli, "replay", lambda args: seen.append(args) or 3)
+    assert cli.main([]) == 3 and len(seen) == 1                     # a failed replay stops it
