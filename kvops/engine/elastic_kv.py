@@ -50,7 +50,6 @@ from kvops.engine.kv import PagedKV, _blocks
 from kvops.engine.request import Request
 from kvops.runtime import Fidelity
 
-
 ABLATIONS = {
     "watermark": {"watermark": 0.125},
     "eager-promote": {"eager": True},

@@ -16,9 +16,10 @@ A step runs, in order:
    (``paged``, ``offload``, ``reserve``; ``elastic`` adds the BASE span table, so BASE blocks
    decode in place on the structured path, or with ``kv.general`` a block-mode table made
    from the spans on the device, the general path, for mixed batches: the
-   ``elastic-general`` ablation), ``static_sliding_attention`` over the worst-case arena (``static``) or over the
-   window arena (``pager``, ``pager+merge``, ``kvrm``, with the far slots). On CUDA each bucket's
-   decode step is captured once in a CUDA graph and replayed; captures are counted.
+   ``elastic-general`` ablation), ``static_sliding_attention`` over the worst-case arena
+   (``static``) or over the window arena (``pager``, ``pager+merge``, ``kvrm``, with the far
+   slots). On CUDA each bucket's decode step is captured once in a CUDA graph and replayed;
+   captures are counted.
 5. ``kvrm``: every ``rerank_every`` steps, the far view's utilities to the host
    (``FarView.pull_scores``), so the next commit ranks the sessions' summaries again; between
    pulls a commit only places new summaries.

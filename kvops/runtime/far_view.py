@@ -81,7 +81,6 @@ from kvops.runtime.frame import Frame, GrownBatch, SessionDelta
 from kvops.runtime.pager import Pager
 from kvops.runtime.policy import Staged
 
-
 _NONE = np.zeros(0, dtype=np.int64)
 _NONE.flags.writeable = False
 _FILL = np.array(-1, dtype=np.int32)            # an empty leave page or selection slot
@@ -392,7 +391,7 @@ class FarView:
         with more than ``C`` summaries is ranked again (this commit's summaries first, ties
         toward the newer chunk), all of them and every layer in one sort of their keys; a row
         whose entries all rank in the new top ``C`` is kept, the others are written."""
-        L, C, B = self.layers, self.C, self.B
+        C, B = self.C, self.B
         sel = self._sel
         changed = 0
         at = np.array(resets, dtype=np.int64) if resets else None
