@@ -32,11 +32,11 @@ def model():
     return random_llama(CFG, dtype=DT, std=0.5)
 
 
-def serve(model, config, rows, *, pages=96, concurrency=8, fidelity=None):
+def serve(model, config, rows, *, pages=96, concurrency=8, fidelity=None, clock="wall"):
     reqs = build_requests(rows, CFG.vocab_size)
     kv = make_kv(config, KVBudget(bytes=pages * S * TOKEN_BYTES, max_seqs=8, max_context=256),
                  CFG, DT, torch.device("cpu"), fidelity=fidelity)
-    engine = Engine(model, kv, decode_kind(config), SchedulerConfig(128, 8, 64))
+    engine = Engine(model, kv, decode_kind(config), SchedulerConfig(128, 8, 64), clock=clock)
     m = engine.replay(reqs, concurrency=concurrency)
     return reqs, kv, engine, m
 

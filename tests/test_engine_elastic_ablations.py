@@ -13,35 +13,18 @@ import torch
 
 from kvops.engine import Engine, KVBudget, SchedulerConfig, make_kv
 from kvops.engine.clock import H200_8B, StepCost
-from kvops.engine.configs import decode_kind
 from kvops.engine.metrics import eff_ratio, effective, tbt
 from kvops.engine.request import Request, Status
 from kvops.engine.runner import block_modes
 from kvops.engine.traces import TraceRow, build_requests, pressure_rows, trace_windows
-from kvops.models.config import LlamaConfig
-from kvops.models.paged import random_llama
+from tests import test_engine_elastic as harness
 
-CFG = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
-                  hidden_dim=128, max_seq_len=1024)
-DT = torch.bfloat16
-TOKEN_BYTES = 2 * CFG.n_layers * CFG.n_kv_heads * CFG.head_dim * 2
-S = 16
+# the tiny model, the budget's units and the serve helper of the elastic engine tests
+CFG, DT, S, TOKEN_BYTES, serve = (harness.CFG, harness.DT, harness.S, harness.TOKEN_BYTES,
+                                  harness.serve)
+model = harness.model          # the same module-scoped fixture
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def model():
-    return random_llama(CFG, dtype=DT, std=0.5)
-
-
-def serve(model, config, rows, *, pages=96, concurrency=8, fidelity=None, clock="wall"):
-    reqs = build_requests(rows, CFG.vocab_size)
-    kv = make_kv(config, KVBudget(bytes=pages * S * TOKEN_BYTES, max_seqs=8, max_context=256),
-                 CFG, DT, torch.device("cpu"), fidelity=fidelity)
-    engine = Engine(model, kv, decode_kind(config), SchedulerConfig(128, 8, 64), clock=clock)
-    m = engine.replay(reqs, concurrency=concurrency)
-    return reqs, kv, engine, m
 
 
 # 10 requests of 192 + 32 tokens (14 blocks), 8 in flight: 112 blocks of context on 96 pages
