@@ -2,7 +2,7 @@
 # One check-and-benchmark pass on a GPU machine, as the device tool runs it: each part under its
 # own time cap, its log in $OUT/<part>.log, every results file it records copied to $OUT, and a
 # short table of the parts last. Parts are named on the command line (default: all, in order):
-#   bench/gpu_pass.sh tests fidelity farret elastic engine tp transformers
+#   bench/gpu_pass.sh tests fidelity farret elastic engine tp transformers elastic_ablations
 set -u
 OUT=${OUT:-/tmp/gpu-pass}
 mkdir -p "$OUT"
@@ -38,9 +38,14 @@ engine() {
     part engine 130 python3 -m kvops replay --configs static,pager,pager+merge,kvrm,paged \
         --max-requests 40 --record engine-table5-synthetic-8b --out "$OUT/engine" --no-progress --no-figures
 }
-elastic() {
-    part elastic 200 python3 -m kvops replay --mode elastic --record elastic-pressure-8b \
+elastic() {     # the KV-bound sweep (about 5 minutes, docs/elastickv.md)
+    part elastic 480 python3 -m kvops replay --mode elastic --record elastic-pressure-8b-kvbound \
         --out "$OUT/elastic" --no-progress
+}
+elastic_ablations() {
+    part elastic-ablations 300 python3 -m kvops replay --mode elastic --sweep 40 \
+        --configs elastic,elastic-watermark,elastic-eager-promote,elastic-no-promote,elastic-general \
+        --record elastic-ablations-8b --out "$OUT/elastic-ablations" --no-progress
 }
 tp() {
     part tp 80 python3 -m bench.bench_tp --configs static,pager+merge,paged
