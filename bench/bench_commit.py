@@ -10,7 +10,8 @@ the ratios are the result, the absolute times depend on the host.
 - ``+ far view``: a FarView (32 layers, chunks of 8 pages, cap 8) too, no pulls of utilities;
 - ``+ far view, pull every 8``: the same with ``pull_scores`` every 8 steps (host utilities,
   the engine's default ``far_rerank``), so the commit after each pull ranks the summaries
-  again; its mean shows that ranking spread over the steps;
+  again; its mean shows that ranking spread over the steps, and the column "after a pull"
+  the p50 of those commits alone;
 - ``+ far view, summarized blocks trimmed``: the next frame trims the blocks of each chunk a
   commit summarized, as the engine's ``kvrm`` does (``far_trim``): those commits carry general
   edits;
@@ -78,6 +79,7 @@ class Config:
             for s in range(sessions):
                 f.reserve(s, 1000 + (s * 97) % 3000)
         self.cpu: list[float] = []
+        self.after_pull: list[bool] = []
         self.summaries = 0
         self.steps = 0
         self.to_trim: list[tuple[int, range]] = []
@@ -86,7 +88,8 @@ class Config:
         pager, sessions, far = self.pager, self.sessions, self.far
         for _ in range(n):
             self.steps += 1
-            if self.pull and self.steps % self.pull == 0:
+            pulled = bool(self.pull) and self.steps % self.pull == 0
+            if pulled:
                 far.pull_scores(self.rng.random(far.host_scores.shape, dtype=np.float32))
             f = pager.frame()
             for key, blocks in self.to_trim:    # the summarized chunks' blocks go back
@@ -103,6 +106,7 @@ class Config:
                                 for s in np.flatnonzero(ids != far.J).tolist()]
             if record:
                 self.cpu.append(c2 - c1)
+                self.after_pull.append(pulled)
                 if far is not None:
                     self.summaries += far.last.get("summaries", 0)
 
@@ -133,8 +137,11 @@ def run(sessions: int, rounds: int, block: int, far_from: str | None) -> list[li
     for name, c in configs.items():
         us = np.array(c.cpu) * 1e6
         p50 = float(np.median(us))
+        pulled = np.array(c.after_pull)
+        rerank = float(np.median(us[pulled])) if pulled.any() else "-"
         rows.append([sessions, name, p50, float(np.quantile(us, 0.9)), float(us.mean()),
-                     p50 / (plain * 1e6), c.summaries / len(us) if c.far else "-"])
+                     p50 / (plain * 1e6), float(us.mean()) / (plain * 1e6), rerank,
+                     c.summaries / len(us) if c.far else "-"])
     return rows
 
 
@@ -156,11 +163,13 @@ def main():
             f"{rounds} alternating blocks of {args.block} steps per configuration after 100 "
             f"warm-up steps; one new token per session per step; S={S}, W={W}, host tables "
             f"only; far view: {LAYERS} layers, chunks of {CHUNK_PAGES} pages, cap {CAP}. "
-            "Thread CPU time of Frame.commit(); 'x plain' is the p50 over the write-through "
-            f"p50 of the same session count. Host load average at the end: {load[0]:.1f} "
+            "Thread CPU time of Frame.commit(); 'x plain' is the p50 (or the mean) over the "
+            "write-through p50 of the same session count; 'after a pull' is the p50 of the "
+            f"commits right after a pull_scores (the re-rank). Host load average at the end: {load[0]:.1f} "
             f"(1 min) on {os.cpu_count()} CPUs.\n\n"
             + table(["sessions", "commit", "CPU p50 us", "CPU p90 us", "CPU mean us",
-                     "x plain (p50)", "summaries per commit"], rows) + "\n")
+                     "x plain (p50)", "x plain (mean)", "after a pull p50 us",
+                     "summaries per commit"], rows) + "\n")
     path = write_result("commit", body)
     print(f"wrote {path}\n")
     print(body)
