@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Hashable, Iterable, Sequence
-from itertools import repeat
 from dataclasses import dataclass
+from itertools import repeat
 from typing import TYPE_CHECKING
 
 import numpy as np
