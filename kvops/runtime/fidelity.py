@@ -674,25 +674,33 @@ class Fidelity:
             sources = {s for s, _ in frame.copies}
         return None if a in sources or b in sources else (a, b)
 
-    AHEAD = 8       # pairs of a session whose pages ``_ahead`` reads at once, doubling
+    def _read_ahead(self, frame: Frame, ahead: dict, runs, sources) -> None:
+        """Fill ``ahead[key] = (j, [(a, b) or None])`` with ``_eligible`` of pairs ``j, j + 2,
+        ...`` (``m`` of them) for every ``(key, j, m)`` of ``runs``, from one many-block read
+        of their pages and one of their reference counts."""
+        keys = [key for key, _, m in runs for _ in range(2 * m)]
+        pages = frame.pages_at(keys, [b for _, j, m in runs for b in range(j, j + 2 * m)])
+        refs = frame.refcounts(np.maximum(pages, 0))
+        a, b = pages[0::2], pages[1::2]
+        ok = (a >= 0) & (b >= 0) & (a != b) & (refs[0::2] == 1) & (refs[1::2] == 1)
+        if sources:
+            src = np.fromiter(sources, np.int64, len(sources))
+            ok &= ~(np.isin(a, src) | np.isin(b, src))
+        pairs = [(x, y) if k else None for x, y, k in zip(a.tolist(), b.tolist(), ok.tolist())]
+        at = 0
+        for key, j, m in runs:
+            ahead[key] = (j, pairs[at: at + m])
+            at += m
 
     def _ahead(self, frame: Frame, ahead: dict, key, j: int, limit: int,
                sources) -> tuple[int, int] | None:
-        """``_eligible(frame, key, j, sources)`` for the picking loop, from pages and
-        reference counts read a run of pairs at a time (the frame's many-block reads):
-        ``ahead`` keeps each session's run ``(first block, [(a, b) or None])``."""
+        """``_eligible(frame, key, j, sources)`` for the picking loop, from the pairs read
+        ahead (:meth:`_read_ahead`); past them, the next run of twice as many is read."""
         got = ahead.get(key)
         if got is None or not got[0] <= j < got[0] + 2 * len(got[1]):
-            m = min((limit - j) // 2, self.AHEAD if got is None else 2 * len(got[1]))
-            pages = frame.pages_at([key] * (2 * m), np.arange(j, j + 2 * m))
-            refs = frame.refcounts(np.maximum(pages, 0))
-            a, b = pages[0::2], pages[1::2]
-            ok = (a >= 0) & (b >= 0) & (a != b) & (refs[0::2] == 1) & (refs[1::2] == 1)
-            if sources:
-                src = np.fromiter(sources, np.int64, len(sources))
-                ok &= ~(np.isin(a, src) | np.isin(b, src))
-            got = ahead[key] = (j, [(x, y) if k else None
-                                    for x, y, k in zip(a.tolist(), b.tolist(), ok.tolist())])
+            m = min((limit - j) // 2, 8 if got is None else 2 * len(got[1]))
+            self._read_ahead(frame, ahead, [(key, j, m)], sources)
+            got = ahead[key]
         return got[1][(j - got[0]) // 2]
 
     def _demote(self, frame: Frame, pend: _Pending, want: int, picks=None,
@@ -714,6 +722,10 @@ class Fidelity:
         rows, who = [], []
         sources = {s for s, _ in frame.copies}
         ahead: dict = {}
+        if picks is None and plan:          # read every session's first pairs at once
+            m = -(-2 * min(want, self._host.free) // len(plan))
+            self._read_ahead(frame, ahead, [(key, p[2], min(m, (p[3] - p[2]) // 2))
+                                            for key, p in plan.items()], sources)
         if picks is not None:
             if len(picks) > self._host.free:
                 raise ValueError(f"plan: demotes {len(picks)} pairs, the host pool has "
