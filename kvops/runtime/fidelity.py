@@ -47,7 +47,10 @@ Host cost
     A demotion batch is one ``pack_base_pairs`` launch and a promotion batch one
     ``refine_base_pairs`` launch over every pair and cache when the caches are one pool (else
     one a cache), plus a copy a run of host slots; the pair rows are built with numpy and go
-    up from pinned memory without a sync; nothing reads a device value back. On CUDA the
+    up from pinned memory without a sync; nothing reads a device value back. The frame calls
+    do not grow with the pairs either: a batch reads pages and counts, remaps, retains and
+    releases through the frame's many-block calls (``pages_at``, ``refcounts``,
+    ``remap_many``, ``retain_many``, ``release_many``), one call each. On CUDA the
     constructor compiles both kernels on scratch pages, so no step compiles.
     ``bench/bench_fidelity_host.py`` counts a transition's ops and times its Python.
 

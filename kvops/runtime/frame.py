@@ -20,6 +20,12 @@ Copies
     tokens that exist then: a tail holding tokens reserved in this very frame (an alias of a
     session's own new tokens, then a write into the alias) is refused with ``ValueError``.
 
+Many blocks at once
+    ``pages_at``, ``refcounts``, ``remap_many``, ``retain_many`` and ``release_many`` take and
+    return numpy arrays, for a policy that edits a batch (the fidelity policy's demotions and
+    promotions): each equals its per-block call on every entry in order, checks every entry
+    before changing anything, and costs about a microsecond an entry instead of a few.
+
 Growth fast path
     A committed session whose only edits are ``reserve``s into its unshared tail page or into
     fresh blocks (the decode step) is not an overlay entry: its new length, ``slot << 32 |
