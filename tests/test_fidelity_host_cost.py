@@ -45,6 +45,48 @@ def test_batch_ops_do_not_grow_with_pairs(pairs):
     assert pro.total <= 8 + 3 * runs, dict(pro.ops)
 
 
+FRAME_CALLS = ("page", "refcount", "remap", "retain", "release", "block_pages", "pages_at",
+               "refcounts", "remap_many", "retain_many", "release_many", "hold", "edit",
+               "write", "scatter")
+
+
+def test_batch_frame_calls_do_not_grow_with_pairs(monkeypatch):
+    """The policy's calls into the frame in a demotion, a promotion and its settle are the
+    same at 16 and 100 pairs over the same sessions: the per-pair work goes through the
+    many-block calls (one each a batch), never the per-block verbs."""
+    from collections import Counter
+
+    from kvops.runtime.frame import Frame
+
+    calls: Counter = Counter()
+    for name in FRAME_CALLS:
+        real = getattr(Frame, name)
+
+        def spy(*a, _real=real, _name=name, **k):
+            calls[_name] += 1
+            return _real(*a, **k)
+
+        monkeypatch.setattr(Frame, name, spy)
+    seen = []
+    for pairs in (16, 100):
+        pager, fid = world(1, 16, 256, pairs, D, "cpu", hkv=HKV)
+        got = []
+        for need in (pager.free_pages + pairs, 0, None):
+            calls.clear()
+            if need is None:
+                fid.drain()
+                need = pager.free_pages
+            with pager.frame() as f:
+                fid.step(f, need=need)
+            got.append(dict(calls))
+        assert fid.stats["demoted"] == fid.stats["promoted"] == pairs
+        seen.append(got)
+    assert seen[0] == seen[1], seen
+    for step in seen[1]:
+        assert not {"remap", "retain", "release"} & step.keys(), step
+        assert step.get("remap_many", 0) <= 1 and step.get("pages_at", 0) <= 2, step
+
+
 def test_batch_ops_do_not_grow_with_layers():
     one = _steps(100, layers=1)
     many = _steps(100)

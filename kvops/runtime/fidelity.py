@@ -47,7 +47,10 @@ Host cost
     A demotion batch is one ``pack_base_pairs`` launch and a promotion batch one
     ``refine_base_pairs`` launch over every pair and cache when the caches are one pool (else
     one a cache), plus a copy a run of host slots; the pair rows are built with numpy and go
-    up from pinned memory without a sync; nothing reads a device value back. On CUDA the
+    up from pinned memory without a sync; nothing reads a device value back. The frame calls
+    do not grow with the pairs either: a batch reads pages and counts, remaps, retains and
+    releases through the frame's many-block calls (``pages_at``, ``refcounts``,
+    ``remap_many``, ``retain_many``, ``release_many``), one call each. On CUDA the
     constructor compiles both kernels on scratch pages, so no step compiles.
     ``bench/bench_fidelity_host.py`` counts a transition's ops and times its Python.
 
@@ -674,6 +677,35 @@ class Fidelity:
             sources = {s for s, _ in frame.copies}
         return None if a in sources or b in sources else (a, b)
 
+    def _read_ahead(self, frame: Frame, ahead: dict, runs, sources) -> None:
+        """Fill ``ahead[key] = (j, [(a, b) or None])`` with ``_eligible`` of pairs ``j, j + 2,
+        ...`` (``m`` of them) for every ``(key, j, m)`` of ``runs``, from one many-block read
+        of their pages and one of their reference counts."""
+        keys = [key for key, _, m in runs for _ in range(2 * m)]
+        pages = frame.pages_at(keys, [b for _, j, m in runs for b in range(j, j + 2 * m)])
+        refs = frame.refcounts(np.maximum(pages, 0))
+        a, b = pages[0::2], pages[1::2]
+        ok = (a >= 0) & (b >= 0) & (a != b) & (refs[0::2] == 1) & (refs[1::2] == 1)
+        if sources:
+            src = np.fromiter(sources, np.int64, len(sources))
+            ok &= ~(np.isin(a, src) | np.isin(b, src))
+        pairs = [(x, y) if k else None for x, y, k in zip(a.tolist(), b.tolist(), ok.tolist())]
+        at = 0
+        for key, j, m in runs:
+            ahead[key] = (j, pairs[at: at + m])
+            at += m
+
+    def _ahead(self, frame: Frame, ahead: dict, key, j: int, limit: int,
+               sources) -> tuple[int, int] | None:
+        """``_eligible(frame, key, j, sources)`` for the picking loop, from the pairs read
+        ahead (:meth:`_read_ahead`); past them, the next run of twice as many is read."""
+        got = ahead.get(key)
+        if got is None or not got[0] <= j < got[0] + 2 * len(got[1]):
+            m = min((limit - j) // 2, 8 if got is None else 2 * len(got[1]))
+            self._read_ahead(frame, ahead, [(key, j, m)], sources)
+            got = ahead[key]
+        return got[1][(j - got[0]) // 2]
+
     def _demote(self, frame: Frame, pend: _Pending, want: int, picks=None,
                 exclude=frozenset()) -> int:
         """Pick up to ``want`` pairs, the next one always from the session with the smallest
@@ -692,6 +724,11 @@ class Fidelity:
                 heapq.heappush(heap, ((end - first) / nb, len(plan), key, nb))
         rows, who = [], []
         sources = {s for s, _ in frame.copies}
+        ahead: dict = {}
+        if picks is None and plan:          # read every session's first pairs at once
+            m = -(-2 * min(want, self._host.free) // len(plan))
+            self._read_ahead(frame, ahead, [(key, p[2], min(m, (p[3] - p[2]) // 2))
+                                            for key, p in plan.items()], sources)
         if picks is not None:
             if len(picks) > self._host.free:
                 raise ValueError(f"plan: demotes {len(picks)} pairs, the host pool has "
@@ -699,7 +736,7 @@ class Fidelity:
             for key, j in picks:
                 p = plan.get(key)
                 ab = None if p is None or j != p[2] or j + 1 >= p[3] else \
-                    self._eligible(frame, key, j, sources)
+                    self._ahead(frame, ahead, key, j, p[3], sources)
                 if ab is None:
                     raise ValueError(f"plan: blocks {j}, {j + 1} of {key!r} cannot be demoted "
                                      f"here (span {self._span_now(key, pend)}, next pair "
@@ -714,7 +751,7 @@ class Fidelity:
             _, order, key, nb = heapq.heappop(heap)
             p = plan[key]
             j = p[2]
-            ab = self._eligible(frame, key, j, sources) if j + 1 < p[3] else None
+            ab = self._ahead(frame, ahead, key, j, p[3], sources) if j + 1 < p[3] else None
             if ab is None:
                 continue                                      # this session's span stops here
             rows.append(ab)
@@ -735,10 +772,14 @@ class Fidelity:
             raise
         frame.on_abort(lambda: self._undo_pack(triples, back, slots))
         self._to_host(back, slots)
-        for n, ((a, _), (key, j)) in enumerate(zip(rows, who)):
-            pend.mine[key, j + 1] = a
-            frame.remap(key, j + 1, a)
-            pend.new_pairs[a] = _Pair(key, j, slots[n])
+        keys = [key for key, _ in who]
+        js = [j for _, j in who]
+        tops = (np.array(js, dtype=np.int64) + 1).tolist()
+        firsts = pages[:, 0]
+        frame.remap_many(keys, tops, firsts)                  # block j + 1 onto page a
+        firsts = firsts.tolist()
+        pend.mine.update(zip(zip(keys, tops), firsts))
+        pend.new_pairs.update(zip(firsts, map(_Pair, keys, js, slots)))
         for key, p in plan.items():
             if p[2] > p[1]:
                 self._set_span(frame, pend, key, (p[0], p[2]))
@@ -882,14 +923,17 @@ class Fidelity:
     def _issue(self, frame: Frame, pend: _Pending, picks: list[tuple[Hashable, int]]) -> None:
         """One batch of promotions: hold two pages a pair, retain the BASE pages, and on the
         side stream copy the batch's backings up (a copy a run of host slots) and refine."""
-        pages = [frame.page(key, j) for key, j in picks]
-        for (key, j), page in zip(picks, pages):
-            if page < 0 or frame.page(key, j + 1) != page:
-                raise ValueError(f"promote: BASE blocks {j}, {j + 1} of {key!r} were trimmed in "
-                                 f"this frame (a trim of a BASE block is refused at commit)")
+        keys = [key for key, _ in picks]
+        js = np.fromiter((j for _, j in picks), np.int64, len(picks))
+        pages = frame.pages_at(keys, js)
+        bad = (pages < 0) | (frame.pages_at(keys, js + 1) != pages)
+        if bad.any():
+            key, j = picks[int(bad.argmax())]
+            raise ValueError(f"promote: BASE blocks {j}, {j + 1} of {key!r} were trimmed in "
+                             f"this frame (a trim of a BASE block is refused at commit)")
         held = frame.hold(2 * len(picks))
-        for page in pages:
-            frame.retain(page)
+        frame.retain_many(pages)
+        pages = pages.tolist()
         slots = [self._pair_now(page, pend).slot for page in pages]
         # the refines run in host-slot order (rows are independent), so the backings come up
         # in one copy a run of consecutive slots whatever order the pairs were picked in
@@ -946,6 +990,7 @@ class Fidelity:
                 pend.orphans_done.append(pr)
                 orphans.append(i)
         settled, done = 0, []
+        rk, rj, rp, free = [], [], [], []       # the remaps and releases, made at once below
         for key, stack in self._flight.items():
             k = 0
             if plan is None:
@@ -958,17 +1003,20 @@ class Fidelity:
             done.append((key, k))
             for pr in stack[:k]:
                 n0, n1 = pr.new
-                pend.mine[key, pr.j], pend.mine[key, pr.j + 1] = n0, n1
-                frame.remap(key, pr.j, n0)
-                frame.remap(key, pr.j + 1, n1)
-                for p in (n0, n1, pr.page):
-                    frame.release(p)
+                rk += (key, key)
+                rj += (pr.j, pr.j + 1)
+                rp += (n0, n1)
+                free += (n0, n1, pr.page)
                 pend.gone.add(pr.page)
             first = self._span[key][0]
             end = stack[k - 1].j
             self._set_span(frame, pend, key, (first, end) if end > first else (0, 0))
             pend.settled[key] = k
             settled += k
+        if rk:
+            frame.remap_many(rk, rj, rp)
+            frame.release_many(free)
+            pend.mine.update(zip(zip(rk, rj), rp))
         pend.decided["settle"], pend.decided["orphans"] = done, orphans
         return settled
 
