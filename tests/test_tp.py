@@ -278,9 +278,15 @@ def test_replay_cli_tp1_runs_the_distributed_path_with_the_same_tokens(tmp_path)
               "--length-scale", "0.03", "--no-figures", "--no-progress", "--device", "cpu"]
     assert main(common + ["--out", str(tmp_path / "a")]) == 0
     assert main(common + ["--tp", "1", "--out", str(tmp_path / "b")]) == 0
-    a, b = (json.loads((tmp_path / d / "replay.json").read_text()) for d in "ab")
+    assert main(common + ["--tp", "1", "--clock", "model", "--out", str(tmp_path / "c")]) == 0
+    assert main(common + ["--clock", "model", "--out", str(tmp_path / "d")]) == 0
+    a, b, c, d = (json.loads((tmp_path / d / "replay.json").read_text()) for d in "abcd")
     assert b["tp"] == 1 and "tensor-parallel over 1 ranks" in b["model"]
     assert a["tokens"] == b["tokens"] and sum(map(len, a["tokens"]["paged"])) > 0
+    # on the modeled clock rank 0 schedules the very steps of the plain replay
+    assert c["tokens"] == d["tokens"] == a["tokens"]
+    assert ([s["tokens"] for s in c["steps"]["paged"]]
+            == [s["tokens"] for s in d["steps"]["paged"]])
     with pytest.raises(SystemExit, match=r"--tp: expected a divisor of the model's n_heads "
                                          r"\(Hq\)=4 .*got tp=3 \(model tiny\)"):
         main(common + ["--tp", "3"])            # refused before any process starts
@@ -302,9 +308,12 @@ def test_cuda_replay_tp1_over_nccl_gives_the_plain_replays_tokens():
     from kvops.engine.replay import ReplaySettings, run
 
     dev = torch.device("cuda")
+    # the modeled clock: both runs schedule the same steps (on the wall clock the slower
+    # distributed path batches arrivals otherwise, and other GEMM shapes round otherwise)
     settings = ReplaySettings.for_device(dev, model="smollm2-random", max_requests=6,
                                          length_scale=0.1, configs=("static", "pager+merge",
-                                                                    "paged"), device="cuda")
+                                                                    "paged"), device="cuda",
+                                         clock="model")
     plain = run(settings, progress=False)
     os.environ["MASTER_PORT"] = str(distributed.free_port())
     tp = distributed.init(1, rank=0, device="cuda")

@@ -103,12 +103,17 @@ class TPContext:
         """This rank's share of a :class:`~kvops.engine.configs.KVBudget` (bytes // tp)."""
         return dataclasses.replace(budget, bytes=budget.bytes // self.size)
 
-    def engine(self, model, kv, decode: str, sched=None, *, graphs: bool | None = None) -> Engine:
-        """Rank 0's :class:`LeaderEngine` or another rank's :class:`FollowerEngine`."""
-        cls = LeaderEngine if self.leader else FollowerEngine
+    def engine(self, model, kv, decode: str, sched=None, *, graphs: bool | None = None,
+               clock: str = "wall", step_cost=None) -> Engine:
+        """Rank 0's :class:`LeaderEngine` or another rank's :class:`FollowerEngine`. ``clock``
+        and ``step_cost`` drive rank 0's scheduler (the others apply its plans, whatever
+        their own clocks say)."""
         if getattr(kv, "fidelity", None) is not None and not isinstance(kv.fidelity, FidelitySync):
             kv.fidelity = FidelitySync(kv.fidelity, self.leader)
-        return cls(model, kv, decode, sched, graphs=graphs, tp=self)
+        if self.leader:
+            return LeaderEngine(model, kv, decode, sched, graphs=graphs, tp=self, clock=clock,
+                                step_cost=step_cost)
+        return FollowerEngine(model, kv, decode, sched, graphs=graphs, tp=self)
 
 
 def init(tp: int | None = None, *, rank: int | None = None, device: str | None = None,
@@ -377,10 +382,12 @@ class LeaderEngine(Engine):
     """Rank 0: the :class:`~kvops.engine.engine.Engine` over a :class:`KVLog`; its tokens are
     folded into the plan hash as every rank's are."""
 
-    def __init__(self, model, kv, decode, sched=None, *, graphs=None, tp: TPContext):
+    def __init__(self, model, kv, decode, sched=None, *, graphs=None, tp: TPContext,
+                 clock: str = "wall", step_cost=None):
         self.tp, self.checker = tp, _Checker(tp, kv)
         self.log = KVLog(kv, tp, self.checker)
-        super().__init__(model, self.log, decode, sched, graphs=graphs)
+        super().__init__(model, self.log, decode, sched, graphs=graphs, clock=clock,
+                         step_cost=step_cost)
         run = self.runner.run
 
         def run_and_fold(items):

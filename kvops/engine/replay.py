@@ -209,9 +209,6 @@ def run(settings: ReplaySettings, progress: bool = True, tp=None, model=None) ->
             raise ValueError(f"configs: expected names from {', '.join(CONFIGS)}, got {c!r}")
     check_clock(settings.clock)
     step_cost = StepCost.parse(settings.step_cost) if settings.step_cost is not None else None
-    if tp is not None and settings.clock != "wall":
-        raise ValueError(f"clock: tensor-parallel replays run on the wall clock, got "
-                         f"{settings.clock!r}")
     device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if tp is not None:
         device = tp.device
@@ -254,7 +251,8 @@ def run(settings: ReplaySettings, progress: bool = True, tp=None, model=None) ->
             engine = Engine(model, kv, decode_kind(name), sched, graphs=settings.graphs,
                             clock=settings.clock, step_cost=step_cost)
         else:
-            engine = tp.engine(model, kv, decode_kind(name), sched, graphs=settings.graphs)
+            engine = tp.engine(model, kv, decode_kind(name), sched, graphs=settings.graphs,
+                               clock=settings.clock, step_cost=step_cost)
         engine.eff = (settings.eff_ttft_s, settings.eff_tbt_s)
         _warmup(engine, cfg.vocab_size, budget.max_context)
         reqs = _requests(settings, cfg.vocab_size, cfg.max_seq_len)
