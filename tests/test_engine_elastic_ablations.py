@@ -15,8 +15,8 @@ from kvops.engine import Engine, KVBudget, SchedulerConfig, make_kv
 from kvops.engine.clock import H200_8B, StepCost
 from kvops.engine.metrics import eff_ratio, effective, tbt
 from kvops.engine.request import Request, Status
-from kvops.engine.runner import block_modes
 from kvops.engine.traces import TraceRow, build_requests, pressure_rows, trace_windows
+from kvops.ops.elastic_attention import span_modes
 from tests import test_engine_elastic as harness
 
 # the tiny model, the budget's units and the serve helper of the elastic engine tests
@@ -68,9 +68,9 @@ def test_forced_general_path_never_takes_the_structured_path(runs):
     _clean(kv)
 
 
-def test_block_modes_of_spans():
+def test_span_modes_of_spans():
     span = torch.tensor([[2, 6], [0, 0], [1, 3]], dtype=torch.int32)
-    got = block_modes(span, 7)
+    got = span_modes(span, 7)
     assert got.dtype == torch.int8
     assert got.tolist() == [[0, 0, 1, 2, 1, 2, 0], [0] * 7, [0, 1, 2, 0, 0, 0, 0]]
 

@@ -32,7 +32,7 @@ changing one mechanism and nothing else:
   demotion included; its other checks (spare pages, ``headroom``, ``max_promote``) stay.
 - ``no-promote``: ``max_promote = 0``: a BASE pair stays BASE until its request ends.
 - ``general``: mixed batches decode through ``elastic_attention``'s general path (a block
-  mode table built from the spans, :func:`kvops.engine.runner.block_modes`) instead of the
+  mode table built from the spans, :func:`kvops.ops.elastic_attention.span_modes`) instead of the
   structured one; TARGET-only batches keep the native path.
 
 Not supported here: prefix sharing (a BASE page is mapped by one session only, and cached

@@ -37,6 +37,7 @@ import torch
 
 from kvops.layouts import arena_as_pages
 from kvops.models.paged import forward_packed, logits
+from kvops.ops.elastic_attention import span_modes
 
 
 def bucket_of(rows: int, max_rows: int) -> int:
@@ -52,16 +53,6 @@ def bucket_of(rows: int, max_rows: int) -> int:
 
 
 DECODE_KINDS = ("paged", "elastic", "static", "arena")
-
-
-def block_modes(span: torch.Tensor, blocks: int) -> torch.Tensor:
-    """``elastic_attention``'s general-path table ``int8 [B, blocks]`` (0 TARGET, 1 half 0,
-    2 half 1) of the structured spans ``int32 [B, 2]``: block ``j`` of ``[first, end)`` is in
-    half ``(j - first) % 2`` of its page. Device ops only (capturable)."""
-    j = torch.arange(blocks, device=span.device, dtype=torch.int32)[None, :]
-    first, end = span[:, :1], span[:, 1:]
-    inside = (j >= first) & (j < end)
-    return torch.where(inside, 1 + (j - first) % 2, 0).to(torch.int8)
 
 
 class ModelRunner:
@@ -209,7 +200,7 @@ class ModelRunner:
             # take the native path while nothing is BASE
             span = kv.fid.attention_kwargs(always=self.graphs).get("base_span")
             if span is not None and getattr(kv, "general", False):
-                mixed = {"block_mode": block_modes(span[:bk], t["block_table"].shape[1])}
+                mixed = {"block_mode": span_modes(span[:bk], t["block_table"].shape[1])}
             elif span is not None:
                 mixed = {"base_span": span[:bk]}
         self.last_path = ("general" if "block_mode" in mixed else "span" if mixed else "native")
