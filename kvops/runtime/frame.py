@@ -422,36 +422,23 @@ class Frame:
                     count[o] -= 1
         for key in nbs:
             self._slow(key)
-        overlay, ref, refs = self._overlay, self._ref, self._refs
-        freed = self.edits.freed_pages
-        for key, j, t, o in zip(keys, jl, pl, olds):
-            ref[t] = ref.get(t, 0) + 1
-            r = ref[o] = ref.get(o, 0) - 1
-            if r + refs[o] == 0:
-                freed.append(o)
-            over = overlay.get(key)
-            if over is None:
-                over = overlay[key] = {}
-            over[j] = t
+        for key, j, t, o in zip(keys, jl, pl, olds):      # remap's edits, entry by entry
+            self._bump(t, 1)
+            self._bump(o, -1)
+            self._set(key, j, t)
 
     def retain_many(self, pages) -> None:
         """``retain(pages[i])`` for every ``i``, checked first (nothing changes on error)."""
         self.check_open()
-        pl = self._live_pages("retain_many", pages, 1)
-        ref = self._ref
-        for p in pl:
-            ref[p] = ref.get(p, 0) + 1
+        for p in self._live_pages("retain_many", pages, 1):
+            self._bump(p, 1)
 
     def release_many(self, pages) -> None:
         """``release(pages[i])`` for every ``i`` in order, checked first: a page may appear as
         often as it has references (nothing changes on error)."""
         self.check_open()
-        pl = self._live_pages("release_many", pages, None)
-        ref, refs, freed = self._ref, self._refs, self.edits.freed_pages
-        for p in pl:
-            r = ref[p] = ref.get(p, 0) - 1
-            if r + refs[p] == 0:
-                freed.append(p)
+        for p in self._live_pages("release_many", pages, None):
+            self._bump(p, -1)
 
     def _live_pages(self, verb: str, pages, need: int | None) -> list[int]:
         """``pages`` as a list, each live and (``need`` None) with at least as many
@@ -463,7 +450,7 @@ class Frame:
             raise ValueError(f"{exc} (pages must be live pages)") from None
         have = self.refcounts(ps)
         if need is None and ps.size:
-            uniq, inv, cnt = np.unique(ps, return_inverse=True, return_counts=True)
+            _, inv, cnt = np.unique(ps, return_inverse=True, return_counts=True)
             want = cnt[inv]
         else:
             want = 1
