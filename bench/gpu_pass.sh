@@ -2,7 +2,8 @@
 # One check-and-benchmark pass on a GPU machine, as the device tool runs it: each part under its
 # own time cap, its log in $OUT/<part>.log, every results file it records copied to $OUT, and a
 # short table of the parts last. Parts are named on the command line (default: all, in order):
-#   bench/gpu_pass.sh tests fidelity farret elastic engine tp transformers elastic_ablations
+#   bench/gpu_pass.sh tests fidelity farret elastic engine tp tp_more transformers elastic_ablations
+# and everything under $OUT is packed into $OUT/gpu-pass.tgz at the end.
 set -u
 OUT=${OUT:-/tmp/gpu-pass}
 mkdir -p "$OUT"
@@ -49,6 +50,8 @@ elastic_ablations() {
 }
 tp() {
     part tp 80 python3 -m bench.bench_tp --configs static,pager+merge,paged
+}
+tp_more() {
     part tp-eager 80 python3 -m bench.bench_tp --configs static,paged --no-graphs --name tp1-distributed-path-eager
     part tp-fp32 80 python3 -m bench.bench_tp --configs static,paged --dtype float32 --name tp1-distributed-path-fp32
 }
@@ -63,6 +66,8 @@ done
 for f in $(ls bench/results); do
     grep -qx "$f" <<< "$before" || cp "bench/results/$f" "$OUT/"
 done
+# The device tool brings back at most 8 files: everything goes back as one archive.
+(cd "$OUT" && tar czf ../gpu-pass.tgz . && rm -rf ./* && mv ../gpu-pass.tgz .)
 echo
 echo "| part | rc | s | last line |"
 echo "|---|---|---|---|"

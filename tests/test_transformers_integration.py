@@ -425,3 +425,16 @@ def test_smollm2_from_gguf_greedy_tokens_equal_sdpa():
                   kt.PagedCache(model, 2, max_tokens=T + NEW)):
         assert _generate(model, "kvops", ids, mask, cache).tolist() == want.tolist()
     assert "Paris" in tok.decode(want[0].tolist())
+
+
+def test_paged_cache_pools_share_no_storage():
+    """Every layer's K and V pool is an allocation of its own: a compiled decode step whose
+    mutated inputs alias is rebuilt by AOTAutograd from a synthetic base (an as_strided clone
+    of the whole allocation each step), which read out of bounds under inductor on CUDA."""
+    model = _model("llama")
+    for fidelity in (None, True):
+        cache = kt.PagedCache(model, batch_size=2, max_tokens=48, page_size=8, fidelity=fidelity,
+                              dtype=torch.float16)
+        pools = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+        assert len(pools) == 2 * model.config.num_hidden_layers
+        assert len({p.untyped_storage().data_ptr() for p in pools}) == len(pools)

@@ -250,20 +250,23 @@ def perplexity(model: Llama, ids: torch.Tensor, spans, dtype, codec: str) -> flo
 
 
 def check_op(model: Llama, ids: torch.Tensor, spans, dtype, codec: str,
-             positions: int = 8) -> float:
+             positions: int = 8, device=None) -> float:
     """Largest difference, relative to the output's largest magnitude, between
     :func:`attention_mixed` and ``torch.ops.kvops.elastic_attention`` over :func:`mixed_pool`,
-    at ``positions`` evenly spaced query positions (the last included) of every layer."""
+    at ``positions`` evenly spaced query positions (the last included) of every layer. The op
+    runs on ``device`` (default: the model's), its query and pool copied there."""
     T = ids.shape[0]
     at = sorted({round(i * (T - 1) / max(1, positions - 1)) for i in range(positions)})
     worst = [0.0]
 
     def check(layer, q, k, v, out):
         for t in at:
-            pool = mixed_pool(k[:t + 1], v[:t + 1], spans[t], dtype, codec)
-            got, _ = torch.ops.kvops.elastic_attention(q[t:t + 1].to(dtype), pool[0], pool[1],
-                                                       pool[2], pool[3], base_span=pool[4])
-            err = (got.float()[0] - out[t]).abs().max() / out[t].abs().max().clamp(min=1e-30)
+            pool = [x.to(device or x.device)
+                    for x in mixed_pool(k[:t + 1], v[:t + 1], spans[t], dtype, codec)]
+            got, _ = torch.ops.kvops.elastic_attention(q[t:t + 1].to(pool[0].device, dtype),
+                                                       pool[0], pool[1], pool[2], pool[3],
+                                                       base_span=pool[4])
+            err = (got.float().cpu()[0] - out[t]).abs().max() / out[t].abs().max().clamp(min=1e-30)
             worst[0] = max(worst[0], float(err))
 
     hidden_states_from(model, ids, spans, dtype, codec, check=check)

@@ -23,8 +23,8 @@ all real) writes the real tokens with ``paged_kv_write`` and attends with
 packed first.
 
 Fidelity (ElasticKV): ``fidelity=True`` or a dict of :class:`kvops.runtime.Fidelity` options
-attaches the policy to the pager over every layer's K and V (one pool tensor ``[2 * layers, P, S,
-Hkv, D]``, so a transition is one pack or refine call for all layers). Decode then always runs
+attaches the policy to the pager over every layer's K and V (a pack or refine call a pool).
+Decode then always runs
 ``elastic_attention``'s structured path with the pager's ``base_span`` table (empty spans read as
 TARGET: one compiled graph whatever the state). Demotion and promotion are host calls between
 steps (``generate`` has no host hook inside its compiled loop): :meth:`PagedCache.demote` packs
@@ -310,10 +310,12 @@ class PagedCache(Cache):
             raise ValueError(f"num_pages: expected an int >= batch_size * ceil(max_tokens / "
                              f"page_size){' + 1' if spare else ''} = {least} (every row reserves "
                              f"its max_tokens at the prompt{why}), got {num_pages!r}")
-        # one pool for every layer's K and V: [2 * layers, P, S, Hkv, D]
-        pool = torch.zeros((2 * geo.num_layers, num_pages, page_size, geo.num_kv_heads,
-                            geo.head_dim), dtype=geo.dtype, device=geo.device)
-        pools = list(pool.unbind(0))
+        # every layer's K and V in an allocation of its own: a compiled step whose mutated
+        # inputs share storage is rebuilt by AOTAutograd from a synthetic base (an as_strided
+        # clone of the whole allocation a step), which read out of bounds under inductor on
+        # CUDA (bench/results/2026-12-02-transformers-paged-compile.md)
+        pools = [torch.zeros((num_pages, page_size, geo.num_kv_heads, geo.head_dim),
+                             dtype=geo.dtype, device=geo.device) for _ in range(2 * geo.num_layers)]
         self.state = PagedState(batch_size, max_tokens, page_size, num_pages, geo.device, pools,
                                 fidelity)
         layers = [PagedLayer(batch_size, geo, self.state, pools[2 * n], pools[2 * n + 1])
