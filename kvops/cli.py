@@ -142,11 +142,15 @@ def _settings_kw(args, device) -> dict:
     return kw
 
 
-def elastic(args) -> int:
-    """``--mode elastic``: the pressure sweep (kvops.engine.pressure)."""
+def elastic(args, tp=None) -> int:
+    """``--mode elastic``: the pressure sweep (kvops.engine.pressure); ``tp``: this rank's
+    context under ``--tp`` (rank 0 writes the results)."""
     from kvops.engine.pressure import default_points, run_sweep, sweep_settings, write
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if tp is not None:
+        torch.set_num_threads(max(1, torch.get_num_threads() // tp.size))
+    device = tp.device if tp is not None else torch.device(
+        args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     kw = _settings_kw(args, device)
     trace = kw.pop("trace")
     kw.pop("device")
@@ -165,7 +169,11 @@ def elastic(args) -> int:
         points = default_points(device, axis)
     settings.device = str(device)
     result = run_sweep(settings, axis, points, args.requests_per_client,
-                       progress=not args.no_progress)
+                       progress=not args.no_progress, tp=tp)
+    if tp is not None and not tp.leader:
+        return 0
+    if tp is not None:
+        result["tp"] = tp.size
     table = write(result, args.out, figures=not args.no_figures)
     print(table)
     if args.record:
@@ -179,12 +187,8 @@ def elastic(args) -> int:
 def replay(args) -> int:
     import os
 
-    if args.mode == "elastic":
-        if args.tp is not None:
-            raise SystemExit("kvops replay: --mode elastic runs on one device (no --tp)")
-        return elastic(args)
     if args.tp is None:
-        return _replay(args)
+        return elastic(args) if args.mode == "elastic" else _replay(args)
     from kvops.engine import distributed
     from kvops.engine.replay import ReplaySettings, model_config
     from kvops.models.tp import check_tp
@@ -195,7 +199,7 @@ def replay(args) -> int:
         check_tp(model_config(name), args.tp)
     except ValueError as exc:
         raise SystemExit(f"kvops replay: --{exc} (model {name})") from None
-    if args.tp > 1 and args.configs is None:
+    if args.tp > 1 and args.configs is None and args.mode != "elastic":
         args.configs = "static,paged"       # kvrm is not served under tp > 1 (docs/tp.md)
     if "WORLD_SIZE" in os.environ or args.tp == 1:      # torchrun, or one rank right here
         if "WORLD_SIZE" not in os.environ:                 # a group of one: any free port
@@ -210,7 +214,7 @@ def _replay_rank(rank, args) -> int:
 
     tp = distributed.init(args.tp, rank=rank, device=args.device, check_every=args.check_every)
     try:
-        return _replay(args, tp)
+        return elastic(args, tp) if args.mode == "elastic" else _replay(args, tp)
     finally:
         if rank is None:                                 # spawn's wrapper destroys its own
             import torch.distributed as dist

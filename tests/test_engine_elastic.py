@@ -60,7 +60,7 @@ def test_elastic_serves_the_pressure_replay_without_preemption(runs):
     assert 0 < m["demotion_step_share"] < 1
     # every page and host slot back, nothing BASE, no session left
     assert kv.free_pages() == kv.total_pages and kv.pager.sessions() == []
-    assert kv.fid.host_free == kv.total_pages and kv.fid.stats["base_blocks"] == 0
+    assert kv.fidelity.host_free == kv.total_pages and kv.fidelity.stats["base_blocks"] == 0
     # the closed loop keeps at most 8 requests in flight
     assert max(s.running + s.waiting for s in engine.steps) <= 8
 
@@ -115,15 +115,15 @@ def test_demoted_then_promoted_blocks_are_bit_exact():
     kv = _filled_kv()
     before = {k: _blocks_of(kv, k) for k in kv.pager.sessions()}
     with kv.pager.frame() as f:                  # 24 of 32 pages used: short by 6
-        got = kv.fid.step(f, need=kv.pager.free_pages + 6)
+        got = kv.fidelity.step(f, need=kv.pager.free_pages + 6)
     assert got["demoted"] >= 6
-    assert any((kv.fid.block_states(k) != TARGET).any() for k in before)
+    assert any((kv.fidelity.block_states(k) != TARGET).any() for k in before)
     for _ in range(20):                          # spare pages: promotions, then their settles
         with kv.pager.frame() as f:
-            kv.fid.step(f, need=0)
-        if kv.fid.stats["base_blocks"] == 0 and kv.fid.stats["in_flight"] == 0:
+            kv.fidelity.step(f, need=0)
+        if kv.fidelity.stats["base_blocks"] == 0 and kv.fidelity.stats["in_flight"] == 0:
             break
-    assert kv.fid.stats["promoted"] == got["demoted"]
+    assert kv.fidelity.stats["promoted"] == got["demoted"]
     for k, (kb, vb) in before.items():
         ka, va = _blocks_of(kv, k)
         assert torch.equal(ka.view(torch.int16), kb.view(torch.int16)), k
@@ -133,11 +133,11 @@ def test_demoted_then_promoted_blocks_are_bit_exact():
 def test_excluded_sessions_are_never_demoted():
     kv = _filled_kv()
     with kv.pager.frame() as f:
-        kv.fid.step(f, need=kv.pager.free_pages + 30, exclude={"s1"})
-    assert (kv.fid.block_states("s1") == TARGET).all()
-    assert (kv.fid.block_states("s0") != TARGET).any()
-    assert kv.fid.demotable("s1") == 3 and kv.fid.demotable("s0") == 0   # 8 blocks, 1 protected
-    assert kv.fid._pool is not None      # every layer's K and V as one pool: one call a batch
+        kv.fidelity.step(f, need=kv.pager.free_pages + 30, exclude={"s1"})
+    assert (kv.fidelity.block_states("s1") == TARGET).all()
+    assert (kv.fidelity.block_states("s0") != TARGET).any()
+    assert kv.fidelity.demotable("s1") == 3 and kv.fidelity.demotable("s0") == 0   # 8 blocks, 1 protected
+    assert kv.fidelity._pool is not None      # every layer's K and V as one pool: one call a batch
 
 
 def test_a_prefill_over_base_blocks_is_refused(model):
@@ -148,8 +148,8 @@ def test_a_prefill_over_base_blocks_is_refused(model):
     with kv.pager.frame() as f:
         f.reserve(req.key, 80)
     with kv.pager.frame() as f:
-        kv.fid.step(f, need=kv.pager.free_pages + 1)
-    assert kv.fid.span(req.key) != (0, 0)
+        kv.fidelity.step(f, need=kv.pager.free_pages + 1)
+    assert kv.fidelity.span(req.key) != (0, 0)
     with pytest.raises(RuntimeError, match="holds BASE blocks"):
         engine.runner.run([(req, 80, 20)])
 
@@ -169,7 +169,7 @@ def test_bad_inputs_name_themselves(model):
         Engine(model, kv, "paged").replay([], concurrency=0)
     ekv = make_kv("elastic", budget, CFG, DT, torch.device("cpu"))
     with ekv.pager.frame() as f, pytest.raises(TypeError, match="exclude: expected a collection"):
-        ekv.fid.step(f, need=0, exclude="s0")
+        ekv.fidelity.step(f, need=0, exclude="s0")
     with pytest.raises(ValueError, match="input_len: expected"):
         pressure_rows(4, input_len=0)
 

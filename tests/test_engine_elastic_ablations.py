@@ -39,7 +39,7 @@ def runs(model):
 
 def _clean(kv):
     assert kv.free_pages() == kv.total_pages and kv.pager.sessions() == []
-    assert kv.fid.host_free == kv.total_pages and kv.fid.stats["base_blocks"] == 0
+    assert kv.fidelity.host_free == kv.total_pages and kv.fidelity.stats["base_blocks"] == 0
 
 
 def test_no_promotion_never_promotes(runs):
@@ -94,8 +94,8 @@ def _demoted_kv(config):
         for i in range(3):
             f.reserve(f"s{i}", 8 * S)                  # 24 of 32 pages
     with kv.pager.frame() as f:                        # short by 6: 6 pairs demoted
-        assert kv.fid.step(f, need=kv.pager.free_pages + 6)["demoted"] == 6
-    assert kv.fid.reserve == 6.0 and kv.pager.free_pages == 14
+        assert kv.fidelity.step(f, need=kv.pager.free_pages + 6)["demoted"] == 6
+    assert kv.fidelity.reserve == 6.0 and kv.pager.free_pages == 14
     return kv
 
 
@@ -107,7 +107,7 @@ def test_eager_promotion_promotes_with_reserve_zero():
         with kv.pager.frame() as f:
             kv._before_reserves(f, [])
         assert kv.last_fidelity["promoted"] == want, config
-    assert kv.fid.reserve == 0.0
+    assert kv.fidelity.reserve == 0.0
 
 
 def test_ablation_arguments_and_bad_inputs():

@@ -39,6 +39,9 @@ def scenario(name: str):
         rows = [TraceRow(0.0 if i < 3 else 1000.0, 1100 + 50 * i, 24, (1, 2 + i % 2, 10 + i))
                 for i in range(6)]
         return "paged", rows, 4096, SchedulerConfig(64, 8, 32)
+    if name == "elastic":        # 40 pages: paged preempts 3 times, elastic demotes instead
+        rows = [TraceRow(0.0, 600 + 50 * i, 120 + 8 * i) for i in range(8)]
+        return "elastic", rows, 40 * 16 // 2, SchedulerConfig(64, 8, 32)   # bf16: half TOK
     rows = [TraceRow(0.0, 600 + 50 * i, 40 + 8 * i) for i in range(8)]
     return "pager+merge", rows, 8 * 64 + 160, SchedulerConfig(64, 8, 32)   # arenas + 10 pages
 
@@ -51,8 +54,10 @@ def replay(name: str, m, tp=None, record=None, tamper=None):
     reqs = build_requests(rows, CFG.vocab_size, length_scale=0.125)
     cfg = m.cfg
     budget = KVBudget(bytes=budget_tokens * TOK, max_seqs=8, max_context=192, window=64)
-    kv = make_kv(config, budget if tp is None else tp.kv_budget(budget), cfg, torch.float32,
-                 torch.device("cpu"))
+    elastic = config == "elastic"
+    kv = make_kv(config, budget if tp is None else tp.kv_budget(budget), cfg,
+                 torch.bfloat16 if elastic else torch.float32, torch.device("cpu"),
+                 fidelity={"min_batch": 2, "protect_recent": 1} if elastic else None)
     states = []
     commit = kv.commit_step
 
@@ -108,6 +113,15 @@ def _rank(rank: int, out: str) -> None:
         res[name] = (toks, states, kv.free_pages(), kv.total_pages, metrics["preemptions"],
                      metrics["prefix_hit_tokens"])
 
+    # the elastic configuration: rank 1's policy would demote in other batches (min_batch
+    # 64); through FidelitySync it applies rank 0's decisions in the same frames
+    def other_batches(kv, n):
+        if rank == 1 and n == 1:
+            kv.fidelity.min_batch = 64
+    toks, states, kv, metrics = replay("elastic", tp.shard(model(torch.bfloat16)), tp,
+                                       tamper=other_batches)
+    res["elastic"] = (toks, states, kv.free_pages(), kv.total_pages, metrics["preemptions"],
+                      dict(kv.fidelity.stats), kv.fidelity.min_batch)
     # fidelity on a pager: rank 1's own policy would decide otherwise (min_batch 16, and its
     # promotions finish only when waited for); with rank 0's plans it applies rank 0's
     res["fidelity_tp"] = fidelity_script(rank, tp)
@@ -251,6 +265,22 @@ def test_tp_fidelity_applies_rank0s_demotions_and_promotions_in_the_same_frame(r
     assert not _same(ranks[1]["fidelity_alone"][0], f0)
 
 
+def test_tp_elastic_replay_demotes_in_the_same_frames_on_every_rank(ranks):
+    """The engine's elastic configuration under TP: rank 0 decides every demotion and
+    promotion, rank 1 (whose own policy would batch otherwise) applies them in the same
+    frames: the same tokens, the same (epoch, free pages, tables) after every commit, zero
+    preemptions where paged preempts, every page back. (In bfloat16 the sharded sums round
+    otherwise than one process's, so its tokens may part from the single-process replay's;
+    the float32 scenarios above compare those.)"""
+    (t0, s0, free0, total0, pre0, st0, mb0), (t1, s1, free1, total1, pre1, st1, mb1) = (
+        res["elastic"] for res in ranks)
+    assert mb0 == 2 and mb1 == 64                # rank 1's policy really was set otherwise
+    assert st0["demoted"] > 0 and st0["promoted"] > 0 and pre0 == pre1 == 0
+    assert (st1["demoted"], st1["promoted"]) == (st0["demoted"], st0["promoted"])
+    assert t0 == t1 and s0 == s1 and len(s0) > 10
+    assert free0 == total0 and free1 == total1
+
+
 def test_tp_shard_refuses_ranks_with_other_full_weights(ranks):
     for res in ranks:
         assert res["other_weights"] is not None
@@ -355,3 +385,27 @@ def test_kvlog_replays_a_kv_managers_own_editing_methods_by_request_id():
     follower.kv.tp_edits = ()
     with pytest.raises(TPDivergence, match="'touch' .* does not name in tp_edits"):
         FollowerEngine.apply(follower, StepPlan(log._edits), {r.rid: r for r in theirs})
+
+
+def test_replay_cli_elastic_sweep_under_tp2_schedules_what_one_process_does(tmp_path):
+    """``kvops replay --mode elastic --tp 2`` (two gloo ranks, the modeled clock): the pressure
+    point's four configurations serve every request with the preemptions, demotion batches,
+    promotions and KV pages of the single-process sweep (the ranks' consistency checks on);
+    elastic demotes where paged preempts."""
+    import json
+
+    from kvops.cli import main
+
+    common = ["replay", "--mode", "elastic", "--model", "tiny", "--sweep", "12", "--clock",
+              "model", "--device", "cpu", "--no-progress", "--no-figures"]
+    assert main(common + ["--out", str(tmp_path / "one")]) == 0
+    assert main(common + ["--tp", "2", "--check-every", "4", "--out", str(tmp_path / "tp")]) == 0
+    one, tp = (json.loads((tmp_path / d / "pressure.json").read_text())["points"][0]["results"]
+               for d in ("one", "tp"))
+    keys = ("finished", "preemptions", "demotion_batches", "promotions", "demoted_pairs",
+            "kv_pages", "kv_free_pages_end", "steps")
+    for config in ("elastic", "paged", "offload", "reserve"):
+        assert {k: tp[config].get(k) for k in keys} == {k: one[config].get(k) for k in keys}
+        assert tp[config]["finished"] == 24
+    assert one["elastic"]["preemptions"] == 0 and one["elastic"]["demotion_batches"] > 0
+    assert one["paged"]["preemptions"] > 0 and one["offload"]["preemptions"] > 0

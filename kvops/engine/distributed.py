@@ -253,6 +253,8 @@ class FidelitySync:
     :meth:`TPContext.engine`); a program driving pagers itself calls :meth:`exchange` after
     rank 0's frame and before the other ranks'. Every other attribute is the policy's."""
 
+    _OWN = frozenset({"fid", "leader", "outbox", "inbox"})
+
     def __init__(self, fid, leader: bool):
         self.fid, self.leader = fid, leader
         self.outbox: list = []
@@ -261,15 +263,24 @@ class FidelitySync:
     def __getattr__(self, name):
         return getattr(self.fid, name)
 
-    def step(self, frame, need: int = 0) -> dict:
+    def __setattr__(self, name, value):
+        # the policy's settings (e.g. an engine setting ``reserve``) go to the policy
+        if name in self._OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.fid, name, value)
+
+    def step(self, frame, need: int = 0, exclude=()) -> dict:
+        """Rank 0: ``Fidelity.step`` (``exclude`` shapes its decisions) and the plan queued;
+        another rank: rank 0's next plan applied (what it names, ``exclude`` or not)."""
         if self.leader:
-            out = self.fid.step(frame, need)
+            out = self.fid.step(frame, need, exclude=exclude)
             self.outbox.append(self.fid.last_plan)
             return out
         if not self.inbox:
             raise TPDivergence("fidelity: this rank steps its policy in a frame where rank 0 "
                                "stepped none (no plan of rank 0 is left to apply)")
-        return self.fid.step(frame, need, plan=self.inbox.pop(0))
+        return self.fid.step(frame, need, plan=self.inbox.pop(0), exclude=exclude)
 
     def take(self) -> list:
         """Rank 0: the plans queued since the last take."""

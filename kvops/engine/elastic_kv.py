@@ -109,9 +109,9 @@ class ElasticKV(PagedKV):
         cuda = torch.device(self.device).type == "cuda"
         if cuda:
             fidelity.setdefault("host_ahead", fidelity["host_pairs"] // 2)
-        self.fid = Fidelity(self.pager, caches, **fidelity)
+        self.fidelity = Fidelity(self.pager, caches, **fidelity)
         if cuda:
-            self.fid.drain()
+            self.fidelity.drain()
         self.demote = demote
         self.watermark_pages = math.ceil(watermark * self.pager.num_pages)
         self.eager, self.general = bool(eager), bool(general)
@@ -136,8 +136,8 @@ class ElasticKV(PagedKV):
         """Pages demotion can free this step from ``reqs`` (decoding requests only)."""
         if not self.demote:
             return 0
-        pairs = sum(self.fid.demotable(r.key) for r in reqs if not self.prefilling(r))
-        return min(pairs, self.fid.host_free)
+        pairs = sum(self.fidelity.demotable(r.key) for r in reqs if not self.prefilling(r))
+        return min(pairs, self.fidelity.host_free)
 
     def admission_margin(self, reqs: list[Request], computed: int | None = None) -> int:
         """Pages for ``reqs`` to reach their whole context at BASE cost, so the admitted
@@ -163,20 +163,20 @@ class ElasticKV(PagedKV):
         return super()._open(f, req, src, hit, n)
 
     def _before_reserves(self, f, reserves):
-        need = self.fid.need(f, [(r.key, n) for r, n in reserves])
+        need = self.fidelity.need(f, [(r.key, n) for r, n in reserves])
         exclude = {k for k, r in self._live.items() if self.prefilling(r)}
         t0 = time.perf_counter()
         if self.eager:
-            self.fid.reserve = 0.0                  # eager promotion: no protected reserve
+            self.fidelity.reserve = 0.0                  # eager promotion: no protected reserve
         if self.demote:
-            got = self.fid.step(f, need=need + self.watermark_pages, exclude=exclude)
+            got = self.fidelity.step(f, need=need + self.watermark_pages, exclude=exclude)
         else:                                       # never short: promotions only (none)
-            got = self.fid.step(f, need=0)
+            got = self.fidelity.step(f, need=0)
         fid_s = time.perf_counter() - t0
         # the scheduler's plan is exact when nothing it counted was preempted after it took
         # pages from it; otherwise the last growths wait a step (never an admission)
         keep = list(reserves)
-        while f.free_pages < self.fid.need(f, [(r.key, n) for r, n in keep]):
+        while f.free_pages < self.fidelity.need(f, [(r.key, n) for r, n in keep]):
             grows = [i for i, (r, _) in enumerate(keep) if r.key in self.pager.committed.sessions]
             if not grows:
                 raise RuntimeError(f"elastic: {f.free_pages} free pages after demotion cannot "
@@ -189,16 +189,16 @@ class ElasticKV(PagedKV):
         for key in [k for k in self._live if k not in self.pager.committed.sessions]:
             del self._live[key]
         for key, req in self._live.items():
-            first, end = self.fid.span(key)
+            first, end = self.fidelity.span(key)
             if end > first:
                 self.base_touched.add(req.rid)
 
     def reset_counters(self) -> None:
         super().reset_counters()
         self.base_touched.clear()
-        st = self.fid.stats
+        st = self.fidelity.stats
         st.update(demoted=0, promoted=0, demotion_batches=0, exposure_mean=0.0, steps=0)
 
     def quiesce(self) -> None:
         """Wait for promotions in flight and settle them (orphans' pages come back)."""
-        self.fid.drain()
+        self.fidelity.drain()

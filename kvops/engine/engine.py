@@ -86,7 +86,7 @@ class Engine:
         kv.after_step([r for r, _, _ in items if r.status is Status.RUNNING])
         used = sum(r.num_computed for r in sched.running) * kv.token_bytes
         d = kv.dma()
-        fid = getattr(kv, "fid", None)
+        fid = getattr(kv, "fidelity", None)
         el = {}
         if fid is not None:
             got = kv.last_fidelity
@@ -151,8 +151,8 @@ class Engine:
         if getattr(self.kv, "swaps", False):
             extra.update(swap_outs=self.kv.swap_outs, swap_ins=self.kv.swap_ins,
                          swap_gib=self.kv.swap_bytes / 2**30)
-        if getattr(self.kv, "fid", None) is not None:
+        if getattr(self.kv, "fidelity", None) is not None:
             extra.update(base_requests=len(self.kv.base_touched),
-                         promoted_pairs=self.kv.fid.stats["promoted"],
-                         demoted_pairs=self.kv.fid.stats["demoted"])
+                         promoted_pairs=self.kv.fidelity.stats["promoted"],
+                         demoted_pairs=self.kv.fidelity.stats["demoted"])
         return summarize(requests, self.steps, extra, eff=self.eff)

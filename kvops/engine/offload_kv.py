@@ -27,6 +27,7 @@ class OffloadKV(PagedKV):
     ``swap_ins``, ``swap_bytes`` (both directions)."""
 
     swaps = True
+    tp_edits = PagedKV.tp_edits + ("swap_out",)   # the scheduler's preemption (distributed.KVLog)
 
     def __init__(self, **kw):
         super().__init__(**kw)
@@ -72,7 +73,7 @@ class OffloadKV(PagedKV):
         return super().pages_for(req, n, hit)
 
     def _open(self, f, req, src, hit, n):
-        if src is SWAP_IN:
+        if src == SWAP_IN:           # by value: under tp the plan arrives pickled
             tokens, host = self._swapped.pop(req.rid)
             if tokens != hit:
                 raise ValueError(f"request {req.rid}: swap-in of {hit} tokens, {tokens} were "

@@ -108,11 +108,13 @@ def default_points(device: torch.device, axis: str) -> tuple[float, ...]:
 
 
 def run_sweep(settings: ReplaySettings, axis: str, points, requests_per_client: int | None = None,
-              progress: bool = True) -> dict:
+              progress: bool = True, tp=None) -> dict:
     """Every point of the sweep through every configuration; returns ``{"settings", "axis",
     "points": [{"x", "results": {config: metrics}, "steps": {config: [records]}}], "model",
     "device_name", "dtype", "budget_bytes"}``. ``requests_per_client``: requests at a
-    concurrency point = clients x this (default 4 on CUDA, 2 on a CPU)."""
+    concurrency point = clients x this (default 4 on CUDA, 2 on a CPU). ``tp``: this
+    process's :class:`~kvops.engine.distributed.TPContext` (every rank calls with the same
+    arguments; each point shards the model anew; the results are rank 0's)."""
     if axis not in ("concurrency", "rate", "window"):
         raise ValueError(f"axis: expected 'concurrency', 'rate' or 'window', got {axis!r}")
     points = list(points)
@@ -122,10 +124,13 @@ def run_sweep(settings: ReplaySettings, axis: str, points, requests_per_client: 
                              f", got {points!r}")
     elif not points or any(not p > 0 for p in points):
         raise ValueError(f"points: expected positive numbers, got {points!r}")
-    device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = tp.device if tp is not None else torch.device(
+        settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     settings = dataclasses.replace(settings, device=str(device))
     per = requests_per_client or (4 if device.type == "cuda" else 2)
-    model = load_model(settings.model, device, replay_dtype(settings, device))
+    model = None if tp is not None else load_model(settings.model, device,
+                                                   replay_dtype(settings, device))
+    say = print if tp is None or tp.leader else (lambda *a, **k: None)
     out = {"settings": dataclasses.asdict(settings), "axis": axis, "points": []}
     for x in points:
         if axis == "concurrency":
@@ -136,8 +141,8 @@ def run_sweep(settings: ReplaySettings, axis: str, points, requests_per_client: 
             s = dataclasses.replace(settings, trace_window=int(x), concurrency=None)
         else:
             s = dataclasses.replace(settings, rate=float(x), concurrency=None)
-        print(f"-- {axis} {_label(axis, x)}", flush=True)
-        r = run(s, progress=progress, model=model)
+        say(f"-- {axis} {_label(axis, x)}", flush=True)
+        r = run(s, progress=progress, model=model, tp=tp)
         point = {"x": x, "results": r["results"], "steps": r["steps"]}
         if axis == "window":            # the offered load of Figure 6
             first = next(iter(r["requests"].values()))

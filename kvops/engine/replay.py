@@ -224,12 +224,14 @@ def run(settings: ReplaySettings, progress: bool = True, tp=None, model=None) ->
     progress = progress and (tp is None or tp.leader)
     dtype = replay_dtype(settings, device)
     model, note = model if model is not None else load_model(settings.model, device, dtype)
+    whole = model.cfg                   # budgets count tokens of the whole model's heads
     if tp is not None:
         tp.check_model(model.cfg)
         model = tp.shard(model)
         note += f", tensor-parallel over {tp.size} ranks"
     cfg = model.cfg
-    tok = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
+    tok = 2 * whole.n_layers * whole.n_kv_heads * whole.head_dim \
+        * torch.empty(0, dtype=dtype).element_size()
     budget_bytes = (settings.budget_tokens * tok if settings.budget_tokens
                     else int(settings.budget_gib * 2**30))
     budget = KVBudget(bytes=budget_bytes, max_seqs=settings.max_seqs,

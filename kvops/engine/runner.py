@@ -62,7 +62,7 @@ class ModelRunner:
     def __init__(self, model, kv, decode: str, *, graphs: bool | None = None):
         if decode not in DECODE_KINDS:
             raise ValueError(f"decode: expected one of {', '.join(DECODE_KINDS)}, got {decode!r}")
-        if decode == "elastic" and getattr(kv, "fid", None) is None:
+        if decode == "elastic" and getattr(kv, "fidelity", None) is None:
             raise ValueError("decode: 'elastic' needs a KV manager with a Fidelity policy "
                              "(ElasticKV)")
         self.model, self.kv, self.decode = model, kv, decode
@@ -135,7 +135,7 @@ class ModelRunner:
         kv, dev = self.kv, self.device
         if self.decode == "elastic":            # paged_prefill_attention reads TARGET only
             for req, _, _ in items:
-                first, end = kv.fid.span(req.key)
+                first, end = kv.fidelity.span(req.key)
                 if end > first:
                     raise RuntimeError(f"prefill: request {req.rid} holds BASE blocks "
                                        f"[{first}, {end}); paged_prefill_attention reads pages "
@@ -198,7 +198,7 @@ class ModelRunner:
         if self.decode == "elastic":
             # a captured step takes the BASE table always (one graph a bucket); eager steps
             # take the native path while nothing is BASE
-            span = kv.fid.attention_kwargs(always=self.graphs).get("base_span")
+            span = kv.fidelity.attention_kwargs(always=self.graphs).get("base_span")
             if span is not None and getattr(kv, "general", False):
                 mixed = {"block_mode": span_modes(span[:bk], t["block_table"].shape[1])}
             elif span is not None:
