@@ -2,7 +2,7 @@
 # One check-and-benchmark pass on a GPU machine, as the device tool runs it: each part under its
 # own time cap, its log in $OUT/<part>.log, every results file it records copied to $OUT, and a
 # short table of the parts last. Parts are named on the command line (default: all, in order):
-#   bench/gpu_pass.sh tests fidelity farret elastic engine tp tp_more transformers elastic_ablations
+#   bench/gpu_pass.sh suite tests fidelity farret elastic engine tp tp_more transformers elastic_ablations
 # and everything under $OUT is packed into $OUT/gpu-pass.tgz at the end.
 set -u
 OUT=${OUT:-/tmp/gpu-pass}
@@ -28,6 +28,9 @@ tests() {
         tests/test_far_view_policy.py tests/test_engine_elastic.py tests/test_evals_elastic.py \
         tests/test_far_slot_update.py tests/test_far_retrieval_policy.py tests/test_fidelity_host_cost.py \
         tests/test_op_contract.py
+}
+suite() {      # the whole suite (issue 18's "passes on the device"); about 7 minutes on 16 workers
+    part suite 560 python3 -m pytest -q -n 16 --timeout 300 -rfE -p no:cacheprovider
 }
 fidelity() {
     part fidelity 90 python3 -m bench.bench_fidelity_host --device cuda
@@ -55,9 +58,8 @@ tp_more() {
     part tp-eager 80 python3 -m bench.bench_tp --configs static,paged --no-graphs --name tp1-distributed-path-eager
     part tp-fp32 80 python3 -m bench.bench_tp --configs static,paged --dtype float32 --name tp1-distributed-path-fp32
 }
-transformers() {
-    part transformers 110 python3 -m bench.bench_transformers --batches 1,64 --contexts 4096 \
-        --impls sdpa,sliding,paged --record
+transformers() {      # issue 22's grid: B 1, 16, 64 x 4k, 16k, against SDPA and flex
+    part transformers 420 python3 -m bench.bench_transformers --record
 }
 
 for p in "${@:-tests fidelity farret elastic engine tp transformers}"; do
