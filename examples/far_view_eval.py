@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> None:
         f"sv_chunk {ev.CHUNK}; far<cap> = window + far-chunk summaries (log-count bias unless "
         "-nobias); near = window only; ret<K> = window + the K far pages (of 16 tokens) of "
         "highest key-bound score for each query, exact, bias 0 (-every<N>: selection every N "
-        "positions). See examples/far_view_eval.py for the method.",
+        "positions; @<S>: window, bounds and pages of S tokens instead). See "
+        "examples/far_view_eval.py for the method.",
         f"Banded evaluation vs the kvops-op path (layer 0, 1100 tokens): max abs diff {worst:.2e}.",
         "",
         table(head, rows),

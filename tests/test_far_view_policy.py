@@ -509,3 +509,27 @@ def test_selection_matches_a_top_cap_oracle_under_random_steps(max_leave):
             far.pull_scores(rng.integers(0, 3, far.host_scores.shape).astype(np.float32))
             fresh = {key: set() for key in fresh}
     assert most > cap + 2 and gaps and next_key > sessions      # ranked, dropped, reused
+
+
+def test_retrieval_eval_runs_on_other_page_sizes(monkeypatch):
+    """``ret<K>@<S>``: the retrieval far view of the evaluation on pages of S tokens (window,
+    bounds and selection), the block-parallel path equal to the kvops-op path; bad sizes are
+    refused naming the config."""
+    from kvops.evals import far_view as ev
+
+    assert ev.parse_config("ret128@8") == ("ret", 128, False, 0)
+    assert (ev.retrieval_page("ret64-every4@8"), ev.retrieval_every("ret64-every4@8")) == (8, 4)
+    assert ev.retrieval_page("ret64") == ev.retrieval_page("far64") == ev.PAGE
+    for bad in ("ret64@4", "ret64@12", "far64@8", "ret64@x"):
+        with pytest.raises(ValueError, match="config: expected"):
+            ev.parse_config(bad)
+    monkeypatch.setattr(ev, "WINDOW", 32)
+    T = 120
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(T, HKV * G, D, generator=gen)
+    k = torch.randn(T, HKV, D, generator=gen)
+    v = torch.randn(T, HKV, D, generator=gen)
+    fine = ev.attention_banded(q, k, v, "ret", 4, False, page=8)
+    torch.testing.assert_close(fine, ev.attention_far(q, k, v, "ret", 4, False, q_block=32,
+                                                      page=8), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(fine, ev.attention_banded(q, k, v, "ret", 4, False, page=16))

@@ -12,7 +12,10 @@ Configurations (near window ``WINDOW = 512`` tokens, ``PAGE = 16``-token pages, 
 - ``ret<K>`` / ``ret<K>-every<N>``: the retrieval far view, the window plus the exact tokens of
   the ``K`` far pages of highest key-bound score (``torch.ops.kvops.far_page_summarize`` bounds,
   ``torch.ops.kvops.far_page_select`` choice) for each query, bias 0; ``-every<N>`` chooses
-  with the query of every ``N``-th position (:func:`retrieval_every`);
+  with the query of every ``N``-th position (:func:`retrieval_every`); ``@<S>`` (e.g.
+  ``ret128@8``) runs it on pages of ``S`` tokens instead of ``PAGE`` (:func:`retrieval_page`:
+  the window, the bounds and the selection all at that page size, as a pager of ``S``-token
+  pages serves it);
 - ``sink<n>`` and ``<config>+sink<n>`` (diagnostics, not a kvops path): the window (and far
   view) plus the sequence's first ``n`` tokens exact (StreamingLLM's attention sink).
 
@@ -48,7 +51,11 @@ WINDOW, PAGE, CHUNK = 512, 16, 128
 
 def parse_config(name: str) -> tuple[str, int, bool, int]:
     """``"dense" | "near" | "far<cap>[-nobias]"``, optionally ``+sink<n>`` (``"sink<n>"`` alone
-    is ``near+sink<n>``) -> (mode, cap, log_count_bias, sink tokens)."""
+    is ``near+sink<n>``), or ``"ret<K>[-every<N>][@<S>]"`` -> (mode, cap, log_count_bias, sink
+    tokens)."""
+    if name.startswith("ret"):
+        retrieval_page(name)                  # a bad page size is refused here
+        name = name.partition("@")[0]
     base, plus, extra = name.partition("+")
     sink = int(extra[4:]) if extra.startswith("sink") and extra[4:].isdigit() else -1
     if base.startswith("sink") and base[4:].isdigit() and not plus:
@@ -73,17 +80,32 @@ def parse_config(name: str) -> tuple[str, int, bool, int]:
 
 def retrieval_every(name: str) -> int:
     """``ret<K>-every<N>`` -> N (selection every N positions); 1 for any other config."""
-    _, _, suffix = name.partition("-every")
+    _, _, suffix = name.partition("@")[0].partition("-every")
     return int(suffix) if name.startswith("ret") and suffix else 1
 
 
-def page_bounds(k):
-    """Per-channel key min and max of every complete page of ``k [T, Hkv, D]`` through
-    ``torch.ops.kvops.far_page_summarize``: ``[1, T // PAGE, Hkv, D]`` each."""
+def retrieval_page(name: str) -> int:
+    """``ret<K>...@<S>`` -> S, the page size the retrieval far view runs on (a power of two of
+    at least 8 that divides ``WINDOW``); ``PAGE`` for any other config."""
+    head, at, size = name.partition("@")
+    if not at:
+        return PAGE
+    S = int(size) if size.isdigit() else 0
+    if not head.startswith("ret") or S < 8 or S & (S - 1) or WINDOW % S:
+        raise ValueError(f"config: expected ret<K>@<S> with S a power of two >= 8 dividing the "
+                         f"window ({WINDOW}), got {name!r}")
+    return S
+
+
+def page_bounds(k, page: int | None = None):
+    """Per-channel key min and max of every complete page of ``page`` tokens (default
+    ``PAGE``) of ``k [T, Hkv, D]`` through ``torch.ops.kvops.far_page_summarize``: ``[1,
+    T // page, Hkv, D]`` each."""
+    page = page or PAGE
     T, Hkv, D = k.shape
-    n = T // PAGE
+    n = T // page
     pages = torch.arange(n, dtype=torch.int32, device=k.device).view(1, n)
-    return torch.ops.kvops.far_page_summarize(k[: n * PAGE].reshape(n, PAGE, Hkv, D), pages)
+    return torch.ops.kvops.far_page_summarize(k[: n * page].reshape(n, page, Hkv, D), pages)
 
 
 def retrieval_pages(q, bounds, t, n_pages, top_k: int, every: int = 1):
@@ -104,31 +126,37 @@ def retrieval_pages(q, bounds, t, n_pages, top_k: int, every: int = 1):
     return sel[:, :N]
 
 
-def window_geometry(T: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per query position t: (win_start, win_len) into the W keys ending at t, and the number of
+def window_geometry(T: int, device, page: int | None = None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                        torch.Tensor]:
+    """Per query position t: (win_start, win_len) into the W keys ending at t (the window is
+    the last ``W / page`` pages of ``page`` tokens, default ``PAGE``), and the number of
     complete far chunks before its window."""
+    page = page or PAGE
     t = torch.arange(T, device=device)
-    blocks = (t + 1 + PAGE - 1) // PAGE
-    first = (blocks - WINDOW // PAGE).clamp(min=0) * PAGE         # first window token
+    blocks = (t + 1 + page - 1) // page
+    first = (blocks - WINDOW // page).clamp(min=0) * page         # first window token
     win_start = (first - t + WINDOW - 1).to(torch.int32)
     win_len = (t - first + 1).to(torch.int32)
     return win_start, win_len, first // CHUNK
 
 
 @torch.no_grad()
-def attention_far(q, k, v, mode: str, cap: int, bias: bool, q_block: int = 256, every: int = 1):
-    """One layer's attention for every position: q [T, Hq, D], k, v [T, Hkv, D] -> [T, Hq, D]."""
+def attention_far(q, k, v, mode: str, cap: int, bias: bool, q_block: int = 256, every: int = 1,
+                  page: int | None = None):
+    """One layer's attention for every position: q [T, Hq, D], k, v [T, Hkv, D] -> [T, Hq, D]
+    (``page``: the retrieval far view's page size, default ``PAGE``)."""
+    page = page or PAGE
     T, Hkv, D = k.shape
-    win_start, win_len, n_far = window_geometry(T, q.device)
+    win_start, win_len, n_far = window_geometry(T, q.device, page)
     pad = q.new_zeros(WINDOW, Hkv, D)
     kp, vp = torch.cat([pad, k]), torch.cat([pad, v])
     far = None
     if mode == "ret":
-        bounds = page_bounds(k)
-        n_pages = (torch.arange(T, device=q.device) - win_len + 1) // PAGE
+        bounds = page_bounds(k, page)
+        n_pages = (torch.arange(T, device=q.device) - win_len + 1) // page
         N = bounds[0].shape[1]
-        kpg = k[: N * PAGE].reshape(N, PAGE, Hkv, D)
-        vpg = v[: N * PAGE].reshape(N, PAGE, Hkv, D)
+        kpg = k[: N * page].reshape(N, page, Hkv, D)
+        vpg = v[: N * page].reshape(N, page, Hkv, D)
     if mode == "far" and T >= CHUNK:
         far = (*far_summaries(k, v), math.log(CHUNK) if bias else 0.0)
     out = torch.empty_like(q)
@@ -146,9 +174,9 @@ def attention_far(q, k, v, mode: str, cap: int, bias: bool, q_block: int = 256, 
             idx = torch.where(sel, torch.arange(N, device=q.device), N).sort(dim=1).values[:, :K]
             live = idx < N
             rows = idx.clamp(max=N - 1).flatten()
-            fk = kpg[rows].view(n, K * PAGE, Hkv, D)
-            fv = vpg[rows].view(n, K * PAGE, Hkv, D)
-            fb = torch.where(live, 0.0, float("-inf")).repeat_interleave(PAGE, dim=1)
+            fk = kpg[rows].view(n, K * page, Hkv, D)
+            fv = vpg[rows].view(n, K * page, Hkv, D)
+            fb = torch.where(live, 0.0, float("-inf")).repeat_interleave(page, dim=1)
             args = (fk, fv, fb.to(torch.float32))
         elif mode == "far":
             slot = torch.arange(cap, device=q.device)
@@ -178,7 +206,7 @@ def far_summaries(k, v):
 
 @torch.no_grad()
 def attention_banded(q, k, v, mode: str, cap: int, bias: bool, sink: int = 0, q_block: int = 256,
-                     q0: int = 0, every: int = 1):
+                     q0: int = 0, every: int = 1, page: int | None = None):
     """The same attention as :func:`attention_far` in one SDPA call per block of queries: the
     block's keys are the contiguous band ``[t0 - W, t0 + n)`` (no per-query copies) plus the
     far summaries, with a mask (window bounds, far chunk counts) carrying the far bias. This is
@@ -188,9 +216,10 @@ def attention_banded(q, k, v, mode: str, cap: int, bias: bool, sink: int = 0, q_
     queries of positions ``[q0, T)`` (``k, v`` all ``T``); the output is theirs.
     ``mode="ret"``: the window plus the exact tokens of the ``cap`` far pages
     :func:`retrieval_pages` picks for each query (bias 0); with ``every > 1``, ``q0`` must be
-    a multiple of ``every``."""
+    a multiple of ``every``; ``page``: its page size (the window's too; default ``PAGE``)."""
+    page = page or PAGE
     T = k.shape[0]
-    win_start, win_len, n_far = window_geometry(T, q.device)
+    win_start, win_len, n_far = window_geometry(T, q.device, page)
     first = torch.arange(T, device=q.device) - win_len + 1                  # first visible key
     if mode == "dense":
         first = torch.zeros_like(first)
@@ -201,8 +230,8 @@ def attention_banded(q, k, v, mode: str, cap: int, bias: bool, sink: int = 0, q_
     if mode == "ret":
         if q0 % every:
             raise ValueError(f"attention_banded: q0={q0} is not a multiple of every={every}")
-        bounds = page_bounds(k)
-        n_pages = first // PAGE
+        bounds = page_bounds(k, page)
+        n_pages = first // page
         q_block = max(every, q_block - q_block % every)
     out = torch.empty_like(q)
     for t0 in range(q0, T, q_block):
@@ -213,7 +242,7 @@ def attention_banded(q, k, v, mode: str, cap: int, bias: bool, sink: int = 0, q_
         mask = (keys[None, :] >= first[t, None]) & (keys[None, :] <= t[:, None])
         if mode == "ret" and bounds[0].shape[1]:
             sel = retrieval_pages(q[t0 - q0:t0 - q0 + n], bounds, t, n_pages, cap, every)
-            tok = sel.repeat_interleave(PAGE, dim=1)                     # [n, pages * PAGE]
+            tok = sel.repeat_interleave(page, dim=1)                     # [n, pages * page]
             mask[:, : tok.shape[1]] |= tok[:, : mask.shape[1]]
         bias_ = torch.where(mask, 0.0, float("-inf"))
         kb, vb = k[lo:t0 + n], v[lo:t0 + n]
@@ -269,13 +298,13 @@ def check_paths(model: Llama, ids: torch.Tensor, configs: list[str]) -> float:
         mode, cap, bias, _ = parse_config(c)
         if mode == "dense":
             continue
-        every = retrieval_every(c)
+        every, page = retrieval_every(c), retrieval_page(c)
         if mode == "ret":                 # fewer pages than are far, so the selection binds
             cap = min(cap, 8)
         else:
             cap = max(cap, chunks)        # a --sequential cap may be smaller; check the paths
-        a = attention_banded(q, k, v, mode, cap, bias, every=every)
-        b = attention_far(q, k, v, mode, cap, bias, q_block=64, every=every)
+        a = attention_banded(q, k, v, mode, cap, bias, every=every, page=page)
+        b = attention_far(q, k, v, mode, cap, bias, q_block=64, every=every, page=page)
         worst = max(worst, (a - b).abs().max().item())
     return worst
 
@@ -292,7 +321,8 @@ def hidden_states(model: Llama, ids: torch.Tensor, config: str) -> torch.Tensor:
     for block in model.layers:
         att = block.attention
         q, k, v = att._qkv(block.attention_norm(x), cos, sin)
-        o = attention_banded(q, k, v, mode, cap, bias, sink, every=retrieval_every(config))
+        o = attention_banded(q, k, v, mode, cap, bias, sink, every=retrieval_every(config),
+                             page=retrieval_page(config))
         x = x + att.wo(o.flatten(-2))
         x = x + block.feed_forward(block.ffn_norm(x))
     return model.norm(x)
@@ -307,12 +337,12 @@ def hidden_states_from(model: Llama, ids: torch.Tensor, config: str, start: int 
     come from ``cache`` (the second result of a call on a sequence whose first ``start`` tokens
     are ``ids[:start]``; causal attention makes them independent of what follows)."""
     mode, cap, bias, sink = parse_config(config)
-    every = retrieval_every(config)
+    every, page = retrieval_every(config), retrieval_page(config)
 
     def attend(layer, q, k, v):
         if mode == "dense":
             return attention_dense(q, k, v, start)
-        return attention_banded(q, k, v, mode, cap, bias, sink, q0=start, every=every)
+        return attention_banded(q, k, v, mode, cap, bias, sink, q0=start, every=every, page=page)
 
     return hidden_states_with(model, ids, attend, start, cache)
 
