@@ -282,3 +282,16 @@ def test_bare_kvops_runs_the_replay_then_one_pressure_comparison(monkeypatch, tm
     seen.clear()
     monkeypatch.setattr(cli, "replay", lambda args: seen.append(args) or 3)
     assert cli.main([]) == 3 and len(seen) == 1                     # a failed replay stops it
+
+
+def test_model_clock_stamps_agree_with_the_driving_clock_across_idle_jumps(model):
+    """On the modeled clock the engine jumps over idle time to the next arrival; the modeled
+    stamps (``arrival_model``, ``token_model``) include the jumps, so they equal the driving
+    clock's and the modeled TTFT of a request after a gap is its real wait, not negative."""
+    rows = [TraceRow(100.0 * i, 600, 8) for i in range(3)]
+    reqs, _, m = serve(model, rows, clock="model")
+    assert m["finished"] == 3
+    for r in reqs:
+        assert r.arrival_model == r.arrival
+        assert r.token_model == r.token_times
+    assert reqs[2].token_model[0] - reqs[2].arrival_model > 0

@@ -44,17 +44,20 @@ class Engine:
         """Wall seconds since the replay started (with the idle jumps under the wall clock)."""
         return time.perf_counter() - self._t0 + (self._skip if self.clock == "wall" else 0.0)
 
+    def modeled(self) -> float:
+        """Modeled seconds since the replay started (with the idle jumps under the model
+        clock)."""
+        return self.model_t + (self._skip if self.clock == "model" else 0.0)
+
     def now(self) -> float:
         """The driving clock."""
-        if self.clock == "model":
-            return self.model_t + self._skip
-        return time.perf_counter() - self._t0 + self._skip
+        return self.modeled() if self.clock == "model" else self.wall()
 
     def arrive(self, req: Request) -> None:
         """Stamp ``req``'s arrival on every clock (the engine takes it in now)."""
         req.arrival_step = len(self.steps)
         req.arrival_wall = req.arrival if self.clock == "wall" else self.wall()
-        req.arrival_model = req.arrival if self.clock == "model" else self.model_t
+        req.arrival_model = req.arrival if self.clock == "model" else self.modeled()
 
     def step(self) -> StepRecord:
         sched, kv = self.scheduler, self.kv
@@ -70,7 +73,7 @@ class Engine:
         kv_tokens = sum(start + n for _, start, n in items)
         cost = self.step_cost.of(tokens, kv_tokens)
         self.model_t += cost
-        now, wall, index = self.now(), self.wall(), len(self.steps) + 1
+        now, wall, modeled, index = self.now(), self.wall(), self.modeled(), len(self.steps) + 1
         for req, start, n in items:
             req.num_computed = start + n
             tok = nxt.get(req)
@@ -78,7 +81,7 @@ class Engine:
                 req.output.append(tok)
                 req.token_times.append(now)
                 req.token_walls.append(wall)
-                req.token_model.append(self.model_t)
+                req.token_model.append(modeled)
                 req.token_steps.append(index)
                 if req.done:
                     req.status, req.finish_time = Status.FINISHED, now

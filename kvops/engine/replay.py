@@ -249,12 +249,9 @@ def run(settings: ReplaySettings, progress: bool = True, tp=None, model=None) ->
         kv = make_kv(name, budget if tp is None else tp.kv_budget(budget), cfg, dtype, device,
                      prefix_sharing=settings.prefix_sharing,
                      fidelity=settings.fidelity if is_elastic(name) else None)
-        if tp is None:
-            engine = Engine(model, kv, decode_kind(name), sched, graphs=settings.graphs,
-                            clock=settings.clock, step_cost=step_cost)
-        else:
-            engine = tp.engine(model, kv, decode_kind(name), sched, graphs=settings.graphs,
-                               clock=settings.clock, step_cost=step_cost)
+        make = Engine if tp is None else tp.engine
+        engine = make(model, kv, decode_kind(name), sched, graphs=settings.graphs,
+                      clock=settings.clock, step_cost=step_cost)
         engine.eff = (settings.eff_ttft_s, settings.eff_tbt_s)
         _warmup(engine, cfg.vocab_size, budget.max_context)
         reqs = _requests(settings, cfg.vocab_size, cfg.max_seq_len)

@@ -55,6 +55,19 @@ def _cuda_props(device: torch.device):
     return _props(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def page_copy_block(page_elems: int, itemsize: int, budget_bytes: int) -> int:
+    """Elements a page-copy step moves: the largest power of two that divides the page and
+    holds at most ``budget_bytes``."""
+    return min(page_elems & -page_elems, budget_bytes // itemsize)
+
+
+def check_copy_block(name: str, block: int, page_elems: int) -> None:
+    """A page-copy step given by hand must be a power of two dividing the page."""
+    if page_elems % block or block & (block - 1):
+        raise ValueError(f"{name}: expected a power of two dividing S*Hkv*D={page_elems}, "
+                         f"got {block}")
+
+
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of ``device``; 4 for CPU (interpreter) so split-K is exercised."""
     if device.type != "cuda":

@@ -39,7 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvops.kernels._common import next_pow2
+from kvops._checks import signature as sig
+from kvops.kernels._common import check_copy_block, next_pow2, page_copy_block
 from kvops.kernels._launch import launch
 
 
@@ -95,36 +96,51 @@ def slot_update_launch(S: int, Hkv: int, D: int, itemsize: int) -> tuple[int, in
     divides the page ``S * Hkv * D`` and holds at most 8 KiB (16 bytes, one vector, for each
     lane of 4 warps, four times over), and 4 warps (the bookkeeping is ``K``-wide, the copy one
     page)."""
-    page = S * Hkv * D
-    return min(page & -page, 8192 // itemsize), 4
+    return page_copy_block(S * Hkv * D, itemsize, 8192), 4
 
 
-def far_slot_update_fwd(new: torch.Tensor, block_table: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, index: torch.Tensor, far_k: torch.Tensor,
-                        far_v: torch.Tensor, far_bias: torch.Tensor, *,
-                        block_e: int | None = None, num_warps: int | None = None) -> None:
-    """Launch the kernel. Inputs are already checked by the op.
+_PLANS: dict = {}
 
-    new int32 [B, K]; block_table int32 [B, L] (any strides); k_cache, v_cache [P, S, Hkv, D]
-    (contiguous pages, any page stride); index int32 [B, K], far_k, far_v [B, K * S, Hkv, D],
-    far_bias float32 [B, K * S] (contiguous, written in place).
-    """
+
+def _plan(new, block_table, k_cache, v_cache, block_e, num_warps):
     B, K = new.shape
-    if B == 0:
-        return
     P, S, Hkv, D = k_cache.shape
     L = block_table.shape[1]
     rule_e, rule_warps = slot_update_launch(S, Hkv, D, k_cache.element_size())
     block_e = block_e or rule_e
     E = S * Hkv * D
-    if E % block_e or block_e & (block_e - 1):
-        raise ValueError(f"block_e: expected a power of two dividing S*Hkv*D={E}, got {block_e}")
+    check_copy_block("block_e", block_e, E)
+    ints = (new.stride(0), new.stride(1), block_table.stride(0), block_table.stride(1),
+            k_cache.stride(0), v_cache.stride(0), K, L, P)
+    meta = dict(S=S, E=E, BLOCK_K=next_pow2(K), BLOCK_E=block_e,
+                num_warps=num_warps or rule_warps)
+    # the plan's own token keys its compiled kernel (see static_sliding_attention._plan)
+    return (B, K), ints, meta, object()
+
+
+def far_slot_update_fwd(new: torch.Tensor, block_table: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, index: torch.Tensor, far_k: torch.Tensor,
+                        far_v: torch.Tensor, far_bias: torch.Tensor, *,
+                        block_e: int | None = None, num_warps: int | None = None,
+                        signature=None) -> None:
+    """Launch the kernel. Inputs are already checked by the op.
+
+    new int32 [B, K]; block_table int32 [B, L] (any strides); k_cache, v_cache [P, S, Hkv, D]
+    (contiguous pages, any page stride); index int32 [B, K], far_k, far_v [B, K * S, Hkv, D],
+    far_bias float32 [B, K * S] (contiguous, written in place). A launch's plan is kept per
+    argument signature (``signature``: the op's, else one is computed here) and knobs.
+    """
+    if new.shape[0] == 0:
+        return
     tensors = (new, block_table, k_cache, v_cache, index, far_k, far_v, far_bias)
-    key = (B, K, L, P, S, Hkv, D, k_cache.dtype, k_cache.device, new.stride(),
-           block_table.stride(), k_cache.stride(0), v_cache.stride(0), block_e, num_warps,
-           tuple(t.data_ptr() % 16 for t in tensors))
-    launch(_far_slot_update_kernel, (B, K), key,
-           (*tensors, new.stride(0), new.stride(1), block_table.stride(0), block_table.stride(1),
-            k_cache.stride(0), v_cache.stride(0), K, L, P),
-           dict(S=S, E=E, BLOCK_K=next_pow2(K), BLOCK_E=block_e,
-                num_warps=num_warps or rule_warps))
+    if signature is None:
+        signature = tuple(sig(t) for t in tensors)
+    key = (signature, block_e, num_warps)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(new, block_table, k_cache, v_cache, block_e, num_warps)
+        if len(_PLANS) >= 4096:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    grid, ints, meta, token = plan
+    launch(_far_slot_update_kernel, grid, token, (*tensors, *ints), meta)

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvops.kernels._common import next_pow2, sm_count
+from kvops.kernels._common import check_copy_block, next_pow2, page_copy_block, sm_count
 from kvops.kernels._launch import launch
 
 # Up to this many rows, one launch (every program re-reads the rows: 12 KiB at 1024);
@@ -148,7 +148,7 @@ def _gather_pages_kernel(
 def default_block(page_elems: int, itemsize: int) -> int:
     """Elements per block: the largest power of two dividing the page, at most 4 KiB (one
     16-byte vector per thread of 8 warps; docs/tuning.md)."""
-    return min(page_elems & -page_elems, 4096 // itemsize)
+    return page_copy_block(page_elems, itemsize, 4096)
 
 
 def default_programs_per_sm(T: int, fused: bool) -> int:
@@ -180,9 +180,7 @@ def paged_gather_merged_fwd(
     P, S, Hkv, D = k_cache.shape
     page_elems = S * Hkv * D
     block = block or default_block(page_elems, k_cache.element_size())
-    if page_elems % block or block & (block - 1):
-        raise ValueError(f"block: expected a power of two dividing S*Hkv*D={page_elems}, "
-                         f"got {block}")
+    check_copy_block("block", block, page_elems)
     units = page_elems // block
     fused = T <= fuse_max_trains
     strides = (k_cache.stride(0), v_cache.stride(0), k_out.stride(0), v_out.stride(0))

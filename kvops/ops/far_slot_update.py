@@ -116,13 +116,14 @@ _checked = CheckedSignatures(_check)
 
 def _impl(new, block_table, k_cache, v_cache, index, far_k, far_v, far_bias):
     args = (new, block_table, k_cache, v_cache, index, far_k, far_v, far_bias)
-    _checked(tuple(sig(t) for t in args), *args)
+    key = tuple(sig(t) for t in args)
+    _checked(key, *args)
     if validate():
         _validate(new, block_table, index, k_cache.shape[0])
     if use_triton(k_cache.device):
         from kvops.kernels.far_slot_update import far_slot_update_fwd
 
-        far_slot_update_fwd(*args)
+        far_slot_update_fwd(*args, signature=key)
         return
     far_slot_update_ref(*args)
 

@@ -150,12 +150,12 @@ class _HostPool:
         self.alloc = SpanAllocator(capacity)
         self.chunks: dict[int, torch.Tensor] = {}
         self.limit = -(-capacity // chunk)                  # chunks the capacity spans
-        self.ahead = -(-min(ahead, capacity) // chunk)      # chunks pinned from the start
-        self.refill = min(self.ahead, self.REFILL)          # chunks kept ready after that
+        ahead = -(-min(ahead, capacity) // chunk)           # chunks pinned from the start
+        self.refill = min(ahead, self.REFILL)               # chunks kept ready after that
         self._ready: list = []                              # futures of allocated chunks
         self._worker = None
         self.inline = 0                                     # chunks ``take`` had to allocate
-        self._refill(self.ahead)
+        self._refill(ahead)
 
     def _new_chunk(self) -> torch.Tensor:
         return torch.empty((self.chunk, *self.slot_shape), dtype=self.dtype, pin_memory=self.pin)
@@ -187,10 +187,8 @@ class _HostPool:
         try:
             for c in new:
                 got = None
-                if self._ready:
-                    done = [f for f in self._ready if f.done()]
-                    fut = done[0] if done else self._ready[0]
-                    self._ready.remove(fut)
+                if self._ready:             # one worker: its chunks come in submission order
+                    fut = self._ready.pop(0)
                     try:
                         got = fut.result()
                     except Exception:           # the worker's allocation failed: try here
@@ -660,22 +658,19 @@ class Fidelity:
         first, end = self._span_now(key, pend)
         if first == end:                    # a new span starts at the first eligible pair
             end = self.protect_first
-            while end + 1 < limit and self._eligible(frame, key, end) is None:
+            while end + 1 < limit and not self._eligible(frame, key, end):
                 end += 1
             first = end
         return (first, end, limit) if end + 1 < limit else None
 
-    def _eligible(self, frame: Frame, key, j: int, sources=None) -> tuple[int, int] | None:
-        """The pages ``(a, b)`` of blocks ``j, j + 1`` when they can form a pair: two live
-        unshared pages, neither the source of a copy this frame makes (the copy runs after the
-        pack, and must read TARGET bytes); else None. ``sources``: those copies' sources,
-        when the caller has them as a set."""
+    def _eligible(self, frame: Frame, key, j: int) -> bool:
+        """Whether blocks ``j, j + 1`` can form a pair: two live unshared pages, neither the
+        source of a copy this frame makes (the copy runs after the pack, and must read TARGET
+        bytes). :meth:`_read_ahead` is the same rule over many pairs at once."""
         a, b = frame.page(key, j), frame.page(key, j + 1)
         if a < 0 or b < 0 or a == b or frame.refcount(a) != 1 or frame.refcount(b) != 1:
-            return None
-        if sources is None:
-            sources = {s for s, _ in frame.copies}
-        return None if a in sources or b in sources else (a, b)
+            return False
+        return not frame.copies or all(a != s and b != s for s, _ in frame.copies)
 
     def _read_ahead(self, frame: Frame, ahead: dict, runs, sources) -> None:
         """Fill ``ahead[key] = (j, [(a, b) or None])`` with ``_eligible`` of pairs ``j, j + 2,
@@ -697,7 +692,8 @@ class Fidelity:
 
     def _ahead(self, frame: Frame, ahead: dict, key, j: int, limit: int,
                sources) -> tuple[int, int] | None:
-        """``_eligible(frame, key, j, sources)`` for the picking loop, from the pairs read
+        """The pages ``(a, b)`` of the pair at block ``j`` when it is eligible (else None) for
+        the picking loop, from the pairs read
         ahead (:meth:`_read_ahead`); past them, the next run of twice as many is read."""
         got = ahead.get(key)
         if got is None or not got[0] <= j < got[0] + 2 * len(got[1]):
@@ -774,7 +770,7 @@ class Fidelity:
         self._to_host(back, slots)
         keys = [key for key, _ in who]
         js = [j for _, j in who]
-        tops = (np.array(js, dtype=np.int64) + 1).tolist()
+        tops = [j + 1 for j in js]
         firsts = pages[:, 0]
         frame.remap_many(keys, tops, firsts)                  # block j + 1 onto page a
         firsts = firsts.tolist()
@@ -925,8 +921,9 @@ class Fidelity:
         side stream copy the batch's backings up (a copy a run of host slots) and refine."""
         keys = [key for key, _ in picks]
         js = np.fromiter((j for _, j in picks), np.int64, len(picks))
-        pages = frame.pages_at(keys, js)
-        bad = (pages < 0) | (frame.pages_at(keys, js + 1) != pages)
+        both = frame.pages_at(keys + keys, np.concatenate([js, js + 1]))
+        pages, tops = both[:len(picks)], both[len(picks):]
+        bad = (pages < 0) | (tops != pages)
         if bad.any():
             key, j = picks[int(bad.argmax())]
             raise ValueError(f"promote: BASE blocks {j}, {j + 1} of {key!r} were trimmed in "
@@ -983,14 +980,13 @@ class Fidelity:
                 if pr.done is not None:
                     pr.done.synchronize()
         orphans = []
+        rk, rj, rp, free = [], [], [], []       # the remaps and releases, made at once below
         for i, pr in enumerate(self._orphans):
             if (ready(pr) if plan is None else i in plan.orphans):
-                for p in (*pr.new, pr.page):
-                    frame.release(p)
+                free += (*pr.new, pr.page)
                 pend.orphans_done.append(pr)
                 orphans.append(i)
         settled, done = 0, []
-        rk, rj, rp, free = [], [], [], []       # the remaps and releases, made at once below
         for key, stack in self._flight.items():
             k = 0
             if plan is None:
@@ -1015,8 +1011,9 @@ class Fidelity:
             settled += k
         if rk:
             frame.remap_many(rk, rj, rp)
-            frame.release_many(free)
             pend.mine.update(zip(zip(rk, rj), rp))
+        if free:
+            frame.release_many(free)
         pend.decided["settle"], pend.decided["orphans"] = done, orphans
         return settled
 

@@ -366,7 +366,10 @@ class Frame:
 
     def refcounts(self, pages) -> np.ndarray:
         """int64 ``[n]``: ``refcount(pages[i])`` of every page (ints in ``[0, P)``)."""
-        ps = as_ints("refcounts: pages", pages, self.pager.num_pages).tolist()
+        return self._refcounts(as_ints("refcounts: pages", pages, self.pager.num_pages).tolist())
+
+    def _refcounts(self, ps: list[int]) -> np.ndarray:
+        """``refcounts`` of pages already checked."""
         got = np.fromiter(map(self._refs.__getitem__, ps), np.int64, len(ps))
         if self._ref:
             got += np.fromiter(map(self._ref.get, ps, repeat(0)), np.int64, len(ps))
@@ -408,7 +411,7 @@ class Frame:
             i = next(i for i, o in enumerate(olds) if o < 0)
             raise ValueError(f"remap_many: blocks[{i}]: block {jl[i]} of {keys[i]!r} is "
                              f"trimmed")
-        live = self.refcounts(ps)
+        live = self._refcounts(pl)
         dead = live < 1
         if dead.any() or not set(pl).isdisjoint(olds):
             # the per-block order: a target page must still be live when its remap runs
@@ -448,7 +451,7 @@ class Frame:
             ps = as_ints(f"{verb}: pages", pages, P)
         except ValueError as exc:
             raise ValueError(f"{exc} (pages must be live pages)") from None
-        have = self.refcounts(ps)
+        have = self._refcounts(ps.tolist())
         if need is None and ps.size:
             _, inv, cnt = np.unique(ps, return_inverse=True, return_counts=True)
             want = cnt[inv]
