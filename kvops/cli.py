@@ -142,21 +142,27 @@ def _settings_kw(args, device) -> dict:
     return kw
 
 
+def _device(args, tp) -> torch.device:
+    """Where this process replays: its rank's device under ``--tp`` (the CPU threads shared
+    among the ranks), else ``--device`` or CUDA when present."""
+    if tp is None:
+        return torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.set_num_threads(max(1, torch.get_num_threads() // tp.size))
+    return tp.device
+
+
 def elastic(args, tp=None) -> int:
     """``--mode elastic``: the pressure sweep (kvops.engine.pressure); ``tp``: this rank's
     context under ``--tp`` (rank 0 writes the results)."""
     from kvops.engine.pressure import default_points, run_sweep, sweep_settings, write
 
-    if tp is not None:
-        torch.set_num_threads(max(1, torch.get_num_threads() // tp.size))
-    device = tp.device if tp is not None else torch.device(
-        args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = _device(args, tp)
     kw = _settings_kw(args, device)
     trace = kw.pop("trace")
     kw.pop("device")
     settings, axis = sweep_settings(device, trace, **kw)
     if args.ablations:
-        from kvops.engine.pressure import ABLATION_CONFIGS
+        from kvops.engine.elastic_kv import ABLATION_CONFIGS
 
         settings.configs = tuple(settings.configs) + tuple(
             c for c in ABLATION_CONFIGS if c not in settings.configs)
@@ -225,10 +231,7 @@ def _replay_rank(rank, args) -> int:
 def _replay(args, tp=None) -> int:
     from kvops.engine.replay import ReplaySettings, run, write
 
-    if tp is not None:
-        torch.set_num_threads(max(1, torch.get_num_threads() // tp.size))
-    device = tp.device if tp is not None else torch.device(
-        args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = _device(args, tp)
     kw = _settings_kw(args, device)
     kw["prefix_sharing"] = not args.no_prefix_sharing
     settings = ReplaySettings.for_device(device, **kw)

@@ -59,7 +59,8 @@ ABLATIONS = {
 """ElasticKV's ablations (module doc): configuration ``elastic-<name>`` is ``elastic`` with
 these :class:`ElasticKV` arguments."""
 
-ELASTIC_CONFIGS = ("elastic", *(f"elastic-{n}" for n in ABLATIONS))
+ABLATION_CONFIGS = tuple(f"elastic-{n}" for n in ABLATIONS)
+ELASTIC_CONFIGS = ("elastic", *ABLATION_CONFIGS)
 
 
 def elastic_arguments(name: str, fidelity: dict | None = None) -> dict:
@@ -70,7 +71,7 @@ def elastic_arguments(name: str, fidelity: dict | None = None) -> dict:
         raise ValueError(f"config: expected one of {', '.join(ELASTIC_CONFIGS)}, got {name!r}")
     fid = dict(fidelity or {})
     out = {"demote": fid.pop("demote", True)}
-    abl = ABLATIONS.get(name.removeprefix("elastic-"), {}) if name != "elastic" else {}
+    abl = ABLATIONS.get(name.removeprefix("elastic-"), {})
     fid.update(abl.get("fidelity", {}))
     out.update({k: v for k, v in abl.items() if k != "fidelity"}, fidelity=fid)
     return out

@@ -1,6 +1,7 @@
 """ElasticKV's pressure comparison (``kvops replay --mode elastic``): the same requests through
 ``elastic``, ``paged`` (recompute), ``offload`` (swap) and ``reserve`` (worst case) on one KV
-budget, and with ``--ablations`` ElasticKV's four ablations (:data:`ABLATION_CONFIGS`), at each
+budget, and with ``--ablations`` ElasticKV's four ablations
+(:data:`kvops.engine.elastic_kv.ABLATION_CONFIGS`), at each
 point of a sweep: the high-pressure synthetic (:func:`~kvops.engine.traces.pressure_rows`,
 fixed prompt and output lengths) at rising closed-loop concurrency, ShareGPT lengths at rising
 Poisson request rates, or the three temporally separated 300 s windows of a Mooncake trace
@@ -29,12 +30,10 @@ import torch
 
 from kvops.engine.clock import H200_8B
 from kvops.engine.configs import is_elastic
-from kvops.engine.elastic_kv import ABLATIONS
 from kvops.engine.replay import ReplaySettings, load_model, replay_dtype, run
 from kvops.engine.report import write_outputs
 
 PRESSURE_CONFIGS = ("elastic", "paged", "offload", "reserve")
-ABLATION_CONFIGS = tuple(f"elastic-{n}" for n in ABLATIONS)
 WINDOW_NAMES = "ABCDEFGH"
 
 

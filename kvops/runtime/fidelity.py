@@ -674,10 +674,10 @@ class Fidelity:
 
     def _read_ahead(self, frame: Frame, ahead: dict, runs, sources) -> None:
         """Fill ``ahead[key] = (j, [(a, b) or None])`` with ``_eligible`` of pairs ``j, j + 2,
-        ...`` (``m`` of them) for every ``(key, j, m)`` of ``runs``, from one many-block read
-        of their pages and one of their reference counts."""
-        keys = [key for key, _, m in runs for _ in range(2 * m)]
-        pages = frame.pages_at(keys, [b for _, j, m in runs for b in range(j, j + 2 * m)])
+        ...`` (``m`` of them) for every ``(key, j, m)`` of ``runs``, from a block range of
+        pages a run and one read of their reference counts."""
+        pages = np.array([p for key, j, m in runs for p in frame.block_pages(key, j, j + 2 * m)],
+                         dtype=np.int64)
         refs = frame.refcounts(np.maximum(pages, 0))
         a, b = pages[0::2], pages[1::2]
         ok = (a >= 0) & (b >= 0) & (a != b) & (refs[0::2] == 1) & (refs[1::2] == 1)
