@@ -2,7 +2,7 @@
 # One check-and-benchmark pass on a GPU machine, as the device tool runs it: each part under its
 # own time cap, its log in $OUT/<part>.log, every results file it records copied to $OUT, and a
 # short table of the parts last. Parts are named on the command line (default: all, in order):
-#   bench/gpu_pass.sh suite tests fidelity farret elastic engine tp tp_more transformers elastic_ablations
+#   bench/gpu_pass.sh suite tests fidelity farret elastic elastic_steady engine tp tp_more transformers elastic_ablations
 # and everything under $OUT is packed into $OUT/gpu-pass.tgz at the end.
 set -u
 OUT=${OUT:-/tmp/gpu-pass}
@@ -30,7 +30,7 @@ tests() {
         tests/test_op_contract.py
 }
 suite() {      # the whole suite (issue 18's "passes on the device"); about 7 minutes on 16 workers
-    part suite 560 python3 -m pytest -q -n 16 --timeout 300 -rfE -p no:cacheprovider
+    part suite 560 python3 -m pytest -q -n 16 --timeout 500 -rfE -p no:cacheprovider
 }
 fidelity() {
     part fidelity 90 python3 -m bench.bench_fidelity_host --device cuda
@@ -45,6 +45,10 @@ engine() {
 elastic() {     # the KV-bound sweep (about 5 minutes, docs/elastickv.md)
     part elastic 480 python3 -m kvops replay --mode elastic --record elastic-pressure-8b-kvbound \
         --out "$OUT/elastic" --no-progress
+}
+elastic_steady() {   # concurrency 40 only, 16 requests a client (the paper's ~600 at 38): the P90 past the first wave
+    part elastic-steady 400 python3 -m kvops replay --mode elastic --sweep 40 --requests-per-client 16 \
+        --record elastic-pressure-8b-steady --out "$OUT/elastic-steady" --no-progress --no-figures
 }
 elastic_ablations() {
     part elastic-ablations 300 python3 -m kvops replay --mode elastic --sweep 40 \

@@ -178,6 +178,9 @@ def test_warm_compiles_what_the_transitions_launch(kernel_device, monkeypatch):
             assert fid.step(f, need=pager.free_pages + 2)["demoted"] == 2
         with pager.frame() as f:
             assert fid.step(f, need=0)["promoted"] == 2
+        fid.drain()                     # on CUDA the promotion runs on the side stream
+        with pager.frame() as f:
+            fid.step(f)                 # settles it: the pairs are TARGET and demotable again
         with pytest.raises(RuntimeError, match="boom"):
             with pager.frame() as f:
                 assert fid.step(f, need=pager.num_pages)["demoted"] == 2
