@@ -487,3 +487,27 @@ def test_validation_mode_raises_on_out_of_range():
     for name, value, msg in bad:
         with kvops.validate(True), pytest.raises(IndexError, match=msg):
             torch.ops.kvops.paged_prefill_attention(**dict(ok, **{name: value}))
+
+
+def test_the_step_varying_sizes_are_not_specialized():
+    """A serving step's token and sequence counts change every step. Triton compiles a binary
+    for each new specialization: an int that is 1 or a multiple of 16, or a new constexpr value.
+    That would be a compile of a second or more inside a step, so the compiled kernels
+    (outside the interpreter, which this suite runs under) must not specialize on them."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json\n"
+            "from kvops.kernels.paged_prefill_attention import _paged_prefill_kernel as p\n"
+            "from kvops.kernels.paged_kv_write import _paged_kv_write_kernel as w\n"
+            "names = lambda k: sorted(k.arg_names[i] if isinstance(i, int) else i\n"
+            "                         for i in k.do_not_specialize)\n"
+            "print(json.dumps([names(p), names(w)]))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    prefill, write = json.loads(got)
+    assert {"N", "B", "num_tiles", "NUM_SPLITS"} <= set(prefill)
+    assert "N" in write

@@ -40,7 +40,7 @@ def write_tile(N: int, row: int, parts: int, sms: int) -> tuple[int, int, int]:
     return block_t, block_c, 8 if block_t * block_c >= TILE_VALUES else 4
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])     # the token count changes every step: one binary
 def _paged_kv_write_kernel(
     K, V, KC, VC, Slots, N, num_slots,
     stride_kn, stride_kh, stride_vn, stride_vh, stride_kcp, stride_vcp,

@@ -148,7 +148,14 @@ def _key_run(b_q, b_acc, b_m, b_l, KC, VC, p_bt, lo, hi, seq_len, lo_key, P, L, 
     return b_acc, b_m, b_l
 
 
-@triton.jit
+# The batch's sizes change every engine step; a specialization on them (an int that is 1 or a
+# multiple of 16 compiles its own binary, as does each constexpr value) would put a compile of
+# a second or more inside a serving step whenever a new combination first appears. So they are
+# not specialized, and the sequence starts are read in chunks of one fixed width.
+SEQ_CHUNK = 128
+
+
+@triton.jit(do_not_specialize=["N", "B", "num_tiles", "window", "NUM_SPLITS"])
 def _paged_prefill_kernel(
     Q, KC, VC, BT, QS, SL, O, LSE,
     N, B, P, L, num_tiles, window, scale_log2, NUM_SPLITS,
@@ -275,7 +282,7 @@ def paged_prefill_attention_fwd(
                block_table.stride(0), part_o.stride(0), part_o.stride(1), split_o,
                part_l.stride(0), part_l.stride(1), split_l)
     meta = dict(S=S, HKV=Hkv, G=G, D=D, BLOCK_Q=block_q, BLOCK_M=bm, BLOCK_N=bn,
-                BLOCK_D=next_pow2(max(D, 16)), BLOCK_B=min(1024, next_pow2(B + 1)),
+                BLOCK_D=next_pow2(max(D, 16)), BLOCK_B=SEQ_CHUNK,
                 WINDOW=window > 0, PRECISION=dot_precision(q.dtype), PREFETCH=prefetch,
                 num_warps=nw, num_stages=ns)
     key = (ints, nsp, strides, q.dtype, q.device, tuple(meta.values()),
