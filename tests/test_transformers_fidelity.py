@@ -188,20 +188,25 @@ def test_demotion_through_the_kernels(kernel_device):
 
 def test_continuation_promotes_first_and_equals_sdpa():
     """A multi-token step onto a cache with BASE blocks promotes them (paged_prefill_attention
-    reads TARGET): the continued conversation's tokens equal SDPA's over the whole text."""
+    reads TARGET): refinement is exact, so the continued conversation's tokens equal those of a
+    cache that was never demoted. (Against SDPA over the whole text the float16 random model's
+    near-ties flip tokens on some CPUs: the paged prefill and SDPA round differently.)"""
     model = _model16("llama")
     ids, mask = _prompts()
-    cache = kt.PagedCache(model, batch_size=2, max_tokens=96, page_size=S,
-                          fidelity=dict(min_batch=1))
+    fid = dict(min_batch=1)
+    cache = kt.PagedCache(model, batch_size=2, max_tokens=96, page_size=S, fidelity=fid)
+    plain = kt.PagedCache(model, batch_size=2, max_tokens=96, page_size=S, fidelity=fid)
     first = _generate(model, "kvops", ids, mask, cache)
     assert first.tolist() == _generate(model, "sdpa", ids, mask).tolist()
+    assert _generate(model, "kvops", ids, mask, plain).tolist() == first.tolist()
     assert cache.demote(pages=2) == 2
     turn, _ = _prompts(T=6, pads=(0, 0), seed=5)
     full = torch.cat([ids, first, turn], dim=1)
     full_mask = torch.cat([mask, torch.ones_like(first), torch.ones_like(turn)], dim=1)
     got = _generate(model, "kvops", full, full_mask, cache)
     assert cache.fidelity.stats["promoted"] == cache.fidelity.stats["demoted"]
-    assert got.tolist() == _generate(model, "sdpa", full, full_mask).tolist()
+    assert plain.fidelity.stats["demoted"] == 0
+    assert got.tolist() == _generate(model, "kvops", full, full_mask, plain).tolist()
     cache.reset()          # ends every session, BASE or not: the pool is whole again
     assert cache.pager.free_pages == cache.pager.num_pages
     assert cache.fidelity.stats["base_blocks"] == 0
