@@ -159,9 +159,16 @@ def _spawned(rank: int, fn: Callable, tp: int, port: int, args: tuple, kwargs: d
                       WORLD_SIZE=str(tp), LOCAL_RANK=str(rank))
     try:
         fn(rank, *args, **kwargs)
-    finally:
+    except BaseException:
         if dist.is_initialized():
             dist.destroy_process_group()
+        raise
+    if dist.is_initialized():
+        # every rank is past its last collective before any tears its group down (a finished
+        # two-rank run once ended with one rank's SIGABRT under load, "terminate called
+        # without an active exception", likely a gloo group torn down while its peer sent)
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def spawn(fn: Callable, tp: int, *args, **kwargs) -> None:
