@@ -91,7 +91,7 @@ def paged_kv_write_fwd(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     ints = (N, P * S, k.stride(0), k.stride(1) if Hkv > 1 else 0, v.stride(0),
             v.stride(1) if Hkv > 1 else 0, k_cache.stride(0), v_cache.stride(0))
     meta = dict(S=S, ROW=row, PARTS=parts, HD=Hkv * D, BLOCK_T=bt, BLOCK_C=bc, num_warps=nw)
-    key = (ints, k.dtype, k.device, slot_mapping.dtype, tuple(meta.values()),
+    key = (ints[1:], k.dtype, k.device, slot_mapping.dtype, tuple(meta.values()),   # N: unspecialized
            tuple(t.data_ptr() % 16 for t in (k, v, k_cache, v_cache, slot_mapping)))
     launch(_paged_kv_write_kernel, grid, key, (k, v, k_cache, v_cache, slot_mapping, *ints),
            meta)

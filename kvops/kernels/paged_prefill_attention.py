@@ -285,7 +285,9 @@ def paged_prefill_attention_fwd(
                 BLOCK_D=next_pow2(max(D, 16)), BLOCK_B=SEQ_CHUNK,
                 WINDOW=window > 0, PRECISION=dot_precision(q.dtype), PREFETCH=prefetch,
                 num_warps=nw, num_stages=ns)
-    key = (ints, nsp, strides, q.dtype, q.device, tuple(meta.values()),
+    # N, B, num_tiles and window are not specialized: one binary serves every value of them,
+    # so they stay out of the key and a step's new sizes take the direct launch
+    key = ((P, L), nsp, strides, q.dtype, q.device, tuple(meta.values()),
            tuple(t.data_ptr() % 16 for t in (q, k_cache, v_cache, block_table, query_start,
                                              seq_lens, part_o, part_l)))
     launch(_paged_prefill_kernel, (num_tiles, Hkv, nsp), key,
