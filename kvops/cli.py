@@ -88,7 +88,7 @@ def _replay_parser(sub) -> None:
                         "STEPS commits and at the end (default 16)")
     p.add_argument("--out", default="replay-out", help="directory for JSON, Markdown, figures")
     p.add_argument("--record", default=None, metavar="NAME",
-                   help="also write bench/results/<date>-NAME.md (date, device, commit, command, "
+                   help="also write bench/results/<date>-<HHMM>-NAME.md (date, device, commit, command, "
                         "table)")
     p.add_argument("--no-figures", action="store_true")
     p.add_argument("--no-progress", action="store_true")
@@ -254,7 +254,9 @@ def _replay(args, tp=None) -> int:
 
 
 def record(name: str, result: dict, table: str) -> str:
-    """``bench/results/<date>-<name>.md``: date, device, commit, command and the table."""
+    """``bench/results/<date>-<HHMM>-<name>.md``: date, device, commit, command and the table.
+
+    The time of day is in the name so that two runs on one day are two files."""
     import datetime
     import subprocess
     from pathlib import Path
@@ -265,7 +267,7 @@ def record(name: str, result: dict, table: str) -> str:
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
     now = datetime.datetime.now(datetime.timezone.utc)
-    path = Path("bench/results") / f"{now:%Y-%m-%d}-{name}.md"
+    path = Path("bench/results") / f"{now:%Y-%m-%d-%H%M}-{name}.md"
     path.parent.mkdir(parents=True, exist_ok=True)
     text = (f"# kvops replay: {name}\n\n- date: {now:%Y-%m-%d %H:%M} UTC\n"
             f"- device: {result['device_name']} ({result['dtype']}), torch {torch.__version__}\n"

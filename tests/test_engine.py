@@ -260,6 +260,19 @@ def test_replay_cli_writes_table_json_and_figures(tmp_path, capsys):
     assert (tmp_path / "timeline.png").stat().st_size > 0 and (tmp_path / "cdf.png").is_file()
 
 
+def test_record_names_its_file_by_date_and_time_of_day(tmp_path, monkeypatch):
+    import re
+
+    from kvops.cli import record
+
+    monkeypatch.chdir(tmp_path)
+    path = record("probe", {"device_name": "cpu", "dtype": "float32"}, "| a |\n|---|\n| 1 |")
+    name = path.rsplit("/", 1)[-1]
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}-\d{4}-probe\.md", name), name
+    text = (tmp_path / path).read_text()
+    assert "- commit: " in text and "- command: `python -m kvops" in text and "| 1 |" in text
+
+
 def test_kvrm_with_shared_prefixes_and_far_trims(model):
     # hash prefixes aliased from sessions whose far blocks go back in the same steps; on the
     # modeled clock, so which requests overlap does not depend on this machine's speed
