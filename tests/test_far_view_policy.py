@@ -449,13 +449,17 @@ def test_decode_with_far_view_matches_the_block_parallel_evaluation(monkeypatch)
 
 
 def test_rank_keys_order_by_utility_then_newer_chunk():
-    from kvops.runtime.far_view import rank_keys
+    from kvops.runtime.far_view import _EMPTY_KEY, rank_keys
 
     u = np.array([-np.inf, -2.0, -1.0, -0.0, 0.0, 1e-30, 0.5, 0.5, 2.0, np.inf], np.float32)
     ids = np.array([9, 3, 4, 5, 1, 2, 6, 7, 0, 8])
     key = rank_keys(u, ids)
     assert np.all(np.diff(key) > 0)
     assert np.array_equal(key & 0xFFFFFFFF, ids)                 # the id is the low bits
+    empty = np.int64(_EMPTY_KEY)                # below every key, and reads as -1 in int32
+    assert empty < key.min() and empty.astype(np.int32) == -1
+    t = rank_keys(torch.from_numpy(u), torch.from_numpy(ids.astype(np.int64)))
+    assert np.array_equal(t.numpy(), key)                         # tensors key alike
     assert rank_keys(np.float32([0.5]), np.array([1]))[0] < rank_keys(np.float32([0.5]),
                                                                        np.array([2]))[0]
 
@@ -506,8 +510,24 @@ def test_selection_matches_a_top_cap_oracle_under_random_steps(max_leave):
                 rank = sorted(have, key=lambda j: (j in new, 0.0 if j in new else util[j], j))
                 assert chosen(far, layer, b) == sorted(rank[-cap:]), (step, layer, key)
         if step % 5 == 4:                                        # a pull: ties on purpose
-            far.pull_scores(rng.integers(0, 3, far.host_scores.shape).astype(np.float32))
+            u = rng.integers(0, 3, far.host_scores.shape).astype(np.float32)
+            # the device's ranking (torch, any device) is the host's (numpy)
+            summ = (np.arange(far.J) < far._done[:, None]) & ~far._dropped
+            sel = pager.host_tables["far_select"]
+            want = far._rank_host(u, sel, summ)
+            got = far._rank(torch.from_numpy(u), torch.from_numpy(sel),
+                            torch.from_numpy(summ)).numpy()
+            moved = want[..., cap] != 0
+            assert np.array_equal(got[..., cap] != 0, moved)
+            assert np.array_equal(got[~moved], want[~moved])     # in the committed order
+            assert np.array_equal(np.sort(got[moved], axis=1), np.sort(want[moved], axis=1))
+            far.pull_scores(u)
             fresh = {key: set() for key in fresh}
+            if fresh and rng.random() < 0.5:     # an aborted frame: the ranking waits for
+                with pytest.raises(RuntimeError):            # the next commit
+                    with pager.frame() as f:
+                        f.reserve(next(iter(fresh)), S)
+                        raise RuntimeError("abort")
     assert most > cap + 2 and gaps and next_key > sessions      # ranked, dropped, reused
 
 

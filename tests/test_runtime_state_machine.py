@@ -254,6 +254,16 @@ class Driver:
             if j != fv.J:
                 tv = self.truth[key][1][j * fv.M * S:(j + 1) * fv.M * S].float().mean(0)
                 torch.testing.assert_close(fv.v_store[0, slot, j], tv, atol=1e-3, rtol=1e-3)
+        # each row shows min(C, summaries) distinct chunks of its own session's summaries
+        sel = pager.host_tables["far_select"].reshape(pager.max_sessions, fv.C)
+        for key in pager.sessions():
+            slot = pager.slot(key)
+            row, have = [j for j in sel[slot].tolist() if j >= 0], set(fv.summarized(slot))
+            assert len(set(row)) == len(row) and set(row) <= have, (key, row, have)
+            assert len(row) == min(len(have), fv.C), (key, row, have)
+        if self.rng.random() < 0.3:     # a pull of utilities (ties on purpose), ranked by
+            fv.scores.copy_(torch.randint(0, 3, fv.scores.shape).float())   # the next commit
+            fv.pull_scores()
 
     # -- what an aborted frame keeps ------------------------------------------------------------
     def snapshot(self):

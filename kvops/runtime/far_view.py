@@ -27,14 +27,16 @@ Utility and selection
     received, ``mass_c = sum over query heads of exp(q . k_sum_c * scale + far_bias_c - lse)``,
     and updates that chunk's utility ``u_c <- ema * u_c + (1 - ema) * mass_c`` on the device.
     Chunks not in the view keep their utility. A new summary starts at the largest utility
-    among the session's selected chunks (optimistic, so it gets tried). The host keeps, per
-    layer and session, the ``C`` summarized chunks of highest utility (ties: the newer chunk),
-    ranking the utilities :meth:`FarView.pull_scores` last copied from the device (one step old
-    when called after each step; the engine pulls every ``far_rerank`` steps). A chunk
+    among the session's selected chunks (optimistic, so it gets tried). Each row of the
+    selection holds, per layer and session, the ``C`` summarized chunks of highest utility
+    (ties: the newer chunk) by the utilities of the last :meth:`FarView.pull_scores` (one step
+    old when called after each step; the engine pulls every ``far_rerank`` steps). The pull
+    ranks on the device, where the utilities are: one top-``C`` over every layer's and
+    session's ranking keys, compared with the committed rows, and brings back only the
+    ``[L, B, C]`` keys and which rows change; the next commit writes those rows. A chunk
     summarized since the last pull has no utility on the host yet and ranks above every pulled
     one (of two such, the newer). Between pulls the ranking cannot change, so a commit only
-    puts each new summary in place of its row's lowest entry (an empty slot first); the first
-    commit after a pull ranks every session with more than ``C`` summaries again. A row's
+    puts each new summary in place of its row's lowest entry (an empty slot first). A row's
     slots are in no particular order (the kernel does not care).
 
 Commits
@@ -48,9 +50,10 @@ Commits
     Host state is a few arrays over the slots (chunks far, chunks done, dropped chunks, the
     ranking key of every committed selection entry), so a commit's work is array ops over all
     sessions and layers at once, Python only per session with general edits; a decode step's
-    commit takes a short path of about a dozen array ops. The plan returns the next host state
-    without touching the current one; the pager adopts it once the commit is complete, so an
-    aborted frame leaves the far view as it was.
+    commit, the one after a pull included, takes a short path of about a dozen array ops. The
+    plan returns the next host state without touching the current one; the pager adopts it
+    once the commit is complete, so an aborted frame leaves the far view as it was (and a
+    pull's ranking waits for the next commit).
 
 Bias switch
     ``far_bias = log(M * S)`` for a selected slot when ``log_count_bias`` (a summary stands for
@@ -85,21 +88,34 @@ _NONE = np.zeros(0, dtype=np.int64)
 _NONE.flags.writeable = False
 _FILL = np.array(-1, dtype=np.int32)            # an empty leave page or selection slot
 _FILL.flags.writeable = False
-_EMPTY_KEY = np.iinfo(np.int64).min             # the ranking key of an empty selection slot
+# the ranking key of an empty selection slot: below every utility's (-inf's included), and its
+# low 32 bits are -1, so keys.astype(int32) are the far_select entries (ids, -1 for empty)
+_EMPTY_KEY = np.iinfo(np.int64).min | 0xFFFFFFFF
 _LOW31 = np.int32(0x7FFFFFFF)
 _CLEARED, _DECODE, _GENERAL = "cleared", "decode", "general"     # kinds of staged state
 
 
-def rank_keys(utility: np.ndarray, ids: np.ndarray) -> np.ndarray:
+def rank_keys(utility, ids):
     """int64 ranking keys ordered as ``(utility, id)`` (float32 utilities, ids in
-    ``[0, 2**31)``): a higher utility ranks higher, and of equal ones the higher id (the newer
-    chunk); the id is the key's low 32 bits. The float's bits mapped to an order-preserving
-    int32 (negative ones with their magnitude bits flipped), shifted up, plus the id."""
-    bits = np.ascontiguousarray(utility, dtype=np.float32).view(np.int32)
-    key = (bits ^ ((bits >> 31) & _LOW31)).astype(np.int64)
+    ``[0, 2**31)``; numpy arrays or tensors alike): a higher utility ranks higher, and of
+    equal ones the higher id (the newer chunk); the id is the key's low 32 bits. The float's
+    bits mapped to an order-preserving int32 (negative ones with their magnitude bits
+    flipped), shifted up, plus the id."""
+    if isinstance(utility, Tensor):
+        bits = utility.to(torch.float32).contiguous().view(torch.int32)
+        key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64)
+    else:
+        bits = np.ascontiguousarray(utility, dtype=np.float32).view(np.int32)
+        key = (bits ^ ((bits >> 31) & _LOW31)).astype(np.int64)
     key <<= 32
     key |= ids
     return key
+
+
+def _ids_of(keys: np.ndarray) -> np.ndarray:
+    """The chunk ids of ranking keys as far_select entries (int32, ``-1`` for an empty key):
+    their low 32 bits."""
+    return keys.astype(np.int32)
 
 
 _FRESH = int(rank_keys(np.array([np.inf], dtype=np.float32), np.zeros(1, np.int64))[0])
@@ -160,7 +176,8 @@ class FarView:
         self.k_store = torch.zeros(store, dtype=dtype, device=dev)
         self.v_store = torch.zeros(store, dtype=dtype, device=dev)
         self.scores = torch.zeros((num_layers, self.B, self.J + 1), dtype=torch.float32, device=dev)
-        self.host_scores = np.zeros((num_layers, self.B, self.J + 1), dtype=np.float32)
+        self._host_scores = np.zeros((num_layers, self.B, self.J + 1), dtype=np.float32)
+        self._host_stale = False                      # the device utilities moved since
         B, J, L = self.B, self.J, num_layers
         # host state, one entry per slot: chunks [0, seen) have become far, [0, done) were
         # summarized or dropped (so [done, seen) are queued, in order; nothing is queued where
@@ -172,7 +189,9 @@ class FarView:
         self._keys: list = [None] * B                 # the session in each slot
         self._queue = _NONE                           # the slots with queued chunks
         self._leave_rows = _NONE                      # far_leave rows the last commit filled
-        self._scores_new = False                      # pull_scores ran since the last commit
+        # the last pull_scores' ranking for the next commit: [L, B, C + 1] int64, each row's
+        # keys (aligned with the committed row where it stays) and whether it changes
+        self._pulled = None
         # the ranking key (rank_keys) of every committed far_select entry: its pulled utility,
         # +inf for a summary stored since the last pull (its utility is not on the host yet),
         # _EMPTY_KEY for an empty slot; so a row's lowest entry is the one a new summary evicts
@@ -191,7 +210,8 @@ class FarView:
         self._chunk_ids = np.arange(J, dtype=np.int64)
         self._leave_cols = np.arange(max_leave, dtype=np.int64)
         self._sink = np.array(J, dtype=np.int32)
-        self._bt = self._sel = self._score_at = None   # host table views, at the first plan
+        self._bt = self._sel = None                    # host table views, at the first plan
+        self._ids_t = None                             # chunk ids [J] on the scores' device
         self.last: dict = {}
         pager.attach(self)
 
@@ -210,19 +230,18 @@ class FarView:
         session with general edits (and per queued chunk one of whose pages the committed
         block table does not hold); growth, the queue, the leave rows and the selection are
         array ops over all sessions and layers at once. A decode step's commit (nothing queued,
-        no pull to rank, ``max_leave`` 1, no session opened, closed or given a far chunk by a
-        general edit: growth, and trims such as the engine's of summarized far blocks) takes a
-        short path of about a dozen
-        array ops whatever the session count: one lookup and subtraction find the sessions
-        whose next chunk became far, one take of the committed block table reads their pages,
-        one argmin over every layer's ranking keys finds the entry each new summary replaces,
-        and one write puts it there."""
+        ``max_leave`` 1, no session opened, closed or given a far chunk by a general edit:
+        growth, and trims such as the engine's of summarized far blocks) takes a short path of
+        about a dozen array ops whatever the session count: one write puts in the rows a pull
+        changed, one lookup and subtraction find the sessions whose next chunk became far, one
+        take of the committed block table reads their pages, one argmin over every layer's
+        ranking keys finds the entry each new summary replaces, and one write puts it there."""
         if self._bt is None:
             tables = self.pager.host_tables
             self._bt = tables["block_table"]
             self._bt_flat = self._bt.reshape(-1)
             self._sel = tables["far_select"].reshape(self.layers, self.B, self.C)
-        if self._queue.size or self._scores_new or self.max_leave != 1:
+        if self._queue.size or self.max_leave != 1:
             return self._plan_general(frame, deltas, grown)
         if deltas:                  # the short path holds if no edited session opens, closes
             seen, far_at = self._seen, self._far_at    # or gains a far chunk (a trim of
@@ -231,6 +250,9 @@ class FarView:
                     return self._plan_general(frame, deltas, grown)
         g = grown.slots
         rows = self._leave_rows
+        moved, sel_key = 0, self._sel_key
+        if self._pulled is not None:            # the pull's rows first, in place
+            moved, sel_key, _ = self._put_pulled(frame)
         if g.size:
             had = self._seen[g]
             more = self._far_at[grown.after] - had      # far chunks each session gained
@@ -238,25 +260,25 @@ class FarView:
         else:
             hit = _NONE
         if not hit.size:
-            last = {"summaries": 0, "select_rows_changed": 0, "pending": 0}
+            last = {"summaries": 0, "select_rows_changed": moved, "pending": 0}
             if rows.size:                       # last commit's rows: nothing to summarize
                 frame.write("far_leave_pages", rows, _FILL)
                 frame.write("far_leave_ids", rows, self._sink)
-                return Staged((_CLEARED, last), last)
-            return Staged((None, last), last)
+            how = _CLEARED if rows.size else None
+            return Staged((how, (last, sel_key)), last)
         q = g[hit]                              # max_leave 1: the slots are the leave rows
         first = had[hit]                        # nothing queued: the first new far chunk
         pages = self._bt_flat.take(self._page_at[q, first])     # [n, M], committed
         # a trimmed block, or one appended in this frame (a Python min is the cheaper test
         # of a few pages)
         if (min(pages.ravel().tolist()) if q.size < 8 else pages.min()) < 0:
-            return self._plan_general(frame, deltas, grown)
+            return self._plan_general(frame, deltas, grown)    # (it writes the pull's rows)
         if rows.size:
             frame.write("far_leave_pages", rows, _FILL)
             frame.write("far_leave_ids", rows, self._sink)
         frame.write("far_leave_pages", q, pages)
         frame.write("far_leave_ids", q, first)
-        col = self._sel_key.take(q, axis=1).argmin(axis=2)        # [L, n]: the entry to replace
+        col = sel_key.take(q, axis=1).argmin(axis=2)              # [L, n]: the entry to replace
         frame.write("far_select", (self._lrow, q, col), first, via=self._sel)
         queue, lim, pending = _NONE, None, 0
         # more far chunks than one summary queue; a session gains at most one far chunk unless
@@ -264,9 +286,9 @@ class FarView:
         if grown.multi and more.max() > 1:
             more = more[hit]
             queue, lim, pending = q[more > 1], first + more, int(more.sum()) - q.size
-        last = {"summaries": int(q.size), "select_rows_changed": int(col.size),
+        last = {"summaries": int(q.size), "select_rows_changed": int(col.size) + moved,
                 "pending": pending}
-        return Staged((_DECODE, (q, first, lim, col, queue, last)), last)
+        return Staged((_DECODE, (q, first, lim, col, queue, last, sel_key)), last)
 
     def _plan_general(self, frame: Frame, deltas: list[SessionDelta],
                       grown: GrownBatch) -> Staged:
@@ -307,7 +329,7 @@ class FarView:
             rows, _, ids, pages, _, _ = take
             frame.write("far_leave_pages", rows, pages)
             frame.write("far_leave_ids", rows, ids)
-        changed, keyed = self._select(frame, done, take, resets, dropped)
+        changed, keyed = self._select(frame, take, resets)
         left = seen - done
         queue = np.flatnonzero(left)
         pending = int(left[queue].sum()) if queue.size else 0
@@ -377,112 +399,86 @@ class FarView:
                 np.concatenate(got_ids).astype(np.int64), np.concatenate(got_pages),
                 np.concatenate(sessions).astype(np.int64), np.concatenate(taken))
 
-    def _select(self, frame: Frame, done: np.ndarray, take, resets: list[int],
-                dropped: list[tuple[int, int]]):
+    def _select(self, frame: Frame, take, resets: list[int]):
         """The selection rows of a general commit, as writes; returns the rows changed and
         the ranking keys to adopt: ``("rows", sessions, keys [L, u, C])`` for the sessions
         written, or ``("all", keys [L, B, C])`` after a pull.
 
-        A closed or reopened slot shows nothing. Without a pull, a session's rows hold the top
-        ``C`` of its summaries by ranking key, so each new summary (key +inf, above all but
-        newer ones) replaces the row's lowest entry: one argmin over every session and layer
-        a round (one round per summary a session takes in this commit). After a pull, every
-        committed entry's key is computed again from the pulled utilities, and every session
-        with more than ``C`` summaries is ranked again (this commit's summaries first, ties
-        toward the newer chunk), all of them and every layer in one sort of their keys; a row
-        whose entries all rank in the new top ``C`` is kept, the others are written."""
-        C, B = self.C, self.B
+        A closed or reopened slot shows nothing. After a pull, the rows it changed are written
+        first (:meth:`_put_pulled`). A row then holds the top ``C`` of its summaries by ranking
+        key, so each new summary (key +inf, above all but newer ones) replaces the row's lowest
+        entry: one argmin over every session and layer a round (one round per summary a
+        session takes in this commit), which keeps the top ``C`` of the pulled summaries and
+        this commit's ones together."""
         sel = self._sel
         changed = 0
         at = np.array(resets, dtype=np.int64) if resets else None
+        keys = moved = None
+        if self._pulled is not None:
+            changed, keys, moved = self._put_pulled(frame, resets)
         if resets:
             wipe = (sel[:, at] >= 0).any(axis=2)                  # [L, r]
             changed += int(wipe.sum())
             frame.write("far_select", (slice(None), at), _FILL, via=sel)
-        sessions = taken = None
-        if take is not None:
-            sessions, taken = take[4], take[5]
-        ranked, keys = _NONE, None
-        if self._scores_new:
-            keys = self._keys_of(sel)           # [L, B, C], the committed entries, pulled
-            if resets:
-                keys[:, at] = _EMPTY_KEY
-            summ = (self._chunk_ids < done[:, None]) & ~self._dropped
-            if resets:
-                summ[resets] = False
-            if dropped:
-                summ[tuple(np.array(dropped).T)] = False
-            if take is not None:
-                summ[take[1], take[2]] = True
-            many = summ.sum(axis=1) > C
-            ranked = np.flatnonzero(many)
-            if sessions is not None:            # the rest show every summary they have
-                keep = ~many[sessions]
-                sessions, taken = sessions[keep], taken[keep]
         keyed = None if keys is None else ("all", keys)
-        if sessions is not None and sessions.size:
-            cur = sel[:, sessions]                                # [L, u, C]
-            kr = (self._sel_key if keys is None else keys)[:, sessions]
-            if resets:
-                gone = np.isin(sessions, resets)
-                cur[:, gone], kr[:, gone] = -1, _EMPTY_KEY
-            idx = np.arange(sessions.size)
-            for r in range(taken.shape[1]):
-                new = taken[:, r]
-                p = idx[new >= 0]
-                if not p.size:
-                    break
-                col = kr[:, p].argmin(axis=2)                     # [L, p]
-                cur[self._lrow, p, col] = new[p]
-                kr[self._lrow, p, col] = self._fresh_key[new[p]]
-            frame.write("far_select", (slice(None), sessions), cur, via=sel)
-            changed += int(cur.shape[0] * sessions.size)
-            if keys is None:
-                keyed = ("rows", sessions, kr)
-            else:
-                keys[:, sessions] = kr
-        if ranked.size:
-            n = int(done[ranked].max())         # every summary's id is below its done
-            key = rank_keys(self.host_scores[:, ranked, :n], self._chunk_ids[:n])  # [L, m, n]
-            if take is not None:
-                pos = np.full(B, -1, dtype=np.int64)
-                pos[ranked] = np.arange(ranked.size)
-                fresh = pos[take[1]] >= 0
-                key[:, pos[take[1]][fresh], take[2][fresh]] = self._fresh_key[take[2][fresh]]
-            np.copyto(key, _EMPTY_KEY, where=~summ[ranked, :n])
-            key.sort(axis=2)
-            best = key[..., n - C:]                               # [L, m, C], the C best
-            # keys are unique, so a row holds the top C iff its lowest entry is among them
-            layers, which = np.nonzero(keys[:, ranked].min(axis=2) < best[..., 0])
-            if layers.size:                     # one write for every changed row
-                rows = ranked[which]
-                got = best[layers, which]
-                # by far_select row (layer * B + slot): the upload copies the rows written
-                frame.write("far_select", layers * B + rows,
-                            (got & 0xFFFFFFFF).astype(np.int32))
-                keys[layers, rows] = got
-            changed += int(layers.size)
+        if take is None:
+            return changed, keyed
+        sessions, taken = take[4], take[5]
+        cur = sel[:, sessions]                                    # [L, u, C]
+        kr = (self._sel_key if keys is None else keys)[:, sessions]
+        if moved is not None:                   # the rows the pull rewrote, as written
+            m = moved[:, sessions]
+            cur[m] = _ids_of(kr[m])
+        if resets:
+            gone = np.isin(sessions, resets)
+            cur[:, gone], kr[:, gone] = -1, _EMPTY_KEY
+        idx = np.arange(sessions.size)
+        for r in range(taken.shape[1]):
+            new = taken[:, r]
+            p = idx[new >= 0]
+            if not p.size:
+                break
+            col = kr[:, p].argmin(axis=2)                         # [L, p]
+            cur[self._lrow, p, col] = new[p]
+            kr[self._lrow, p, col] = self._fresh_key[new[p]]
+        frame.write("far_select", (slice(None), sessions), cur, via=sel)
+        changed += int(cur.shape[0] * sessions.size)
+        if keys is None:
+            keyed = ("rows", sessions, kr)
+        else:
+            keys[:, sessions] = kr
         return changed, keyed
 
-    def _keys_of(self, sel: np.ndarray) -> np.ndarray:
-        """Ranking keys of the selection ``sel [L, B, C]`` from the pulled utilities."""
-        L, B, J = self.layers, self.B, self.J
-        if self._score_at is None:                # flat index of (layer, slot, chunk 0)
-            self._score_at = (np.arange(L * B, dtype=np.int64) * (J + 1)).reshape(L, B, 1)
-        # an empty entry (-1) reads its neighbour; its key is set to empty below
-        key = rank_keys(self.host_scores.reshape(-1).take(self._score_at + sel),
-                        sel.astype(np.int64))
-        np.copyto(key, _EMPTY_KEY, where=sel < 0)
-        return key
+    def _put_pulled(self, frame: Frame, resets: list[int] | None = None):
+        """Write the selection rows the last pull changes (not those of ``resets``, slots this
+        commit wipes); returns ``(rows written, keys [L, B, C], changed [L, B])``: every
+        committed entry's ranking key after those writes."""
+        C, B = self.C, self.B
+        got = self._pulled
+        keys = got[..., :C]                     # the pull's own array: adopted, then edited
+        moved = got[..., C] != 0
+        if resets:
+            moved[:, resets] = False
+            keys[:, resets] = _EMPTY_KEY
+        layers, rows = np.nonzero(moved)
+        n = int(layers.size)
+        if 4 * n > moved.size:                  # many: the whole table (a row that stays
+            frame.write("far_select", slice(None),          # reads as it is committed)
+                        _ids_of(keys).reshape(-1, C))
+        elif n:                                 # by far_select row (layer * B + slot): the
+            frame.write("far_select", layers * B + rows,    # upload copies the rows written
+                        _ids_of(keys[layers, rows]))
+        return n, keys, moved
 
     def adopt(self, state) -> None:
         how, got = state
-        if how is None:                         # nothing changed but the stats
-            self.last = got
-        elif how is _CLEARED:
-            self._leave_rows, self.last = _NONE, got
+        self._pulled = None                     # a commit puts a pull's ranking in place
+        if how is None or how is _CLEARED:      # nothing changed but the stats (and a pull)
+            self.last, self._sel_key = got
+            if how is _CLEARED:
+                self._leave_rows = _NONE
         elif how is _DECODE:
-            q, first, lim, col, queue, last = got
+            q, first, lim, col, queue, last, self._sel_key = got
             if lim is None:                     # seen = done: nothing queued
                 self._sd[:, q] = first + 1
             else:
@@ -508,7 +504,6 @@ class FarView:
             elif keyed is not None:             # after a pull: every entry's key
                 self._sel_key = keyed[1]
             self._leave_rows, self._queue, self.last = rows, queue, last
-            self._scores_new = False
 
     # -- host reads ---------------------------------------------------------------------------
     @property
@@ -519,12 +514,89 @@ class FarView:
         return bool(self._leave_rows.size)
 
     def pull_scores(self, values=None) -> None:
-        """Copy the device utilities to the host (ranked at the next commit); syncs the device.
-        ``values``: host utilities ``[layers, B, J + 1]`` to rank instead (e.g. from a replay).
-        The host ranks only at commits after a pull: utilities that did not change cannot
-        change the selection."""
-        self.host_scores[...] = self.scores.cpu().numpy() if values is None else values
-        self._scores_new = True
+        """Rank every session's summaries again by the utilities on the device, for the next
+        commit to put in place; syncs the device. ``values``: host utilities ``[layers, B,
+        J + 1]`` to rank instead (e.g. from a replay). The ranking runs where the utilities
+        are (:meth:`_rank`) and brings back ``[L, B, C + 1]`` int64 (a few hundred KiB at
+        hundreds of sessions) instead of the utilities; the host ranks nothing. Between pulls
+        the ranking cannot change: utilities that did not change cannot change the selection.
+        Utilities on the CPU, or ``values``, are ranked by numpy (:meth:`_rank_host`, the
+        same result), which a CPU runs faster than torch's top-k."""
+        summ = (self._chunk_ids < self._done[:, None]) & ~self._dropped          # [B, J]
+        if values is None and self.scores.device.type != "cpu":
+            sel = self._tables()["far_select"]          # committed (the stream orders it)
+            got = self._rank(self.scores, sel, torch.from_numpy(summ).to(self.scores.device))
+            self._pulled = got.cpu().numpy()
+            self._host_stale = True
+            return
+        if values is None:
+            vals = self.scores.numpy()
+        else:
+            shape = self._host_scores.shape
+            vals = np.asarray(values, dtype=np.float32)
+            if vals.shape != shape:
+                raise ValueError(f"values: expected host utilities of shape {list(shape)} "
+                                 f"([layers, B, J + 1]), got {list(vals.shape)}")
+        self._host_scores[...] = vals
+        self._host_stale = False
+        self._pulled = self._rank_host(self._host_scores, self.pager.host_tables["far_select"],
+                                       summ)
+
+    def _rank(self, scores: Tensor, sel: Tensor, summ: Tensor) -> Tensor:
+        """``[L, B, C + 1]`` int64: per layer and slot the ranking keys of the row's top ``C``
+        summaries by ``scores [L, B, J + 1]`` (``summ [B, J]``: the summarized chunks), in
+        the committed row's order (``sel``, far_select) where the row holds them already, and
+        in the last column whether the row changes. Keys are unique but for empty entries,
+        so a full committed row holds the top ``C`` iff its lowest entry is among them. Any
+        device, fixed shapes (a changed row's entries in no particular order)."""
+        L, B, C, J = self.layers, self.B, self.C, self.J
+        if self._ids_t is None or self._ids_t.device != scores.device:
+            self._ids_t = torch.arange(J, dtype=torch.int64, device=scores.device)
+        empty = torch.tensor(_EMPTY_KEY, dtype=torch.int64, device=scores.device)
+        key = torch.where(summ, rank_keys(scores[..., :J], self._ids_t), empty)  # [L, B, J]
+        k = min(C, J)
+        top = key.topk(k, dim=2).values
+        if k < C:
+            top = torch.cat([top, empty.expand(L, B, C - k)], dim=2)
+        cur = sel.view(L, B, C).to(torch.int64)
+        has = cur >= 0
+        cur_key = torch.where(has, rank_keys(scores.gather(2, cur.clamp(min=0)), cur), empty)
+        moved = ((cur_key.amin(dim=2) < top[..., C - 1])
+                 | (has.sum(dim=2) != (top != empty).sum(dim=2)))
+        out = torch.where(moved[..., None], top, cur_key)
+        return torch.cat([out, moved[..., None].to(torch.int64)], dim=2)
+
+    def _rank_host(self, scores: np.ndarray, sel: np.ndarray, summ: np.ndarray) -> np.ndarray:
+        """:meth:`_rank` in numpy on host arrays, over the chunks any slot has summarized
+        (``[0, max done)``) only, with a partition for the top ``C``."""
+        L, B, C = self.layers, self.B, self.C
+        n = max(int(self._done.max()), 1)
+        key = rank_keys(scores[..., :n], self._chunk_ids[:n])                 # [L, B, n]
+        np.copyto(key, _EMPTY_KEY, where=~summ[:, :n])
+        if n > C:
+            top = np.partition(key, n - C, axis=2)[..., n - C:]
+        else:
+            top = np.full((L, B, C), _EMPTY_KEY, dtype=np.int64)
+            top[..., :n] = key
+        cur = sel.reshape(L, B, C).astype(np.int64)
+        has = cur >= 0
+        cur_key = rank_keys(np.take_along_axis(scores, np.maximum(cur, 0), axis=2), cur)
+        np.copyto(cur_key, _EMPTY_KEY, where=~has)
+        moved = ((cur_key.min(axis=2) < top.min(axis=2))
+                 | (has.sum(axis=2) != (top != _EMPTY_KEY).sum(axis=2)))
+        out = np.empty((L, B, C + 1), dtype=np.int64)
+        np.copyto(out[..., :C], np.where(moved[..., None], top, cur_key))
+        out[..., C] = moved
+        return out
+
+    @property
+    def host_scores(self) -> np.ndarray:
+        """The utilities ``[layers, B, J + 1]`` the last pull ranked (a host copy; copied
+        from the device when read after a pull that ranked the device's)."""
+        if self._host_stale:
+            self._host_scores[...] = self.scores.cpu().numpy()
+            self._host_stale = False
+        return self._host_scores
 
     def summarized(self, slot: int) -> list[int]:
         """Chunk ids of ``slot`` whose summaries are stored (after the last commit's step)."""
