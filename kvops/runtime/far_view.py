@@ -211,7 +211,7 @@ class FarView:
         self._leave_cols = np.arange(max_leave, dtype=np.int64)
         self._sink = np.array(J, dtype=np.int32)
         self._bt = self._sel = None                    # host table views, at the first plan
-        self._ids_t = None                             # chunk ids [J] on the scores' device
+        self._ids_t = self._score_at = None            # index helpers of the rankings
         self.last: dict = {}
         pager.attach(self)
 
@@ -567,26 +567,33 @@ class FarView:
         return torch.cat([out, moved[..., None].to(torch.int64)], dim=2)
 
     def _rank_host(self, scores: np.ndarray, sel: np.ndarray, summ: np.ndarray) -> np.ndarray:
-        """:meth:`_rank` in numpy on host arrays, over the chunks any slot has summarized
-        (``[0, max done)``) only, with a partition for the top ``C``."""
+        """:meth:`_rank` in numpy on host arrays. Only rows of slots with more than ``C``
+        summaries can change (a row shows every summary of the others), so those alone are
+        ranked, over the chunks they have summarized (``[0, max done)``), with a partition."""
         L, B, C = self.layers, self.B, self.C
-        n = max(int(self._done.max()), 1)
-        key = rank_keys(scores[..., :n], self._chunk_ids[:n])                 # [L, B, n]
-        np.copyto(key, _EMPTY_KEY, where=~summ[:, :n])
-        if n > C:
-            top = np.partition(key, n - C, axis=2)[..., n - C:]
-        else:
-            top = np.full((L, B, C), _EMPTY_KEY, dtype=np.int64)
-            top[..., :n] = key
         cur = sel.reshape(L, B, C).astype(np.int64)
         has = cur >= 0
-        cur_key = rank_keys(np.take_along_axis(scores, np.maximum(cur, 0), axis=2), cur)
-        np.copyto(cur_key, _EMPTY_KEY, where=~has)
-        moved = ((cur_key.min(axis=2) < top.min(axis=2))
-                 | (has.sum(axis=2) != (top != _EMPTY_KEY).sum(axis=2)))
         out = np.empty((L, B, C + 1), dtype=np.int64)
-        np.copyto(out[..., :C], np.where(moved[..., None], top, cur_key))
-        out[..., C] = moved
+        cur_key = out[..., :C]
+        if self._score_at is None:              # flat index of (layer, slot, chunk 0)
+            self._score_at = (np.arange(L * B, dtype=np.int64) * (self.J + 1)).reshape(L, B, 1)
+        # an empty entry (-1) reads its neighbour; its key is set to empty below
+        cur_key[...] = rank_keys(scores.reshape(-1).take(self._score_at + cur), cur)
+        np.copyto(cur_key, _EMPTY_KEY, where=~has)
+        out[..., C] = 0
+        many = np.flatnonzero(summ.sum(axis=1) > C)
+        if not many.size:
+            return out
+        n = int(self._done[many].max())
+        key = rank_keys(scores[:, many, :n], self._chunk_ids[:n])             # [L, m, n]
+        np.copyto(key, _EMPTY_KEY, where=~summ[many, :n])
+        top = np.partition(key, n - C, axis=2)[..., n - C:]                   # [L, m, C]
+        moved = ((cur_key[:, many].min(axis=2) < top.min(axis=2))
+                 | (has[:, many].sum(axis=2) < C))
+        layers, which = np.nonzero(moved)
+        rows = many[which]
+        out[layers, rows, :C] = top[layers, which]
+        out[layers, rows, C] = 1
         return out
 
     @property
