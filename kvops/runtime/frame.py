@@ -90,6 +90,8 @@ class SessionDelta:
 
     ``before_*`` describe the committed view before the commit (length 0 and no blocks for a
     new session); ``page_after(j)`` reads the view after it; ``closed`` is an EOS trim.
+    ``aliased``: for a new session, the tokens it took from another session by ``alias``
+    (0 otherwise): every later token is its own, the step's to write.
     """
 
     key: Hashable
@@ -100,6 +102,7 @@ class SessionDelta:
     before_blocks: list[int]
     after_length: int
     after_overlay: dict[int, int]
+    aliased: int = 0
 
     def page_before(self, j: int) -> int:
         return self.before_blocks[j] if j < len(self.before_blocks) else -1
@@ -233,7 +236,8 @@ class FrameEdits:
     in more than one block). ``ref``: pending reference-count changes; ``allocated``: pages
     taken from the pool; ``slots_taken``: slots taken from the free list; ``freed_pages`` and
     ``freed_slots``: what verbs freed, reusable in the frame; ``written``: for sessions
-    aliased in the frame, how many of their tokens exist before the step writes;
+    aliased in the frame, how many of their tokens exist before the step writes, and
+    ``aliased`` how many they took by the alias;
     ``writes``: table writes ``(setter, index, values, table or its flat range)``; ``undo``
     and ``after``: the abort and commit callbacks; ``adopt``: the policies' ``(adopt,
     state)`` pairs the commit leaves for :meth:`Frame.commit` to hand over.
@@ -241,7 +245,7 @@ class FrameEdits:
 
     __slots__ = ("length", "overlay", "new", "closed", "grown", "gst", "app", "gmulti", "ref",
                  "allocated", "copies", "aliases", "writes", "slots_taken", "freed_pages",
-                 "freed_slots", "written", "undo", "after", "adopt")
+                 "freed_slots", "written", "aliased", "undo", "after", "adopt")
 
     def __init__(self):
         self.length = {}
@@ -261,6 +265,7 @@ class FrameEdits:
         self.freed_pages = []
         self.freed_slots = []
         self.written = {}
+        self.aliased = {}
         self.undo = []
         self.after = []
         self.adopt = ()
@@ -717,6 +722,7 @@ class Frame:
             self._set(dst, j, page)
         self._length[dst] = n_tokens
         self.edits.written[dst] = min(n_tokens, self._written(src))
+        self.edits.aliased[dst] = n_tokens
         self.edits.aliases.append((dst, src, n_tokens, tuple(shared)))
 
     def trim(self, key: Hashable, blocks: Iterable[int] | None = None) -> None:
@@ -749,6 +755,7 @@ class Frame:
                 self._overlay.pop(key, None)
                 self._length.pop(key, None)
                 e.written.pop(key, None)
+                e.aliased.pop(key, None)
             else:
                 self._closed.add(key)
                 e.freed_slots.append(self._sessions[key].slot)

@@ -230,7 +230,7 @@ class Pager:
                                      0 if gone else after, overlay.get(key) or {}))
                 else:
                     opened.append(SessionDelta(key, slot, True, False, 0, [], after,
-                                               overlay.get(key) or {}))
+                                               overlay.get(key) or {}, e.aliased.get(key, 0)))
             deltas += opened
         grown = e.grown
         n = len(grown)

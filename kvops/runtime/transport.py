@@ -11,7 +11,8 @@ At every frame commit (the transport is a pager policy, :mod:`kvops.runtime.poli
 the frame touched, the blocks of its new window whose contents or mapping changed become page
 moves: the blocks that received new tokens (unless ``copy_tail=False``: the model writes new
 tokens into the arena itself), blocks whose page changed (copy-on-write, alias), and every
-block of a session new to its slot. Blocks trimmed inside the window (page ``-1``)
+block of a session new to its slot (with ``copy_tail=False`` only those holding tokens that
+exist before the step: an aliased prefix). Blocks trimmed inside the window (page ``-1``)
 are not moved. The moves, in slot order then ring order, go through
 :func:`kvops.layouts.plan_trains` (greedy merge up to ``max_train_bytes``); the trains and
 their count are written into the frame's tables, so the commit's single upload carries them
@@ -95,8 +96,8 @@ class Transport:
     copy_tail : bool
         True (default): blocks that received tokens are moved, so the arena follows the pool
         alone. False: the model writes each new token's K/V into its arena slot as well as its
-        pool page (as KV-RM's static kernel writes back), so growth moves nothing and only
-        new sessions and remapped blocks are moved.
+        pool page (as KV-RM's static kernel writes back), prefill's included, so growth
+        moves nothing and only a new session's aliased blocks and remapped blocks are moved.
     """
 
     kind = "transport"
@@ -151,8 +152,8 @@ class Transport:
         first = max(0, nb - NW)
         grew = self.copy_tail and d.after_length > d.before_length
         grew_from = d.before_length // S if grew else nb
-        if d.new:
-            todo = range(first, nb)
+        if d.new:               # write-through: the blocks the step writes whole move nothing
+            todo = range(first, nb if self.copy_tail else min(nb, -(-d.aliased // S)))
         else:   # O(delta): blocks that got tokens, and remapped blocks still in the window
             todo = range(max(first, grew_from), nb)
             old_end = min(grew_from, -(-d.before_length // S))
