@@ -122,6 +122,45 @@ def test_selection_is_top_cap_by_utility_and_fresh_chunks_get_in():
     assert dev[0, slot].tolist() == far.selection(0, slot)
 
 
+class _FailingPolicy:
+    """A policy planned after the far view whose plan raises on demand: the commit then
+    fails after the far view has planned."""
+
+    kind, sharing, fail = "failing", {}, False
+
+    def tables(self):
+        return {}
+
+    def plan(self, frame, deltas, grown):
+        if self.fail:
+            raise RuntimeError("a later policy fails")
+        return None
+
+
+def test_a_commit_failing_after_a_pull_leaves_the_pull_as_it_came():
+    """A general commit after a pull takes a new summary into the pulled rows; when a later
+    policy's plan fails that commit, the next commit writes the pull's rows as the pull
+    ranked them, without the summary the failed commit took (its chunk is not summarized)."""
+    pager, far, k, v = setup(cap=2, max_leave=8, sessions=3)
+    boom = _FailingPolicy()
+    pager.attach(boom)
+    commit(pager, far, k, v, {"a": 10 * S})              # chunks 0..3 far
+    slot = pager.slot("a")
+    far.host_scores[:, slot, :4] = [0.5, 0.9, 0.1, 0.2]
+    far.pull_scores(far.host_scores.copy())              # every row of "a" changes: [0, 1]
+    boom.fail = True
+    with pytest.raises(RuntimeError, match="later policy"):
+        with pager.frame() as f:
+            f.reserve("a", 2 * S)                        # chunk 4 becomes far
+            f.trim("a", [0])                             # an edit: the general path
+    boom.fail = False
+    commit(pager, far, k, v, {"a": 1})
+    for layer in range(LAYERS):
+        assert chosen(far, layer, slot) == [0, 1], layer
+    commit(pager, far, k, v, {"a": 2 * S - 1})           # now chunk 4 is far and summarized
+    assert all(4 in far.selection(layer, slot) for layer in range(LAYERS))
+
+
 @pytest.mark.parametrize("bias", [True, False], ids=["log-count", "zero"])
 def test_view_gathers_stored_summaries_with_the_bias_switch(bias):
     pager, far, k, v = setup(cap=3, max_leave=4, bias=bias)
@@ -409,6 +448,60 @@ def test_cuda_graph_replays_far_view_layer_across_commits():
     assert len(far.summarized(pager.slot("b"))) >= 8
 
 
+@requires_cuda
+def test_device_pulls_rank_as_the_host_does():
+    """A far view on CUDA pulls through the ranking op and its pinned buffers; a CPU twin
+    given the same utilities ranks on the host. Pulls back to back, pulls followed by a
+    commit a later policy fails, and general commits (trims, new sessions) leave both with
+    the same selection rows and ranking keys at every step."""
+    rng = np.random.default_rng(3)
+    views = []
+    for dev in ("cuda", "cpu"):
+        pager = Pager(128, S, max_sessions=3, max_blocks=48, device=dev)
+        far = FarView(pager, window_tokens=W, chunk_tokens=CHUNK, cap=2, num_layers=LAYERS,
+                      num_kv_heads=HKV, head_dim=D, dtype=torch.float32, max_leave=2,
+                      device=dev)
+        boom = _FailingPolicy()
+        pager.attach(boom)
+        gen = torch.Generator().manual_seed(1)
+        k = torch.randn(LAYERS, 128, S, HKV, D, generator=gen).to(dev)
+        views.append((pager, far, boom, k))
+    for step in range(40):
+        u = rng.integers(0, 4, views[0][1].scores.shape).astype(np.float32)
+        pulls = int(rng.integers(0, 3)) if step % 3 == 2 else 0
+        for _ in range(pulls):
+            views[0][1].scores.copy_(torch.from_numpy(u))
+            views[0][1].pull_scores()
+            views[1][1].pull_scores(u)
+        edits = {"a": int(rng.choice([1, S // 2, S]))}
+        if step % 5 == 1:
+            edits["b"] = S
+        fail = pulls and rng.random() < 0.4
+        trim = step > 6 and rng.random() < 0.3
+        for pager, far, boom, k in views:
+            for attempt in ((True, False) if fail else (False,)):
+                boom.fail = attempt
+                try:
+                    with pager.frame() as f:
+                        for key, n in edits.items():
+                            f.reserve(key, n)
+                        if trim:
+                            f.trim("a", [0])
+                except RuntimeError:
+                    assert attempt
+            for layer in range(LAYERS):
+                far.absorb(layer, k[layer], k[layer])
+        (p0, f0, _, _), (p1, f1, _, _) = views
+        rows = (LAYERS, f0.B, f0.C)             # a changed row's entries are in no order
+        for a, b in ((p0.host_tables["far_select"], p1.host_tables["far_select"]),
+                     (f0._sel_key, f1._sel_key)):
+            assert np.array_equal(np.sort(a.reshape(rows), axis=2),
+                                  np.sort(b.reshape(rows), axis=2)), step
+        assert torch.equal(p0.device_tables["far_select"].cpu(),
+                           torch.from_numpy(p0.host_tables["far_select"]))
+    assert len(f0.summarized(p0.slot("a"))) > 4
+
+
 def test_decode_with_far_view_matches_the_block_parallel_evaluation(monkeypatch):
     """Token by token through Pager + FarView + the ops equals what kvops.evals.far_view
     computes for all positions at once (cap holding every far chunk), bias on and off."""
@@ -449,7 +542,8 @@ def test_decode_with_far_view_matches_the_block_parallel_evaluation(monkeypatch)
 
 
 def test_rank_keys_order_by_utility_then_newer_chunk():
-    from kvops.runtime.far_view import _EMPTY_KEY, rank_keys
+    from kvops.ops.far_view_rank import EMPTY_KEY as _EMPTY_KEY
+    from kvops.ops.far_view_rank import rank_keys
 
     u = np.array([-np.inf, -2.0, -1.0, -0.0, 0.0, 1e-30, 0.5, 0.5, 2.0, np.inf], np.float32)
     ids = np.array([9, 3, 4, 5, 1, 2, 6, 7, 0, 8])
@@ -515,10 +609,10 @@ def test_selection_matches_a_top_cap_oracle_under_random_steps(max_leave):
             summ = (np.arange(far.J) < far._done[:, None]) & ~far._dropped
             sel = pager.host_tables["far_select"]
             want = far._rank_host(u, sel, summ)
-            got = far._rank(torch.from_numpy(u), torch.from_numpy(sel),
-                            torch.from_numpy(summ)).numpy()
-            moved = want[..., cap] != 0
-            assert np.array_equal(got[..., cap] != 0, moved)
+            want, moved = want
+            got, got_moved = (t.numpy() for t in far._rank(
+                torch.from_numpy(u), torch.from_numpy(sel), torch.from_numpy(summ)))
+            assert np.array_equal(got_moved, moved)
             assert np.array_equal(got[~moved], want[~moved])     # in the committed order
             assert np.array_equal(np.sort(got[moved], axis=1), np.sort(want[moved], axis=1))
             far.pull_scores(u)

@@ -80,6 +80,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kvops.ops.far_view_rank import EMPTY_KEY, rank_keys
 from kvops.runtime.frame import Frame, GrownBatch, SessionDelta
 from kvops.runtime.pager import Pager
 from kvops.runtime.policy import Staged
@@ -88,28 +89,7 @@ _NONE = np.zeros(0, dtype=np.int64)
 _NONE.flags.writeable = False
 _FILL = np.array(-1, dtype=np.int32)            # an empty leave page or selection slot
 _FILL.flags.writeable = False
-# the ranking key of an empty selection slot: below every utility's (-inf's included), and its
-# low 32 bits are -1, so keys.astype(int32) are the far_select entries (ids, -1 for empty)
-_EMPTY_KEY = np.iinfo(np.int64).min | 0xFFFFFFFF
-_LOW31 = np.int32(0x7FFFFFFF)
 _CLEARED, _DECODE, _GENERAL = "cleared", "decode", "general"     # kinds of staged state
-
-
-def rank_keys(utility, ids):
-    """int64 ranking keys ordered as ``(utility, id)`` (float32 utilities, ids in
-    ``[0, 2**31)``; numpy arrays or tensors alike): a higher utility ranks higher, and of
-    equal ones the higher id (the newer chunk); the id is the key's low 32 bits. The float's
-    bits mapped to an order-preserving int32 (negative ones with their magnitude bits
-    flipped), shifted up, plus the id."""
-    if isinstance(utility, Tensor):
-        bits = utility.to(torch.float32).contiguous().view(torch.int32)
-        key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64)
-    else:
-        bits = np.ascontiguousarray(utility, dtype=np.float32).view(np.int32)
-        key = (bits ^ ((bits >> 31) & _LOW31)).astype(np.int64)
-    key <<= 32
-    key |= ids
-    return key
 
 
 def _ids_of(keys: np.ndarray) -> np.ndarray:
@@ -192,10 +172,11 @@ class FarView:
         # the last pull_scores' ranking for the next commit: [L, B, C + 1] int64, each row's
         # keys (aligned with the committed row where it stays) and whether it changes
         self._pulled = None
+        self._pull_bufs: list = []                     # a device pull's buffers (pinned)
         # the ranking key (rank_keys) of every committed far_select entry: its pulled utility,
         # +inf for a summary stored since the last pull (its utility is not on the host yet),
-        # _EMPTY_KEY for an empty slot; so a row's lowest entry is the one a new summary evicts
-        self._sel_key = np.full((L, B, cap), _EMPTY_KEY, dtype=np.int64)
+        # EMPTY_KEY for an empty slot; so a row's lowest entry is the one a new summary evicts
+        self._sel_key = np.full((L, B, cap), EMPTY_KEY, dtype=np.int64)
         self._fresh_key = _FRESH | np.arange(J, dtype=np.int64)
         # far chunks of a session of n tokens (a lookup by length, as the transport's)
         n = np.arange(pager.max_blocks * S + 1, dtype=np.int64)
@@ -211,7 +192,7 @@ class FarView:
         self._leave_cols = np.arange(max_leave, dtype=np.int64)
         self._sink = np.array(J, dtype=np.int32)
         self._bt = self._sel = None                    # host table views, at the first plan
-        self._ids_t = self._score_at = None            # index helpers of the rankings
+        self._score_at = None                          # flat index helper of the host ranking
         self.last: dict = {}
         pager.attach(self)
 
@@ -431,7 +412,7 @@ class FarView:
             cur[m] = _ids_of(kr[m])
         if resets:
             gone = np.isin(sessions, resets)
-            cur[:, gone], kr[:, gone] = -1, _EMPTY_KEY
+            cur[:, gone], kr[:, gone] = -1, EMPTY_KEY
         idx = np.arange(sessions.size)
         for r in range(taken.shape[1]):
             new = taken[:, r]
@@ -446,7 +427,10 @@ class FarView:
         if keys is None:
             keyed = ("rows", sessions, kr)
         else:
+            if keys is self._pulled[0]:         # the pull's own array: a frame that aborts
+                keys = keys.copy()              # leaves the pull as it came
             keys[:, sessions] = kr
+            keyed = ("all", keys)
         return changed, keyed
 
     def _put_pulled(self, frame: Frame, resets: list[int] | None = None):
@@ -454,12 +438,11 @@ class FarView:
         commit wipes); returns ``(rows written, keys [L, B, C], changed [L, B])``: every
         committed entry's ranking key after those writes."""
         C, B = self.C, self.B
-        got = self._pulled
-        keys = got[..., :C]                     # the pull's own array: adopted, then edited
-        moved = got[..., C] != 0
-        if resets:
+        keys, moved = self._pulled             # the pull's own arrays: adopted, then edited
+        if resets:                              # (copies: an aborted frame keeps the pull)
+            keys, moved = keys.copy(), moved.copy()
             moved[:, resets] = False
-            keys[:, resets] = _EMPTY_KEY
+            keys[:, resets] = EMPTY_KEY
         layers, rows = np.nonzero(moved)
         n = int(layers.size)
         if 4 * n > moved.size:                  # many: the whole table (a row that stays
@@ -495,7 +478,7 @@ class FarView:
             if resets:
                 self._dropped[resets] = False
                 self._holes.difference_update(resets)
-                self._sel_key[:, resets] = _EMPTY_KEY
+                self._sel_key[:, resets] = EMPTY_KEY
             if dropped:
                 self._dropped[tuple(np.array(dropped).T)] = True
                 self._holes.update(b for b, _ in dropped)
@@ -516,17 +499,25 @@ class FarView:
     def pull_scores(self, values=None) -> None:
         """Rank every session's summaries again by the utilities on the device, for the next
         commit to put in place; syncs the device. ``values``: host utilities ``[layers, B,
-        J + 1]`` to rank instead (e.g. from a replay). The ranking runs where the utilities
-        are (:meth:`_rank`) and brings back ``[L, B, C + 1]`` int64 (a few hundred KiB at
-        hundreds of sessions) instead of the utilities; the host ranks nothing. Between pulls
-        the ranking cannot change: utilities that did not change cannot change the selection.
-        Utilities on the CPU, or ``values``, are ranked by numpy (:meth:`_rank_host`, the
-        same result), which a CPU runs faster than torch's top-k."""
+        J + 1]`` to rank instead (e.g. from a replay). On a GPU the ranking is one op
+        (``torch.ops.kvops.far_view_rank``: one program a row, against the committed rows)
+        and brings back the ``[L, B, C]`` int64 keys and which rows change (a few hundred KiB
+        at hundreds of sessions) instead of the utilities, through pinned buffers made once
+        (:meth:`_pull_buffers`); the host ranks nothing.
+        Between pulls the ranking cannot change: utilities that did not change cannot change
+        the selection. Utilities on the CPU, or ``values``, are ranked by numpy
+        (:meth:`_rank_host`, the same result), which a CPU runs faster than the op."""
         summ = (self._chunk_ids < self._done[:, None]) & ~self._dropped          # [B, J]
         if values is None and self.scores.device.type != "cpu":
-            sel = self._tables()["far_select"]          # committed (the stream orders it)
-            got = self._rank(self.scores, sel, torch.from_numpy(summ).to(self.scores.device))
-            self._pulled = got.cpu().numpy()
+            up, summ_dev, keys_at, moved_at = self._pull_buffers()
+            up.numpy()[...] = summ
+            summ_dev.copy_(up, non_blocking=True)
+            keys, moved = self._rank(self.scores, self._tables()["far_select"], summ_dev)
+            keys_at.copy_(keys, non_blocking=True)      # the committed rows: the stream
+            moved_at.copy_(moved, non_blocking=True)    # orders the ranking after them
+            if self.scores.device.type == "cuda":
+                torch.cuda.current_stream(self.scores.device).synchronize()
+            self._pulled = keys_at.numpy(), moved_at.numpy()
             self._host_stale = True
             return
         if values is None:
@@ -542,59 +533,73 @@ class FarView:
         self._pulled = self._rank_host(self._host_scores, self.pager.host_tables["far_select"],
                                        summ)
 
-    def _rank(self, scores: Tensor, sel: Tensor, summ: Tensor) -> Tensor:
-        """``[L, B, C + 1]`` int64: per layer and slot the ranking keys of the row's top ``C``
-        summaries by ``scores [L, B, J + 1]`` (``summ [B, J]``: the summarized chunks), in
-        the committed row's order (``sel``, far_select) where the row holds them already, and
-        in the last column whether the row changes. Keys are unique but for empty entries,
-        so a full committed row holds the top ``C`` iff its lowest entry is among them. Any
-        device, fixed shapes (a changed row's entries in no particular order)."""
-        L, B, C, J = self.layers, self.B, self.C, self.J
-        if self._ids_t is None or self._ids_t.device != scores.device:
-            self._ids_t = torch.arange(J, dtype=torch.int64, device=scores.device)
-        empty = torch.tensor(_EMPTY_KEY, dtype=torch.int64, device=scores.device)
-        key = torch.where(summ, rank_keys(scores[..., :J], self._ids_t), empty)  # [L, B, J]
-        k = min(C, J)
-        top = key.topk(k, dim=2).values
-        if k < C:
-            top = torch.cat([top, empty.expand(L, B, C - k)], dim=2)
-        cur = sel.view(L, B, C).to(torch.int64)
-        has = cur >= 0
-        cur_key = torch.where(has, rank_keys(scores.gather(2, cur.clamp(min=0)), cur), empty)
-        moved = ((cur_key.amin(dim=2) < top[..., C - 1])
-                 | (has.sum(dim=2) != (top != empty).sum(dim=2)))
-        out = torch.where(moved[..., None], top, cur_key)
-        return torch.cat([out, moved[..., None].to(torch.int64)], dim=2)
+    def _pull_buffers(self):
+        """A device pull's buffers: the summarized mask (pinned, and on the device), made once,
+        and two pinned pairs for the keys and changed rows it brings back, used in turn. The
+        keys a commit adopts stay the ranking keys until the next pull's commit, so a pair
+        still held (by the adopted keys, or by a pull no commit has taken yet) is replaced by
+        a new one rather than overwritten."""
+        dev = self.scores.device
+        pin = dev.type == "cuda"
+        shape = (self.layers, self.B, self.C)
+        if not self._pull_bufs:
+            up = torch.empty((self.B, self.J), dtype=torch.bool, pin_memory=pin)
+            self._pull_bufs = [up, torch.empty_like(up, device=dev), None, None]
+        turn = self._pull_bufs[2:]
+        for i in (0, 1):
+            pair = turn[i]
+            held = pair is not None and (
+                np.may_share_memory(pair[0].numpy(), self._sel_key)
+                or (self._pulled is not None and self._pulled[0] is not None
+                    and np.may_share_memory(pair[0].numpy(), self._pulled[0])))
+            if pair is None or not held:
+                if pair is None:
+                    pair = (torch.empty(shape, dtype=torch.int64, pin_memory=pin),
+                            torch.empty(shape[:2], dtype=torch.bool, pin_memory=pin))
+                    self._pull_bufs[2 + i] = pair
+                return (*self._pull_bufs[:2], *pair)
+        pair = (torch.empty(shape, dtype=torch.int64, pin_memory=pin),   # both held
+                torch.empty(shape[:2], dtype=torch.bool, pin_memory=pin))
+        self._pull_bufs[2] = pair
+        return (*self._pull_bufs[:2], *pair)
 
-    def _rank_host(self, scores: np.ndarray, sel: np.ndarray, summ: np.ndarray) -> np.ndarray:
+    def _rank(self, scores: Tensor, sel: Tensor, summ: Tensor) -> tuple[Tensor, Tensor]:
+        """``keys [L, B, C]`` int64 and ``changed [L, B]``: per layer and slot the ranking keys
+        of the row's top ``C`` summaries by ``scores [L, B, J + 1]`` (``summ [B, J]``: the
+        summarized chunks), in the committed row's order (``sel``, far_select) where the row
+        holds them already, and whether the row changes (``torch.ops.kvops.far_view_rank``)."""
+        return torch.ops.kvops.far_view_rank(scores, summ,
+                                             sel.view(self.layers, self.B, self.C))
+
+    def _rank_host(self, scores: np.ndarray, sel: np.ndarray,
+                   summ: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`_rank` in numpy on host arrays. Only rows of slots with more than ``C``
         summaries can change (a row shows every summary of the others), so those alone are
         ranked, over the chunks they have summarized (``[0, max done)``), with a partition."""
         L, B, C = self.layers, self.B, self.C
         cur = sel.reshape(L, B, C).astype(np.int64)
         has = cur >= 0
-        out = np.empty((L, B, C + 1), dtype=np.int64)
-        cur_key = out[..., :C]
+        cur_key = np.empty((L, B, C), dtype=np.int64)
+        changed = np.zeros((L, B), dtype=bool)
         if self._score_at is None:              # flat index of (layer, slot, chunk 0)
             self._score_at = (np.arange(L * B, dtype=np.int64) * (self.J + 1)).reshape(L, B, 1)
         # an empty entry (-1) reads its neighbour; its key is set to empty below
         cur_key[...] = rank_keys(scores.reshape(-1).take(self._score_at + cur), cur)
-        np.copyto(cur_key, _EMPTY_KEY, where=~has)
-        out[..., C] = 0
+        np.copyto(cur_key, EMPTY_KEY, where=~has)
         many = np.flatnonzero(summ.sum(axis=1) > C)
         if not many.size:
-            return out
+            return cur_key, changed
         n = int(self._done[many].max())
         key = rank_keys(scores[:, many, :n], self._chunk_ids[:n])             # [L, m, n]
-        np.copyto(key, _EMPTY_KEY, where=~summ[many, :n])
+        np.copyto(key, EMPTY_KEY, where=~summ[many, :n])
         top = np.partition(key, n - C, axis=2)[..., n - C:]                   # [L, m, C]
         moved = ((cur_key[:, many].min(axis=2) < top.min(axis=2))
                  | (has[:, many].sum(axis=2) < C))
         layers, which = np.nonzero(moved)
         rows = many[which]
-        out[layers, rows, :C] = top[layers, which]
-        out[layers, rows, C] = 1
-        return out
+        cur_key[layers, rows] = top[layers, which]
+        changed[layers, rows] = True
+        return cur_key, changed
 
     @property
     def host_scores(self) -> np.ndarray:
