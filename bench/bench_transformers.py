@@ -20,8 +20,11 @@ Timing: a warm-up ``generate`` of 3 tokens (it compiles and records the CUDA gra
 ``ctx``; step = the difference of the two lengths' fastest wall times / the difference of their
 lengths (the first, eager, step of a ``generate`` and its fixed cost cancel); tokens/s = B /
 step. A cell whose long runs are not slower than its short ones (a busy machine) reports no
-step and says "timing noise". ``setup s``: the warm-up's wall
-time (the compile, for a compiled cell).
+step and says "timing noise". ``--rounds N`` measures every cell N times with the
+implementations in turn (so the machine's drift falls on all of them alike) and reports the
+median step, with the spread in the note: an eager step at B 1 is host work and moves by
+tens of percent between runs. ``setup s``: the warm-up's wall time (the compile, for a
+compiled cell).
 
 Implementations: ``sdpa`` (``StaticCache``, transformers' SDPA), ``flex`` (``StaticCache``,
 ``flex_attention``), ``sliding`` (kvops ``SlidingCache``, window ctx + new + 1,
@@ -212,6 +215,9 @@ def main(argv: list[str] | None = None) -> list[list]:
     ap.add_argument("--short", type=int, default=8, help="new tokens a row, the short timed run")
     ap.add_argument("--repeats", type=int, default=3,
                     help="timed generates of each length; the fastest counts")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure every cell this many times, the impls in turn; the median "
+                         "counts and the note gives the spread")
     ap.add_argument("--record", action="store_true",
                     help="write bench/results/<date>-<name>.md (and a copy under $OUT)")
     ap.add_argument("--name", default="transformers-generate")
@@ -226,6 +232,8 @@ def main(argv: list[str] | None = None) -> list[list]:
         a.name += "-smoke"
     if a.repeats < 1:
         ap.error(f"--repeats: expected >= 1, got {a.repeats}")
+    if a.rounds < 1:
+        ap.error(f"--rounds: expected >= 1, got {a.rounds}")
     if not 0 < a.short < a.new:
         ap.error(f"--short: expected 0 < short < new={a.new}, got {a.short}")
     for impl in a.impls.split(","):
@@ -248,22 +256,33 @@ def main(argv: list[str] | None = None) -> list[list]:
     for mode in a.modes.split(","):
         for B in map(int, a.batches.split(",")):
             for ctx in map(int, a.contexts.split(",")):
+                cells = {impl: {"steps": [], "setup": None, "note": None} for impl in impls}
+                for _ in range(a.rounds):     # the impls in turn, so drift hits all alike
+                    for impl in impls:
+                        cell = cells[impl]
+                        try:
+                            dt, setup, toks = run(model, impl, B, ctx, (a.short, a.new),
+                                                  mode == "compiled", a.repeats)
+                            cell["setup"] = cell["setup"] or setup
+                            ref = tokens.setdefault((B, ctx), toks)
+                            same = (toks == ref).all(dim=1)
+                            cell["note"] = ("tokens = first run's" if bool(same.all()) else
+                                            f"tokens = first run's in {int(same.sum())}/{B} rows")
+                            cell["steps"].append(dt)
+                        except Exception as e:  # a failing peer (e.g. flex) must not end the run
+                            traceback.print_exc()
+                            cell["note"] = f"failed: {type(e).__name__}: {str(e)[:80]}"
                 for impl in impls:
-                    setup = None
-                    try:
-                        dt, setup, toks = run(model, impl, B, ctx, (a.short, a.new),
-                                              mode == "compiled", a.repeats)
-                        ref = tokens.setdefault((B, ctx), toks)
-                        same = (toks == ref).all(dim=1)
-                        note = ("tokens = first run's" if bool(same.all())
-                                else f"tokens = first run's in {int(same.sum())}/{B} rows")
-                        if dt <= 0:   # the long runs were not slower: no step time to report
-                            dt, note = None, f"{note}; timing noise (step {dt * 1e3:.2f} ms)"
-                        else:
-                            results[mode, B, ctx, impl] = dt
-                    except Exception as e:  # a failing peer (e.g. flex) must not end the run
-                        traceback.print_exc()
-                        dt, note = None, f"failed: {type(e).__name__}: {str(e)[:80]}"
+                    cell = cells[impl]
+                    steps, note, setup = sorted(cell["steps"]), cell["note"], cell["setup"]
+                    dt = steps[len(steps) // 2] if steps else None
+                    if dt is not None and dt <= 0:  # the long runs were not slower
+                        dt, note = None, f"{note}; timing noise (step {dt * 1e3:.2f} ms)"
+                    elif dt is not None:
+                        results[mode, B, ctx, impl] = dt
+                        if len(steps) > 1:
+                            note = (f"{note}; median of {len(steps)} rounds, "
+                                    f"{steps[0] * 1e3:.2f}-{steps[-1] * 1e3:.2f} ms")
                     base = results.get((mode, B, ctx, "sdpa"))
                     rows.append([mode, B, ctx, impl,
                                  f"{dt * 1e3:.2f}" if dt else "-",
@@ -289,7 +308,8 @@ def report(a, rows, elapsed: float, write: bool = True):
         f"{a.layers} of {'its 32' if a.shape.startswith('Llama') else 'its'} layers, bfloat16, "
         f"on {a.device}; `ctx` cached tokens a row, then generate; step = (wall time of a "
         f"{a.new}-token generate - that of a {a.short}-token one) / {a.new - a.short}; "
-        f"tokens/s = B / step; vs SDPA = SDPA's step / this one's (> 1 is faster); setup s = "
+        f"tokens/s = B / step{'' if a.rounds == 1 else f' (the median of {a.rounds} rounds, impls in turn)'}; "
+        f"vs SDPA = SDPA's step / this one's (> 1 is faster); setup s = "
         f"the 3-token warm-up generate (compile included); note: whether the greedy tokens "
         f"equal those of the first run at that (B, ctx) (every cache holds the same K/V; "
         f"random weights make near-ties, so bfloat16 rounding differences flip some). "

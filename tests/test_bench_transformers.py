@@ -27,3 +27,19 @@ def test_smoke_grid_runs_on_cpu(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     last = [c.strip() for c in out.rstrip().splitlines()[-1].split("|")[1:5]]
     assert last == ["eager", "2", "64", "paged-base"]          # the table prints last
+
+
+def test_rounds_take_the_median_of_the_impls_in_turn(tmp_path, monkeypatch):
+    from bench import bench_transformers as bt
+
+    monkeypatch.setattr(bt, "write_result", lambda name, body: tmp_path / name)
+    order = []
+    real = bt.run
+    monkeypatch.setattr(bt, "run", lambda model, impl, *a, **k: (order.append(impl),
+                                                                   real(model, impl, *a, **k))[1])
+    rows = bt.main(["--smoke", "--impls", "sliding,sdpa", "--modes", "eager", "--rounds", "3",
+                    "--repeats", "1"])
+    assert order == ["sliding", "sdpa"] * 3
+    assert [r[3] for r in rows] == ["sliding", "sdpa"]
+    for row in rows:
+        assert "median of 3 rounds" in row[-1] or "timing noise" in row[-1], row
