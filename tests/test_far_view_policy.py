@@ -597,6 +597,10 @@ def test_selection_matches_a_top_cap_oracle_under_random_steps(max_leave):
             new |= {j for j in ids[b].tolist() if j != far.J}
             have = far.summarized(b)
             assert new <= set(have)
+            lead = 0
+            while lead in set(have):
+                lead += 1
+            assert far.leading_summarized(b) == lead, (step, key)
             most = max(most, len(have))
             gaps += len(have) < (max(have) + 1 if have else 0)    # a dropped chunk
             for layer in range(LAYERS):

@@ -274,10 +274,7 @@ class PagedKV:
         for req, _ in grows:
             if req.num_computed < len(req.prompt) or req.key in keep:
                 continue
-            done = set(self.far.summarized(self.pager.slot(req.key)))
-            k = 0
-            while k in done:
-                k += 1
+            k = self.far.leading_summarized(self.pager.slot(req.key))
             have = self._far_trimmed.get(req.key, 0)
             if k * M > have:
                 self._ends.append((req.key, list(range(have, k * M))))

@@ -617,6 +617,15 @@ class FarView:
             return list(range(done))
         return self._chunk_ids[:done][~self._dropped[slot, :done]].tolist()
 
+    def leading_summarized(self, slot: int) -> int:
+        """How many of ``slot``'s first chunks are all summarized: chunks ``[0, k)`` are,
+        chunk ``k`` is not (after the last commit's step)."""
+        done = int(self._done[slot])
+        if slot not in self._holes:
+            return done
+        gone = np.flatnonzero(self._dropped[slot, :done])
+        return int(gone[0]) if gone.size else done
+
     def selection(self, layer: int, slot: int) -> list[int]:
         """Committed far slots of ``slot`` at ``layer`` (chunk ids, -1 empty), in slot order
         (the order of ``view``'s far slots; the chunks in a row are in no particular order)."""
