@@ -303,12 +303,13 @@ def report(a, rows, elapsed: float, write: bool = True):
     """``(body, path)``: the header paragraph and the table; the results file when written."""
     import transformers
 
+    rounds = "" if a.rounds == 1 else f" (the median of {a.rounds} rounds, impls in turn)"
     body = "\n".join([
         f"transformers {transformers.__version__}; random-weight {a.shape} model with "
         f"{a.layers} of {'its 32' if a.shape.startswith('Llama') else 'its'} layers, bfloat16, "
         f"on {a.device}; `ctx` cached tokens a row, then generate; step = (wall time of a "
         f"{a.new}-token generate - that of a {a.short}-token one) / {a.new - a.short}; "
-        f"tokens/s = B / step{'' if a.rounds == 1 else f' (the median of {a.rounds} rounds, impls in turn)'}; "
+        f"tokens/s = B / step{rounds}; "
         f"vs SDPA = SDPA's step / this one's (> 1 is faster); setup s = "
         f"the 3-token warm-up generate (compile included); note: whether the greedy tokens "
         f"equal those of the first run at that (B, ctx) (every cache holds the same K/V; "
