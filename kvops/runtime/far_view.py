@@ -31,8 +31,8 @@ Utility and selection
     selection holds, per layer and session, the ``C`` summarized chunks of highest utility
     (ties: the newer chunk) by the utilities of the last :meth:`FarView.pull_scores` (one step
     old when called after each step; the engine pulls every ``far_rerank`` steps). The pull
-    ranks on the device, where the utilities are: one top-``C`` over every layer's and
-    session's ranking keys, compared with the committed rows, and brings back only the
+    ranks on the device, where the utilities are: one ``far_view_rank`` op (each layer's and
+    session's top ``C`` ranking keys, compared with the committed rows) brings back only the
     ``[L, B, C]`` keys and which rows change; the next commit writes those rows. A chunk
     summarized since the last pull has no utility on the host yet and ranks above every pulled
     one (of two such, the newer). Between pulls the ranking cannot change, so a commit only
