@@ -406,6 +406,36 @@ def test_generic_table_edits_ride_the_same_commit():
         pg.add_table("late", (1,))
 
 
+def test_a_write_through_a_view_uploads_the_elements_it_names():
+    """``Frame.write(..., via=view, at=flat)`` copies just those elements into the upload (the
+    device table then equals the host one); without ``at`` such a write uploads the table."""
+    pg = Pager(16, 8, 3, 4, device="cpu")
+    pg.add_table("sel", (2 * 3, 4), fill=-1)             # [layers * B, C], as far_select
+    uploads = []
+    real = pg.table_set.upload
+    pg.table_set.upload = lambda epoch, changed: (uploads.append(list(changed)),
+                                                  real(epoch, changed))[1]
+    with pg.frame() as f:
+        f.reserve("a", 5)
+    view = pg.host_tables["sel"].reshape(2, 3, 4)
+    rows, slots, cols = np.array([[0], [1]]), np.array([2]), np.array([[1], [3]])
+    at = ((rows * 3 + slots) * 4 + cols).reshape(-1)
+    with pg.frame() as f:
+        f.write("sel", (rows, slots, cols), 7, via=view, at=at)
+    region = pg.table_set.region["sel"]
+    assert [c.tolist() for c in uploads[-1] if isinstance(c, np.ndarray)] == \
+        [(region.start + at).tolist()]
+    want = np.full((6, 4), -1)
+    want[2, 1] = want[5, 3] = 7
+    assert np.array_equal(pg.host_tables["sel"], want)
+    assert np.array_equal(pg.device_tables["sel"].numpy(), want)
+    with pg.frame() as f:                                # no ``at``: the whole table
+        f.write("sel", (rows, slots, cols), 8, via=view)
+    assert region in uploads[-1]
+    want[2, 1] = want[5, 3] = 8
+    assert np.array_equal(pg.device_tables["sel"].numpy(), want)
+
+
 def test_policy_verbs_move_references_and_callbacks_follow_the_frame():
     """remap / hold / retain / release move page references as the fidelity policy needs;
     on_commit callbacks run only when the frame commits, on_abort ones only when it aborts."""

@@ -183,6 +183,7 @@ class FarView:
         self._far_at = np.clip((-(-n // S) - self.window_pages) // self.M, 0, J)
         # index helpers
         self._lrow = np.arange(L, dtype=np.int64)[:, None]
+        self._cols = np.arange(cap, dtype=np.int64)
         self._chunk_cols = np.arange(self.M, dtype=np.int64)
         self._chunk_blocks = np.arange(J)[:, None] * self.M + self._chunk_cols   # [J, M]
         # where the blocks of chunk j of slot b are in the flat block table: [B, J, M]
@@ -260,7 +261,8 @@ class FarView:
         frame.write("far_leave_pages", q, pages)
         frame.write("far_leave_ids", q, first)
         col = sel_key.take(q, axis=1).argmin(axis=2)              # [L, n]: the entry to replace
-        frame.write("far_select", (self._lrow, q, col), first, via=self._sel)
+        at = ((self._lrow * self.B + q) * self.C + col).reshape(-1)  # its flat position
+        frame.write("far_select", (self._lrow, q, col), first, via=self._sel, at=at)
         queue, lim, pending = _NONE, None, 0
         # more far chunks than one summary queue; a session gains at most one far chunk unless
         # its new tokens spanned several blocks (grown.multi, empty in a decode step)
@@ -449,8 +451,9 @@ class FarView:
             frame.write("far_select", slice(None),          # reads as it is committed)
                         _ids_of(keys).reshape(-1, C))
         elif n:                                 # by far_select row (layer * B + slot): the
-            frame.write("far_select", layers * B + rows,    # upload copies the rows written
-                        _ids_of(keys[layers, rows]))
+            flat = layers * B + rows                        # upload copies the rows written
+            frame.write("far_select", flat, _ids_of(keys[layers, rows]),
+                        at=(flat[:, None] * C + self._cols).reshape(-1))
         return n, keys, moved
 
     def adopt(self, state) -> None:

@@ -836,23 +836,27 @@ class Frame:
         self.edits.undo.append(fn)
 
     # -- table writes ----------------------------------------------------------------------------
-    def write(self, table: str, index, values, *, via=None) -> None:
+    def write(self, table: str, index, values, *, via=None, at=None) -> None:
         """``pager.host_tables[table][index] = values`` at commit, in the commit's one upload:
         the table writer policies use. ``index`` is any numpy index (an int, a slice or an int
         array along dim 0, alone or first in a tuple, uploads just those rows; anything else
-        the whole table). Unchecked beyond the table's name: policies compute in-range
-        indices. ``via``: a view of that host table (e.g. a structured-dtype view) whose
-        ``__setitem__`` takes ``index`` and ``values`` instead."""
+        the whole table, unless ``at`` says which elements). Unchecked beyond the table's
+        name: policies compute in-range indices. ``via``: a view of that host table (e.g. a
+        reshaped or structured-dtype view) whose ``__setitem__`` takes ``index`` and
+        ``values`` instead. ``at``: the flat positions (int64 1-D, row-major in the table) of
+        the elements the write touches, so the upload copies just those (a scatter across
+        rows, say)."""
         if via is None:
             target = self._tables.host.get(table)
             if target is None:
                 self._tables.check(table)
         else:
             target = via
+        changed = table if at is None else self._tables.region[table].start + at
         if index.__class__ is np.ndarray and target.ndim == 1 and index.ndim == 1:
-            self.edits.writes.append((target.put, index, values, table))
+            self.edits.writes.append((target.put, index, values, changed))
         else:
-            self.edits.writes.append((target.__setitem__, index, values, table))
+            self.edits.writes.append((target.__setitem__, index, values, changed))
 
     def edit(self, table: str, row: int, values, start: int = 0) -> None:
         """Checked write of ``values`` as a run from ``table[row, start]`` at commit (row-major,
