@@ -596,8 +596,9 @@ class FarView:
         key = rank_keys(scores[:, many, :n], self._chunk_ids[:n])             # [L, m, n]
         np.copyto(key, EMPTY_KEY, where=~summ[many, :n])
         top = np.partition(key, n - C, axis=2)[..., n - C:]                   # [L, m, C]
-        moved = ((cur_key[:, many].min(axis=2) < top.min(axis=2))
-                 | (has[:, many].sum(axis=2) < C))
+        # these slots have more than C summaries, so their top C are real keys, above an
+        # empty entry's: a row that is not full has an empty lowest key and changes too
+        moved = cur_key[:, many].min(axis=2) < top.min(axis=2)
         layers, which = np.nonzero(moved)
         rows = many[which]
         cur_key[layers, rows] = top[layers, which]
