@@ -408,9 +408,11 @@ def test_generic_table_edits_ride_the_same_commit():
 
 def test_a_write_through_a_view_uploads_the_elements_it_names():
     """``Frame.write(..., via=view, at=flat)`` copies just those elements into the upload (the
-    device table then equals the host one); without ``at`` such a write uploads the table."""
+    device table then equals the host one); without ``at`` such a write uploads the table.
+    Rows scattered over a table upload just their elements, rows close together their range."""
     pg = Pager(16, 8, 3, 4, device="cpu")
     pg.add_table("sel", (2 * 3, 4), fill=-1)             # [layers * B, C], as far_select
+    pg.add_table("wide", (12, 2), fill=-1)
     uploads = []
     real = pg.table_set.upload
     pg.table_set.upload = lambda epoch, changed: (uploads.append(list(changed)),
@@ -434,6 +436,19 @@ def test_a_write_through_a_view_uploads_the_elements_it_names():
     assert region in uploads[-1]
     want[2, 1] = want[5, 3] = 8
     assert np.array_equal(pg.device_tables["sel"].numpy(), want)
+    wide = pg.table_set.region["wide"]
+    with pg.frame() as f:                                # rows far apart: just those rows
+        f.write("wide", np.array([0, 11]), np.array([[1, 2], [3, 4]]))
+    assert [c.tolist() for c in uploads[-1] if isinstance(c, np.ndarray)] == \
+        [[wide.start, wide.start + 1, wide.start + 22, wide.start + 23]]
+    rows12 = np.full((12, 2), -1)
+    rows12[0], rows12[11] = [1, 2], [3, 4]
+    assert np.array_equal(pg.device_tables["wide"].numpy(), rows12)
+    with pg.frame() as f:                                # rows close together: their range
+        f.write("wide", np.array([1, 3]), 9)
+    assert slice(wide.start + 2, wide.start + 8) in uploads[-1]
+    rows12[[1, 3]] = 9
+    assert np.array_equal(pg.device_tables["wide"].numpy(), rows12)
 
 
 def test_policy_verbs_move_references_and_callbacks_follow_the_frame():

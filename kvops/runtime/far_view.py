@@ -169,10 +169,10 @@ class FarView:
         self._keys: list = [None] * B                 # the session in each slot
         self._queue = _NONE                           # the slots with queued chunks
         self._leave_rows = _NONE                      # far_leave rows the last commit filled
-        # the last pull_scores' ranking for the next commit: [L, B, C + 1] int64, each row's
-        # keys (aligned with the committed row where it stays) and whether it changes
+        # the last pull_scores' ranking for the next commit: keys [L, B, C] int64 (aligned
+        # with the committed row where it stays) and changed [L, B]
         self._pulled = None
-        self._pull_bufs: list = []                     # a device pull's buffers (pinned)
+        self._summ_bufs = ()                           # a device pull's mask: pinned, device
         # the ranking key (rank_keys) of every committed far_select entry: its pulled utility,
         # +inf for a summary stored since the last pull (its utility is not on the host yet),
         # EMPTY_KEY for an empty slot; so a row's lowest entry is the one a new summary evicts
@@ -183,7 +183,6 @@ class FarView:
         self._far_at = np.clip((-(-n // S) - self.window_pages) // self.M, 0, J)
         # index helpers
         self._lrow = np.arange(L, dtype=np.int64)[:, None]
-        self._cols = np.arange(cap, dtype=np.int64)
         self._chunk_cols = np.arange(self.M, dtype=np.int64)
         self._chunk_blocks = np.arange(J)[:, None] * self.M + self._chunk_cols   # [J, M]
         # where the blocks of chunk j of slot b are in the flat block table: [B, J, M]
@@ -451,9 +450,8 @@ class FarView:
             frame.write("far_select", slice(None),          # reads as it is committed)
                         _ids_of(keys).reshape(-1, C))
         elif n:                                 # by far_select row (layer * B + slot): the
-            flat = layers * B + rows                        # upload copies the rows written
-            frame.write("far_select", flat, _ids_of(keys[layers, rows]),
-                        at=(flat[:, None] * C + self._cols).reshape(-1))
+            frame.write("far_select", layers * B + rows,    # upload copies the rows written
+                        _ids_of(keys[layers, rows]))
         return n, keys, moved
 
     def adopt(self, state) -> None:
@@ -505,22 +503,30 @@ class FarView:
         J + 1]`` to rank instead (e.g. from a replay). On a GPU the ranking is one op
         (``torch.ops.kvops.far_view_rank``: one program a row, against the committed rows)
         and brings back the ``[L, B, C]`` int64 keys and which rows change (a few hundred KiB
-        at hundreds of sessions) instead of the utilities, through pinned buffers made once
-        (:meth:`_pull_buffers`); the host ranks nothing.
+        at hundreds of sessions) instead of the utilities, through pinned memory; the host
+        ranks nothing.
         Between pulls the ranking cannot change: utilities that did not change cannot change
         the selection. Utilities on the CPU, or ``values``, are ranked by numpy
         (:meth:`_rank_host`, the same result), which a CPU runs faster than the op."""
         summ = (self._chunk_ids < self._done[:, None]) & ~self._dropped          # [B, J]
         if values is None and self.scores.device.type != "cpu":
-            up, summ_dev, keys_at, moved_at = self._pull_buffers()
-            up.numpy()[...] = summ
+            dev = self.scores.device
+            pin = dev.type == "cuda"
+            if not self._summ_bufs:                     # the mask's way up, made once
+                up = torch.empty(summ.shape, dtype=torch.bool, pin_memory=pin)
+                self._summ_bufs = (up, torch.empty_like(up, device=dev))
+            up, summ_dev = self._summ_bufs
+            up.numpy()[...] = summ                      # free: the last pull synced
             summ_dev.copy_(up, non_blocking=True)
             keys, moved = self._rank(self.scores, self._tables()["far_select"], summ_dev)
-            keys_at.copy_(keys, non_blocking=True)      # the committed rows: the stream
-            moved_at.copy_(moved, non_blocking=True)    # orders the ranking after them
-            if self.scores.device.type == "cuda":
-                torch.cuda.current_stream(self.scores.device).synchronize()
-            self._pulled = keys_at.numpy(), moved_at.numpy()
+            # the keys come back into fresh pinned memory: a commit adopts them as the
+            # ranking keys, which later commits edit in place
+            down = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in (keys, moved))
+            down[0].copy_(keys, non_blocking=True)      # the committed rows: the stream
+            down[1].copy_(moved, non_blocking=True)     # orders the ranking after them
+            if pin:
+                torch.cuda.current_stream(dev).synchronize()
+            self._pulled = down[0].numpy(), down[1].numpy()
             self._host_stale = True
             return
         if values is None:
@@ -535,36 +541,6 @@ class FarView:
         self._host_stale = False
         self._pulled = self._rank_host(self._host_scores, self.pager.host_tables["far_select"],
                                        summ)
-
-    def _pull_buffers(self):
-        """A device pull's buffers: the summarized mask (pinned, and on the device), made once,
-        and two pinned pairs for the keys and changed rows it brings back, used in turn. The
-        keys a commit adopts stay the ranking keys until the next pull's commit, so a pair
-        still held (by the adopted keys, or by a pull no commit has taken yet) is replaced by
-        a new one rather than overwritten."""
-        dev = self.scores.device
-        pin = dev.type == "cuda"
-        shape = (self.layers, self.B, self.C)
-        if not self._pull_bufs:
-            up = torch.empty((self.B, self.J), dtype=torch.bool, pin_memory=pin)
-            self._pull_bufs = [up, torch.empty_like(up, device=dev), None, None]
-        turn = self._pull_bufs[2:]
-        for i in (0, 1):
-            pair = turn[i]
-            held = pair is not None and (
-                np.may_share_memory(pair[0].numpy(), self._sel_key)
-                or (self._pulled is not None and self._pulled[0] is not None
-                    and np.may_share_memory(pair[0].numpy(), self._pulled[0])))
-            if pair is None or not held:
-                if pair is None:
-                    pair = (torch.empty(shape, dtype=torch.int64, pin_memory=pin),
-                            torch.empty(shape[:2], dtype=torch.bool, pin_memory=pin))
-                    self._pull_bufs[2 + i] = pair
-                return (*self._pull_bufs[:2], *pair)
-        pair = (torch.empty(shape, dtype=torch.int64, pin_memory=pin),   # both held
-                torch.empty(shape[:2], dtype=torch.bool, pin_memory=pin))
-        self._pull_bufs[2] = pair
-        return (*self._pull_bufs[:2], *pair)
 
     def _rank(self, scores: Tensor, sel: Tensor, summ: Tensor) -> tuple[Tensor, Tensor]:
         """``keys [L, B, C]`` int64 and ``changed [L, B]``: per layer and slot the ranking keys

@@ -73,10 +73,12 @@ class TableSet:
         if name not in self.shape:
             raise KeyError(f"table {name!r}: not registered (have {list(self.shape)})")
 
-    def rows_of(self, name: str, where) -> slice:
-        """The flat range of the buffer a write ``host[name][where]`` touches: the rows of an
-        int, a slice or a 1-D integer array (lowest to highest) along dim 0, alone or first in
-        a tuple; else the whole table."""
+    def rows_of(self, name: str, where):
+        """The part of the buffer a write ``host[name][where]`` touches: the flat range of the
+        rows of an int, a slice or a 1-D integer array (lowest to highest) along dim 0, alone
+        or first in a tuple; the flat positions of just its rows for a 1-D array whose rows
+        fill less than a quarter of that range (rows scattered over the table); else the whole
+        table."""
         region = self.region[name]
         if isinstance(where, tuple):
             where = where[0]
@@ -87,6 +89,10 @@ class TableSet:
         elif isinstance(where, np.ndarray) and where.ndim == 1 and where.dtype.kind in "iu" \
                 and where.size:
             start, stop = int(where.min()), int(where.max()) + 1
+            if start >= 0 and 4 * where.size < stop - start:
+                width = self.width[name]
+                rows = region.start + where.astype(np.int64) * width
+                return (rows[:, None] + np.arange(width)).reshape(-1)
         else:
             return region
         if start < 0:
