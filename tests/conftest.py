@@ -20,6 +20,22 @@ KERNEL_DEVICES = ["cuda"] if HAS_CUDA else (["cpu"] if interpreting() else [])
 
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 
+
+def _share_the_cores() -> None:
+    """Under pytest-xdist, give each worker its share of the cores for torch's CPU threads.
+    Every worker otherwise starts one OpenMP thread per core, so ``-n 16`` on 16 cores runs 256
+    spinning threads, and the float64 oracles' small CPU ops (a Python loop of them per query)
+    run a hundred times slower than alone: a 0.8 s oracle took over 200 s on a 16-core GPU
+    host."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not workers:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, (cores or 1) // int(workers)))
+
+
+_share_the_cores()
+
 settings.register_profile(
     "ci", deadline=None, max_examples=25, derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
