@@ -26,8 +26,8 @@ def far_page_summarize_oracle(k_cache, pages):
 
 
 def page_scores_oracle(q, k_min, k_max, num_far):
-    """scores [B, N] float64: for page j < num_far[b], max over query heads h (KV head h // G)
-    of sum_c max(q_hc * kmin_jc, q_hc * kmax_jc); -inf for the others."""
+    """scores [B, N] float64: for page j < num_far[b], the sum over query heads h (KV head
+    h // G) of sum_c max(q_hc * kmin_jc, q_hc * kmax_jc); -inf for the others."""
     B, Hq, D = q.shape
     N, Hkv = k_min.shape[1], k_min.shape[2]
     G = Hq // Hkv
@@ -35,12 +35,12 @@ def page_scores_oracle(q, k_min, k_max, num_far):
     out = torch.full((B, N), float("-inf"), dtype=torch.float64)
     for b in range(B):
         for j in range(min(max(int(num_far[b]), 0), N)):
-            best = float("-inf")
+            total = 0.0
             for h in range(Hq):
                 kv = h // G
                 a, c = q64[b, h] * lo64[b, j, kv], q64[b, h] * hi64[b, j, kv]
-                best = max(best, float(torch.maximum(a, c).sum()))
-            out[b, j] = best
+                total += float(torch.maximum(a, c).sum())
+            out[b, j] = total
     return out
 
 

@@ -3,7 +3,7 @@
 One program owns one (sequence, block of ``BLOCK_N`` pages). For each KV head it loads the
 group's ``G`` query heads once, splits them into their positive and negative parts and scores
 the block with two dots, ``q+ . kmax + q- . kmin`` (= ``sum_c max(q_c kmin_c, q_c kmax_c)``),
-keeping the best over the group's rows and over the KV heads. Each summary byte is read once.
+summing over the group's rows and over the KV heads. Each summary byte is read once.
 Pages past ``num_far`` are neither read nor scored (``-inf``). The top-k that follows is
 ``torch.topk`` on the ``[B, N]`` scores (fixed shape, on the device).
 """
@@ -37,7 +37,7 @@ def _far_page_scores_kernel(
     nf = tl.minimum(tl.maximum(tl.load(NumFar + i_b), 0), N)
     m_n = o_n < nf
     m_kv = m_n[:, None] & (o_d < D)[None, :]
-    best = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_N], tl.float32)
     if tl.sum(m_n.to(tl.int32)) > 0:
         for i_h in range(Hkv):
             b_q = load_query_group(Q, i_b, i_h, stride_qb, stride_qh, G, D, BLOCK_G, BLOCK_D)
@@ -50,10 +50,10 @@ def _far_page_scores_kernel(
             b_lo = tl.load(p_lo, mask=m_kv, other=0.0)
             b_hi = tl.load(p_hi, mask=m_kv, other=0.0)
             b_s = dot(b_pos, tl.trans(b_hi), PRECISION) + dot(b_neg, tl.trans(b_lo), PRECISION)
-            b_s = tl.where((o_g < G)[:, None], b_s, float("-inf"))
-            best = tl.maximum(best, tl.max(b_s, axis=0))
-    best = tl.where(m_n, best, float("-inf"))
-    tl.store(Score + i_b * N + o_n, best, mask=o_n < N)
+            b_s = tl.where((o_g < G)[:, None], b_s, 0.0)
+            total += tl.sum(b_s, axis=0)
+    total = tl.where(m_n, total, float("-inf"))
+    tl.store(Score + i_b * N + o_n, total, mask=o_n < N)
 
 
 def default_block_n(D: int) -> int:
@@ -67,7 +67,7 @@ def far_page_scores_fwd(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tenso
     """Launch the scoring kernel. Inputs are already checked by the op.
 
     q [B, Hq, D]; k_min, k_max [B, N, Hkv, D] (last dim contiguous); num_far int32 [B].
-    Returns score float32 [B, N] (the best bound over query heads; ``-inf`` past num_far).
+    Returns score float32 [B, N] (the bounds summed over query heads; ``-inf`` past num_far).
     """
     B, Hq, D = q.shape
     N, Hkv = k_min.shape[1], k_min.shape[2]

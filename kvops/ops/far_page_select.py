@@ -6,9 +6,12 @@ of query head ``q`` against any key of page ``j`` is at most
     u_j(q) = sum_c max(q_c * kmin_jc, q_c * kmax_jc)
 
 (each channel's product is largest at one end of its interval). A sequence keeps ONE page list
-for all its heads: a page's score is the best bound over every query head (with GQA, the best
-over each KV head's group, then over the KV heads), so a page any head needs is kept. The op
-returns the ``top_k`` pages of highest score among the candidates ``j < num_far[b]``.
+for all its heads: a page's score is the sum of its bounds over every query head (with GQA,
+each head against its KV head's bounds), an upper bound on the sum over heads of any of its
+keys' logits. The sum ranks pages by what the heads together may read there; the best bound
+over heads instead lets the loosest head (a large query norm against a wide interval) choose
+for all, and on SmolLM2 it loses most of what retrieval recovers at 8k (docs/far_view.md). The
+op returns the ``top_k`` pages of highest score among the candidates ``j < num_far[b]``.
 
 - q [B, Hq, D] (float16, bfloat16 or float32); k_min, k_max [B, N, Hkv, D] in q's dtype, last
   dim contiguous, other strides free (a table shared by every row may be expanded with stride 0);
@@ -56,14 +59,19 @@ def _check(q, k_min, k_max, num_far, top_k) -> None:
 
 
 def page_scores_ref(q: Tensor, k_min: Tensor, k_max: Tensor, num_far: Tensor) -> Tensor:
-    """Scores float32 [B, N]: the best bound over query heads, ``-inf`` past ``num_far``."""
+    """Scores float32 [B, N]: the bounds summed over query heads, ``-inf`` past ``num_far``."""
     B, Hq, D = q.shape
     N, Hkv = k_min.shape[1], k_min.shape[2]
     qf = q.float().view(B, Hkv, Hq // Hkv, D)
     pos, neg = qf.clamp(min=0), qf.clamp(max=0)
-    bound = (torch.einsum("bhgd,bnhd->bhgn", pos, k_max.float())
-             + torch.einsum("bhgd,bnhd->bhgn", neg, k_min.float()))
-    score = bound.amax(dim=(1, 2))
+    if B > 1 and k_min.stride(0) == 0 and k_max.stride(0) == 0:
+        # one table expanded over the rows: contract against it once, not B copies
+        bound = (torch.einsum("bhgd,nhd->bhgn", pos, k_max[0].float())
+                 + torch.einsum("bhgd,nhd->bhgn", neg, k_min[0].float()))
+    else:
+        bound = (torch.einsum("bhgd,bnhd->bhgn", pos, k_max.float())
+                 + torch.einsum("bhgd,bnhd->bhgn", neg, k_min.float()))
+    score = bound.sum(dim=(1, 2))
     cand = torch.arange(N, device=q.device)[None, :] < num_far.long()[:, None]
     return torch.where(cand, score, float("-inf"))
 
@@ -112,8 +120,9 @@ def far_page_select(q: Tensor, k_min: Tensor, k_max: Tensor, num_far: Tensor,
     (``torch.ops.kvops.far_page_select``; the retrieval far view's selection).
 
     For query head ``q`` the logit against any key of far page ``j`` is at most
-    ``u_j(q) = sum_c max(q_c * kmin_jc, q_c * kmax_jc)``; a page's score is the best bound over
-    every query head (one page list a sequence, so a page any head needs is kept).
+    ``u_j(q) = sum_c max(q_c * kmin_jc, q_c * kmax_jc)``; a page's score is the sum of its bounds
+    over every query head (one page list a sequence, ranked by what the heads together may
+    read there).
 
     - q [B, Hq, D] (float16, bfloat16 or float32); k_min, k_max [B, N, Hkv, D] in q's dtype
       (``far_page_summarize``'s bounds), last dim contiguous, other strides free; ``Hq`` a
