@@ -26,21 +26,35 @@ def far_page_summarize_oracle(k_cache, pages):
 
 
 def page_scores_oracle(q, k_min, k_max, num_far):
-    """scores [B, N] float64: for page j < num_far[b], the sum over query heads h (KV head
-    h // G) of sum_c max(q_hc * kmin_jc, q_hc * kmax_jc); -inf for the others."""
+    """scores [2, B, N] float64: for page j < num_far[b], with u_h = sum_c max(q_hc * kmin_jc,
+    q_hc * kmax_jc) for query head h (KV head h // G), [0] the max of u_h over the heads and [1]
+    their sum; -inf for the others."""
     B, Hq, D = q.shape
     N, Hkv = k_min.shape[1], k_min.shape[2]
     G = Hq // Hkv
     q64, lo64, hi64 = q.double().cpu(), k_min.double().cpu(), k_max.double().cpu()
-    out = torch.full((B, N), float("-inf"), dtype=torch.float64)
+    out = torch.full((2, B, N), float("-inf"), dtype=torch.float64)
     for b in range(B):
         for j in range(min(max(int(num_far[b]), 0), N)):
-            total = 0.0
+            u = []
             for h in range(Hq):
                 kv = h // G
                 a, c = q64[b, h] * lo64[b, j, kv], q64[b, h] * hi64[b, j, kv]
-                total += float(torch.maximum(a, c).sum())
-            out[b, j] = total
+                u.append(float(torch.maximum(a, c).sum()))
+            out[0, b, j], out[1, b, j] = max(u), sum(u)
+    return out
+
+
+def select_oracle(scores, num_far, top_k):
+    """The pages ``far_page_select`` chooses, per row a list: the ``ceil(top_k / 2)`` candidates
+    of highest best bound (``scores[0]``), then the candidates of highest summed bound
+    (``scores[1]``) among the rest, up to ``top_k`` in all (fewer where the row has fewer)."""
+    out = []
+    for b in range(scores.shape[1]):
+        cand = list(range(min(max(int(num_far[b]), 0), scores.shape[2])))
+        first = sorted(cand, key=lambda j: -float(scores[0, b, j]))[: (top_k + 1) // 2]
+        rest = sorted((j for j in cand if j not in first), key=lambda j: -float(scores[1, b, j]))
+        out.append(first + rest[: top_k - len(first)])
     return out
 
 

@@ -3,9 +3,10 @@
 One program owns one (sequence, block of ``BLOCK_N`` pages). For each KV head it loads the
 group's ``G`` query heads once, splits them into their positive and negative parts and scores
 the block with two dots, ``q+ . kmax + q- . kmin`` (= ``sum_c max(q_c kmin_c, q_c kmax_c)``),
-summing over the group's rows and over the KV heads. Each summary byte is read once.
-Pages past ``num_far`` are neither read nor scored (``-inf``). The top-k that follows is
-``torch.topk`` on the ``[B, N]`` scores (fixed shape, on the device).
+keeping both the best over the group's rows and the KV heads and the sum over them. Each
+summary byte is read once. Pages past ``num_far`` are neither read nor scored (``-inf``). The
+selection that follows is two ``torch.topk`` on the ``[B, N]`` scores (fixed shape, on the
+device; ``kvops.ops.far_page_select``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from kvops.kernels._launch import launch
 
 @triton.jit
 def _far_page_scores_kernel(
-    Q, KMin, KMax, NumFar, Score,
+    Q, KMin, KMax, NumFar, Best, Total,
     stride_qb, stride_qh,
     stride_lb, stride_ln, stride_lh,
     stride_ub, stride_un, stride_uh,
@@ -37,6 +38,7 @@ def _far_page_scores_kernel(
     nf = tl.minimum(tl.maximum(tl.load(NumFar + i_b), 0), N)
     m_n = o_n < nf
     m_kv = m_n[:, None] & (o_d < D)[None, :]
+    best = tl.full([BLOCK_N], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_N], tl.float32)
     if tl.sum(m_n.to(tl.int32)) > 0:
         for i_h in range(Hkv):
@@ -50,10 +52,13 @@ def _far_page_scores_kernel(
             b_lo = tl.load(p_lo, mask=m_kv, other=0.0)
             b_hi = tl.load(p_hi, mask=m_kv, other=0.0)
             b_s = dot(b_pos, tl.trans(b_hi), PRECISION) + dot(b_neg, tl.trans(b_lo), PRECISION)
-            b_s = tl.where((o_g < G)[:, None], b_s, 0.0)
-            total += tl.sum(b_s, axis=0)
+            m_g = (o_g < G)[:, None]
+            best = tl.maximum(best, tl.max(tl.where(m_g, b_s, float("-inf")), axis=0))
+            total += tl.sum(tl.where(m_g, b_s, 0.0), axis=0)
+    best = tl.where(m_n, best, float("-inf"))
     total = tl.where(m_n, total, float("-inf"))
-    tl.store(Score + i_b * N + o_n, total, mask=o_n < N)
+    tl.store(Best + i_b * N + o_n, best, mask=o_n < N)
+    tl.store(Total + i_b * N + o_n, total, mask=o_n < N)
 
 
 def default_block_n(D: int) -> int:
@@ -67,14 +72,15 @@ def far_page_scores_fwd(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tenso
     """Launch the scoring kernel. Inputs are already checked by the op.
 
     q [B, Hq, D]; k_min, k_max [B, N, Hkv, D] (last dim contiguous); num_far int32 [B].
-    Returns score float32 [B, N] (the bounds summed over query heads; ``-inf`` past num_far).
+    Returns scores float32 [2, B, N]: ``[0]`` the best bound over query heads, ``[1]`` the
+    bounds summed over them; ``-inf`` past num_far.
     """
     B, Hq, D = q.shape
     N, Hkv = k_min.shape[1], k_min.shape[2]
     G = Hq // Hkv
-    score = torch.empty((B, N), device=q.device, dtype=torch.float32)
+    scores = torch.empty((2, B, N), device=q.device, dtype=torch.float32)
     if B * N == 0:
-        return score
+        return scores
     block_n = block_n or default_block_n(D)
     num_n = triton.cdiv(N, block_n)
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -82,8 +88,8 @@ def far_page_scores_fwd(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tenso
             k_max.stride(0), k_max.stride(1), k_max.stride(2), N, Hkv, num_n)
     meta = dict(G=G, D=D, BLOCK_G=max(16, next_pow2(G)), BLOCK_D=next_pow2(D), BLOCK_N=block_n,
                 PRECISION=dot_precision(q.dtype), num_warps=num_warps or 4)
-    tensors = (q, k_min, k_max, num_far, score)
+    tensors = (q, k_min, k_max, num_far, scores[0], scores[1])
     key = (q.dtype, q.device, ints, tuple(meta.items()),
            tuple(t.data_ptr() % 16 for t in tensors))
     launch(_far_page_scores_kernel, (B * num_n,), key, (*tensors, *ints), meta)
-    return score
+    return scores

@@ -6,25 +6,30 @@ of query head ``q`` against any key of page ``j`` is at most
     u_j(q) = sum_c max(q_c * kmin_jc, q_c * kmax_jc)
 
 (each channel's product is largest at one end of its interval). A sequence keeps ONE page list
-for all its heads: a page's score is the sum of its bounds over every query head (with GQA,
-each head against its KV head's bounds), an upper bound on the sum over heads of any of its
-keys' logits. The sum ranks pages by what the heads together may read there; the best bound
-over heads instead lets the loosest head (a large query norm against a wide interval) choose
-for all, and on SmolLM2 it loses most of what retrieval recovers at 8k (docs/far_view.md). The
-op returns the ``top_k`` pages of highest score among the candidates ``j < num_far[b]``.
+for all its heads (with GQA each head is bounded by its KV head's summaries), chosen by two
+scores of each page: its BEST bound over the query heads (a page one head needs, such as the
+one holding a passkey) and its bounds SUMMED over the heads (what the heads together may read
+there). The first ``ceil(top_k / 2)`` entries are the pages of highest best bound, the rest
+the pages of highest summed bound among the others. Either score alone loses on SmolLM2
+(docs/far_view.md): the best bound lets the loosest head choose for all and leaves +2.1 % of
+dense perplexity at 8k (+8.8 % with 16-token pages), the sum loses the passkeys at 8k; the
+halves keep both (+0.5 %, and every key dense retrieves).
 
 - q [B, Hq, D] (float16, bfloat16 or float32); k_min, k_max [B, N, Hkv, D] in q's dtype, last
   dim contiguous, other strides free (a table shared by every row may be expanded with stride 0);
   ``Hq`` a multiple of ``Hkv``.
 - num_far int32 [B]: candidates are entries ``[0, num_far[b])`` (clamped to ``[0, N]``).
 - top_k: 1 <= top_k <= N.
-- Returns index int32 [B, top_k] (entries in decreasing score; ``-1`` past the candidates) and
-  score float32 [B, top_k] (``-inf`` where index is -1). Scores accumulate in float32; the order
-  of equal scores is unspecified. No scale: the ranking does not depend on it.
+- Returns index int32 [B, top_k] (distinct pages: the best-bound half in decreasing best bound,
+  then the summed half in decreasing summed bound; ``-1`` past the candidates, once a row has
+  fewer than ``top_k``) and score float32 [B, top_k] (each entry's score by the rule that chose
+  it; ``-inf`` where index is -1). Scores accumulate in float32; the order of equal scores is
+  unspecified. No scale: the ranking does not depend on it.
 
-Implementations: CUDA tensors run the scoring kernel ``kvops.kernels.far_page_select`` then
-``torch.topk``; CPU tensors run :func:`far_page_select_ref` (or the interpreted kernel under
-backend "triton"). Output shapes depend on input shapes only, and nothing syncs the host.
+Implementations: CUDA tensors run the scoring kernel ``kvops.kernels.far_page_select`` (both
+scores in one read of the summaries) then two ``torch.topk``; CPU tensors run
+:func:`far_page_select_ref` (or the interpreted kernel under backend "triton"). Output shapes
+depend on input shapes only, and nothing syncs the host.
 """
 
 from __future__ import annotations
@@ -59,7 +64,8 @@ def _check(q, k_min, k_max, num_far, top_k) -> None:
 
 
 def page_scores_ref(q: Tensor, k_min: Tensor, k_max: Tensor, num_far: Tensor) -> Tensor:
-    """Scores float32 [B, N]: the bounds summed over query heads, ``-inf`` past ``num_far``."""
+    """Scores float32 [2, B, N]: ``[0]`` the best bound over query heads, ``[1]`` the bounds
+    summed over them; ``-inf`` past ``num_far``."""
     B, Hq, D = q.shape
     N, Hkv = k_min.shape[1], k_min.shape[2]
     qf = q.float().view(B, Hkv, Hq // Hkv, D)
@@ -71,13 +77,24 @@ def page_scores_ref(q: Tensor, k_min: Tensor, k_max: Tensor, num_far: Tensor) ->
     else:
         bound = (torch.einsum("bhgd,bnhd->bhgn", pos, k_max.float())
                  + torch.einsum("bhgd,bnhd->bhgn", neg, k_min.float()))
-    score = bound.sum(dim=(1, 2))
+    score = torch.stack((bound.amax(dim=(1, 2)), bound.sum(dim=(1, 2))))
     cand = torch.arange(N, device=q.device)[None, :] < num_far.long()[:, None]
     return torch.where(cand, score, float("-inf"))
 
 
-def _top(score: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
-    val, idx = torch.topk(score, top_k, dim=1)
+def _top(scores: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
+    """The choice from ``scores [2, B, N]`` (:func:`page_scores_ref`): ``ceil(top_k / 2)``
+    pages by best bound, the rest by summed bound among the others; the entries of a row with
+    fewer candidates end in ``-1``. Fixed shapes, no host sync."""
+    half = (top_k + 1) // 2
+    val, idx = torch.topk(scores[0], half, dim=1)
+    if top_k > half:
+        rest = scores[1].scatter(1, idx, float("-inf"))
+        v2, i2 = torch.topk(rest, top_k - half, dim=1)
+        val, idx = torch.cat((val, v2), dim=1), torch.cat((idx, i2), dim=1)
+        # a row with fewer candidates than ``half`` has empty entries inside its first half
+        order = torch.sort(torch.isneginf(val).to(torch.uint8), dim=1, stable=True).indices
+        val, idx = val.gather(1, order), idx.gather(1, order)
     idx = torch.where(val > float("-inf"), idx, -1).to(torch.int32)
     return idx, val
 
@@ -120,18 +137,19 @@ def far_page_select(q: Tensor, k_min: Tensor, k_max: Tensor, num_far: Tensor,
     (``torch.ops.kvops.far_page_select``; the retrieval far view's selection).
 
     For query head ``q`` the logit against any key of far page ``j`` is at most
-    ``u_j(q) = sum_c max(q_c * kmin_jc, q_c * kmax_jc)``; a page's score is the sum of its bounds
-    over every query head (one page list a sequence, ranked by what the heads together may
-    read there).
+    ``u_j(q) = sum_c max(q_c * kmin_jc, q_c * kmax_jc)``. One page list a sequence: the first
+    ``ceil(top_k / 2)`` pages by their best bound over the query heads (a page one head needs),
+    the rest by their bounds summed over the heads (what the heads together may read there).
 
     - q [B, Hq, D] (float16, bfloat16 or float32); k_min, k_max [B, N, Hkv, D] in q's dtype
       (``far_page_summarize``'s bounds), last dim contiguous, other strides free; ``Hq`` a
       multiple of ``Hkv``.
     - num_far int32 [B]: candidates are entries ``[0, num_far[b])`` (clamped to ``[0, N]``).
     - top_k: 1 <= top_k <= N.
-    - Returns index int32 [B, top_k] (decreasing score; ``-1`` past the candidates) and score
-      float32 [B, top_k] (``-inf`` where index is -1). Scores accumulate in float32; the order
-      of equal scores is unspecified.
+    - Returns index int32 [B, top_k] (distinct pages: the best-bound half in decreasing best
+      bound, then the summed half in decreasing summed bound; ``-1`` past the candidates) and
+      score float32 [B, top_k] (each entry's score by the rule that chose it; ``-inf`` where
+      index is -1). Scores accumulate in float32; the order of equal scores is unspecified.
 
     Implementations: CUDA tensors run the scoring kernel ``kvops.kernels.far_page_select`` then
     ``torch.topk``; CPU tensors run :func:`far_page_select_ref` (or the interpreted kernel under
