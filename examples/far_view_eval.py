@@ -161,8 +161,9 @@ def main(argv: list[str] | None = None) -> None:
         f"SmolLM2-135M-Instruct (GGUF, float32, {device_name(args.device)}). Near window "
         f"W={ev.WINDOW}, pages of {ev.PAGE}, "
         f"sv_chunk {ev.CHUNK}; far<cap> = window + far-chunk summaries (log-count bias unless "
-        "-nobias); near = window only; ret<K> = window + the K far pages (of 16 tokens) of "
-        "highest key-bound score for each query, exact, bias 0 (-every<N>: selection every N "
+        "-nobias); near = window only; ret<K> = window + the K far pages (of 16 tokens) "
+        "far_page_select chooses for each query (half by the best key bound over the heads, "
+        "half by the bounds summed over them), exact, bias 0 (-every<N>: selection every N "
         "positions; @<S>: window, bounds and pages of S tokens instead). See "
         "examples/far_view_eval.py for the method.",
         f"Banded evaluation vs the kvops-op path (layer 0, 1100 tokens): max abs diff {worst:.2e}.",

@@ -10,8 +10,9 @@ Configurations (near window ``WINDOW = 512`` tokens, ``PAGE = 16``-token pages, 
 - ``far<cap>`` / ``far<cap>-nobias``: the window plus up to ``cap`` far-chunk summaries with
   ``far_bias = log(128)`` / ``0``;
 - ``ret<K>`` / ``ret<K>-every<N>``: the retrieval far view, the window plus the exact tokens of
-  the ``K`` far pages of highest key-bound score (``torch.ops.kvops.far_page_summarize`` bounds,
-  ``torch.ops.kvops.far_page_select`` choice) for each query, bias 0; ``-every<N>`` chooses
+  the ``K`` far pages ``torch.ops.kvops.far_page_select`` chooses for each query (on
+  ``torch.ops.kvops.far_page_summarize`` bounds: half by the best key bound over the heads,
+  half by the bounds summed over them), bias 0; ``-every<N>`` chooses
   with the query of every ``N``-th position (:func:`retrieval_every`); ``@<S>`` (e.g.
   ``ret128@8``) runs it on pages of ``S`` tokens instead of ``PAGE`` (:func:`retrieval_page`:
   the window, the bounds and the selection all at that page size, as a pager of ``S``-token
@@ -110,7 +111,7 @@ def page_bounds(k, page: int | None = None):
 
 def retrieval_pages(q, bounds, t, n_pages, top_k: int, every: int = 1):
     """Far pages each query position ``t`` attends to under the retrieval far view: the
-    ``top_k`` pages of highest key-bound score (``torch.ops.kvops.far_page_select``) among its
+    ``top_k`` pages ``torch.ops.kvops.far_page_select`` chooses by key bound among its
     far pages ``[0, n_pages[t])``, chosen with the query of position ``t - t % every`` (and its
     far pages: selection every ``every`` steps). ``q`` holds the queries of positions ``t``
     (``t - t % every`` must be among them). Returns a bool mask ``[len(t), pages]``."""
