@@ -186,26 +186,46 @@ def test_select_bound_is_an_upper_bound_and_finds_the_planted_page(kernel_device
     assert idx.tolist() == [[7]]
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_select_takes_half_by_the_best_head_and_half_by_all_heads(kernel_device, backend):
+def _halves_case(device):
     """Page 0 is one head's (best bound 10, sum 0), pages 1 and 2 both heads' (sums 8 and 6),
     page 3 leans to one head (best 6, sum 1): the best bound alone would take 0 and 3, the sum
     alone 1 and 2; the op takes 0 (by best bound), then 1 (by sum)."""
-    if backend == "triton" and kernel_device is None:
-        pytest.skip("no kernel device")
-    dev = kernel_device or "cpu"
     D = 16
     q = torch.zeros(1, 2, D)
     q[0, 0, 0] = q[0, 1, 1] = 1.0                       # head 0 reads channel 0, head 1 channel 1
     rows = [[10.0, -10.0], [4.0, 4.0], [3.0, 3.0], [6.0, -5.0]]
     lo = torch.zeros(1, 4, 1, D)
     lo[0, :, 0, :2] = torch.tensor(rows)
-    with kvops.backend(backend):
-        idx, val = torch.ops.kvops.far_page_select(q.to(dev), lo.to(dev), lo.to(dev),
-                                                   torch.tensor([4], dtype=torch.int32,
-                                                                device=dev), 2)
-    assert idx.tolist() == [[0, 1]]
-    assert val.tolist() == [[10.0, 8.0]]
+    nf = torch.tensor([4], dtype=torch.int32)
+    return q.to(device), lo.to(device), nf.to(device)
+
+
+def test_select_takes_half_by_the_best_head_and_half_by_all_heads():
+    q, lo, nf = _halves_case("cpu")
+    idx, val = torch.ops.kvops.far_page_select(q, lo, lo, nf, 2)
+    assert idx.tolist() == [[0, 1]] and val.tolist() == [[10.0, 8.0]]
+
+
+def test_select_kernel_takes_half_by_the_best_head_and_half_by_all_heads(kernel_device):
+    q, lo, nf = _halves_case(kernel_device)
+    with kvops.backend("triton"):
+        idx, val = torch.ops.kvops.far_page_select(q, lo, lo, nf, 2)
+    assert idx.tolist() == [[0, 1]] and val.tolist() == [[10.0, 8.0]]
+
+
+def test_select_kernel_best_bound_when_every_bound_is_negative(kernel_device):
+    """Every bound below zero, G 3 of a 16-row group tile: the padded rows of the tile must not
+    lift the best bound to 0 (nor add to the sum)."""
+    q, lo, hi, num_far = make_select_case(2, 20, 2, 3, 32, torch.float32, "cpu", seed=9)
+    q = q.abs()                                     # q >= 0 against keys <= -1: all bounds < 0
+    hi = -1.0 - torch.rand_like(hi)
+    lo = hi - 1.0
+    num_far = torch.tensor([20, 7], dtype=torch.int32)
+    dev = kernel_device
+    score = far_page_scores_fwd(q.to(dev), lo.to(dev), hi.to(dev), num_far.to(dev)).cpu()
+    want = page_scores_oracle(q, lo, hi, num_far)
+    assert (want[:, 0, :7] < 0).all()
+    assert_close("score", score, want, 1e-4, 1e-5, "negative bounds")
 
 
 def test_select_expanded_table(kernel_device):

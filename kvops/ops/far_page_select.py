@@ -27,7 +27,7 @@ halves keep both (+0.5 %, and every key dense retrieves).
   unspecified. No scale: the ranking does not depend on it.
 
 Implementations: CUDA tensors run the scoring kernel ``kvops.kernels.far_page_select`` (both
-scores in one read of the summaries) then two ``torch.topk``; CPU tensors run
+scores in one read of the summaries) then two ``torch.topk`` and a scatter; CPU tensors run
 :func:`far_page_select_ref` (or the interpreted kernel under backend "triton"). Output shapes
 depend on input shapes only, and nothing syncs the host.
 """
@@ -84,17 +84,15 @@ def page_scores_ref(q: Tensor, k_min: Tensor, k_max: Tensor, num_far: Tensor) ->
 
 def _top(scores: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
     """The choice from ``scores [2, B, N]`` (:func:`page_scores_ref`): ``ceil(top_k / 2)``
-    pages by best bound, the rest by summed bound among the others; the entries of a row with
-    fewer candidates end in ``-1``. Fixed shapes, no host sync."""
+    pages by best bound, the rest by summed bound among the others. The entries of a row with
+    fewer candidates end in ``-1`` as they come: a first half with an empty entry holds every
+    candidate, so its second half is empty too. Fixed shapes, no host sync."""
     half = (top_k + 1) // 2
     val, idx = torch.topk(scores[0], half, dim=1)
     if top_k > half:
         rest = scores[1].scatter(1, idx, float("-inf"))
         v2, i2 = torch.topk(rest, top_k - half, dim=1)
         val, idx = torch.cat((val, v2), dim=1), torch.cat((idx, i2), dim=1)
-        # a row with fewer candidates than ``half`` has empty entries inside its first half
-        order = torch.sort(torch.isneginf(val).to(torch.uint8), dim=1, stable=True).indices
-        val, idx = val.gather(1, order), idx.gather(1, order)
     idx = torch.where(val > float("-inf"), idx, -1).to(torch.int32)
     return idx, val
 
@@ -149,10 +147,12 @@ def far_page_select(q: Tensor, k_min: Tensor, k_max: Tensor, num_far: Tensor,
     - Returns index int32 [B, top_k] (distinct pages: the best-bound half in decreasing best
       bound, then the summed half in decreasing summed bound; ``-1`` past the candidates) and
       score float32 [B, top_k] (each entry's score by the rule that chose it; ``-inf`` where
-      index is -1). Scores accumulate in float32; the order of equal scores is unspecified.
+      index is -1: two scales in one row, not one ranking). Scores accumulate in float32; the
+      order of equal scores is unspecified.
 
-    Implementations: CUDA tensors run the scoring kernel ``kvops.kernels.far_page_select`` then
-    ``torch.topk``; CPU tensors run :func:`far_page_select_ref` (or the interpreted kernel under
-    backend "triton"). Output shapes depend on input shapes only; nothing syncs the host.
+    Implementations: CUDA tensors run the scoring kernel ``kvops.kernels.far_page_select`` (both
+    scores in one read) then two ``torch.topk`` and a scatter; CPU tensors run
+    :func:`far_page_select_ref` (or the interpreted kernel under backend "triton"). Output
+    shapes depend on input shapes only; nothing syncs the host.
     """
     return _op(q, k_min, k_max, num_far, top_k)

@@ -25,8 +25,8 @@ Summaries, once per page, on the device
 Selection, on the device, no host sync
     :meth:`select` (per layer, with the layer's query) runs ``far_page_select`` over blocks
     ``[0, done)``: with each query head's bound ``sum_c max(q_c kmin_c, q_c kmax_c)`` of a
-    page, half the ``K`` pages are those of highest bound for any one head and half those of
-    highest bound summed over the heads (one page list per session), and their
+    page, ``ceil(K / 2)`` pages are those of highest bound for any one head and the rest those
+    of highest bound summed over the heads (one page list per session), and their
     tokens are brought exact into the layer's persistent ``far_k, far_v`` buffers by one
     ``far_slot_update`` launch: a page chosen the time before keeps its slot, only the newly
     chosen pages are copied (the copy costs the pages that changed), and a block trimmed
