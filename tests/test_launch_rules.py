@@ -10,6 +10,7 @@ import pytest
 from kvops.kernels._common import DeviceProps, grid_waves, kv_block_n
 from kvops.kernels._splitk import default_num_splits, merge_warps, use_pdl
 from kvops.kernels.elastic_attention import elastic_launch, native_dense_tile
+from kvops.kernels.far_view_rank import rank_launch
 from kvops.kernels.static_sliding_attention import sliding_launch
 
 H200 = DeviceProps(132, 227 * 1024, (9, 0), True)
@@ -95,3 +96,12 @@ def test_small_rules():
     assert kv_block_n(64, 4) == 128 and kv_block_n(128, 4) == 64
     assert merge_warps(128) == 4 and merge_warps(64) == 2
     assert use_pdl(H200) and not use_pdl(A100) and not use_pdl(INTERP)
+
+
+# J chunks a row -> (BLOCK_J, warps)
+RANK = [(1, (1, 4)), (60, (64, 4)), (1024, (1024, 4)), (1025, (2048, 8)), (4096, (4096, 8))]
+
+
+@pytest.mark.parametrize("J,want", RANK, ids=[str(j) for j, _ in RANK])
+def test_rank_launch_table(J, want):
+    assert rank_launch(J) == want

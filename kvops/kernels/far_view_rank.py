@@ -69,6 +69,13 @@ def _far_view_rank_kernel(
     tl.store(Changed + i_pid, moved.to(tl.int8))
 
 
+def rank_launch(J: int) -> tuple[int, int]:
+    """``(BLOCK_J, num_warps)`` for rows of ``J`` chunks: the whole row in one block, 4 warps
+    up to 1024 chunks and 8 above (docs/tuning.md)."""
+    block_j = next_pow2(J)
+    return block_j, 4 if block_j <= 1024 else 8
+
+
 def far_view_rank_fwd(scores: torch.Tensor, summarized: torch.Tensor, select: torch.Tensor,
                       empty_key: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the ranking kernel. Inputs are already checked by the op.
@@ -85,9 +92,9 @@ def far_view_rank_fwd(scores: torch.Tensor, summarized: torch.Tensor, select: to
         return keys, changed
     summ = summarized.view(torch.uint8)
     ints = (scores.stride(0), scores.stride(1), B, J)
-    block_j = next_pow2(J)
+    block_j, warps = rank_launch(J)
     meta = dict(C=C, BLOCK_J=block_j, BLOCK_C=next_pow2(C), EMPTY=empty_key, TAKEN=_TAKEN,
-                ABOVE=_ABOVE, num_warps=4 if block_j <= 1024 else 8)
+                ABOVE=_ABOVE, num_warps=warps)
     tensors = (scores, summ, select, keys, changed.view(torch.int8))
     key = (scores.device, ints, C, tuple(t.data_ptr() % 16 for t in tensors))
     launch(_far_view_rank_kernel, (L * B,), key, (*tensors, *ints), meta)
