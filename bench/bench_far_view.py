@@ -279,6 +279,15 @@ def retrieval_setup(B, T, device, *, hq=32, hkv=8, d=128, S=16, W=512, K=64, dty
             fns[f"  select, {case}{tag}"] = ([lambda x=x, u=update: select(x, u) for x in qs],
                                              summaries + fresh[case])
     fns["  score + top-k only"] = (lambda: topk(q), summaries)
+    if device != "cpu":
+        from kvops.kernels.far_page_select import far_page_scores_fwd, far_page_top_fwd
+        from kvops.ops.far_page_select import _top
+
+        lo, hi = ret.k_min[0, :, :-1], ret.k_max[0, :, :-1]
+        scores = far_page_scores_fwd(q, lo, hi, ret.done)
+        fns["    score kernel"] = (lambda: far_page_scores_fwd(q, lo, hi, ret.done), summaries)
+        fns["    choice kernel"] = (lambda: far_page_top_fwd(scores, K), scores.nbytes)
+        fns["    choice by two torch.topk"] = (lambda: _top(scores, K), scores.nbytes)
     for case, new in news.items():
         for tag, update in (("", fused_update), (", unfused", unfused_update)):
             fns[f"  slot update only, {case}{tag}"] = (

@@ -10,12 +10,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvops
-from kvops.kernels.far_page_select import far_page_scores_fwd
+from kvops.kernels.far_page_select import far_page_scores_fwd, far_page_top_fwd
 from kvops.kernels.far_page_summarize import far_page_summarize_fwd
-from kvops.ops.far_page_select import far_page_select_ref, page_scores_ref
+from kvops.ops.far_page_select import _top, far_page_select_ref, page_scores_ref
 from kvops.ops.far_page_summarize import far_page_summarize_ref
 from tests.conftest import capture_graph, counting_backend, requires_cuda
-from tests.oracles_far_retrieval import far_page_summarize_oracle, page_scores_oracle
+from tests.oracles_far_retrieval import far_page_summarize_oracle, page_scores_oracle, select_oracle
 from tests.tolerances import assert_close
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -161,6 +161,50 @@ def test_select_reference_matches_oracle(shape, k):
     top_k = min(k, N)
     idx, val = far_page_select_ref(q, lo, hi, num_far, top_k)
     check_selection(idx, val, q, lo, hi, num_far, top_k, str(shape), score_tol(dtype, D, Hkv * G))
+
+
+def _distinct_scores(B, N, num_far, seed):
+    """Scores [2, B, N] with no tie in a row (a permutation scaled, either sign), -inf past
+    num_far, as the scoring kernel writes them."""
+    gen = torch.Generator().manual_seed(seed)
+    s = torch.stack([torch.stack([torch.randperm(N, generator=gen) for _ in range(B)])
+                     for _ in range(2)]).float().sub(N / 3).mul(0.37)
+    cand = torch.arange(N)[None, :] < num_far[:, None]
+    return torch.where(cand, s, float("-inf"))
+
+
+@given(B=st.integers(1, 3), N=st.sampled_from([1, 2, 5, 64, 100, 1025]),
+       k=st.integers(1, 9), seed=st.integers(0, 2**31 - 1))
+def test_choice_kernel_matches_the_oracle(kernel_device, B, N, k, seed):
+    """The choice kernel alone: exactly the oracle's pages in order (scores without ties), their
+    scores, -1 and -inf past the candidates; rows of 1025 pages take the 8-warp block."""
+    top_k = min(k, N)
+    gen = torch.Generator().manual_seed(seed)
+    num_far = torch.randint(0, N + 1, (B,), generator=gen)
+    num_far[0] = N
+    scores = _distinct_scores(B, N, num_far, seed)
+    idx, val = far_page_top_fwd(scores.to(kernel_device), top_k)
+    want = select_oracle(scores, num_far, top_k)
+    for b in range(B):
+        row = want[b] + [-1] * (top_k - len(want[b]))
+        assert idx[b].tolist() == row, (b, idx[b].tolist(), row)
+        half = (top_k + 1) // 2
+        ref = [float(scores[0 if i < half else 1, b, j]) if j >= 0 else float("-inf")
+               for i, j in enumerate(row)]
+        assert val[b].tolist() == ref
+    r_idx, r_val = _top(scores, top_k)
+    assert torch.equal(idx.cpu(), r_idx) and torch.equal(val.cpu(), r_val)
+
+
+def test_choice_kernel_with_equal_scores(kernel_device):
+    """Every page scores the same: distinct pages all the same, none repeated, none past N."""
+    scores = torch.zeros(2, 2, 40)
+    scores[:, 1, 30:] = float("-inf")
+    idx, val = far_page_top_fwd(scores.to(kernel_device), 7)
+    for b in range(2):
+        got = idx[b].tolist()
+        assert len(set(got)) == 7 and all(0 <= j < (40 if b == 0 else 30) for j in got), got
+    assert (val == 0).all()
 
 
 def test_select_bound_is_an_upper_bound_and_finds_the_planted_page(kernel_device):

@@ -10,6 +10,7 @@ import pytest
 from kvops.kernels._common import DeviceProps, grid_waves, kv_block_n
 from kvops.kernels._splitk import default_num_splits, merge_warps, use_pdl
 from kvops.kernels.elastic_attention import elastic_launch, native_dense_tile
+from kvops.kernels.far_page_select import choice_launch
 from kvops.kernels.far_view_rank import rank_launch
 from kvops.kernels.static_sliding_attention import sliding_launch
 
@@ -105,3 +106,13 @@ RANK = [(1, (1, 4)), (60, (64, 4)), (1024, (1024, 4)), (1025, (2048, 8)), (4096,
 @pytest.mark.parametrize("J,want", RANK, ids=[str(j) for j, _ in RANK])
 def test_rank_launch_table(J, want):
     assert rank_launch(J) == want
+
+
+# N far pages a row -> (BLOCK_N, warps) of far_page_select's choice kernel
+CHOICE = [(1, (1, 8)), (500, (512, 8)), (2048, (2048, 8)), (4096, (4096, 8)),
+          (4097, (8192, 16)), (8192, (8192, 16))]
+
+
+@pytest.mark.parametrize("N,want", CHOICE, ids=[str(n) for n, _ in CHOICE])
+def test_choice_launch_table(N, want):
+    assert choice_launch(N) == want

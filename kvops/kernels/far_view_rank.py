@@ -17,17 +17,11 @@ import triton
 import triton.language as tl
 
 from kvops.kernels._common import next_pow2
+from kvops.kernels._keys import score_key
 from kvops.kernels._launch import launch
 
 _TAKEN = -(2 ** 63)             # a key already taken into the top: below any empty key
 _ABOVE = 2 ** 63 - 1
-
-
-@triton.jit
-def _rank_key(u, ids):
-    bits = u.to(tl.int32, bitcast=True)
-    key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
-    return (key << 32) | ids.to(tl.int64)
 
 
 @triton.jit
@@ -45,7 +39,7 @@ def _far_view_rank_kernel(
     m_j = o_j < J
     u = tl.load(row + o_j, mask=m_j, other=0.0)
     s = tl.load(Summ + i_b * J + o_j, mask=m_j, other=0)
-    key = tl.where(m_j & (s != 0), _rank_key(u, o_j), EMPTY)
+    key = tl.where(m_j & (s != 0), score_key(u, o_j), EMPTY)
 
     o_c = tl.arange(0, BLOCK_C)
     m_c = o_c < C
@@ -60,7 +54,7 @@ def _far_view_rank_kernel(
     cur = tl.load(Select + i_pid * C + o_c, mask=m_c, other=-1)
     has = cur >= 0
     cu = tl.load(row + tl.maximum(cur, 0), mask=m_c, other=0.0)
-    cur_key = tl.where(has, _rank_key(cu, cur), EMPTY)
+    cur_key = tl.where(has, score_key(cu, cur), EMPTY)
     low = tl.min(tl.where(m_c, cur_key, ABOVE), axis=0)
     n_has = tl.sum(has.to(tl.int32), axis=0)
     n_top = tl.sum((m_c & (top != EMPTY)).to(tl.int32), axis=0)

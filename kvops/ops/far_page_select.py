@@ -26,8 +26,9 @@ halves keep both (+0.5 %, and every key dense retrieves).
   it; ``-inf`` where index is -1). Scores accumulate in float32; the order of equal scores is
   unspecified. No scale: the ranking does not depend on it.
 
-Implementations: CUDA tensors run the scoring kernel ``kvops.kernels.far_page_select`` (both
-scores in one read of the summaries) then two ``torch.topk`` and a scatter; CPU tensors run
+Implementations: CUDA tensors run the two kernels of ``kvops.kernels.far_page_select``: the
+scores (both in one read of the summaries), then the choice (one program a row, two sorts of
+the row's keys); CPU tensors run
 :func:`far_page_select_ref` (or the interpreted kernel under backend "triton"). Output shapes
 depend on input shapes only, and nothing syncs the host.
 """
@@ -110,9 +111,9 @@ def _impl(q, k_min, k_max, num_far, top_k):
     _checked((sig(q), sig(k_min), sig(k_max), sig(num_far), top_k),
              q, k_min, k_max, num_far, top_k)
     if use_triton(q.device):
-        from kvops.kernels.far_page_select import far_page_scores_fwd
+        from kvops.kernels.far_page_select import far_page_scores_fwd, far_page_top_fwd
 
-        return _top(far_page_scores_fwd(q, k_min, k_max, num_far), top_k)
+        return far_page_top_fwd(far_page_scores_fwd(q, k_min, k_max, num_far), top_k)
     return far_page_select_ref(q, k_min, k_max, num_far, top_k)
 
 
@@ -151,7 +152,7 @@ def far_page_select(q: Tensor, k_min: Tensor, k_max: Tensor, num_far: Tensor,
       order of equal scores is unspecified.
 
     Implementations: CUDA tensors run the scoring kernel ``kvops.kernels.far_page_select`` (both
-    scores in one read) then two ``torch.topk`` and a scatter; CPU tensors run
+    scores in one read) then its choice kernel (one program a row); CPU tensors run
     :func:`far_page_select_ref` (or the interpreted kernel under backend "triton"). Output
     shapes depend on input shapes only; nothing syncs the host.
     """
