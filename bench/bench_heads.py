@@ -149,7 +149,7 @@ def main():
         ours = sliding_fns(sets)
         t_s = time_graph(ours)[1]
         e_s = eager_times(ours[0], iters=200, warmup=10)[1]
-        lp = sliding_launch(B, Hkv, T, D, 2, False, props)
+        lp = sliding_launch(B, Hkv, T, D, 2, 0, props)
         line = [name, Hq, Hkv, D, B, T, sdpa[0] if sdpa else "n/a", t_sdpa,
                 sdpa[2] if sdpa else float("nan"), t_s, e_s, t_sdpa / t_s,
                 tbps(nbytes, t_s) * 1e12 / READ_CEILING,

@@ -19,21 +19,23 @@ A100 = DeviceProps(108, 163 * 1024, (8, 0), True)
 INTERP = DeviceProps(4, 227 * 1024, (0, 0), False)
 
 
-# (B, Hkv, W, D, has_far, props) -> (block_n, splits, warps, stages)
+# (B, Hkv, W, D, C far slots, props) -> (block_n, splits, warps, stages)
 SLIDING = [
-    ((1, 8, 8192, 128, False, H200), (128, 16, 4, 3)),     # Llama-3-8B, one sequence: split
-    ((4, 8, 32768, 128, False, H200), (128, 4, 4, 3)),
-    ((16, 8, 4096, 128, False, H200), (128, 1, 4, 3)),     # 128 programs: one full wave
-    ((64, 8, 2048, 128, False, H200), (128, 1, 4, 3)),
-    ((128, 8, 1024, 128, False, H200), (64, 1, 4, 3)),     # short windows, > 1 program an SM
-    ((128, 1, 1024, 128, False, H200), (128, 1, 4, 3)),    # ... one wave of programs: 128 rows
-    ((128, 2, 1024, 128, False, H200), (64, 1, 4, 3)),
-    ((128, 4, 1024, 256, False, H200), (64, 1, 4, 3)),     # D 256: 64-row tiles already
-    ((9, 8, 4096, 128, False, H200), (64, 3, 4, 3)),       # partial wave: 64-row tiles, re-split
-    ((9, 8, 4096, 128, True, H200), (128, 1, 4, 3)),       # far slots keep the tile
-    ((16, 4, 4096, 256, False, H200), (64, 2, 4, 3)),      # D 256: 64-row tiles
-    ((4, 2, 512, 512, False, H200), (32, 8, 4, 3)),        # D 512: 32-row tiles
-    ((3, 2, 1100, 128, False, INTERP), (64, 1, 4, 3)),     # 6 programs on 4 SMs
+    ((1, 8, 8192, 128, 0, H200), (128, 16, 4, 3)),     # Llama-3-8B, one sequence: split
+    ((4, 8, 32768, 128, 0, H200), (128, 4, 4, 3)),
+    ((16, 8, 4096, 128, 0, H200), (128, 1, 4, 3)),     # 128 programs: one full wave
+    ((64, 8, 2048, 128, 0, H200), (128, 1, 4, 3)),
+    ((128, 8, 1024, 128, 0, H200), (64, 1, 4, 3)),     # short windows, > 1 program an SM
+    ((128, 1, 1024, 128, 0, H200), (128, 1, 4, 3)),    # ... one wave of programs: 128 rows
+    ((128, 2, 1024, 128, 0, H200), (64, 1, 4, 3)),
+    ((128, 4, 1024, 256, 0, H200), (64, 1, 4, 3)),     # D 256: 64-row tiles already
+    ((9, 8, 4096, 128, 0, H200), (64, 3, 4, 3)),       # partial wave: 64-row tiles, re-split
+    ((9, 8, 3072, 128, 1024, H200), (64, 3, 4, 3)),    # far slots are rows: as W 4096
+    ((16, 8, 512, 128, 1024, H200), (128, 1, 4, 3)),   # W 512 + 1024 far: one program
+    ((1, 8, 8192, 128, 64, H200), (128, 16, 4, 3)),    # a mean far view of 64 slots
+    ((16, 4, 4096, 256, 0, H200), (64, 2, 4, 3)),      # D 256: 64-row tiles
+    ((4, 2, 512, 512, 0, H200), (32, 8, 4, 3)),        # D 512: 32-row tiles
+    ((3, 2, 1100, 128, 0, INTERP), (64, 1, 4, 3)),     # 6 programs on 4 SMs
 ]
 
 
@@ -43,7 +45,7 @@ def test_sliding_launch_table(args, want):
 
 
 def test_sliding_launch_keeps_given_knobs():
-    got = sliding_launch(128, 1, 1024, 128, 2, False, H200, block_n=32, splits=3, warps=8,
+    got = sliding_launch(128, 1, 1024, 128, 2, 0, H200, block_n=32, splits=3, warps=8,
                          stages=4)
     assert tuple(got) == (32, 3, 8, 4)
 

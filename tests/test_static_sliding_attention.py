@@ -104,6 +104,21 @@ def test_far_only_rows(kernel_device, poison):
     check_against_oracle(out, lse, case, torch.float32, "far-only")
 
 
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_empty_far_slots_holding_nan_change_nothing(kernel_device, num_splits):
+    """NaN and inf in the K/V of empty far slots (bias -inf) never reach the output, whichever
+    split reads them; the live slots still count."""
+    case = make_case(3, 40, 2, 4, 64, 70, torch.float16, kernel_device, seed=5)
+    dead = torch.isneginf(case["far_bias"])
+    assert dead.any() and (~dead).any()
+    want = static_sliding_attention_fwd(**case, num_splits=num_splits)
+    for name, bad in (("far_k", float("nan")), ("far_v", float("inf"))):
+        case[name] = case[name].masked_fill(dead[:, :, None, None], bad)
+    out, lse = static_sliding_attention_fwd(**case, num_splits=num_splits)
+    torch.testing.assert_close(out, want[0], atol=0, rtol=0)
+    torch.testing.assert_close(lse, want[1], atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("pairs,sms,D,dtype,want", [
     (4, 4, 128, torch.float16, 128),       # one full wave
     (5, 4, 128, torch.float16, 64),        # two waves, their slots 62 % full
@@ -148,17 +163,27 @@ def test_wave_tile_launch_matches_oracle(kernel_device, sms, grid, monkeypatch):
     assert launches == [(grid, 64, 3)]
 
 
-@pytest.mark.parametrize("knobs,C", [
-    (dict(num_splits=1), 0), (dict(block_n=128), 0), (dict(num_stages=3), 0), ({}, 3)])
-def test_wave_tile_not_where_the_launch_is_forced_or_has_far_slots(kernel_device, knobs, C,
-                                                                   monkeypatch):
-    """A forced tile, depth or split count, and far slots (one more split, never measured)
-    keep the 128-row tile where ``wave_tile`` would take 64 rows (6 programs on 4 SMs)."""
-    dims = (3, ssa.SHORT_WINDOW + 76, 2, 4, 128, C, torch.float16)
-    case = make_case(*dims, device=kernel_device, seed=C)
+@pytest.mark.parametrize("knobs", [dict(num_splits=1), dict(block_n=128), dict(num_stages=3)])
+def test_wave_tile_not_where_the_launch_is_forced(kernel_device, knobs, monkeypatch):
+    """A forced tile, depth or split count keeps the 128-row tile where ``wave_tile`` would
+    take 64 rows (6 programs on 4 SMs)."""
+    dims = (3, ssa.SHORT_WINDOW + 76, 2, 4, 128, 0, torch.float16)
+    case = make_case(*dims, device=kernel_device, seed=1)
     out, lse, launches = _launches(case, 4, monkeypatch, **knobs)
     check_against_oracle(out, lse, case, dims[-1], case_id(*dims) + f"-{knobs}")
     assert [(n, stages) for _, n, stages in launches] == [(128, 3)]
+
+
+@pytest.mark.parametrize("sms,grid", [(4, (6, 1)), (10, (6, 3))])
+def test_far_slots_are_rows_of_the_same_splits(kernel_device, sms, grid, monkeypatch):
+    """A window with far slots launches as a window as wide: ``SHORT_WINDOW - 100`` rows and
+    176 far slots take the grid and tile of ``SHORT_WINDOW + 76`` rows (one launch, no extra
+    split), split ranges crossing from the window into the far slots, and match the oracle."""
+    dims = (3, ssa.SHORT_WINDOW - 100, 2, 4, 128, 176, torch.float16)
+    case = make_case(*dims, device=kernel_device, seed=sms, empty_rows=(1,))
+    out, lse, launches = _launches(case, sms, monkeypatch)
+    check_against_oracle(out, lse, case, dims[-1], case_id(*dims) + f"-sms{sms}")
+    assert launches == [(grid, 64, 3)]
 
 
 def test_ring_wrap_equals_rotated_prefix(kernel_device):

@@ -3,9 +3,10 @@
 One program handles one (sequence, KV head, split): it loads the ``G`` query heads of that KV
 head's group once, streams its share of the visible window slots in logical (ring) order, so
 each K/V row is read once for the whole group and invisible slots are never read, and writes a
-normalized partial. With one split the partial is the output; with more, a second fixed-shape
-launch merges them (``_splitk.merge_split_outputs``). The far view, when given, is one extra split
-of the same launch.
+normalized partial. The far slots, when given, are rows after the window's: the splits cut the
+visible window and the far slots together into equal ranges, so a far view costs what a window
+as wide costs. With one split the partial is the output; with more, a second fixed-shape launch
+merges them (``_splitk.merge_split_outputs``).
 """
 
 from __future__ import annotations
@@ -79,10 +80,31 @@ def _sliding_window_kernel(
     b_l = tl.zeros([BLOCK_G], tl.float32)
     b_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     wl_raw = tl.load(WinLen + i_b)
-    if HAS_FAR and i_s == NUM_SPLITS:
-        # the far view: C summary slots, each biased (log-count, or -inf when empty)
-        for start in range(0, C, BLOCK_N):
-            m_n = start + o_n < C
+    # the rows are the visible window slots (ring positions ws, ws+1, ..., wl of them), then
+    # the C far slots; split i_s takes rows [lo, hi) of them
+    wl = tl.minimum(tl.maximum(wl_raw, 0), W)
+    ws = tl.load(WinStart + i_b) % W
+    ws = tl.where(ws < 0, ws + W, ws)
+    lo, hi = split_range(wl + C, i_s, NUM_SPLITS, BLOCK_N)
+    w_hi = tl.minimum(hi, wl)
+    for start in range(lo, w_hi, BLOCK_N):
+        m_n = start + o_n < w_hi
+        slot = ws + start + o_n
+        slot = tl.where(slot >= W, slot - W, slot)
+        m_kv = m_n[:, None] & m_d[None, :]
+        p_k = K + i_b * stride_kb + slot[:, None] * stride_kw + i_h * stride_kh + o_d[None, :]
+        p_v = V + i_b * stride_vb + slot[:, None] * stride_vw + i_h * stride_vh + o_d[None, :]
+        b_k = tl.load(p_k, mask=m_kv, other=0.0)
+        b_v = tl.load(p_v, mask=m_kv, other=0.0)
+        b_bias = tl.where(m_n, 0.0, float("-inf"))
+        b_m, b_l, b_acc = online_softmax_tile(b_q, b_k, b_v, b_bias, b_m, b_l, b_acc,
+                                              scale_log2, PRECISION)
+    if HAS_FAR:
+        # far slots [f_lo, f_hi), each biased (log-count, 0, or -inf when empty)
+        f_lo = tl.maximum(lo, wl) - wl
+        f_hi = tl.maximum(hi, wl) - wl
+        for start in range(f_lo, f_hi, BLOCK_N):
+            m_n = start + o_n < f_hi
             p_k = FarK + i_b * stride_fkb + (start + o_n)[:, None] * stride_fkc \
                 + i_h * stride_fkh + o_d[None, :]
             p_v = FarV + i_b * stride_fvb + (start + o_n)[:, None] * stride_fvc \
@@ -93,24 +115,6 @@ def _sliding_window_kernel(
             m_live = (m_n & (b_bias > float("-inf")))[:, None] & m_d[None, :]
             b_k = tl.load(p_k, mask=m_live, other=0.0)
             b_v = tl.load(p_v, mask=m_live, other=0.0)
-            b_m, b_l, b_acc = online_softmax_tile(b_q, b_k, b_v, b_bias, b_m, b_l, b_acc,
-                                                  scale_log2, PRECISION)
-    else:
-        # the near window: visible slots are ring positions ws, ws+1, ... (wl of them)
-        wl = tl.minimum(tl.maximum(wl_raw, 0), W)
-        ws = tl.load(WinStart + i_b) % W
-        ws = tl.where(ws < 0, ws + W, ws)
-        lo, hi = split_range(wl, i_s, NUM_SPLITS, BLOCK_N)
-        for start in range(lo, hi, BLOCK_N):
-            m_n = start + o_n < hi
-            slot = ws + start + o_n
-            slot = tl.where(slot >= W, slot - W, slot)
-            m_kv = m_n[:, None] & m_d[None, :]
-            p_k = K + i_b * stride_kb + slot[:, None] * stride_kw + i_h * stride_kh + o_d[None, :]
-            p_v = V + i_b * stride_vb + slot[:, None] * stride_vw + i_h * stride_vh + o_d[None, :]
-            b_k = tl.load(p_k, mask=m_kv, other=0.0)
-            b_v = tl.load(p_v, mask=m_kv, other=0.0)
-            b_bias = tl.where(m_n, 0.0, float("-inf"))
             b_m, b_l, b_acc = online_softmax_tile(b_q, b_k, b_v, b_bias, b_m, b_l, b_acc,
                                                   scale_log2, PRECISION)
 
@@ -135,7 +139,7 @@ class SlidingLaunch(NamedTuple):
 
 
 def wave_tile(pairs: int, block_n: int, D: int, itemsize: int, sms: int) -> int:
-    """Rows a tile for an unsplit launch of ``pairs`` programs without far slots: ``block_n``,
+    """Rows a tile for an unsplit launch of ``pairs`` programs: ``block_n``,
     or 64 where 128-row tiles (16-bit K/V of D 65-128, 64 KiB: one program an SM) would fill the
     SMs' waves poorly: past one wave at most ``SPILL_FILL`` of the waves' slots, within one wave
     at most ``IDLE_FILL`` of the SMs (docs/tuning.md)."""
@@ -146,18 +150,20 @@ def wave_tile(pairs: int, block_n: int, D: int, itemsize: int, sms: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def sliding_launch(B: int, Hkv: int, W: int, D: int, itemsize: int, has_far: bool,
+def sliding_launch(B: int, Hkv: int, W: int, D: int, itemsize: int, C: int,
                    props: DeviceProps, block_n: int | None = None, splits: int | None = None,
                    warps: int | None = None, stages: int | None = None) -> SlidingLaunch:
-    """The launch of ``B * Hkv`` (sequence, KV head) programs over windows of ``W`` rows; the
-    given knobs are kept, the others chosen (docs/tuning.md has each rule's measurements):
+    """The launch of ``B * Hkv`` (sequence, KV head) programs over windows of ``W`` rows and
+    ``C`` far slots (0: none), cut together as ``W + C`` rows; the given knobs are kept, the
+    others chosen (docs/tuning.md has each rule's measurements):
 
     - tile rows ``kv_block_n`` (64 KiB of K and V), split count ``default_num_splits`` (about
       64 KiB of tiles in flight an SM), 4 warps, 3 stages;
-    - unsplit windows of at most ``SHORT_WINDOW`` rows with more programs than SMs: 64-row
+    - unsplit launches of at most ``SHORT_WINDOW`` rows with more programs than SMs: 64-row
       tiles (several short programs an SM); with at most one program an SM the large tile;
-    - other unsplit launches without far slots: ``wave_tile``, re-split for its tile.
+    - other unsplit launches: ``wave_tile``, re-split for its tile.
     """
+    W = W + C
     tuned_tile = block_n is None and stages is None
     auto_splits = splits is None
     pairs = B * Hkv
@@ -169,7 +175,7 @@ def sliding_launch(B: int, Hkv: int, W: int, D: int, itemsize: int, has_far: boo
         if pairs > props.sms:          # more than one program an SM: the short-loop tile
             block_n = min(block_n, 64)
         stages = 3
-    elif tuned_tile and auto_splits and splits == 1 and not has_far:
+    elif tuned_tile and auto_splits and splits == 1:
         tile = wave_tile(pairs, block_n, D, itemsize, props.sms)
         if tile != block_n:
             block_n = tile
@@ -190,9 +196,9 @@ def _plan(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale, knobs):
     C = far_k.shape[1] if has_far else 0
     props = device_props(q.device)
     block_n, num_splits, num_warps, num_stages, pdl = knobs
-    lp = sliding_launch(B, Hkv, W, D, k.element_size(), has_far, props, block_n, num_splits,
+    lp = sliding_launch(B, Hkv, W, D, k.element_size(), C, props, block_n, num_splits,
                         num_warps, num_stages)
-    nsp = lp.splits + int(has_far)
+    nsp = lp.splits
     pdl = nsp > 1 and (use_pdl(props) if pdl is None else pdl)
     if has_far:
         far_strides = (far_k.stride(0), far_k.stride(1), far_k.stride(2),
