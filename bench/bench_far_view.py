@@ -236,8 +236,7 @@ def retrieval_setup(B, T, device, *, hq=32, hkv=8, d=128, S=16, W=512, K=64, dty
     attn = torch.ops.kvops.static_sliding_attention
 
     def topk(x):
-        return torch.ops.kvops.far_page_select(x, ret.k_min[0, :, :-1], ret.k_max[0, :, :-1],
-                                               ret.done, K)[0]
+        return torch.ops.kvops.far_page_select(x, *ret.bounds(0), ret.done, K)[0]
 
     def select(x, update):
         update(ret, 0, topk(x), k_pool, v_pool)
@@ -283,7 +282,7 @@ def retrieval_setup(B, T, device, *, hq=32, hkv=8, d=128, S=16, W=512, K=64, dty
         from kvops.kernels.far_page_select import far_page_scores_fwd, far_page_top_fwd
         from kvops.ops.far_page_select import _top
 
-        lo, hi = ret.k_min[0, :, :-1], ret.k_max[0, :, :-1]
+        lo, hi = ret.bounds(0)
         scores = far_page_scores_fwd(q, lo, hi, ret.done)
         fns["    score kernel"] = (lambda: far_page_scores_fwd(q, lo, hi, ret.done), summaries)
         fns["    choice kernel"] = (lambda: far_page_top_fwd(scores, K), scores.nbytes)

@@ -80,6 +80,28 @@ def test_bounds_are_computed_once_when_pages_leave_the_window():
     assert torch.equal(ret.k_min, before)
 
 
+def test_selection_scores_only_blocks_that_can_be_far():
+    """The choice sees ``L - W / S`` entries (at least K), every block a session can have
+    before its window, and a session that long has all of them as candidates: its selection
+    equals the oracle's over them."""
+    pager, ret, k, v = setup(top_k=3)
+    assert ret.bounds(0)[0].shape[1] == L - W // S == 22
+    wide = FarRetrieval(Pager(8, S, max_sessions=1, max_blocks=L, device="cpu"),
+                        window_tokens=22 * S, top_k=3, num_layers=1, num_kv_heads=HKV,
+                        head_dim=D, dtype=torch.float32)
+    assert wide.far_width == 3                             # 2 far blocks at most, 3 slots
+    step(pager, ret, k, v, {"a": L * S - 1}, select=False)
+    for _ in range(22):
+        step(pager, ret, k, v, {}, select=False)
+    b = pager.slot("a")
+    assert int(ret.done[b]) == far_count(pager, "a") == 22
+    q = queries(2)
+    step(pager, ret, k, v, {}, q=q)
+    for layer in range(LAYERS):
+        want = expected_pages(pager, ret, k, "a", layer, q[layer, b], 22, 3)
+        assert sorted(ret.index[layer, b].tolist()) == want
+
+
 def test_prefill_drains_max_leave_pages_per_step():
     pager, ret, k, v = setup(max_leave=2)
     step(pager, ret, k, v, {"a": 9 * S}, select=False)   # 9 blocks: 7 far at once

@@ -106,6 +106,8 @@ class FarRetrieval:
         self.pager, self.S, self.L, self.B = pager, S, L, pager.max_sessions
         self.window_pages, self.K, self.layers, self.max_leave = window_tokens // S, top_k, \
             num_layers, max_leave
+        # the candidates: a session's far blocks are at most L minus the window's blocks
+        self.far_width = max(L - self.window_pages, top_k)
         B, K = self.B, top_k
         bounds = (num_layers, B, L + 1, num_kv_heads, head_dim)
         self.k_min = torch.zeros(bounds, dtype=dtype, device=dev)
@@ -178,13 +180,18 @@ class FarRetrieval:
         v_cache [P, S, Hkv, D]``: contiguous pages, any page stride (one layer of a ``[P,
         layers, S, Hkv, D]`` pool works). Returns the logical block of each slot, int32 [B, K]
         (-1 empty)."""
-        L = self.L
-        new, _ = torch.ops.kvops.far_page_select(q, self.k_min[layer, :, :L],
-                                                 self.k_max[layer, :, :L], self.done, self.K)
+        new, _ = torch.ops.kvops.far_page_select(q, *self.bounds(layer), self.done, self.K)
         torch.ops.kvops.far_slot_update(new, self._tables()["block_table"], k_cache, v_cache,
                                         self.index[layer], self.far_k[layer],
                                         self.far_v[layer], self.far_bias[layer])
         return self.index[layer]
+
+    def bounds(self, layer: int) -> tuple[Tensor, Tensor]:
+        """``layer``'s key bounds ``k_min, k_max [B, far_width, Hkv, D]`` as :meth:`select`
+        scores them: the first ``max(L - W / S, K)`` entries of the summary table, every block
+        a session can have before its window (a row narrower than ``L`` keeps the choice's
+        one-block row in a smaller power of two: 2017 entries at 32k against 2049)."""
+        return self.k_min[layer, :, :self.far_width], self.k_max[layer, :, :self.far_width]
 
     def view(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
         """``far_k, far_v [B, K * S, Hkv, D]`` and ``far_bias float32 [B, K * S]`` of ``layer``
