@@ -6,7 +6,7 @@ Importing kvops registers the ``torch.ops.kvops.*`` ops. Public names:
   :func:`paged_gather_merged`, :func:`far_view_summarize`, :func:`pack_base_pairs`,
   :func:`refine_base_pairs`, :func:`elastic_attention`, :func:`paged_kv_write`,
   :func:`paged_prefill_attention`, the far view's re-ranking :func:`far_view_rank`, and the
-  retrieval far view's :func:`far_page_summarize`,
+  retrieval far view's :func:`far_page_summarize` (and :func:`far_page_summarize_into`),
   :func:`far_page_select` and :func:`far_slot_update`;
 - ``kvops.layouts`` (geometry, train planning, BASE codecs) and ``kvops.runtime`` (pager,
   transport, far-view policy), imported on demand;
@@ -20,6 +20,7 @@ from kvops.ops import (
     elastic_attention,
     far_page_select,
     far_page_summarize,
+    far_page_summarize_into,
     far_slot_update,
     far_view_rank,
     far_view_summarize,
@@ -33,6 +34,6 @@ from kvops.ops import (
 
 __all__ = ["backend", "validate", "static_sliding_attention", "paged_gather_merged",
            "pack_base_pairs", "refine_base_pairs", "elastic_attention", "far_view_summarize",
-           "paged_kv_write", "paged_prefill_attention", "far_page_summarize", "far_page_select",
-           "far_slot_update", "far_view_rank"]
+           "paged_kv_write", "paged_prefill_attention", "far_page_summarize",
+           "far_page_summarize_into", "far_page_select", "far_slot_update", "far_view_rank"]
 __version__ = "0.1.0"

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 import kvops
 from kvops.kernels.far_page_select import far_page_scores_fwd, far_page_top_fwd
-from kvops.kernels.far_page_summarize import far_page_summarize_fwd
+from kvops.kernels.far_page_summarize import far_page_summarize_fwd, far_page_summarize_into_fwd
 from kvops.ops.far_page_select import _top, far_page_select_ref, page_scores_ref
-from kvops.ops.far_page_summarize import far_page_summarize_ref
+from kvops.ops.far_page_summarize import far_page_summarize_into_ref, far_page_summarize_ref
 from tests.conftest import capture_graph, counting_backend, requires_cuda
 from tests.oracles_far_retrieval import far_page_summarize_oracle, page_scores_oracle, select_oracle
 from tests.tolerances import assert_close
@@ -73,6 +73,62 @@ def test_summarize_reference_matches_oracle(shape):
     k_cache = make_pool(P, S, Hkv, D, dtype, "cpu", seed)
     pages = make_pages(B, N, P, seed)
     check_bounds(*far_page_summarize_ref(k_cache, pages), k_cache, pages, str(shape))
+
+
+@given(shape=summarize_shapes, R=st.integers(1, 9), blocks=st.sampled_from([(None, None), (1, 128)]))
+def test_summarize_into_rows_matches_oracle(kernel_device, shape, R, blocks):
+    """Bounds land at their rows (int32 or int64, distinct, some outside ``[0, R)``: nothing
+    stored), every other row keeps its value, through the kernel and the reference alike."""
+    B, N, S, Hkv, D, dtype, seed = shape
+    P = 5
+    k_cache = make_pool(P, S, Hkv, D, dtype, kernel_device, seed)
+    pages = make_pages(B, N, P, seed).to(kernel_device)
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.full((B, N), R + 7)                      # past the table: stores nothing
+    take = min(N, R + 2)
+    for b in range(B):                                    # distinct rows in [-1, R]
+        rows[b, :take] = (torch.randperm(R + 2, generator=gen) - 1)[:take]
+    rows = rows.to(torch.int32 if seed % 2 else torch.int64).to(kernel_device)
+    fill = torch.randn(B, R, Hkv, D, generator=gen).to(dtype).to(kernel_device)
+    want_lo, want_hi = far_page_summarize_oracle(k_cache, pages)
+    for impl in ("kernel", "ref"):
+        lo, hi = fill.clone(), fill + 1
+        if impl == "kernel":
+            far_page_summarize_into_fwd(k_cache, pages, rows, lo, hi, block_t=blocks[0],
+                                        block_f=blocks[1])
+        else:
+            lo, hi = lo.cpu(), hi.cpu()
+            far_page_summarize_into_ref(k_cache.cpu(), pages.cpu(), rows.cpu(), lo, hi)
+        exp_lo, exp_hi = fill.cpu().double(), (fill + 1).cpu().double()
+        for b in range(B):
+            for n in range(N):
+                r = int(rows[b, n])
+                if 0 <= r < R:
+                    exp_lo[b, r], exp_hi[b, r] = want_lo[b, n], want_hi[b, n]
+        assert_close("k_min", lo, exp_lo, 0.0, 0.0, f"{impl} {shape}")
+        assert_close("k_max", hi, exp_hi, 0.0, 0.0, f"{impl} {shape}")
+
+
+def test_summarize_into_op_validates_and_checks():
+    k = make_pool(6, 8, 2, 32, torch.float32, "cpu", 0)
+    pages = torch.tensor([[0, -1, 5]], dtype=torch.int32)
+    lo, hi = torch.zeros(1, 4, 2, 32), torch.zeros(1, 4, 2, 32)
+    torch.ops.kvops.far_page_summarize_into(k, pages, torch.tensor([[3, 0, 9]]), lo, hi)
+    want_lo, _ = far_page_summarize_ref(k, pages)
+    assert torch.equal(lo[0, 3], want_lo[0, 0]) and torch.equal(lo[0, 0], want_lo[0, 1])
+    assert not lo[0, 1:3].any()
+    with kvops.validate(True), pytest.raises(IndexError, match="rows"):
+        torch.ops.kvops.far_page_summarize_into(k, pages, torch.tensor([[3, 0, 9]]), lo, hi)
+    with pytest.raises(ValueError, match="rows: expected shape"):
+        torch.ops.kvops.far_page_summarize_into(k, pages, torch.tensor([[3, 0]]), lo, hi)
+    with pytest.raises(TypeError, match="k_max: expected dtype"):
+        torch.ops.kvops.far_page_summarize_into(k, pages, torch.tensor([[3, 0, 1]]), lo,
+                                                hi.double())
+    with pytest.raises(ValueError, match="k_min: expected shape"):
+        torch.ops.kvops.far_page_summarize_into(k, pages, torch.tensor([[3, 0, 1]]),
+                                                lo[:, :, :1], hi)
+    torch.library.opcheck(torch.ops.kvops.far_page_summarize_into.default,
+                          (k, pages, torch.tensor([[3, 0, 1]], dtype=torch.int32), lo, hi))
 
 
 def test_summarize_strided_pool_and_table(kernel_device):

@@ -7,6 +7,11 @@ BLOCK_F]`` tiles keeping a running min and max in registers (in float32, which h
 page is read once; an empty entry (id outside ``[0, P)``) reads nothing and stores zeros. Page
 offsets are 64-bit. The grid is one-dimensional, column blocks fastest, and depends on shapes
 only.
+
+``far_page_summarize_into`` runs the same kernel with each entry's destination row read from a
+``rows`` table and the bounds stored into rows of persistent tables (the retrieval far view's
+summary tables), so summarizing and placing are one launch; an entry whose row is outside the
+table stores nothing.
 """
 
 from __future__ import annotations
@@ -21,10 +26,12 @@ from kvops.kernels._launch import launch
 
 @triton.jit
 def _far_page_summarize_kernel(
-    K, Pages, KMin, KMax,
-    stride_kp, stride_ks, stride_pb, stride_pn,
-    P, N, F,
+    K, Pages, Rows, KMin, KMax,
+    stride_kp, stride_ks, stride_pb, stride_pn, stride_rb, stride_rn,
+    stride_lb, stride_ln, stride_ub, stride_un,
+    P, N, F, R,
     NUM_F: tl.constexpr, S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
 ):
     i_pid = tl.program_id(0)
     i_f = i_pid % NUM_F
@@ -47,9 +54,15 @@ def _far_page_summarize_kernel(
         b_hi = tl.maximum(b_hi, b_k)
         p_k += BLOCK_T * stride_ks
     # an empty entry loaded zeros everywhere, so its min and max are 0
-    o_out = i_bn.to(tl.int64) * F + o_f
-    tl.store(KMin + o_out, tl.min(b_lo, axis=0).to(KMin.dtype.element_ty), mask=m_f)
-    tl.store(KMax + o_out, tl.max(b_hi, axis=0).to(KMax.dtype.element_ty), mask=m_f)
+    if HAS_ROWS:
+        row = tl.load(Rows + i_b.to(tl.int64) * stride_rb + i_n * stride_rn).to(tl.int64)
+        m_f = o_f < tl.where((row >= 0) & (row < R), F, 0)
+    else:
+        row = i_n.to(tl.int64)
+    o_lo = i_b.to(tl.int64) * stride_lb + row * stride_ln + o_f
+    o_hi = i_b.to(tl.int64) * stride_ub + row * stride_un + o_f
+    tl.store(KMin + o_lo, tl.min(b_lo, axis=0).to(KMin.dtype.element_ty), mask=m_f)
+    tl.store(KMax + o_hi, tl.max(b_hi, axis=0).to(KMax.dtype.element_ty), mask=m_f)
 
 
 def default_blocks(entries: int, F: int, S: int, device: torch.device) -> tuple[int, int]:
@@ -62,6 +75,28 @@ def default_blocks(entries: int, F: int, S: int, device: torch.device) -> tuple[
     return max(1, min(S, 4096 // block_f)), block_f
 
 
+def _launch(k_cache, pages, rows, k_min, k_max, block_t, block_f, num_warps) -> None:
+    P, S, Hkv, D = k_cache.shape
+    B, N = pages.shape
+    F = Hkv * D
+    if B * N == 0:
+        return
+    dt, df = default_blocks(B * N, F, S, k_cache.device)
+    block_t, block_f = min(block_t or dt, S), block_f or df
+    num_f = triton.cdiv(F, block_f)
+    has_rows = rows is not None
+    rows = rows if has_rows else pages            # not read without HAS_ROWS
+    ints = (k_cache.stride(0), k_cache.stride(1), pages.stride(0), pages.stride(1),
+            rows.stride(0), rows.stride(1), k_min.stride(0), k_min.stride(1), k_max.stride(0),
+            k_max.stride(1), P, N, F, k_min.shape[1])
+    meta = dict(NUM_F=num_f, S=S, BLOCK_T=block_t, BLOCK_F=block_f, HAS_ROWS=has_rows,
+                num_warps=num_warps or 4)
+    tensors = (k_cache, pages, rows, k_min, k_max)
+    key = (k_cache.dtype, k_cache.device, rows.dtype, ints, tuple(meta.items()),
+           tuple(t.data_ptr() % 16 for t in tensors))
+    launch(_far_page_summarize_kernel, (B * N * num_f,), key, (*tensors, *ints), meta)
+
+
 def far_page_summarize_fwd(k_cache: torch.Tensor, pages: torch.Tensor, *,
                            block_t: int | None = None, block_f: int | None = None,
                            num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,20 +106,18 @@ def far_page_summarize_fwd(k_cache: torch.Tensor, pages: torch.Tensor, *,
     k_max [B, N, Hkv, D] in the cache dtype. Keyword knobs override the tile (tests, benches);
     ``block_t`` and ``block_f`` must be powers of two.
     """
-    P, S, Hkv, D = k_cache.shape
     B, N = pages.shape
-    F = Hkv * D
-    k_min = torch.empty((B, N, Hkv, D), device=k_cache.device, dtype=k_cache.dtype)
+    k_min = torch.empty((B, N, *k_cache.shape[2:]), device=k_cache.device, dtype=k_cache.dtype)
     k_max = torch.empty_like(k_min)
-    if B * N == 0:
-        return k_min, k_max
-    dt, df = default_blocks(B * N, F, S, k_cache.device)
-    block_t, block_f = min(block_t or dt, S), block_f or df
-    num_f = triton.cdiv(F, block_f)
-    ints = (k_cache.stride(0), k_cache.stride(1), pages.stride(0), pages.stride(1), P, N, F)
-    meta = dict(NUM_F=num_f, S=S, BLOCK_T=block_t, BLOCK_F=block_f, num_warps=num_warps or 4)
-    tensors = (k_cache, pages, k_min, k_max)
-    key = (k_cache.dtype, k_cache.device, ints, tuple(meta.items()),
-           tuple(t.data_ptr() % 16 for t in tensors))
-    launch(_far_page_summarize_kernel, (B * N * num_f,), key, (*tensors, *ints), meta)
+    _launch(k_cache, pages, None, k_min, k_max, block_t, block_f, num_warps)
     return k_min, k_max
+
+
+def far_page_summarize_into_fwd(k_cache: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor,
+                                k_min: torch.Tensor, k_max: torch.Tensor, *,
+                                block_t: int | None = None, block_f: int | None = None,
+                                num_warps: int | None = None) -> None:
+    """Launch the page-bounds kernel storing entry ``(b, n)`` at row ``rows[b, n]`` of
+    ``k_min, k_max [B, R, Hkv, D]`` (each row's ``[Hkv, D]`` dense); rows outside ``[0, R)``
+    store nothing. Inputs are already checked by the op."""
+    _launch(k_cache, pages, rows, k_min, k_max, block_t, block_f, num_warps)

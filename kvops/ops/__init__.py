@@ -6,7 +6,7 @@ Importing this package registers every ``torch.ops.kvops.*`` op.
 
 from kvops.ops.elastic_attention import elastic_attention
 from kvops.ops.far_page_select import far_page_select
-from kvops.ops.far_page_summarize import far_page_summarize
+from kvops.ops.far_page_summarize import far_page_summarize, far_page_summarize_into
 from kvops.ops.far_slot_update import far_slot_update
 from kvops.ops.far_view_rank import far_view_rank
 from kvops.ops.far_view_summarize import far_view_summarize
@@ -17,6 +17,7 @@ from kvops.ops.paged_prefill_attention import paged_prefill_attention
 from kvops.ops.refine_base_pairs import refine_base_pairs
 from kvops.ops.static_sliding_attention import static_sliding_attention
 
-__all__ = ["elastic_attention", "far_page_select", "far_page_summarize", "far_slot_update",
+__all__ = ["elastic_attention", "far_page_select", "far_page_summarize",
+           "far_page_summarize_into", "far_slot_update",
            "far_view_rank", "far_view_summarize", "pack_base_pairs", "paged_gather_merged", "paged_kv_write",
            "paged_prefill_attention", "refine_base_pairs", "static_sliding_attention"]

@@ -96,3 +96,79 @@ def far_page_summarize(k_cache: Tensor, pages: Tensor) -> tuple[Tensor, Tensor]:
     backend "triton"). Output shapes depend on input shapes only.
     """
     return _op(k_cache, pages)
+
+
+def _check_into(k_cache, pages, rows, k_min, k_max) -> None:
+    _check(k_cache, pages)
+    B, N = pages.shape
+    _, _, Hkv, D = k_cache.shape
+    _checks.tensor("rows", rows, rank=2, dtypes=(torch.int32, torch.int64),
+                   device=k_cache.device)
+    _checks.shape("rows", rows, (B, N), "B N")
+    for name, t in (("k_min", k_min), ("k_max", k_max)):
+        _checks.tensor(name, t, rank=4, device=k_cache.device)
+        _checks.same_dtype(name, t, "k_cache", k_cache)
+        _checks.shape(name, t, (B, None, Hkv, D), "B R Hkv D")
+        if t.numel() and (t.stride(3) != 1 or t.stride(2) != D):
+            raise ValueError(f"{name}: expected each row's [Hkv, D] dense (strides (..., {D}, "
+                             f"1)), got strides {t.stride()}")
+    _checks.shape("k_max", k_max, tuple(k_min.shape), "B R Hkv D")
+
+
+def far_page_summarize_into_ref(k_cache: Tensor, pages: Tensor, rows: Tensor, k_min: Tensor,
+                                k_max: Tensor) -> None:
+    """PyTorch reference of :func:`far_page_summarize_into`; the CPU implementation."""
+    lo, hi = far_page_summarize_ref(k_cache, pages)
+    B, N = pages.shape
+    r = rows.long()
+    ok = (r >= 0) & (r < k_min.shape[1])
+    b = torch.arange(B, device=r.device)[:, None].expand(B, N)[ok]
+    k_min[b, r[ok]] = lo[ok]
+    k_max[b, r[ok]] = hi[ok]
+
+
+_checked_into = CheckedSignatures(_check_into)
+
+
+def _impl_into(k_cache, pages, rows, k_min, k_max):
+    _checked_into((sig(k_cache), sig(pages), sig(rows), sig(k_min), sig(k_max)),
+                  k_cache, pages, rows, k_min, k_max)
+    if validate():
+        _checks.index_range("pages", pages, 0, k_cache.shape[0], allow=-1)
+        _checks.index_range("rows", rows, 0, k_min.shape[1])
+    if use_triton(k_cache.device):
+        from kvops.kernels.far_page_summarize import far_page_summarize_into_fwd
+
+        far_page_summarize_into_fwd(k_cache, pages, rows, k_min, k_max)
+        return
+    far_page_summarize_into_ref(k_cache, pages, rows, k_min, k_max)
+
+
+def _fake_into(k_cache, pages, rows, k_min, k_max):
+    _check_into(k_cache, pages, rows, k_min, k_max)
+
+
+_op_into = register(
+    "far_page_summarize_into",
+    "(Tensor k_cache, Tensor pages, Tensor rows, Tensor(a!) k_min, Tensor(b!) k_max) -> ()",
+    _impl_into, _fake_into)
+
+
+def far_page_summarize_into(k_cache: Tensor, pages: Tensor, rows: Tensor, k_min: Tensor,
+                            k_max: Tensor) -> None:
+    """:func:`far_page_summarize` stored into rows of persistent tables, in place
+    (``torch.ops.kvops.far_page_summarize_into``; the retrieval far view's absorb: one launch
+    where the bounds and two scatters were three).
+
+    - k_cache, pages: as :func:`far_page_summarize` (an empty entry's bounds are zeros).
+    - rows int32 or int64 [B, N]: the row of ``k_min[b]``, ``k_max[b]`` that entry ``(b, n)``'s
+      bounds go to; an entry whose row is outside ``[0, R)`` stores nothing. Two entries of a
+      sequence with one row: which lands is unspecified (equal bounds, such as two empty
+      entries' zeros, land alike).
+    - k_min, k_max [B, R, Hkv, D] in the cache dtype, each row's ``[Hkv, D]`` dense; the rows
+      named are overwritten, every other row is left as it is.
+
+    Validation mode raises IndexError for a page outside ``[0, P)`` other than ``-1`` and for a
+    row outside ``[0, R)``. Implementations as :func:`far_page_summarize`'s.
+    """
+    _op_into(k_cache, pages, rows, k_min, k_max)

@@ -17,10 +17,10 @@ Summaries, once per page, on the device
     :meth:`begin_step` (once per step, after the frame's commit) reads the device
     ``block_table`` and ``seq_lens`` and picks, per session, the next ``max_leave`` far blocks
     not summarized yet (a device counter ``done [B]``); :meth:`absorb` (per layer) runs
-    ``far_page_summarize`` on them and scatters the per-channel key min and max into the layer's
-    summary table ``[B, L + 1, Hkv, D]`` (row ``L`` a sink). A prefill that makes many blocks
-    far at once drains ``max_leave`` per step. The summary tables cost ``2 / S`` of the K pool
-    of a full-length session.
+    ``far_page_summarize_into`` on them: one launch stores the per-channel key min and max into
+    the layer's summary table ``[B, L + 1, Hkv, D]`` at the blocks' rows (row ``L`` a sink).
+    A prefill that makes many blocks far at once drains ``max_leave`` per step. The summary
+    tables cost ``2 / S`` of the K pool of a full-length session.
 
 Selection, on the device, no host sync
     :meth:`select` (per layer, with the layer's query) runs ``far_page_select`` over blocks
@@ -167,10 +167,8 @@ class FarRetrieval:
 
     def absorb(self, layer: int, k_cache: Tensor) -> None:
         """Key bounds of the pages :meth:`begin_step` picked, into ``layer``'s summary table."""
-        lo, hi = torch.ops.kvops.far_page_summarize(k_cache, self.leave_pages)
-        at = self.leave_ids[..., None, None].expand_as(lo)
-        self.k_min[layer].scatter_(1, at, lo)
-        self.k_max[layer].scatter_(1, at, hi)
+        torch.ops.kvops.far_page_summarize_into(k_cache, self.leave_pages, self.leave_ids,
+                                                self.k_min[layer], self.k_max[layer])
 
     def select(self, layer: int, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         """Pick ``layer``'s top-K far pages for ``q [B, Hq, D]`` and bring them exact into its
