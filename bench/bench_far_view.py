@@ -272,7 +272,7 @@ def retrieval_setup(B, T, device, *, hq=32, hkv=8, d=128, S=16, W=512, K=64, dty
                 [lambda x=x, u=update: step(x, u) for x in qs],
                 absorb + summaries + fresh[case] + attn_far)
     fns["step without selection"] = (reuse_step, absorb + attn_far)
-    fns["  absorb (summarize + scatter)"] = (lambda: ret.absorb(0, k_pool), absorb)
+    fns["  absorb (far_page_summarize_into)"] = (lambda: ret.absorb(0, k_pool), absorb)
     for case, qs in queries.items():
         for tag, update in (("", fused_update), (", unfused", unfused_update)):
             fns[f"  select, {case}{tag}"] = ([lambda x=x, u=update: select(x, u) for x in qs],
