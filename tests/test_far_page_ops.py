@@ -131,6 +131,25 @@ def test_summarize_into_op_validates_and_checks():
                           (k, pages, torch.tensor([[3, 0, 1]], dtype=torch.int32), lo, hi))
 
 
+def test_compiled_summarize_into_layer_views_of_a_table():
+    """Under torch.compile (aot_eager: functionalized mutation) the op writes its rows of one
+    layer's view of a [layers, B, R, Hkv, D] table and leaves every other row alone."""
+    torch._dynamo.reset()
+    k = make_pool(6, 8, 2, 32, torch.float32, "cpu", 1)
+    pages = torch.tensor([[0, 5], [-1, 2]], dtype=torch.int32)
+    rows = torch.tensor([[3, 1], [4, 0]])
+    lo, hi = torch.randn(2, 2, 5, 2, 32), torch.randn(2, 2, 5, 2, 32)
+    want_lo, want_hi = lo.clone(), hi.clone()
+    far_page_summarize_into_ref(k, pages, rows, want_lo[1], want_hi[1])
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def absorb(layer_lo, layer_hi):
+        torch.ops.kvops.far_page_summarize_into(k, pages, rows, layer_lo, layer_hi)
+
+    absorb(lo[1], hi[1])
+    assert torch.equal(lo, want_lo) and torch.equal(hi, want_hi)
+
+
 def test_summarize_strided_pool_and_table(kernel_device):
     """One layer of a [P, layers, 2, S, Hkv, D] pool and a strided page table."""
     gen = torch.Generator().manual_seed(1)
@@ -250,6 +269,37 @@ def test_choice_kernel_matches_the_oracle(kernel_device, B, N, k, seed):
         assert val[b].tolist() == ref
     r_idx, r_val = _top(scores, top_k)
     assert torch.equal(idx.cpu(), r_idx) and torch.equal(val.cpu(), r_val)
+
+
+@pytest.mark.parametrize("N,top_k", [(600, 300), (600, 201), (300, 300), (130, 129)])
+def test_choice_kernel_long_halves(kernel_device, N, top_k):
+    """Halves longer than one ranking tile (64 entries): the rank counts run over several tiles
+    of the packed half; every entry as the torch choice gives it."""
+    B = 2
+    num_far = torch.tensor([N, N - 37])
+    scores = _distinct_scores(B, N, num_far, N + top_k)
+    idx, val = far_page_top_fwd(scores.to(kernel_device), top_k)
+    r_idx, r_val = _top(scores, top_k)
+    assert torch.equal(idx.cpu(), r_idx) and torch.equal(val.cpu(), r_val)
+
+
+def test_choice_of_rows_past_the_kernel_cap_takes_torch_topk(kernel_device, monkeypatch):
+    """Rows longer than ``CHOICE_MAX_PAGES`` choose by two ``torch.topk`` (the kernel holds a
+    row in one block): the same pages."""
+    import kvops.kernels.far_page_select as fps
+
+    q, lo, hi, num_far = make_select_case(2, 40, 2, 2, 32, torch.float32, kernel_device, 3)
+    with kvops.backend("triton"):
+        want = torch.ops.kvops.far_page_select(q, lo, hi, num_far, 5)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the choice kernel ran past its cap")
+
+    monkeypatch.setattr(fps, "CHOICE_MAX_PAGES", 39)
+    monkeypatch.setattr(fps, "far_page_top_fwd", refuse)
+    with kvops.backend("triton"):
+        got = torch.ops.kvops.far_page_select(q, lo, hi, num_far, 5)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_choice_kernel_with_equal_scores(kernel_device):

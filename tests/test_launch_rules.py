@@ -10,7 +10,7 @@ import pytest
 from kvops.kernels._common import DeviceProps, grid_waves, kv_block_n
 from kvops.kernels._splitk import default_num_splits, merge_warps, use_pdl
 from kvops.kernels.elastic_attention import elastic_launch, native_dense_tile
-from kvops.kernels.far_page_select import choice_launch
+from kvops.kernels.far_page_select import choice_in_kernel, choice_launch
 from kvops.kernels.far_view_rank import rank_launch
 from kvops.kernels.static_sliding_attention import sliding_launch
 
@@ -118,3 +118,7 @@ CHOICE = [(1, (1, 8)), (500, (512, 8)), (2048, (2048, 8)), (4096, (4096, 8)),
 @pytest.mark.parametrize("N,want", CHOICE, ids=[str(n) for n, _ in CHOICE])
 def test_choice_launch_table(N, want):
     assert choice_launch(N) == want
+
+
+def test_choice_in_kernel_up_to_16384_pages():
+    assert choice_in_kernel(1) and choice_in_kernel(16384) and not choice_in_kernel(16385)

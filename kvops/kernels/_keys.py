@@ -14,7 +14,9 @@ import triton.language as tl
 
 @triton.jit
 def score_bits(u):
-    """int32 of float32 ``u`` with the same order."""
+    """int32 of float32 ``u`` with the same order; every NaN (of either sign) above +inf, as
+    ``torch.topk`` ranks it."""
+    u = tl.where(u != u, float("nan"), u)
     bits = u.to(tl.int32, bitcast=True)
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 

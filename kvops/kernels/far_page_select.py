@@ -172,6 +172,16 @@ def far_page_scores_fwd(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tenso
     return scores
 
 
+CHOICE_MAX_PAGES = 16384   # rows held in one block up to here (32 keys a thread at 16 warps)
+
+
+def choice_in_kernel(N: int) -> bool:
+    """Whether rows of ``N`` pages take the choice kernel: up to ``CHOICE_MAX_PAGES`` (and so a
+    half of at most 8192 entries, whose ranking tile stays within Triton's block limit); longer
+    rows take two ``torch.topk``, which have no such limit."""
+    return N <= CHOICE_MAX_PAGES
+
+
 def choice_launch(N: int) -> tuple[int, int]:
     """``(BLOCK_N, num_warps)`` of the choice kernel for rows of ``N`` pages: the row in one
     block, 8 warps up to 4096 pages, 16 above (docs/tuning.md)."""
@@ -198,6 +208,7 @@ def far_page_top_fwd(scores: torch.Tensor, top_k: int) -> tuple[torch.Tensor, to
     meta = dict(HALF=half, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_J=min(block_k, 64),
                 num_warps=warps)
     tensors = (scores, index, score)
-    key = (scores.device, ints, block_n, warps, tuple(t.data_ptr() % 16 for t in tensors))
+    key = (scores.device, scores.dtype, ints, block_n, warps,
+           tuple(t.data_ptr() % 16 for t in tensors))
     launch(_far_page_top_kernel, (B,), key, (*tensors, *ints), meta)
     return index, score

@@ -27,8 +27,9 @@ halves keep both (+0.5 %, and every key dense retrieves).
   unspecified. No scale: the ranking does not depend on it.
 
 Implementations: CUDA tensors run the two kernels of ``kvops.kernels.far_page_select``: the
-scores (both in one read of the summaries), then the choice (one program a row, two sorts of
-the row's keys); CPU tensors run
+scores (both in one read of the summaries), then the choice (one program a row: each half's
+threshold, then its entries ranked; rows of more than 16384 pages take two ``torch.topk``
+instead); CPU tensors run
 :func:`far_page_select_ref` (or the interpreted kernel under backend "triton"). Output shapes
 depend on input shapes only, and nothing syncs the host.
 """
@@ -111,9 +112,16 @@ def _impl(q, k_min, k_max, num_far, top_k):
     _checked((sig(q), sig(k_min), sig(k_max), sig(num_far), top_k),
              q, k_min, k_max, num_far, top_k)
     if use_triton(q.device):
-        from kvops.kernels.far_page_select import far_page_scores_fwd, far_page_top_fwd
+        from kvops.kernels.far_page_select import (
+            choice_in_kernel,
+            far_page_scores_fwd,
+            far_page_top_fwd,
+        )
 
-        return far_page_top_fwd(far_page_scores_fwd(q, k_min, k_max, num_far), top_k)
+        scores = far_page_scores_fwd(q, k_min, k_max, num_far)
+        if choice_in_kernel(k_min.shape[1]):
+            return far_page_top_fwd(scores, top_k)
+        return _top(scores, top_k)
     return far_page_select_ref(q, k_min, k_max, num_far, top_k)
 
 
