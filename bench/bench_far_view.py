@@ -273,6 +273,14 @@ def retrieval_setup(B, T, device, *, hq=32, hkv=8, d=128, S=16, W=512, K=64, dty
                 absorb + summaries + fresh[case] + attn_far)
     fns["step without selection"] = (reuse_step, absorb + attn_far)
     fns["  absorb (far_page_summarize_into)"] = (lambda: ret.absorb(0, k_pool), absorb)
+
+    def absorb_unfused():                    # its peer: summaries, then two scatters
+        lo, hi = torch.ops.kvops.far_page_summarize(k_pool, ret.leave_pages)
+        at = ret.leave_ids[..., None, None].expand_as(lo)
+        ret.k_min[0].scatter_(1, at, lo)
+        ret.k_max[0].scatter_(1, at, hi)
+
+    fns["  absorb, unfused (far_page_summarize + two scatter_)"] = (absorb_unfused, absorb)
     for case, qs in queries.items():
         for tag, update in (("", fused_update), (", unfused", unfused_update)):
             fns[f"  select, {case}{tag}"] = ([lambda x=x, u=update: select(x, u) for x in qs],
