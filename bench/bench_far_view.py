@@ -138,8 +138,9 @@ def host_us(fn, calls: int = 20) -> float:
 
 # share of the chosen pages that are new from one decode step to the next on SmolLM2-135M (KJV,
 # 2k tokens, K 64, every layer): `python -m examples.far_view_eval --task churn`,
-# bench/results/2026-12-01-far_view-churn-2048-ret.md
-CHURN = 0.086
+# bench/results/2026-12-03-far_view-churn-2048-heads.md (the split rule; 0.086 with the
+# best-bound rule alone, the case of the GPU tables recorded before it)
+CHURN = 0.044
 
 
 def new_share(ret, qs, k_pool, v_pool):

@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> None:
                 if mode != "ret":
                     continue
                 t = time.perf_counter()
-                for lag, share in ev.selection_churn(model, ids, cap).items():
+                for lag, share in ev.selection_churn(model, ids, cap,
+                                                     page=ev.retrieval_page(c)).items():
                     rows.append([n, c, lag, f"{share:.3f}", f"{time.perf_counter() - t:.0f}"])
                     print(rows[-1], flush=True)
         elif args.task == "multikey":

@@ -651,3 +651,22 @@ def test_retrieval_eval_runs_on_other_page_sizes(monkeypatch):
     torch.testing.assert_close(fine, ev.attention_far(q, k, v, "ret", 4, False, q_block=32,
                                                       page=8), atol=1e-5, rtol=1e-5)
     assert not torch.allclose(fine, ev.attention_banded(q, k, v, "ret", 4, False, page=16))
+
+
+def test_selection_churn_runs_on_the_configs_page_size(monkeypatch):
+    """``--task churn`` honours ``@<S>``: with a window of 32 tokens and T 120 the last
+    position has 11 far pages of 8 but 6 of 16, so 7 pages are a choice on pages of 8 and more
+    than any position has on pages of 16, which raises."""
+    from kvops.evals import far_view as ev
+    from kvops.models import Llama, LlamaConfig
+
+    monkeypatch.setattr(ev, "WINDOW", 32)
+    cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=1, n_heads=HKV * G, n_kv_heads=HKV,
+                      head_dim=D, hidden_dim=64, max_seq_len=256)
+    model = Llama.random(cfg, seed=1)
+    ids = torch.randint(0, 64, (120,), generator=torch.Generator().manual_seed(2))
+    share = ev.selection_churn(model, ids, 3, lags=(1, 4), page=8)
+    assert set(share) == {1, 4} and all(0.0 <= s <= 1.0 for s in share.values())
+    assert ev.selection_churn(model, ids, 7, lags=(1,), page=8)
+    with pytest.raises(ValueError, match="no position of the 120 has 7 far pages of 16"):
+        ev.selection_churn(model, ids, 7, lags=(1,), page=16)

@@ -349,12 +349,16 @@ def hidden_states_from(model: Llama, ids: torch.Tensor, config: str, start: int 
 
 
 @torch.no_grad()
-def selection_churn(model: Llama, ids: torch.Tensor, top_k: int, lags=(1, 2, 4, 8, 16)):
-    """How fast the retrieval far view's choice moves along ``ids`` (under ``ret<top_k>``):
-    per lag ``n``, the share of the pages chosen at position ``t`` that were not chosen at
-    ``t - n`` (pages that left the window in between count as new), over every layer and every
-    pair of positions that both choose ``top_k`` pages. This is the copy work a selection does
-    (only new pages are copied) and what a selection every ``n`` steps misses."""
+def selection_churn(model: Llama, ids: torch.Tensor, top_k: int, lags=(1, 2, 4, 8, 16),
+                    page: int | None = None):
+    """How fast the retrieval far view's choice moves along ``ids`` (under ``ret<top_k>``, on
+    pages of ``page`` tokens, default ``PAGE``): per lag ``n``, the share of the pages chosen
+    at position ``t`` that were not chosen at ``t - n`` (pages that left the window in between
+    count as new), over every layer and every pair of positions that both choose ``top_k``
+    pages. This is the copy work a selection does (only new pages are copied) and what a
+    selection every ``n`` steps misses. A context with no position of ``top_k`` far pages has
+    no pair to count: that raises ValueError."""
+    page = page or PAGE
     T = ids.shape[0]
     cos, sin = model.rope_cos[:T], model.rope_sin[:T]
     x = model.tok_embeddings(ids)
@@ -364,9 +368,9 @@ def selection_churn(model: Llama, ids: torch.Tensor, top_k: int, lags=(1, 2, 4, 
     for block in model.layers:
         att = block.attention
         q, k, v = att._qkv(block.attention_norm(x), cos, sin)
-        _, win_len, _ = window_geometry(T, ids.device)
-        n_pages = (t_all - win_len + 1) // PAGE
-        bounds = page_bounds(k)
+        _, win_len, _ = window_geometry(T, ids.device, page)
+        n_pages = (t_all - win_len + 1) // page
+        bounds = page_bounds(k, page)
         sel = torch.cat([retrieval_pages(q[i:i + 256], bounds, t_all[i:i + 256], n_pages, top_k)
                          for i in range(0, T, 256)])
         full = sel.sum(dim=1) == top_k
@@ -375,9 +379,12 @@ def selection_churn(model: Llama, ids: torch.Tensor, top_k: int, lags=(1, 2, 4, 
             fresh = (sel[n:] & ~sel[:-n]).sum(dim=1)
             new[n] += int(fresh[both].sum())
             total[n] += int(both.sum()) * top_k
-        o = attention_banded(q, k, v, "ret", top_k, False)
+        o = attention_banded(q, k, v, "ret", top_k, False, page=page)
         x = x + att.wo(o.flatten(-2))
         x = x + block.feed_forward(block.ffn_norm(x))
+    if not any(total.values()):
+        raise ValueError(f"selection_churn: no position of the {T} has {top_k} far pages of "
+                         f"{page} tokens to choose (a longer context or a smaller top_k)")
     return {n: new[n] / max(total[n], 1) for n in lags}
 
 
