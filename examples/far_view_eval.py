@@ -28,7 +28,9 @@ token-by-token Pager + FarView decode. It is exact when every far chunk fits the
 SmolLM2's 8192 positions always holds for cap 64 and 128 (at most 60 chunks), so those two caps
 see the same slots; a smaller cap is refused. ``--sequential`` instead decodes token by token
 through Pager + FarView (:func:`sequential_nll`; any cap, the EMA-utility ranking then chooses),
-which is how a cap below the chunk count is measured.
+which is how a cap below the chunk count is measured; for ``ret<K>[@<S>]`` it decodes through
+Pager + FarRetrieval (:func:`sequential_nll_retrieval`: the runtime's summaries, selection and
+far slots, which ``tests/test_far_view_policy.py`` checks equal to the block-parallel path).
 
 Passkey: a 5-digit key in one sentence hidden at a swept depth of repeated filler text, asked
 for at the end (chat format). A prompt counts as retrieved when greedy decoding would emit the
@@ -86,8 +88,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="passkey prompts per length; multikey: trials per length")
     ap.add_argument("--needles", type=int, default=4, help="multikey: keys per context")
     ap.add_argument("--sequential", action="store_true",
-                    help="perplexity of far configs by token-by-token decode through Pager + "
-                         "FarView (any cap; slow)")
+                    help="perplexity of far and ret configs by token-by-token decode through "
+                         "Pager + FarView or FarRetrieval (any cap; slow)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     ap.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda)")
     ap.add_argument("--tag", default="", help="appended to the result file's name")
@@ -111,6 +113,11 @@ def main(argv: list[str] | None = None) -> None:
                 if args.sequential and mode == "far" and not sink:
                     c += " (sequential)"
                     ppl = math.exp(ev.sequential_nll(model, ids, cap, bias) / (n - 1))
+                elif args.sequential and mode == "ret" and ev.retrieval_every(c) == 1:
+                    page = ev.retrieval_page(c)
+                    c += " (sequential)"
+                    nll = ev.sequential_nll_retrieval(model, ids, cap, page=page)
+                    ppl = math.exp(nll / (n - 1))
                 else:
                     ppl = ev.perplexity(model, ids, c)
                 rows.append([n, c, f"{ppl:.3f}", time.perf_counter() - t])

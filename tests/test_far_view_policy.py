@@ -670,3 +670,26 @@ def test_selection_churn_runs_on_the_configs_page_size(monkeypatch):
     assert ev.selection_churn(model, ids, 7, lags=(1,), page=8)
     with pytest.raises(ValueError, match="no position of the 120 has 7 far pages of 16"):
         ev.selection_churn(model, ids, 7, lags=(1,), page=16)
+
+
+@pytest.mark.parametrize("page,top_k", [(8, 3), (16, 2)])
+def test_retrieval_decode_through_the_runtime_matches_the_banded_evaluation(monkeypatch, page,
+                                                                             top_k):
+    """Token by token through Pager + FarRetrieval + static_sliding_attention, a random model
+    gives the next-token NLL the block-parallel evaluation of ``ret<K>@<S>`` gives: the
+    runtime's summaries, selection and far slots are what the recorded quality tables
+    measured."""
+    from kvops.evals import far_view as ev
+    from kvops.evals.perplexity import nll_sum
+    from kvops.models import Llama, LlamaConfig
+
+    monkeypatch.setattr(ev, "WINDOW", 32)
+    cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=HKV * G, n_kv_heads=HKV,
+                      head_dim=D, hidden_dim=64, max_seq_len=256)
+    model = Llama.random(cfg, seed=3, std=0.2)
+    ids = torch.randint(0, 64, (100,), generator=torch.Generator().manual_seed(4))
+    banded = nll_sum(model, ev.hidden_states(model, ids, f"ret{top_k}@{page}")[:-1], ids[1:])
+    near = nll_sum(model, ev.hidden_states(model, ids, "near")[:-1], ids[1:])
+    got = ev.sequential_nll_retrieval(model, ids, top_k, page=page)
+    assert got == pytest.approx(float(banded), rel=1e-5)
+    assert abs(float(banded) - float(near)) > 1e-3          # the far pages change the result

@@ -394,6 +394,57 @@ def perplexity(model, ids, config) -> float:
 
 
 @torch.no_grad()
+def sequential_nll_retrieval(model: Llama, ids: torch.Tensor, top_k: int,
+                             page: int | None = None) -> float:
+    """Summed next-token NLL of ``ids`` decoded one token at a time through the retrieval far
+    view of the runtime: a :class:`kvops.runtime.Pager` maps the sequence's pages of ``page``
+    tokens (default ``PAGE``), :class:`kvops.runtime.FarRetrieval` summarizes each page as it
+    leaves the window (``begin_step`` and ``absorb``) and brings the ``top_k`` pages
+    ``far_page_select`` chooses for the step's query exact into its far slots (``select``), and
+    every layer attends through ``torch.ops.kvops.static_sliding_attention`` over its window
+    pages plus those slots. The same selection as ``ret<top_k>[@<page>]`` in
+    :func:`attention_banded`, one decode step per token."""
+    from kvops.runtime import FarRetrieval, Pager
+
+    page = page or PAGE
+    T, cfg = ids.shape[0], model.cfg
+    pages = -(-T // page)
+    pager = Pager(pages, page, max_sessions=1, max_blocks=pages, device="cpu")
+    ret = FarRetrieval(pager, window_tokens=WINDOW, top_k=min(top_k, pages),
+                       num_layers=cfg.n_layers, num_kv_heads=cfg.n_kv_heads,
+                       head_dim=cfg.head_dim, dtype=torch.float32, max_leave=1)
+    pool = torch.zeros(cfg.n_layers, 2, pages, page, cfg.n_kv_heads, cfg.head_dim)
+    nw = WINDOW // page
+    nll = 0.0
+    for t in range(T - 1):
+        with pager.frame() as f:
+            f.reserve("s", 1)
+        ret.begin_step()
+        table_ = pager.pages("s")
+        here, first = table_[t // page], max(0, len(table_) - nw)
+        win = torch.tensor(table_[first:])
+        ws = torch.zeros(1, dtype=torch.int32)
+        wl = torch.tensor([t + 1 - first * page], dtype=torch.int32)
+        cos, sin = model.rope_cos[t:t + 1], model.rope_sin[t:t + 1]
+        x = model.tok_embeddings(ids[t:t + 1])
+        for layer, block in enumerate(model.layers):
+            att = block.attention
+            q, k, v = att._qkv(block.attention_norm(x), cos, sin)
+            kc, vc = pool[layer, 0], pool[layer, 1]
+            kc[here, t % page], vc[here, t % page] = k[0], v[0]
+            ret.absorb(layer, kc)
+            ret.select(layer, q, kc, vc)
+            kw = kc[win].reshape(1, -1, cfg.n_kv_heads, cfg.head_dim)
+            vw = vc[win].reshape(1, -1, cfg.n_kv_heads, cfg.head_dim)
+            out, _ = torch.ops.kvops.static_sliding_attention(q, kw, vw, ws, wl, *ret.view(layer))
+            x = x + att.wo(out.flatten(-2))
+            x = x + block.feed_forward(block.ffn_norm(x))
+        logits = model.output(model.norm(x)).float()
+        nll += F.cross_entropy(logits, ids[t + 1:t + 2], reduction="sum").item()
+    return nll
+
+
+@torch.no_grad()
 def sequential_nll(model: Llama, ids: torch.Tensor, cap: int, bias: bool, ema: float = 0.9) -> float:
     """Summed next-token NLL of ``ids`` decoded one token at a time through the runtime: a
     :class:`kvops.runtime.Pager` maps the sequence's pages, :class:`kvops.runtime.FarView`
