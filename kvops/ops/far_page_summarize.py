@@ -157,8 +157,8 @@ _op_into = register(
 def far_page_summarize_into(k_cache: Tensor, pages: Tensor, rows: Tensor, k_min: Tensor,
                             k_max: Tensor) -> None:
     """:func:`far_page_summarize` stored into rows of persistent tables, in place
-    (``torch.ops.kvops.far_page_summarize_into``; the retrieval far view's absorb: one launch
-    where the bounds and two scatters were three).
+    (``torch.ops.kvops.far_page_summarize_into``; the retrieval far view's absorb in one launch,
+    where ``far_page_summarize`` and two ``scatter_`` take three).
 
     - k_cache, pages: as :func:`far_page_summarize` (an empty entry's bounds are zeros).
     - rows int32 or int64 [B, N]: the row of ``k_min[b]``, ``k_max[b]`` that entry ``(b, n)``'s
