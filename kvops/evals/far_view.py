@@ -393,33 +393,68 @@ def perplexity(model, ids, config) -> float:
     return math.exp(nll_sum(model, hidden[:-1], ids[1:]) / (ids.shape[0] - 1))
 
 
-@torch.no_grad()
-def sequential_nll_retrieval(model: Llama, ids: torch.Tensor, top_k: int,
-                             page: int | None = None) -> float:
-    """Summed next-token NLL of ``ids`` decoded one token at a time through the retrieval far
-    view of the runtime: a :class:`kvops.runtime.Pager` maps the sequence's pages of ``page``
-    tokens (default ``PAGE``), :class:`kvops.runtime.FarRetrieval` summarizes each page as it
-    leaves the window (``begin_step`` and ``absorb``) and brings the ``top_k`` pages
-    ``far_page_select`` chooses for the step's query exact into its far slots (``select``), and
-    every layer attends through ``torch.ops.kvops.static_sliding_attention`` over its window
-    pages plus those slots. The same selection as ``ret<top_k>[@<page>]`` in
-    :func:`attention_banded`, one decode step per token."""
-    from kvops.runtime import FarRetrieval, Pager
+class _MeanSteps:
+    """The mean far view's part of a runtime decode step (:func:`sequential_nll`)."""
 
-    page = page or PAGE
+    def __init__(self, far):
+        self.far = far
+
+    def begin(self) -> None:
+        pass
+
+    def view(self, layer, q, kc, vc):
+        self.far.absorb(layer, kc, vc)
+        return self.far.view(layer)
+
+    def after(self, layer, q, view, lse) -> None:
+        far_k, _, far_bias = view
+        self.far.observe(layer, q, far_k, far_bias, lse)
+
+    def end(self) -> None:
+        self.far.pull_scores()
+
+
+class _RetrievalSteps:
+    """The retrieval far view's part of a runtime decode step
+    (:func:`sequential_nll_retrieval`)."""
+
+    def __init__(self, ret):
+        self.ret = ret
+
+    def begin(self) -> None:
+        self.ret.begin_step()
+
+    def view(self, layer, q, kc, vc):
+        self.ret.absorb(layer, kc)
+        self.ret.select(layer, q, kc, vc)
+        return self.ret.view(layer)
+
+    def after(self, layer, q, view, lse) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+
+def _runtime_nll(model: Llama, ids: torch.Tensor, page: int, attach) -> float:
+    """Summed next-token NLL of ``ids`` decoded one token at a time through the runtime: a
+    :class:`kvops.runtime.Pager` of ``page``-token pages maps the sequence, ``attach(pager)``
+    gives the far-view policy's step parts (``_MeanSteps``, ``_RetrievalSteps``), and every
+    layer attends through ``torch.ops.kvops.static_sliding_attention`` over its window pages
+    plus the policy's far slots."""
+    from kvops.runtime import Pager
+
     T, cfg = ids.shape[0], model.cfg
     pages = -(-T // page)
     pager = Pager(pages, page, max_sessions=1, max_blocks=pages, device="cpu")
-    ret = FarRetrieval(pager, window_tokens=WINDOW, top_k=min(top_k, pages),
-                       num_layers=cfg.n_layers, num_kv_heads=cfg.n_kv_heads,
-                       head_dim=cfg.head_dim, dtype=torch.float32, max_leave=1)
+    policy = attach(pager)
     pool = torch.zeros(cfg.n_layers, 2, pages, page, cfg.n_kv_heads, cfg.head_dim)
     nw = WINDOW // page
     nll = 0.0
     for t in range(T - 1):
         with pager.frame() as f:
             f.reserve("s", 1)
-        ret.begin_step()
+        policy.begin()
         table_ = pager.pages("s")
         here, first = table_[t // page], max(0, len(table_) - nw)
         win = torch.tensor(table_[first:])
@@ -432,16 +467,41 @@ def sequential_nll_retrieval(model: Llama, ids: torch.Tensor, top_k: int,
             q, k, v = att._qkv(block.attention_norm(x), cos, sin)
             kc, vc = pool[layer, 0], pool[layer, 1]
             kc[here, t % page], vc[here, t % page] = k[0], v[0]
-            ret.absorb(layer, kc)
-            ret.select(layer, q, kc, vc)
+            view = policy.view(layer, q, kc, vc)
             kw = kc[win].reshape(1, -1, cfg.n_kv_heads, cfg.head_dim)
             vw = vc[win].reshape(1, -1, cfg.n_kv_heads, cfg.head_dim)
-            out, _ = torch.ops.kvops.static_sliding_attention(q, kw, vw, ws, wl, *ret.view(layer))
+            out, lse = torch.ops.kvops.static_sliding_attention(q, kw, vw, ws, wl, *view)
+            policy.after(layer, q, view, lse)
             x = x + att.wo(out.flatten(-2))
             x = x + block.feed_forward(block.ffn_norm(x))
+        policy.end()
         logits = model.output(model.norm(x)).float()
         nll += F.cross_entropy(logits, ids[t + 1:t + 2], reduction="sum").item()
     return nll
+
+
+@torch.no_grad()
+def sequential_nll_retrieval(model: Llama, ids: torch.Tensor, top_k: int,
+                             page: int | None = None) -> float:
+    """Summed next-token NLL of ``ids`` decoded one token at a time through the retrieval far
+    view of the runtime: a :class:`kvops.runtime.Pager` maps the sequence's pages of ``page``
+    tokens (default ``PAGE``), :class:`kvops.runtime.FarRetrieval` summarizes each page as it
+    leaves the window (``begin_step`` and ``absorb``) and brings the ``top_k`` pages
+    ``far_page_select`` chooses for the step's query exact into its far slots (``select``), and
+    every layer attends through ``torch.ops.kvops.static_sliding_attention`` over its window
+    pages plus those slots. The same selection as ``ret<top_k>[@<page>]`` in
+    :func:`attention_banded`, one decode step per token."""
+    from kvops.runtime import FarRetrieval
+
+    page, cfg = page or PAGE, model.cfg
+
+    def attach(pager):
+        return _RetrievalSteps(FarRetrieval(
+            pager, window_tokens=WINDOW, top_k=min(top_k, pager.max_blocks),
+            num_layers=cfg.n_layers, num_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+            dtype=torch.float32, max_leave=1))
+
+    return _runtime_nll(model, ids, page, attach)
 
 
 @torch.no_grad()
@@ -452,42 +512,14 @@ def sequential_nll(model: Llama, ids: torch.Tensor, cap: int, bias: bool, ema: f
     every layer attends through ``torch.ops.kvops.static_sliding_attention`` over its window
     pages plus the far view. Works for any cap (the utility ranking chooses when chunks
     outnumber it); costs one decode step per token."""
-    from kvops.runtime import FarView, Pager
+    from kvops.runtime import FarView
 
-    T, cfg = ids.shape[0], model.cfg
-    pages = -(-T // PAGE)
-    pager = Pager(pages, PAGE, max_sessions=1, max_blocks=pages, device="cpu")
-    far = FarView(pager, window_tokens=WINDOW, chunk_tokens=CHUNK, cap=cap,
-                  num_layers=cfg.n_layers, num_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-                  dtype=torch.float32, ema=ema, log_count_bias=bias)
-    pool = torch.zeros(cfg.n_layers, 2, pages, PAGE, cfg.n_kv_heads, cfg.head_dim)
-    nw = WINDOW // PAGE
-    nll = 0.0
-    for t in range(T - 1):
-        with pager.frame() as f:
-            f.reserve("s", 1)
-        table_ = pager.pages("s")
-        page, first = table_[t // PAGE], max(0, len(table_) - nw)
-        win = torch.tensor(table_[first:])
-        ws = torch.zeros(1, dtype=torch.int32)
-        wl = torch.tensor([t + 1 - first * PAGE], dtype=torch.int32)
-        cos, sin = model.rope_cos[t:t + 1], model.rope_sin[t:t + 1]
-        x = model.tok_embeddings(ids[t:t + 1])
-        for layer, block in enumerate(model.layers):
-            att = block.attention
-            q, k, v = att._qkv(block.attention_norm(x), cos, sin)
-            kc, vc = pool[layer, 0], pool[layer, 1]
-            kc[page, t % PAGE], vc[page, t % PAGE] = k[0], v[0]
-            far.absorb(layer, kc, vc)
-            far_k, far_v, far_bias = far.view(layer)
-            kw = kc[win].reshape(1, -1, cfg.n_kv_heads, cfg.head_dim)
-            vw = vc[win].reshape(1, -1, cfg.n_kv_heads, cfg.head_dim)
-            out, lse = torch.ops.kvops.static_sliding_attention(q, kw, vw, ws, wl, far_k, far_v,
-                                                                far_bias)
-            far.observe(layer, q, far_k, far_bias, lse)
-            x = x + att.wo(out.flatten(-2))
-            x = x + block.feed_forward(block.ffn_norm(x))
-        far.pull_scores()
-        logits = model.output(model.norm(x)).float()
-        nll += F.cross_entropy(logits, ids[t + 1:t + 2], reduction="sum").item()
-    return nll
+    cfg = model.cfg
+
+    def attach(pager):
+        return _MeanSteps(FarView(
+            pager, window_tokens=WINDOW, chunk_tokens=CHUNK, cap=cap, num_layers=cfg.n_layers,
+            num_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, dtype=torch.float32, ema=ema,
+            log_count_bias=bias))
+
+    return _runtime_nll(model, ids, PAGE, attach)

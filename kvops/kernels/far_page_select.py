@@ -208,7 +208,6 @@ def far_page_top_fwd(scores: torch.Tensor, top_k: int) -> tuple[torch.Tensor, to
     meta = dict(HALF=half, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_J=min(block_k, 64),
                 num_warps=warps)
     tensors = (scores, index, score)
-    key = (scores.device, scores.dtype, ints, block_n, warps,
-           tuple(t.data_ptr() % 16 for t in tensors))
+    key = (scores.device, scores.dtype, ints, tuple(t.data_ptr() % 16 for t in tensors))
     launch(_far_page_top_kernel, (B,), key, (*tensors, *ints), meta)
     return index, score

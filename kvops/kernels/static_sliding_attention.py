@@ -163,15 +163,15 @@ def sliding_launch(B: int, Hkv: int, W: int, D: int, itemsize: int, C: int,
       tiles (several short programs an SM); with at most one program an SM the large tile;
     - other unsplit launches: ``wave_tile``, re-split for its tile.
     """
-    W = W + C
+    rows = W + C
     tuned_tile = block_n is None and stages is None
     auto_splits = splits is None
     pairs = B * Hkv
     block_n = block_n or kv_block_n(D, itemsize)
     if auto_splits:
-        splits = default_num_splits(pairs, W, block_n, kv_tile_bytes(block_n, D, itemsize),
+        splits = default_num_splits(pairs, rows, block_n, kv_tile_bytes(block_n, D, itemsize),
                                     props.sms)
-    if tuned_tile and splits == 1 and W <= SHORT_WINDOW:
+    if tuned_tile and splits == 1 and rows <= SHORT_WINDOW:
         if pairs > props.sms:          # more than one program an SM: the short-loop tile
             block_n = min(block_n, 64)
         stages = 3
@@ -179,7 +179,7 @@ def sliding_launch(B: int, Hkv: int, W: int, D: int, itemsize: int, C: int,
         tile = wave_tile(pairs, block_n, D, itemsize, props.sms)
         if tile != block_n:
             block_n = tile
-            splits = default_num_splits(pairs, W, block_n, kv_tile_bytes(block_n, D, itemsize),
+            splits = default_num_splits(pairs, rows, block_n, kv_tile_bytes(block_n, D, itemsize),
                                         props.sms)
     return SlidingLaunch(block_n, splits, warps or 4, stages or 3)
 

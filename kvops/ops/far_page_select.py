@@ -13,7 +13,7 @@ there). The first ``ceil(top_k / 2)`` entries are the pages of highest best boun
 the pages of highest summed bound among the others. Either score alone loses on SmolLM2
 (docs/far_view.md): the best bound lets the loosest head choose for all and leaves +2.1 % of
 dense perplexity at 8k (+8.8 % with 16-token pages), the sum loses the passkeys at 8k; the
-halves keep both (+0.5 %, and every key dense retrieves).
+halves keep both (+0.5 % at 8k; passkey against dense there: docs/far_view.md).
 
 - q [B, Hq, D] (float16, bfloat16 or float32); k_min, k_max [B, N, Hkv, D] in q's dtype, last
   dim contiguous, other strides free (a table shared by every row may be expanded with stride 0);
@@ -160,7 +160,8 @@ def far_page_select(q: Tensor, k_min: Tensor, k_max: Tensor, num_far: Tensor,
       order of equal scores is unspecified.
 
     Implementations: CUDA tensors run the scoring kernel ``kvops.kernels.far_page_select`` (both
-    scores in one read) then its choice kernel (one program a row); CPU tensors run
+    scores in one read) then its choice kernel (one program a row; rows of more than 16384
+    pages take two ``torch.topk``); CPU tensors run
     :func:`far_page_select_ref` (or the interpreted kernel under backend "triton"). Output
     shapes depend on input shapes only; nothing syncs the host.
     """
