@@ -14,6 +14,7 @@ import triton.language as tl
 
 from kvops.kernels._common import DeviceProps, next_pow2
 from kvops.kernels._launch import launch
+from kvops.kernels._workspace import float_views
 
 
 @triton.jit
@@ -73,15 +74,15 @@ def merge_warps(D: int) -> int:
 def split_outputs(B: int, Hq: int, D: int, nsp: int, dtype: torch.dtype, device: torch.device):
     """Outputs of a split-K decode launch: ``out [B, Hq, D]`` (``dtype``), ``lse [B, Hq]``
     float32, and where stage 1 writes: ``out``/``lse`` themselves when ``nsp == 1``, else float32
-    partials ``[B, Hq, nsp, D]`` / ``[B, Hq, nsp]``. Returns (out, lse, part_o, part_l,
-    split_stride) with ``split_stride`` the partials' split stride (0 unsplit)."""
-    out = torch.empty((B, Hq, D), device=device, dtype=dtype)
-    lse = torch.empty((B, Hq), device=device, dtype=torch.float32)
+    partials ``[B, Hq, nsp, D]`` / ``[B, Hq, nsp]`` in the stream's scratch
+    (``_workspace.float_views``: read by this call's merge only). Returns (out, lse, part_o,
+    part_l, split_stride) with ``split_stride`` the partials' split stride (0 unsplit)."""
+    out = torch.empty(B, Hq, D, device=device, dtype=dtype)
+    lse = torch.empty(B, Hq, device=device, dtype=torch.float32)
     if nsp == 1:
         return out, lse, out, lse, 0
-    part_o = torch.empty((B, Hq, nsp, D), device=device, dtype=torch.float32)
-    part_l = torch.empty((B, Hq, nsp), device=device, dtype=torch.float32)
-    return out, lse, part_o, part_l, part_o.stride(2)
+    part_o, part_l = float_views(device, ((B, Hq, nsp, D), (B, Hq, nsp)))
+    return out, lse, part_o, part_l, D
 
 
 def merge_plan(B: int, Hq: int, nsp: int, D: int, dtype: torch.dtype, pdl: bool):
@@ -96,6 +97,6 @@ def merge_plan(B: int, Hq: int, nsp: int, D: int, dtype: torch.dtype, pdl: bool)
 
 def merge_split_outputs(plan, part_o, part_l, out, lse) -> None:
     """Merge the partials of ``split_outputs`` into ``out``/``lse`` by a :func:`merge_plan`
-    (fresh allocations: contiguous and 16-byte aligned)."""
+    (contiguous and 16-byte aligned)."""
     grid, key, ints, meta = plan
     launch(_merge_splits_kernel, grid, key, (part_o, part_l, out, lse, *ints), meta)
