@@ -6,7 +6,10 @@ of host time a launch for kernels with thirty arguments. A launcher here calls :
 with a ``key`` that determines all of that (the shapes, strides, dtypes and pointer alignments
 the arguments come from, and the launch constants): the first call with a key goes through the
 JIT (compiling if needed) and keeps the compiled kernel; later calls hand the arguments straight
-to its launcher.
+to its launcher, on triton 3.6 to the launcher's C entry point (``_conventions``): a launch then
+costs about as much host time as the C launch itself (6-8 us on the H200's host, against 13
+through ``kernel[grid]``'s compiled launcher and its Python wrapper;
+``bench/results/2026-12-03-1700-eager-parts.md``).
 
 Under the interpreter, when a launch hook is installed (profilers), when ``key`` is None, or
 when ``KVOPS_DIRECT_LAUNCH=0``, every launch goes through the JIT. A kernel object that is not
@@ -23,7 +26,9 @@ from triton.runtime.jit import JITFunction
 from kvops._config import interpreting
 
 _ENABLED = os.environ.get("KVOPS_DIRECT_LAUNCH", "1").strip() not in ("0", "false", "off")
-_BINS: dict = {}           # (kernel, key) -> (compiled kernel, trailing constexpr values or None)
+# (id(kernel), key) -> (compiled kernel, constexpr values, convention or None, kernel): the
+# entry holds the kernel, so no other object takes its id while the entry lives
+_BINS: dict = {}
 MAX_BINS = 4096
 
 
@@ -46,6 +51,36 @@ def _no_hooks() -> bool:
     return True
 
 
+def _conventions(compiled):
+    """The ways of calling ``compiled``'s launcher, cheapest first. ``"c"``: the launcher's C
+    entry point itself (triton 3.6's ``CudaLauncher.launch``, called as its ``__call__`` calls it
+    with no scratch buffers; only for kernels that need none), skipping the Python wrapper's
+    scratch allocation; ``"tail"``: the wrapper with the constexpr values after the runtime
+    arguments (triton 3.3 and newer filter them in the launcher); ``"plain"``: the wrapper
+    without them."""
+    run = compiled.run
+    c_ok = (callable(getattr(run, "launch", None))
+            and getattr(run, "global_scratch_size", 1) == 0
+            and getattr(run, "profile_scratch_size", 1) == 0
+            and hasattr(run, "launch_cooperative_grid") and hasattr(run, "launch_pdl")
+            and hasattr(compiled, "packed_metadata"))
+    return ("c", "tail", "plain") if c_ok else ("tail", "plain")
+
+
+def _call(mode, compiled, g, stream, args, tail):
+    packed = getattr(compiled, "packed_metadata", None)
+    if mode == "c":
+        run = compiled.run
+        run.launch(g[0], g[1], g[2], stream, compiled.function, run.launch_cooperative_grid,
+                   run.launch_pdl, None, None, packed, None, None, None, *args, *tail)
+    elif mode == "tail":
+        compiled.run(g[0], g[1], g[2], stream, compiled.function, packed, None, None, None,
+                     *args, *tail)
+    else:
+        compiled.run(g[0], g[1], g[2], stream, compiled.function, packed, None, None, None,
+                     *args)
+
+
 def launch(kernel, grid: tuple, key, args: tuple, meta: dict) -> None:
     """Launch ``kernel[grid](*args, **meta)``; ``args`` are the kernel's leading runtime
     arguments in order, ``meta`` its remaining (constexpr) parameters and launch options.
@@ -53,28 +88,29 @@ def launch(kernel, grid: tuple, key, args: tuple, meta: dict) -> None:
     doc): shapes, strides, dtypes, pointer alignments and the constants, or a token that a
     cached launch plan holding all of them owns."""
     if key is not None and _STATE["direct"] and type(kernel) is JITFunction:
-        hit = _BINS.get((kernel, key))
+        hit = _BINS.get((id(kernel), key))   # id: a JITFunction hashes in Python
         if hit is not None and _no_hooks():
-            compiled, tail = hit
+            compiled, tail, mode, _ = hit
             g = grid + (1,) * (3 - len(grid))
             stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
-            head = (g[0], g[1], g[2], stream, compiled.function,
-                    getattr(compiled, "packed_metadata", None), None, None, None)
-            mode = _STATE["tail"]
-            if mode is True:
-                compiled.run(*head, *args, *tail)
+            if mode is not None:
+                if mode == "c":     # inlined: the hot path of every eager call
+                    run = compiled.run
+                    run.launch(g[0], g[1], g[2], stream, compiled.function,
+                               run.launch_cooperative_grid, run.launch_pdl, None, None,
+                               compiled.packed_metadata, None, None, None, *args, *tail)
+                else:
+                    _call(mode, compiled, g, stream, args, tail)
                 return
-            if mode is False:
-                compiled.run(*head, *args)
-                return
-            for tail_mode, full in ((True, args + tail), (False, args)):
+            for candidate in _conventions(compiled):
                 try:       # a launcher that rejects its arguments launches nothing
-                    compiled.run(*head, *full)
-                except Exception:  # noqa: BLE001 - any refusal: try the other convention
+                    _call(candidate, compiled, g, stream, args, tail)
+                except Exception:  # noqa: BLE001 - any refusal: try the next convention
                     continue
-                _STATE["tail"] = tail_mode
+                _BINS[(id(kernel), key)] = (compiled, tail, candidate, kernel)
+                _STATE["mode"] = candidate
                 return
-            _STATE["direct"] = False     # neither convention: this triton keeps the JIT path
+            _STATE["direct"] = False     # no convention: this triton keeps the JIT path
     compiled = kernel[grid](*args, **meta)
     if key is None or type(kernel) is not JITFunction or not _STATE["direct"] or compiled is None:
         return
@@ -83,10 +119,9 @@ def launch(kernel, grid: tuple, key, args: tuple, meta: dict) -> None:
         return                       # a parameter left to its default: keep the JIT path
     if len(_BINS) >= MAX_BINS:
         _BINS.clear()
-    _BINS[(kernel, key)] = (compiled, tuple(meta[n] for n in names))
+    _BINS[(id(kernel), key)] = (compiled, tuple(meta[n] for n in names), None, kernel)
 
 
-# "direct": compiled launches on; "tail": whether this triton's compiled launcher takes the
-# constexpr values after the runtime arguments (triton 3.3 and newer filter them in the
-# launcher) or not, found at the first direct launch (None until then)
-_STATE = {"direct": _ENABLED and not interpreting(), "tail": None}
+# "direct": compiled launches on; "mode": the convention the last first direct launch found
+# (``_conventions``; None until a direct launch ran), for tests and benches to read
+_STATE = {"direct": _ENABLED and not interpreting(), "mode": None}
