@@ -10,6 +10,7 @@ from torch import Tensor
 
 from kvops import _checks
 from kvops._config import use_triton, validate
+from kvops.kernels.elastic_attention import elastic_attention_fwd
 from kvops.layouts import codecs
 from kvops.layouts.pairs import base_pair_view
 from kvops.ops._library import CheckedSignatures, register, sig
@@ -146,8 +147,6 @@ def _impl(q, k_cache, v_cache, block_table, seq_lens, block_mode=None, base_span
     if validate():
         _validate(k_cache, block_table, seq_lens, block_mode, base_span)
     if use_triton(q.device):
-        from kvops.kernels.elastic_attention import elastic_attention_fwd
-
         if block_mode is not None or base_span is not None:
             for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
                 if c.numel() and c.data_ptr() % 4:

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from kvops import _checks
 from kvops._config import use_triton, validate
+from kvops.kernels.far_page_summarize import far_page_summarize_fwd, far_page_summarize_into_fwd
 from kvops.ops._library import CheckedSignatures, register, sig
 
 
@@ -62,8 +63,6 @@ def _impl(k_cache, pages):
     if validate():
         _checks.index_range("pages", pages, 0, k_cache.shape[0], allow=-1)
     if use_triton(k_cache.device):
-        from kvops.kernels.far_page_summarize import far_page_summarize_fwd
-
         return far_page_summarize_fwd(k_cache, pages)
     return far_page_summarize_ref(k_cache, pages)
 
@@ -137,8 +136,6 @@ def _impl_into(k_cache, pages, rows, k_min, k_max):
         _checks.index_range("pages", pages, 0, k_cache.shape[0], allow=-1)
         _checks.index_range("rows", rows, 0, k_min.shape[1])
     if use_triton(k_cache.device):
-        from kvops.kernels.far_page_summarize import far_page_summarize_into_fwd
-
         far_page_summarize_into_fwd(k_cache, pages, rows, k_min, k_max)
         return
     far_page_summarize_into_ref(k_cache, pages, rows, k_min, k_max)

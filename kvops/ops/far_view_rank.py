@@ -11,6 +11,7 @@ from torch import Tensor
 
 from kvops import _checks
 from kvops._config import use_triton, validate
+from kvops.kernels.far_view_rank import far_view_rank_fwd
 from kvops.ops._library import CheckedSignatures, register, sig
 
 # an empty entry's key: below every utility's key (-inf's included), and its low 32 bits are
@@ -84,8 +85,6 @@ def _impl(scores, summarized, select):
     if validate():
         _checks.index_range("select", select, -1, summarized.shape[1])
     if use_triton(scores.device):
-        from kvops.kernels.far_view_rank import far_view_rank_fwd
-
         return far_view_rank_fwd(scores, summarized, select, EMPTY_KEY)
     return far_view_rank_ref(scores, summarized, select)
 

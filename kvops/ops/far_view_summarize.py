@@ -10,6 +10,7 @@ from torch import Tensor
 
 from kvops import _checks
 from kvops._config import use_triton, validate
+from kvops.kernels.far_view_summarize import far_view_summarize_fwd
 from kvops.ops._library import CheckedSignatures, register, sig
 
 
@@ -50,8 +51,6 @@ def _impl(k_cache, v_cache, chunk_table):
         live = chunk_table[chunk_table[..., 0] >= 0]
         _checks.index_range("chunk_table (pages of a non-empty chunk)", live, 0, P)
     if use_triton(k_cache.device):
-        from kvops.kernels.far_view_summarize import far_view_summarize_fwd
-
         return far_view_summarize_fwd(k_cache, v_cache, chunk_table)
     return far_view_summarize_ref(k_cache, v_cache, chunk_table)
 

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from kvops import _checks
 from kvops._config import use_triton, validate
+from kvops.kernels.base_pairs import pack_base_pairs_fwd
 from kvops.layouts import codecs
 from kvops.layouts.pairs import base_pair_view, check_pair_rows
 from kvops.ops._library import CheckedSignatures, register, sig
@@ -57,8 +58,6 @@ def _impl(cache, pairs, backing, codec=None):
     if validate():
         check_pair_rows("pairs", pairs, cache.shape[0], "pack")
     if use_triton(cache.device):
-        from kvops.kernels.base_pairs import pack_base_pairs_fwd
-
         pack_base_pairs_fwd(cache, pairs, backing, codec)
         return
     pack_base_pairs_ref(cache, pairs, backing, codec)

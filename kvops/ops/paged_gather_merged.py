@@ -10,6 +10,7 @@ from torch import Tensor
 
 from kvops import _checks
 from kvops._config import use_triton, validate
+from kvops.kernels.paged_gather_merged import paged_gather_merged_fwd
 from kvops.ops._library import CheckedSignatures, register, sig
 
 
@@ -88,8 +89,6 @@ def _impl(k_cache, v_cache, trains, num_trains, k_out, v_out):
     if validate():
         _validate_trains(trains, num_trains, k_cache.shape[0], k_out.shape[0])
     if use_triton(k_cache.device):
-        from kvops.kernels.paged_gather_merged import paged_gather_merged_fwd
-
         paged_gather_merged_fwd(k_cache, v_cache, trains, num_trains, k_out, v_out)
         return
     paged_gather_merged_ref(k_cache, v_cache, trains, num_trains, k_out, v_out)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from kvops._config import use_triton, validate
+from kvops.kernels.base_pairs import refine_base_pairs_fwd
 from kvops.layouts import codecs
 from kvops.layouts.pairs import base_pair_view, check_pair_rows
 from kvops.ops._library import CheckedSignatures, register, sig
@@ -37,8 +38,6 @@ def _impl(cache, pairs, backing, codec=None):
     if validate():
         check_pair_rows("pairs", pairs, cache.shape[0], "refine")
     if use_triton(cache.device):
-        from kvops.kernels.base_pairs import refine_base_pairs_fwd
-
         refine_base_pairs_fwd(cache, pairs, backing, codec)
         return
     refine_base_pairs_ref(cache, pairs, backing, codec)

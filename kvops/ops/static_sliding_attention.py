@@ -10,6 +10,7 @@ from torch import Tensor
 
 from kvops import _checks
 from kvops._config import use_triton, validate
+from kvops.kernels.static_sliding_attention import static_sliding_attention_fwd
 from kvops.ops._library import CheckedSignatures, register, sig
 from kvops.ops._reference import softmax_attend
 
@@ -120,8 +121,6 @@ def _impl(q, k, v, win_start, win_len, far_k=None, far_v=None, far_bias=None, sc
     if validate():
         _validate(k, win_start, win_len)
     if use_triton(q.device):
-        from kvops.kernels.static_sliding_attention import static_sliding_attention_fwd
-
         return static_sliding_attention_fwd(q, k, v, win_start, win_len, far_k, far_v, far_bias,
                                             scale, signature=key)
     return static_sliding_attention_ref(q, k, v, win_start, win_len, far_k, far_v, far_bias,
