@@ -72,20 +72,43 @@ def _paged_kv_write_kernel(
     tl.store(VC + b_page[:, None] * stride_vcp + o_row, b_v, mask=m)
 
 
+_PLANS: dict = {}
+
+
 def paged_kv_write_fwd(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
                        block_t: int | None = None, block_c: int | None = None,
-                       num_warps: int | None = None) -> None:
+                       num_warps: int | None = None, signature=None) -> None:
     """Launch the kernel. Inputs are already checked by the op (shapes, dtypes, page-contiguous
     caches, D contiguous in k and v). The keyword knobs override ``write_tile`` (tests, benches).
+    The launch (tile, grid, strides, binary key) is kept per argument signature: ``signature``
+    is the op's (``kvops.ops._library.sig`` of every argument); without one it is computed
+    each call.
     """
+    knobs = (block_t, block_c, num_warps)
+    plan = _PLANS.get(signature) if signature is not None and knobs == (None,) * 3 else None
+    if plan is None:
+        plan = _plan(k, v, k_cache, v_cache, slot_mapping, knobs)
+        if signature is not None and knobs == (None,) * 3:
+            if len(_PLANS) >= 4096:
+                _PLANS.clear()
+            _PLANS[signature] = plan
+    if plan is None:
+        return
+    grid, key, ints, meta = plan
+    launch(_paged_kv_write_kernel, grid, key, (k, v, k_cache, v_cache, slot_mapping, *ints),
+           meta)
+
+
+def _plan(k, v, k_cache, v_cache, slot_mapping, knobs):
     N, Hkv, D = k.shape
     if N == 0:
-        return
+        return None
     P, S = k_cache.shape[:2]
     flat = (Hkv == 1 or (k.stride(1) == D and v.stride(1) == D))
     row, parts = (Hkv * D, 1) if flat else (D, Hkv)
     bt, bc, nw = write_tile(N, row, parts, sm_count(k.device))
+    block_t, block_c, num_warps = knobs
     bt, bc, nw = block_t or bt, block_c or bc, num_warps or nw
     grid = (triton.cdiv(N, bt), parts * triton.cdiv(row, bc))
     ints = (N, P * S, k.stride(0), k.stride(1) if Hkv > 1 else 0, v.stride(0),
@@ -93,5 +116,4 @@ def paged_kv_write_fwd(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     meta = dict(S=S, ROW=row, PARTS=parts, HD=Hkv * D, BLOCK_T=bt, BLOCK_C=bc, num_warps=nw)
     key = (ints[1:], k.dtype, k.device, slot_mapping.dtype, tuple(meta.values()),   # N: unspecialized
            tuple(t.data_ptr() % 16 for t in (k, v, k_cache, v_cache, slot_mapping)))
-    launch(_paged_kv_write_kernel, grid, key, (k, v, k_cache, v_cache, slot_mapping, *ints),
-           meta)
+    return grid, key, ints, meta

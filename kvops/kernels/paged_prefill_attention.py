@@ -34,6 +34,7 @@ from kvops.kernels._attention import LN2, LOG2E, dot
 from kvops.kernels._common import dot_precision, next_pow2, sm_count
 from kvops.kernels._launch import launch
 from kvops.kernels._splitk import merge_plan, merge_split_outputs
+from kvops.kernels._workspace import float_views
 
 # Splits of a tile's key range only while the tiles fill less than this share of the SMs, and
 # only as far as each split keeps at least MIN_SPLIT_TILES key tiles of the longest context.
@@ -242,26 +243,72 @@ def _paged_prefill_kernel(
     tl.store(p_lse, b_lse, mask=m_r)
 
 
+_PLANS: dict = {}
+
+
 def paged_prefill_attention_fwd(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     query_start: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None,
     window: int = 0, *, block_m: int | None = None, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, num_splits: int | None = None,
-    prefetch: bool = True,
+    prefetch: bool = True, signature=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate, pick the tile (``prefill_tile``) and the splits (``prefill_splits``), launch,
     and merge split partials (``_splitk.merge_split_outputs``). Inputs are already checked by the op;
     the keyword knobs override the rules (tests, benches); ``prefetch`` (on unless a caller
-    turns it off) loads page ids a tile ahead (``_key_run``; docs/tuning.md). Returns
-    ``(out, lse)``."""
+    turns it off) loads page ids a tile ahead (``_key_run``; docs/tuning.md). The launch (tile,
+    splits, strides, binary key) is kept per argument signature: ``signature`` is the op's
+    (``kvops.ops._library.sig`` of every argument, with scale and window); without one it is
+    computed each call. Returns ``(out, lse)``."""
+    N, Hq, D = q.shape
+    out = torch.empty(N, Hq, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(N, Hq, dtype=torch.float32, device=q.device)
+    if N == 0:
+        return out, lse
+    knobs = (block_m, block_n, num_warps, num_stages, num_splits, prefetch)
+    cache = signature is not None and knobs == _DEFAULT_KNOBS
+    plan = _PLANS.get(signature) if cache else None
+    if plan is None:
+        plan = _plan(q, k_cache, v_cache, block_table, scale, window, knobs)
+        if cache:
+            if len(_PLANS) >= 4096:
+                _PLANS.clear()
+            _PLANS[signature] = plan
+    grid, nsp, ints, scale_log2, meta, merge, _, token = plan
+    if nsp == 1:
+        part_o, part_l, strides = out, lse, plan_strides(plan, out, lse)
+    else:
+        part_o, part_l = float_views(q.device, ((N, Hq, nsp, D), (N, Hq, nsp)))
+        strides = plan_strides(plan, part_o, part_l)
+    key = (token, tuple(t.data_ptr() % 16 == 0 for t in (q, k_cache, v_cache, block_table,
+                                                            query_start, seq_lens, part_o,
+                                                            part_l)))
+    launch(_paged_prefill_kernel, grid, key,
+           (q, k_cache, v_cache, block_table, query_start, seq_lens, part_o, part_l, *ints,
+            scale_log2, nsp, *strides), meta)
+    if merge is not None:
+        merge_split_outputs(merge, part_o, part_l, out, lse)
+    return out, lse
+
+
+_DEFAULT_KNOBS = (None, None, None, None, None, True)
+
+
+def plan_strides(plan, part_o, part_l):
+    """The kernel's stride arguments for a plan's tensors (the plan keeps q's, the pools' and
+    the table's; the partials' follow from the outputs)."""
+    q_strides, nsp = plan[6], plan[1]
+    split_o, split_l = (part_o.stride(2), 1) if nsp > 1 else (0, 0)
+    return (*q_strides, part_o.stride(0), part_o.stride(1), split_o, part_l.stride(0),
+            part_l.stride(1), split_l)
+
+
+def _plan(q, k_cache, v_cache, block_table, scale, window, knobs):
     N, Hq, D = q.shape
     P, S, Hkv, _ = k_cache.shape
     B, L = block_table.shape
     G = Hq // Hkv
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty((N, Hq), dtype=torch.float32, device=q.device)
-    if N == 0:
-        return out, lse
+    block_m, block_n, num_warps, num_stages, num_splits, prefetch = knobs
     bm, bn, nw, ns = prefill_tile(N, B, G, D, q.dtype)
     bm, bn = block_m or bm, block_n or bn
     nw, ns = num_warps or nw, num_stages or ns
@@ -270,29 +317,18 @@ def paged_prefill_attention_fwd(
     block_q = bm // G
     num_tiles = N // block_q + B + 1
     nsp = num_splits or prefill_splits(N // block_q * Hkv, L * S, bn, sm_count(q.device))
-    if nsp == 1:
-        part_o, part_l, split_o, split_l = out, lse, 0, 0
-    else:
-        part_o = torch.empty((N, Hq, nsp, D), dtype=torch.float32, device=q.device)
-        part_l = torch.empty((N, Hq, nsp), dtype=torch.float32, device=q.device)
-        split_o, split_l = part_o.stride(2), 1
     scale = D ** -0.5 if scale is None else scale
     ints = (N, B, P, L, num_tiles, window)
-    strides = (q.stride(0), q.stride(1), k_cache.stride(0), v_cache.stride(0),
-               block_table.stride(0), part_o.stride(0), part_o.stride(1), split_o,
-               part_l.stride(0), part_l.stride(1), split_l)
+    in_strides = (q.stride(0), q.stride(1), k_cache.stride(0), v_cache.stride(0),
+                  block_table.stride(0))
     meta = dict(S=S, HKV=Hkv, G=G, D=D, BLOCK_Q=block_q, BLOCK_M=bm, BLOCK_N=bn,
                 BLOCK_D=next_pow2(max(D, 16)), BLOCK_B=SEQ_CHUNK,
                 WINDOW=window > 0, PRECISION=dot_precision(q.dtype), PREFETCH=prefetch,
                 num_warps=nw, num_stages=ns)
-    # N, B, num_tiles and window are not specialized: one binary serves every value of them,
-    # so they stay out of the key and a step's new sizes take the direct launch
-    key = ((P, L), nsp, strides, q.dtype, q.device, tuple(meta.values()),
-           tuple(t.data_ptr() % 16 for t in (q, k_cache, v_cache, block_table, query_start,
-                                             seq_lens, part_o, part_l)))
-    launch(_paged_prefill_kernel, (num_tiles, Hkv, nsp), key,
-           (q, k_cache, v_cache, block_table, query_start, seq_lens, part_o, part_l, *ints,
-            scale * LOG2E.value, nsp, *strides), meta)
-    if nsp > 1:
-        merge_split_outputs(merge_plan(N, Hq, nsp, D, q.dtype, False), part_o, part_l, out, lse)
-    return out, lse
+    merge = merge_plan(N, Hq, nsp, D, q.dtype, False) if nsp > 1 else None
+    # N, B, num_tiles and window are not specialized (one binary serves every value of them),
+    # so they stay out of the binary's key: the rest of what the kernel specializes on, with
+    # the pointers' alignments added at launch
+    token = ("prefill", P, L, nsp, in_strides, Hq, q.dtype, q.device, tuple(meta.values()))
+    return ((num_tiles, Hkv, nsp), nsp, ints, scale * LOG2E.value, meta, merge, in_strides,
+            token)

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from kvops import _checks
 from kvops._config import use_triton, validate
+from kvops.kernels.paged_prefill_attention import paged_prefill_attention_fwd
 from kvops.ops._library import CheckedSignatures, register, sig
 
 # the flash tile's float32 accumulator at D 512 would need a split-D or 8-warp kernel variant
@@ -118,16 +119,14 @@ _checked = CheckedSignatures(_check)
 
 
 def _impl(q, k_cache, v_cache, block_table, query_start, seq_lens, scale=None, window=0):
-    _checked((sig(q), sig(k_cache), sig(v_cache), sig(block_table), sig(query_start),
-              sig(seq_lens), type(scale), window),
-             q, k_cache, v_cache, block_table, query_start, seq_lens, scale, window)
+    key = (sig(q), sig(k_cache), sig(v_cache), sig(block_table), sig(query_start),
+           sig(seq_lens), scale, window)
+    _checked(key, q, k_cache, v_cache, block_table, query_start, seq_lens, scale, window)
     if validate():
         _validate(q, k_cache, block_table, query_start, seq_lens)
     if use_triton(q.device):
-        from kvops.kernels.paged_prefill_attention import paged_prefill_attention_fwd
-
         return paged_prefill_attention_fwd(q, k_cache, v_cache, block_table, query_start,
-                                           seq_lens, scale, window)
+                                           seq_lens, scale, window, signature=key)
     return paged_prefill_attention_ref(q, k_cache, v_cache, block_table, query_start, seq_lens,
                                        scale, window)
 
