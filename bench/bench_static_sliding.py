@@ -9,6 +9,7 @@ decode attention must read once, the fraction is of the 4.65 TB/s streaming-read
     python -m bench.bench_static_sliding --tune     # kernel config sweep on representative shapes
     python -m bench.bench_static_sliding --heads 9,3,64 --quick   # other heads (SmolLM2's here)
     python -m bench.bench_static_sliding --waves    # tile rows where the grid fills waves partly
+    python -m bench.bench_static_sliding --far      # far slots against a dense window as wide
 """
 
 from __future__ import annotations
@@ -188,6 +189,43 @@ def waves(batches, widths):
                   "64 rows us", "default TB/s", "128 / 64"], rows)
 
 
+FAR_SHAPES = ((16, 512, 1024), (32, 512, 1024), (1, 4096, 64), (4, 2048, 64),
+              (64, 1024, 128), (128, 1024, 64), (16, 2048, 256))
+
+
+def far(heads=((32, 8), (8, 1)), shapes=FAR_SHAPES, d=128, dtype=torch.float16):
+    """A window of W with C live far slots against a dense window of W + C rows (the far view's
+    cost over a window as wide); three rotating K/V sets. TB/s counts the K+V bytes of W + C
+    rows."""
+    attn = torch.ops.kvops.static_sliding_attention
+    rows = []
+    for hq, hkv in heads:
+        for B, W, C in shapes:
+            q = torch.randn(B, hq, d, device="cuda", dtype=dtype)
+            sets = []
+            for _ in range(3):
+                k = torch.randn(B, W, hkv, d, device="cuda", dtype=dtype)
+                fk = torch.randn(B, C, hkv, d, device="cuda", dtype=dtype)
+                kd = torch.randn(B, W + C, hkv, d, device="cuda", dtype=dtype)
+                sets.append((k, torch.randn_like(k), fk, torch.randn_like(fk), kd,
+                             torch.randn_like(kd)))
+            fb = torch.zeros(B, C, device="cuda")
+            ws = torch.zeros(B, dtype=torch.int32, device="cuda")
+            wl = torch.full((B,), W, dtype=torch.int32, device="cuda")
+            wld = torch.full((B,), W + C, dtype=torch.int32, device="cuda")
+            far_args = [(q, s[0], s[1], ws, wl, s[2], s[3], fb) for s in sets]
+            dense_args = [(q, s[4], s[5], ws, wld) for s in sets]
+            t_far = time_graph([lambda a=a: attn(*a) for a in far_args])[1]
+            dense = time_graph([lambda a=a: attn(*a) for a in dense_args])[1]
+            tb = tbps(2 * B * (W + C) * hkv * d * dtype.itemsize, t_far)
+            rows.append([f"{hq}/{hkv}", B, W, C, t_far, dense, t_far / dense, tb,
+                         tb * 1e12 / READ_CEILING])
+            print(rows[-1], flush=True)
+            del sets, far_args, dense_args
+    return table(["Hq/Hkv", "B", "W", "C", "far view us", "dense W+C us", "far / dense",
+                  "TB/s (far)", "of read ceiling"], rows)
+
+
 def main():
     global HQ, HKV, D
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -202,7 +240,14 @@ def main():
     ap.add_argument("--waves", action="store_true",
                     help="wave_tile against forced 128- and 64-row tiles (fp16; --batches, "
                          "--widths override the shapes)")
+    ap.add_argument("--far", action="store_true",
+                    help="a window with far slots against a dense window as wide (fp16)")
     args = ap.parse_args()
+    if args.far:
+        body = far()
+        write_result("static_sliding_attention-far", body)
+        print(body)
+        return
     HQ, HKV, D = (int(x) for x in args.heads.split(","))
     suffix = "" if (HQ, HKV, D) == (32, 8, 128) else f"-heads{HQ}-{HKV}-{D}"
     if args.waves:

@@ -7,9 +7,8 @@ with a ``key`` that determines all of that (the shapes, strides, dtypes and poin
 the arguments come from, and the launch constants): the first call with a key goes through the
 JIT (compiling if needed) and keeps the compiled kernel; later calls hand the arguments straight
 to its launcher, on triton 3.6 to the launcher's C entry point (``_conventions``): a launch then
-costs about as much host time as the C launch itself (6-8 us on the H200's host, against 13
-through ``kernel[grid]``'s compiled launcher and its Python wrapper;
-``bench/results/2026-12-03-1700-eager-parts.md``).
+costs 7.3 us of host time on the H200's host, against 12.3 through the compiled launcher's
+Python wrapper (``bench/results/2026-12-03-1730-eager-parts.md``).
 
 Under the interpreter, when a launch hook is installed (profilers), when ``key`` is None, or
 when ``KVOPS_DIRECT_LAUNCH=0``, every launch goes through the JIT. A kernel object that is not

@@ -1,0 +1,163 @@
+"""Where an eager call's host time goes: each piece of ``static_sliding_attention``'s host path
+timed alone (back-to-back calls, no sync), beside SDPA and a one-kernel aten op.
+
+The pieces: the output allocations, the argument signature, the op's dispatch into Python, the
+launcher's Python, the compiled Triton launcher with tensors and with raw pointers, the Triton
+launcher's C function called without its Python wrapper, and PyTorch's static CUDA launcher
+(``torch._inductor.runtime.static_cuda_launcher``) on the same binary. A piece that this stack
+cannot run prints its error in place of a time.
+
+    python3 -m bench.bench_eager_parts        # CUDA only; prints a table
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import kvops  # noqa: F401  (registers the ops)
+from bench.common import eager_times, table
+from kvops.kernels import _launch
+from kvops.kernels import static_sliding_attention as ssa
+from kvops.ops._library import sig
+
+HQ, HKV, D = 32, 8, 128
+LOOP = dict(iters=2000, warmup=50)
+
+
+def _compiled_stage1():
+    hits = [v for (k, _), v in _launch._BINS.items() if k == id(ssa._sliding_window_kernel)]
+    return hits[-1] if hits else None
+
+
+def rows(B: int = 4, ctx: int = 512):
+    dev = torch.device("cuda")
+    dt = torch.bfloat16
+    q = torch.randn(B, HQ, D, device=dev, dtype=dt)
+    k = torch.randn(B, ctx, HKV, D, device=dev, dtype=dt)
+    v = torch.randn_like(k)
+    ws = torch.zeros(B, dtype=torch.int32, device=dev)
+    wl = torch.full((B,), ctx, dtype=torch.int32, device=dev)
+    q4 = q.unsqueeze(2)
+    kd, vd = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+    ops = torch.ops.kvops
+    call = lambda: ops.static_sliding_attention(q, k, v, ws, wl)
+    call()
+    call()           # the second call keeps the compiled binary for direct launches
+    op_mod = sys.modules["kvops.ops.static_sliding_attention"]
+    key = (sig(q), sig(k), sig(v), sig(ws), sig(wl), None, None, None, None)
+    plan = ssa._PLANS[key]
+    Bp, Hq, Dp, nsp, pdl, scale_log2, ints, meta, grid, merge, token = plan
+    out, lse, part_o, part_l, _ = ssa.split_outputs(B, HQ, D, nsp, dt, dev)
+    args = (q, k, v, ws, wl, k, v, lse, part_o, part_l, scale_log2, *ints)
+    ptr_args = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+    compiled, tail, mode, _ = _compiled_stage1()
+    g = grid + (1,) * (3 - len(grid))
+    stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+    head = (g[0], g[1], g[2], stream, compiled.function, getattr(compiled, "packed_metadata", None),
+            None, None, None)
+    full = args + tail if mode in ("c", "tail") else args
+    full_ptr = ptr_args + tail if mode in ("c", "tail") else ptr_args
+    x = torch.randn(B, HQ, D, device=dev, dtype=dt)
+    dev0 = torch.device("cuda", torch.cuda.current_device())
+    c_args = _c_args(compiled, head, full)
+    pieces = {
+        "sdpa (whole call)": lambda: F.scaled_dot_product_attention(q4, kd, vd, enable_gqa=True),
+        "torch.add(x, x) (one aten kernel)": lambda: torch.add(x, x),
+        "torch.empty x1": lambda: torch.empty((B, HQ, D), device=dev, dtype=dt),
+        "torch.empty x1, device cuda:0": lambda: torch.empty((B, HQ, D), device=dev0, dtype=dt),
+        "torch.empty x1, sizes positional": lambda: torch.empty(B, HQ, D, device=dev0, dtype=dt),
+        "q.new_empty": lambda: q.new_empty((B, HQ, D)),
+        "torch.empty bytes + 2 views": lambda: _one_buffer(B, dev0, dt),
+        "is_current_stream_capturing": torch.cuda.is_current_stream_capturing,
+        "dispatch into Python only (no-op op)": lambda: _noop()(q, k, v, ws, wl, None, None, None,
+                                                              None),
+        "split_outputs (all outputs)": lambda: ssa.split_outputs(B, HQ, D, nsp, dt, dev),
+        "sig(q)": lambda: sig(q),
+        "signature key (9 args)": lambda: (sig(q), sig(k), sig(v), sig(ws), sig(wl), sig(None),
+                                           sig(None), sig(None), None),
+        "op: torch.ops call (whole)": call,
+        "op: _impl direct (no dispatcher)": lambda: op_mod._impl(q, k, v, ws, wl),
+        "launcher: static_sliding_attention_fwd": lambda: ssa.static_sliding_attention_fwd(
+            q, k, v, ws, wl, signature=key),
+        "launch(): stage 1 (cached binary)": lambda: _launch.launch(
+            ssa._sliding_window_kernel, grid, token, args, meta),
+        "compiled.run, tensors": lambda: compiled.run(*head, *full),
+        "compiled.run, raw pointers": lambda: compiled.run(*head, *full_ptr),
+        "data_ptr of the args (Python)": lambda: tuple(
+            a.data_ptr() if type(a) is torch.Tensor else a for a in args),
+        "C launch direct, tensors": lambda: compiled.run.launch(*c_args[0]),
+        "C launch direct, raw pointers": lambda: compiled.run.launch(*c_args[1]),
+        "current stream query": lambda: torch._C._cuda_getCurrentRawStream(
+            torch._C._cuda_getDevice()),
+    }
+    if merge is not None:
+        pieces["merge launch"] = lambda: ssa.merge_split_outputs(merge, part_o, part_l, out, lse)
+    out_rows = [["splits", nsp, "", ""], ["stage-1 runtime args", len(args), "", ""]]
+    for name, fn in pieces.items():
+        try:
+            host, wall = eager_times(fn, **LOOP)
+            out_rows.append([name, f"{host:.2f}", f"{wall:.2f}", ""])
+        except Exception as e:  # noqa: BLE001
+            out_rows.append([name, "error", repr(e)[:80], ""])
+        print(out_rows[-1], flush=True)
+    return out_rows
+
+
+def _c_args(compiled, head, full):
+    """The Triton 3.6 launcher's C entry point's arguments (what ``CudaLauncher.__call__``
+    passes it, scratch buffers None), with tensors and with raw pointers."""
+    run = compiled.run
+    gx, gy, gz, stream, function, packed, lmeta, enter, exit_ = head
+    fixed = (gx, gy, gz, stream, function, run.launch_cooperative_grid, run.launch_pdl, None,
+             None, packed, lmeta, enter, exit_)
+    ptrs = tuple(a.data_ptr() if type(a) is torch.Tensor else a for a in full)
+    print("scratch sizes", run.global_scratch_size, run.profile_scratch_size, flush=True)
+    return fixed + tuple(full), fixed + ptrs
+
+
+def _one_buffer(B, dev, dt):
+    buf = torch.empty(B * HQ * D * 2 + B * HQ * 4, device=dev, dtype=torch.uint8)
+    n = B * HQ * D * 2
+    return buf[:n].view(dt).view(B, HQ, D), buf[n:].view(torch.float32).view(B, HQ)
+
+
+_NOOP = []
+
+
+def _noop():
+    if not _NOOP:
+        lib = torch.library.Library("kvops_bench", "DEF")
+        keep = []
+        lib.define("noop(Tensor q, Tensor k, Tensor v, Tensor win_start, Tensor win_len, "
+                   "Tensor? far_k=None, Tensor? far_v=None, Tensor? far_bias=None, "
+                   "float? scale=None) -> (Tensor, Tensor)")
+
+        def impl(q, k, v, ws, wl, fk=None, fv=None, fb=None, scale=None):
+            if not keep:
+                keep.extend([q.new_empty(1), q.new_empty(1)])
+            return keep[0], keep[1]
+
+        lib.impl("noop", impl, "CUDA")
+        _NOOP.append((lib, torch.ops.kvops_bench.noop.default))
+    return _NOOP[0][1]
+
+
+def main():
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_eager_parts needs CUDA")
+    from bench.common import write_result
+
+    r = rows()
+    text = table(["piece", "host us", "wall us", "note"], r)
+    path = write_result("eager-parts", "static_sliding_attention's host path, Llama-3-8B heads, "
+                        "bf16, B 4 x 512; each piece timed alone over 2000 back-to-back calls.\n\n"
+                        + text)
+    print(text)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
