@@ -1,6 +1,7 @@
 """Split-K scratch kept across eager calls (``kvops.kernels._workspace``): a call's partials are
 never overwritten by another call before its merge reads them, on one stream, on two streams,
-from two threads, inside and beside a captured graph, and when the buffer grows."""
+from two threads, inside and beside a captured graph, under ``torch.compile``'s CUDA graphs
+and a private memory pool, and when the buffer grows."""
 
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ from tests.conftest import capture_graph, requires_cuda
 
 
 def test_cpu_views_are_fresh_and_shaped():
+    kept = dict(_workspace._BUFS)
     a, b = _workspace.float_views(torch.device("cpu"), ((2, 3, 4), (5,)))
-    c, _ = _workspace.float_views(torch.device("cpu"), ((2, 3, 4), (5,)))
     assert a.shape == (2, 3, 4) and b.shape == (5,) and a.dtype == torch.float32
-    assert a.data_ptr() != c.data_ptr()            # no reuse off CUDA
+    assert _workspace._BUFS == kept                 # nothing kept off CUDA
 
 
 def _case(B, W, seed, dev, Hkv=2, G=4, D=64):
@@ -55,32 +56,48 @@ def test_back_to_back_split_calls_keep_their_partials():
 
 
 @requires_cuda
-def test_two_streams_have_their_own_scratch():
+def test_two_streams_have_their_own_scratch(monkeypatch):
+    """Stream a sleeps between its stage 1 and its merge while stream b runs a whole call: a
+    shared buffer would hand a's merge b's partials."""
+    import kvops.kernels.static_sliding_attention as ssa
+
     dev = torch.device("cuda")
     a, b = _case(2, 4096, 1, dev), _case(2, 4096, 2, dev)
     sa, sb = torch.cuda.Stream(), torch.cuda.Stream()
+    merge = ssa.merge_split_outputs
+
+    def slow_merge(*args):
+        if torch.cuda.current_stream() == sa:
+            torch.cuda._sleep(20_000_000)
+        merge(*args)
+
+    for c in (a, b):                                 # compiled before the timed interleaving
+        torch.ops.kvops.static_sliding_attention(*c)
+    monkeypatch.setattr(ssa, "merge_split_outputs", slow_merge)
     torch.cuda.synchronize()
-    outs = {}
-    for _ in range(4):                               # interleaved issue on both streams
+    outs = {"a": [], "b": []}
+    for _ in range(3):
         with torch.cuda.stream(sa):
-            outs["a"] = torch.ops.kvops.static_sliding_attention(*a)
+            outs["a"].append(torch.ops.kvops.static_sliding_attention(*a))
         with torch.cuda.stream(sb):
-            outs["b"] = torch.ops.kvops.static_sliding_attention(*b)
+            outs["b"].append(torch.ops.kvops.static_sliding_attention(*b))
     torch.cuda.synchronize()
-    _check(a, outs["a"])
-    _check(b, outs["b"])
+    for o in outs["a"]:
+        _check(a, o)
+    for o in outs["b"]:
+        _check(b, o)
 
 
 @requires_cuda
 def test_threads_have_their_own_scratch():
     dev = torch.device("cuda")
     cases = [_case(2, 4096, 10 + i, dev) for i in range(2)]
-    outs, errors = [None, None], []
+    outs, errors = [[], []], []
 
     def work(i):
         try:
             for _ in range(20):
-                outs[i] = torch.ops.kvops.static_sliding_attention(*cases[i])
+                outs[i].append(torch.ops.kvops.static_sliding_attention(*cases[i]))
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 
@@ -91,8 +108,10 @@ def test_threads_have_their_own_scratch():
         t.join()
     torch.cuda.synchronize()
     assert not errors
-    for c, o in zip(cases, outs):
-        _check(c, o)
+    for c, got in zip(cases, outs):
+        assert len(got) == 20
+        for o in got:
+            _check(c, o)
 
 
 @requires_cuda
@@ -107,6 +126,53 @@ def test_a_captured_graph_never_shares_scratch_with_eager_calls():
     torch.cuda.synchronize()
     _check(cap, got)
     _check(other, eager)
+
+
+def _inside_kept(t):
+    return any(b[0].data_ptr() <= t.data_ptr() < b[0].data_ptr() + 4 * b[0].numel()
+               for b in _workspace._BUFS.values())
+
+
+@requires_cuda
+def test_capture_and_private_pools_never_use_kept_scratch():
+    """Views made while capturing, or inside a private memory pool, lie outside every kept
+    buffer and add none (a pool may be reset or unmapped under a kept buffer)."""
+    dev = torch.device("cuda")
+    shapes = ((2, 8, 16, 64), (2, 8, 16))
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        eager = _workspace.float_views(dev, shapes)          # kept for stream s
+    assert _inside_kept(eager[0])
+    kept = {k: v[0].data_ptr() for k, v in _workspace._BUFS.items()}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=s):
+        captured = _workspace.float_views(dev, shapes)
+        captured[0].zero_()
+    assert not any(_inside_kept(t) for t in captured)
+    pool = torch.cuda.MemPool()
+    other = torch.cuda.Stream()
+    with torch.cuda.stream(other), torch.cuda.use_mem_pool(pool):
+        pooled = _workspace.float_views(dev, shapes)
+    assert not any(_inside_kept(t) for t in pooled)
+    assert {k: v[0].data_ptr() for k, v in _workspace._BUFS.items()} == kept
+
+
+@requires_cuda
+def test_reduce_overhead_compile_of_a_split_launch():
+    """torch.compile's CUDA graphs warm up with every allocation in their pool, check it for
+    stray tensors and reset it: a split launch there keeps no scratch and stays exact."""
+    dev = torch.device("cuda")
+    assert _split(2, 4096, dev) > 1
+    fn = torch.compile(lambda *a: torch.ops.kvops.static_sliding_attention(*a),
+                       mode="reduce-overhead", fullgraph=True)
+    c = _case(2, 4096, 40, dev)
+    bufs = [t.clone() for t in c]
+    for seed in (41, 42, 43, 44):
+        fresh = _case(2, 4096, seed, dev)
+        for t, f in zip(bufs, fresh):
+            t.copy_(f)
+        got = [t.clone() for t in fn(*bufs)]
+        _check(fresh, got)
 
 
 @requires_cuda

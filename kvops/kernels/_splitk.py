@@ -85,14 +85,16 @@ def split_outputs(B: int, Hq: int, D: int, nsp: int, dtype: torch.dtype, device:
     return out, lse, part_o, part_l, D
 
 
-def merge_plan(B: int, Hq: int, nsp: int, D: int, dtype: torch.dtype, pdl: bool):
+def merge_plan(B: int, Hq: int, nsp: int, D: int, dtype: torch.dtype, pdl: bool,
+               device: torch.device):
     """What :func:`merge_split_outputs` launches for ``split_outputs(B, Hq, D, nsp, ...)``'s
-    tensors, computed once per launch plan: (grid, key, runtime integers, constants)."""
+    tensors on ``device``, computed once per launch plan: (grid, key, runtime integers,
+    constants). The key names the device: a binary is loaded per device."""
     R = B * Hq
     ints = (nsp * D, D, D, nsp)
     meta = dict(D=D, BLOCK_S=next_pow2(nsp), BLOCK_D=next_pow2(D), USE_PDL=pdl,
                 num_warps=merge_warps(D), **({"launch_pdl": True} if pdl else {}))
-    return (R,), ("merge", ints, dtype, pdl), ints, meta
+    return (R,), ("merge", ints, dtype, pdl, device.type, device.index), ints, meta
 
 
 def merge_split_outputs(plan, part_o, part_l, out, lse) -> None:

@@ -1,16 +1,27 @@
 """Scratch tensors a launch writes and the same op call reads back (split-K partials), kept
-across eager calls instead of allocated on every call (an allocation costs 5-7 us of host time
+across eager calls instead of allocated on every call (an allocation costs 2-7 us of host time
 on the H200's host, a view 1 us).
 
 One buffer per (device, stream, host thread). Work on one stream runs in issue order, so a
 call's merge reads its partials before the next call on that stream writes them, and a second
-stream or thread has a buffer of its own. While the current stream is capturing a CUDA graph,
-every call allocates fresh (from the graph's private pool, which costs nothing at replay), so a
-captured graph never shares scratch with eager calls or with another graph. CPU tensors (the
-interpreter) allocate fresh too.
+stream or thread has a buffer of its own. A call allocates fresh instead (and keeps nothing)
+when any of these holds, because a kept buffer would then be unsafe or wrong:
 
-A buffer grows to the largest request seen on its stream and thread and is freed by
-:func:`clear`.
+- the current stream is capturing a CUDA graph (the graph's private pool serves it and costs
+  nothing at replay; a captured graph never shares scratch with eager calls or another graph);
+- the new buffer came from a private memory pool, not the caching allocator's default one:
+  ``torch.compile(mode="reduce-overhead")``'s warm-up runs route every allocation into its
+  graph pool, which it checks for stray tensors and later resets, and a ``use_mem_pool`` pool
+  may be unmapped; the pool is read from ``torch.cuda.memory_snapshot`` when a buffer is made;
+- the tensors' device is not the current device (kernels launch on the current device's
+  stream, which is not the stream this cache would key);
+- deterministic mode fills uninitialized memory (``torch.utils.deterministic``), which a kept
+  buffer would skip;
+- CPU tensors (the interpreter).
+
+A buffer grows to the largest request seen on its stream and thread. At most ``MAX_BUFFERS``
+are kept (streams and threads that are gone leave theirs behind until then); :func:`clear`
+frees them all.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ import threading
 
 import torch
 
+MAX_BUFFERS = 64
 _BUFS: dict = {}       # (device index, stream, thread) -> [buffer, {request: views}]
 _ALIGN = 32            # floats: every view starts 128 bytes after the previous one's start
 
@@ -27,40 +39,68 @@ def _round(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _fresh(device, shapes) -> tuple:
+    return tuple(torch.empty(s, dtype=torch.float32, device=device) for s in shapes)
+
+
+def _views(buf: torch.Tensor, shapes) -> tuple:
+    views, start = [], 0
+    for s in shapes:
+        views.append(buf[start:start + _numel(s)].view(s))
+        start += _round(_numel(s))
+    return tuple(views)
+
+
+def _default_pool(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory lies in a segment of the caching allocator's default pool."""
+    ptr = t.data_ptr()
+    try:
+        for seg in torch.cuda.memory_snapshot():
+            if seg["address"] <= ptr < seg["address"] + seg["total_size"]:
+                return tuple(seg["segment_pool_id"]) == (0, 0)
+    except (KeyError, TypeError, RuntimeError):
+        pass
+    return False                      # not found or not readable: keep nothing
+
+
 def float_views(device: torch.device, shapes: tuple) -> tuple:
     """float32 tensors of ``shapes`` (a tuple of shape tuples) over one scratch buffer: valid
     until the next call on this device, stream and thread; contents undefined."""
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return tuple(torch.empty(s, dtype=torch.float32, device=device) for s in shapes)
+        return _fresh(device, shapes)
     index = device.index if device.index is not None else torch.cuda.current_device()
+    if index != torch._C._cuda_getDevice() or (
+            torch.are_deterministic_algorithms_enabled()
+            and torch.utils.deterministic.fill_uninitialized_memory):
+        return _fresh(device, shapes)
     key = (index, torch._C._cuda_getCurrentRawStream(index), threading.get_ident())
     entry = _BUFS.get(key)
     if entry is not None:
         hit = entry[1].get(shapes)
         if hit is not None:
             return hit
-    sizes = [_round(_numel(s)) for s in shapes]
-    need = sum(sizes)
+    need = sum(_round(_numel(s)) for s in shapes)
     if entry is None or entry[0].numel() < need:
-        # the old buffer returns to the caching allocator, which hands it only to later work
-        # on this stream: the calls already issued with it finish first
-        entry = _BUFS[key] = [torch.empty(need, dtype=torch.float32, device=device), {}]
-    views, start = [], 0
-    for s, n in zip(shapes, sizes):
-        views.append(entry[0][start:start + _numel(s)].view(s))
-        start += n
-    views = tuple(views)
+        buf = torch.empty(need, dtype=torch.float32, device=device)
+        if not _default_pool(buf):
+            return _views(buf, shapes)          # used by this call only
+        if len(_BUFS) >= MAX_BUFFERS:
+            _BUFS.clear()
+        # a replaced buffer returns to the caching allocator, which hands it only to later
+        # work on this stream: the calls already issued with it finish first
+        entry = _BUFS[key] = [buf, {}]
+    views = _views(entry[0], shapes)
     if len(entry[1]) >= 64:
         entry[1].clear()
     entry[1][shapes] = views
     return views
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def clear() -> None:

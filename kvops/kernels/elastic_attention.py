@@ -760,7 +760,7 @@ def _plan(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, sca
         halves = ((triton.cdiv(block_table.numel(), 1024),),
                   (block_table.numel(), NB, block_table.stride(0), block_mode.stride(0)),
                   dict(BLOCK=1024, PDL_TRIGGER=pdl_wait, num_warps=4))
-    merge = merge_plan(B, Hq, nsp, D, q.dtype, pdl) if nsp > 1 else None
+    merge = merge_plan(B, Hq, nsp, D, q.dtype, pdl, q.device) if nsp > 1 else None
     # the plan's own token keys its compiled kernels (see static_sliding_attention._plan)
     return (B, Hq, D, nsp, pdl, scale * LOG2E, ints, meta, (B * Hkv, nsp), halves_table, halves,
             merge, object())

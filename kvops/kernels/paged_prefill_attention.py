@@ -325,7 +325,7 @@ def _plan(q, k_cache, v_cache, block_table, scale, window, knobs):
                 BLOCK_D=next_pow2(max(D, 16)), BLOCK_B=SEQ_CHUNK,
                 WINDOW=window > 0, PRECISION=dot_precision(q.dtype), PREFETCH=prefetch,
                 num_warps=nw, num_stages=ns)
-    merge = merge_plan(N, Hq, nsp, D, q.dtype, False) if nsp > 1 else None
+    merge = merge_plan(N, Hq, nsp, D, q.dtype, False, q.device) if nsp > 1 else None
     # N, B, num_tiles and window are not specialized (one binary serves every value of them),
     # so they stay out of the binary's key: the rest of what the kernel specializes on, with
     # the pointers' alignments added at launch

@@ -217,7 +217,7 @@ def _plan(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale, knobs):
     meta = dict(G=G, D=D, BLOCK_G=max(16, next_pow2(G)), BLOCK_D=next_pow2(D),
                 BLOCK_N=lp.block_n, HAS_FAR=has_far, PRECISION=dot_precision(q.dtype),
                 USE_PDL=pdl, num_warps=lp.warps, num_stages=lp.stages)
-    merge = merge_plan(B, Hq, nsp, D, q.dtype, pdl) if nsp > 1 else None
+    merge = merge_plan(B, Hq, nsp, D, q.dtype, pdl, q.device) if nsp > 1 else None
     # the plan's own token keys its compiled kernel: a plan made again (another rule, patched
     # constants in tests) never launches a binary compiled for the old one
     return (B, Hq, D, nsp, pdl, scale * LOG2E_F, ints, meta, (B * Hkv, nsp), merge, object())
