@@ -17,7 +17,8 @@ when any of these holds, because a kept buffer would then be unsafe or wrong:
   stream, which is not the stream this cache would key);
 - deterministic mode fills uninitialized memory (``torch.utils.deterministic``), which a kept
   buffer would skip;
-- CPU tensors (the interpreter).
+- CPU tensors (the interpreter);
+- ``KVOPS_KEEP_SCRATCH=0`` in the environment (every call allocates its partials).
 
 A buffer grows to the largest request seen on its stream and thread. At most ``MAX_BUFFERS``
 are kept (streams and threads that are gone leave theirs behind until then); :func:`clear`
@@ -26,10 +27,12 @@ frees them all.
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
 
+ENABLED = os.environ.get("KVOPS_KEEP_SCRATCH", "1").strip() not in ("0", "false", "off")
 MAX_BUFFERS = 64
 _BUFS: dict = {}       # (device index, stream, thread) -> [buffer, {request: views}]
 _ALIGN = 32            # floats: every view starts 128 bytes after the previous one's start
@@ -73,7 +76,7 @@ def _default_pool(t: torch.Tensor) -> bool:
 def float_views(device: torch.device, shapes: tuple) -> tuple:
     """float32 tensors of ``shapes`` (a tuple of shape tuples) over one scratch buffer: valid
     until the next call on this device, stream and thread; contents undefined."""
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    if not ENABLED or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return _fresh(device, shapes)
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index != torch._C._cuda_getDevice() or (
