@@ -693,3 +693,41 @@ def test_retrieval_decode_through_the_runtime_matches_the_banded_evaluation(monk
     got = ev.sequential_nll_retrieval(model, ids, top_k, page=page)
     assert got == pytest.approx(float(banded), rel=1e-5)
     assert abs(float(banded) - float(near)) > 1e-3          # the far pages change the result
+
+
+def test_per_head_retrieval_diagnostic_attends_to_each_heads_own_pages(monkeypatch):
+    """``reth<K>@<S>`` (diagnostic): each KV head attends to its window plus the K far pages of
+    best bound for its own query group; equal to a per-head brute force, and equal to ``ret``
+    when there is one KV head and K covers every far page."""
+    from kvops.evals import far_view as ev
+
+    assert ev.parse_config("reth128@8") == ("reth", 128, False, 0)
+    assert ev.retrieval_page("reth128@8") == 8
+    monkeypatch.setattr(ev, "WINDOW", 32)
+    T, S, K = 120, 8, 3
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(T, HKV * G, D, generator=gen)
+    k = torch.randn(T, HKV, D, generator=gen)
+    v = torch.randn(T, HKV, D, generator=gen)
+    got = ev.attention_banded(q, k, v, "reth", K, False, page=S)
+    win_start, win_len, _ = ev.window_geometry(T, "cpu", S)
+    first = torch.arange(T) - win_len + 1
+    want = torch.empty_like(q)
+    pages = k[: T // S * S].view(-1, S, HKV, D)
+    lo, hi = pages.amin(1), pages.amax(1)                                # [N, Hkv, D]
+    for t in range(T):
+        nf = int(first[t]) // S
+        for h in range(HKV):
+            qg = q[t, h * G:(h + 1) * G]                                 # [G, D]
+            bound = (qg.clamp(min=0) @ hi[:nf, h].T + qg.clamp(max=0) @ lo[:nf, h].T).amax(0)
+            chosen = torch.topk(bound, min(K, nf)).indices if nf else torch.zeros(0, dtype=int)
+            keys = torch.cat([(p * S + torch.arange(S)) for p in chosen.tolist()]
+                             + [torch.arange(int(first[t]), t + 1)])
+            att = torch.softmax(qg @ k[keys, h].T * D ** -0.5, dim=-1)
+            want[t, h * G:(h + 1) * G] = att @ v[keys, h]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    one = slice(0, 1)
+    q1, k1, v1 = q[:, :G], k[:, one], v[:, one]
+    torch.testing.assert_close(ev.attention_banded(q1, k1, v1, "reth", 16, False, page=S),
+                               ev.attention_banded(q1, k1, v1, "ret", 16, False, page=S),
+                               atol=1e-5, rtol=1e-5)

@@ -17,6 +17,9 @@ Configurations (near window ``WINDOW = 512`` tokens, ``PAGE = 16``-token pages, 
   ``ret128@8``) runs it on pages of ``S`` tokens instead of ``PAGE`` (:func:`retrieval_page`:
   the window, the bounds and the selection all at that page size, as a pager of ``S``-token
   pages serves it);
+- ``reth<K>[@<S>]`` (diagnostic, not a kvops path: ``far_page_select`` keeps one page list a
+  sequence): the retrieval far view with a page list per KV head, the ``K`` pages of best
+  bound for that head's query group (:func:`head_pages`);
 - ``sink<n>`` and ``<config>+sink<n>`` (diagnostics, not a kvops path): the window (and far
   view) plus the sequence's first ``n`` tokens exact (StreamingLLM's attention sink).
 
@@ -66,6 +69,8 @@ def parse_config(name: str) -> tuple[str, int, bool, int]:
     sink = max(sink, 0)
     if base in ("dense", "near"):
         return base, 0, False, sink
+    if base.startswith("reth") and base[4:].isdigit() and int(base[4:]) > 0 and not plus:
+        return "reth", int(base[4:]), False, 0
     if base.startswith("ret") and not plus:
         top, _, suffix = base[3:].partition("-")
         if top.isdigit() and int(top) > 0 and (suffix == "" or suffix.startswith("every")
@@ -125,6 +130,24 @@ def retrieval_pages(q, bounds, t, n_pages, top_k: int, every: int = 1):
     sel = torch.zeros(len(t), N + 1, dtype=torch.bool, device=q.device)
     sel.scatter_(1, torch.where(idx >= 0, idx, N).long(), True)
     return sel[:, :N]
+
+
+def head_pages(q, bounds, n_pages, top_k: int):
+    """Per KV head, the ``top_k`` far pages of best key bound for that head's query group
+    (the ``reth`` diagnostic): q [n, Hq, D], bounds ``([1, N, Hkv, D], [1, N, Hkv, D])``,
+    n_pages [n] far pages of each query -> bool ``[Hkv, n, N]``."""
+    lo, hi = bounds
+    N, Hkv = lo.shape[1], lo.shape[2]
+    n, Hq, D = q.shape
+    qf = q.float().view(n, Hkv, Hq // Hkv, D)
+    bound = (torch.einsum("nhgd,phd->nhgp", qf.clamp(min=0), hi[0].float())
+             + torch.einsum("nhgd,phd->nhgp", qf.clamp(max=0), lo[0].float())).amax(dim=2)
+    cand = torch.arange(N, device=q.device)[None, None, :] < n_pages.long()[:, None, None]
+    bound = torch.where(cand, bound, float("-inf"))
+    val, idx = torch.topk(bound, min(top_k, N), dim=2)                    # [n, Hkv, K]
+    sel = torch.zeros(n, Hkv, N + 1, dtype=torch.bool, device=q.device)
+    sel.scatter_(2, torch.where(val > float("-inf"), idx, N), True)
+    return sel[..., :N].permute(1, 0, 2)
 
 
 def window_geometry(T: int, device, page: int | None = None) -> tuple[torch.Tensor, torch.Tensor,
@@ -228,7 +251,7 @@ def attention_banded(q, k, v, mode: str, cap: int, bias: bool, sink: int = 0, q_
         raise ValueError(f"far{cap}: {int(n_far.max())} far chunks at T={T} exceed the cap; "
                          f"the block-parallel evaluation needs every chunk to fit")
     far = far_summaries(k, v) if mode == "far" and T >= CHUNK else None
-    if mode == "ret":
+    if mode in ("ret", "reth"):
         if q0 % every:
             raise ValueError(f"attention_banded: q0={q0} is not a multiple of every={every}")
         bounds = page_bounds(k, page)
@@ -237,7 +260,7 @@ def attention_banded(q, k, v, mode: str, cap: int, bias: bool, sink: int = 0, q_
     out = torch.empty_like(q)
     for t0 in range(q0, T, q_block):
         n = min(q_block, T - t0)
-        lo = 0 if mode in ("dense", "ret") else max(0, t0 - WINDOW)
+        lo = 0 if mode in ("dense", "ret", "reth") else max(0, t0 - WINDOW)
         keys = torch.arange(lo, t0 + n, device=q.device)
         t = torch.arange(t0, t0 + n, device=q.device)
         mask = (keys[None, :] >= first[t, None]) & (keys[None, :] <= t[:, None])
@@ -245,6 +268,12 @@ def attention_banded(q, k, v, mode: str, cap: int, bias: bool, sink: int = 0, q_
             sel = retrieval_pages(q[t0 - q0:t0 - q0 + n], bounds, t, n_pages, cap, every)
             tok = sel.repeat_interleave(page, dim=1)                     # [n, pages * page]
             mask[:, : tok.shape[1]] |= tok[:, : mask.shape[1]]
+        if mode == "reth" and bounds[0].shape[1]:
+            sel = head_pages(q[t0 - q0:t0 - q0 + n], bounds, n_pages[t], cap)  # [Hkv, n, N]
+            tok = sel.repeat_interleave(page, dim=2)[..., : mask.shape[1]]
+            mask = mask[None].repeat(sel.shape[0], 1, 1)
+            mask[..., : tok.shape[2]] |= tok
+            mask = mask.repeat_interleave(q.shape[1] // sel.shape[0], dim=0)     # [Hq, n, keys]
         bias_ = torch.where(mask, 0.0, float("-inf"))
         kb, vb = k[lo:t0 + n], v[lo:t0 + n]
         if sink:                            # the first `sink` tokens, where not in the window
@@ -297,7 +326,7 @@ def check_paths(model: Llama, ids: torch.Tensor, configs: list[str]) -> float:
     chunks = int(window_geometry(T, ids.device)[2].max())
     for c in configs:
         mode, cap, bias, _ = parse_config(c)
-        if mode == "dense":
+        if mode in ("dense", "reth"):     # reth: a diagnostic with no kvops path
             continue
         every, page = retrieval_every(c), retrieval_page(c)
         if mode == "ret":                 # fewer pages than are far, so the selection binds
