@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 
 from kvops.evals import far_view as ev
-from kvops.evals.passkey import depth_ranges, multikey_hits, passkey_hits
+from kvops.evals.passkey import depth_ranges, multikey_hits, passkey_cases, passkey_hits
 from kvops.evals.perplexity import kjv_tokens
 from kvops.evals.records import markdown_table as table
 from kvops.evals.records import write_record
@@ -79,7 +79,7 @@ def device_name(device: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--task", choices=["perplexity", "passkey", "multikey", "churn"],
+    ap.add_argument("--task", choices=["perplexity", "passkey", "multikey", "churn", "ranks"],
                     default="perplexity")
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192])
     ap.add_argument("--configs", nargs="+",
@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompts", type=int, default=50,
                     help="passkey prompts per length; multikey: trials per length")
     ap.add_argument("--needles", type=int, default=4, help="multikey: keys per context")
+    ap.add_argument("--prompt-ids", type=int, nargs="+", default=None,
+                    help="ranks: which of the passkey prompts (0: depth 0; default all)")
     ap.add_argument("--sequential", action="store_true",
                     help="perplexity of far and ret configs by token-by-token decode through "
                          "Pager + FarView or FarRetrieval (any cap; slow)")
@@ -133,6 +135,31 @@ def main(argv: list[str] | None = None) -> None:
                                                      page=ev.retrieval_page(c)).items():
                     rows.append([n, c, lag, f"{share:.3f}", f"{time.perf_counter() - t:.0f}"])
                     print(rows[-1], flush=True)
+        elif args.task == "ranks":
+            cases = passkey_cases(tok, n, args.prompts, spans=True)
+            for c in args.configs:
+                mode, cap, _, _ = ev.parse_config(c)
+                if mode != "ret":
+                    continue
+                for i in args.prompt_ids if args.prompt_ids is not None else range(len(cases)):
+                    depth, prompt, answer, span = cases[i]
+                    ids = torch.tensor(prompt + answer, device=args.device)
+                    at = range(len(prompt) - 1, len(prompt) + len(answer) - 1)
+                    r = ev.needle_page_ranks(model, ids, span, at, cap, ev.retrieval_page(c))
+                    far = r[0]["far_pages"]
+                    ranks = [x["best_bound_rank"] for x in r]
+                    summed = [x["summed_rank"] for x in r]
+                    shown = lambda v, far=far: " ".join("w" if x >= far else str(x)  # noqa: E731
+                                                        for x in v)
+                    rows.append([n, c, f"{depth:.2f}", far,
+                                 f"{sum(x['chosen'] > 0 for x in r)}/{len(r)}",
+                                 f"{sum(x['span_far'] > 0 and x['chosen'] == x['span_far'] for x in r)}"
+                                 f"/{len(r)}",
+                                 " ".join(f"{x['chosen']}/{x['span_far']}" for x in r),
+                                 int(torch.tensor(ranks).median()),
+                                 int(torch.tensor(summed).median()),
+                                 shown(ranks), shown(summed)])
+                    print(rows[-1], flush=True)
         elif args.task == "multikey":
             hits, seconds = multikey_hits(model, tok, n, args.configs, args.prompts, args.needles)
             total = args.prompts * args.needles
@@ -162,6 +189,13 @@ def main(argv: list[str] | None = None) -> None:
          "seconds"]
     if args.task == "churn":
         head = ["context N", "config", "lag (steps)", "share of chosen pages new", "seconds"]
+    if args.task == "ranks":
+        notes.append("ranks: 0 is the top page; w: the key sentence is inside every answer "
+                     "position's window (not far).")
+        head = ["context N", "config", "depth", "far pages", "layers choosing a key page",
+                "layers choosing every key page", "key pages chosen / far by layer",
+                "median rank (best bound)", "median rank (summed)",
+                "best-bound rank by layer", "summed rank by layer"]
     if args.task == "multikey":
         head = ["context N", "config", "trials", "keys each", "keys answered", "accuracy",
                 "trials with every key", "answered per key (shallow to deep)", "seconds"]

@@ -731,3 +731,58 @@ def test_per_head_retrieval_diagnostic_attends_to_each_heads_own_pages(monkeypat
     torch.testing.assert_close(ev.attention_banded(q1, k1, v1, "reth", 16, False, page=S),
                                ev.attention_banded(q1, k1, v1, "ret", 16, False, page=S),
                                atol=1e-5, rtol=1e-5)
+
+
+def test_needle_page_ranks_reads_the_selection_it_reports(monkeypatch):
+    """``needle_page_ranks``: one row a layer; layer 0's best-bound rank is the count of far
+    pages scoring above the best span page (brute force); a choice as wide as every far page
+    always holds every span page, one of a single page only when its rank is 0; a span inside
+    the window is never far."""
+    from kvops.evals import far_view as ev
+    from kvops.models import Llama, LlamaConfig
+    from kvops.ops.far_page_select import page_scores_ref
+
+    monkeypatch.setattr(ev, "WINDOW", 32)
+    cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=HKV * G, n_kv_heads=HKV,
+                      head_dim=D, hidden_dim=64, max_seq_len=256)
+    model = Llama.random(cfg, seed=5, std=0.2)
+    ids = torch.randint(0, 64, (120,), generator=torch.Generator().manual_seed(6))
+    span, at, S = (16, 30), [100, 101], 8
+    wide = ev.needle_page_ranks(model, ids, span, at, 32, page=S)
+    assert len(wide) == 2 and all(r["chosen"] == r["span_far"] == 2 for r in wide)
+    T = ids.shape[0]
+    x = model.layers[0].attention_norm(model.tok_embeddings(ids))
+    q, k, _ = model.layers[0].attention._qkv(x, model.rope_cos[:T], model.rope_sin[:T])
+    lo, hi = ev.page_bounds(k, S)
+    _, win_len, _ = ev.window_geometry(T, "cpu", S)
+    nf = ((torch.tensor(at) - win_len[at] + 1) // S).to(torch.int32)
+    sc = page_scores_ref(q[at], lo.expand(2, -1, -1, -1), hi.expand(2, -1, -1, -1), nf)[0]
+    want = min(int((sc[i] > sc[i, p]).sum()) for i in range(2) for p in (2, 3))
+    assert wide[0]["best_bound_rank"] == want
+    one = ev.needle_page_ranks(model, ids, span, at, 1, page=S)
+    for r in one:
+        assert r["chosen"] == (r["best_bound_rank"] == 0)    # one page at most
+    inside = ev.needle_page_ranks(model, ids, (96, 100), at, 4, page=S)
+    assert all(r["best_bound_rank"] == lo.shape[1] and r["chosen"] == r["span_far"] == 0
+               for r in inside)
+
+
+def test_retrieval_with_sink_tokens_counts_each_key_once(monkeypatch):
+    """``ret<K>+sink<n>@<S>`` (diagnostic): the first n tokens join every query's keys; when
+    the choice already holds them (K covers every far page) nothing changes, so no key is
+    counted twice; with a narrow choice they change the result."""
+    from kvops.evals import far_view as ev
+
+    assert ev.parse_config("ret128+sink4@8") == ("ret", 128, False, 4)
+    assert ev.retrieval_page("ret128+sink4@8") == 8
+    monkeypatch.setattr(ev, "WINDOW", 32)
+    T = 120
+    gen = torch.Generator().manual_seed(12)
+    q = torch.randn(T, HKV * G, D, generator=gen)
+    k = torch.randn(T, HKV, D, generator=gen)
+    v = torch.randn(T, HKV, D, generator=gen)
+    wide = ev.attention_banded(q, k, v, "ret", 16, False, sink=4, page=8)
+    torch.testing.assert_close(wide, ev.attention_banded(q, k, v, "ret", 16, False, page=8),
+                               atol=1e-6, rtol=1e-6)
+    narrow = ev.attention_banded(q, k, v, "ret", 1, False, sink=4, page=8)
+    assert not torch.allclose(narrow, ev.attention_banded(q, k, v, "ret", 1, False, page=8))

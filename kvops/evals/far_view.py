@@ -20,7 +20,8 @@ Configurations (near window ``WINDOW = 512`` tokens, ``PAGE = 16``-token pages, 
 - ``reth<K>[@<S>]`` (diagnostic, not a kvops path: ``far_page_select`` keeps one page list a
   sequence): the retrieval far view with a page list per KV head, the ``K`` pages of best
   bound for that head's query group (:func:`head_pages`);
-- ``sink<n>`` and ``<config>+sink<n>`` (diagnostics, not a kvops path): the window (and far
+- ``sink<n>``, ``<config>+sink<n>`` and ``ret<K>+sink<n>[@<S>]`` (diagnostics, not a kvops
+  path): the window (and far
   view) plus the sequence's first ``n`` tokens exact (StreamingLLM's attention sink).
 
 Block-parallel evaluation (:func:`attention_banded`, :func:`hidden_states`,
@@ -55,8 +56,8 @@ WINDOW, PAGE, CHUNK = 512, 16, 128
 
 def parse_config(name: str) -> tuple[str, int, bool, int]:
     """``"dense" | "near" | "far<cap>[-nobias]"``, optionally ``+sink<n>`` (``"sink<n>"`` alone
-    is ``near+sink<n>``), or ``"ret<K>[-every<N>][@<S>]"`` -> (mode, cap, log_count_bias, sink
-    tokens)."""
+    is ``near+sink<n>``), or ``"ret<K>[-every<N>][+sink<n>][@<S>]"`` -> (mode, cap,
+    log_count_bias, sink tokens)."""
     if name.startswith("ret"):
         retrieval_page(name)                  # a bad page size is refused here
         name = name.partition("@")[0]
@@ -71,11 +72,11 @@ def parse_config(name: str) -> tuple[str, int, bool, int]:
         return base, 0, False, sink
     if base.startswith("reth") and base[4:].isdigit() and int(base[4:]) > 0 and not plus:
         return "reth", int(base[4:]), False, 0
-    if base.startswith("ret") and not plus:
+    if base.startswith("ret"):
         top, _, suffix = base[3:].partition("-")
         if top.isdigit() and int(top) > 0 and (suffix == "" or suffix.startswith("every")
                                                and suffix[5:].isdigit() and int(suffix[5:]) > 0):
-            return "ret", int(top), False, 0
+            return "ret", int(top), False, sink
     if base.startswith("far"):
         cap, _, suffix = base[3:].partition("-")
         if cap.isdigit() and suffix in ("", "nobias"):
@@ -274,9 +275,11 @@ def attention_banded(q, k, v, mode: str, cap: int, bias: bool, sink: int = 0, q_
             mask = mask[None].repeat(sel.shape[0], 1, 1)
             mask[..., : tok.shape[2]] |= tok
             mask = mask.repeat_interleave(q.shape[1] // sel.shape[0], dim=0)     # [Hq, n, keys]
+        if sink and mode == "ret":          # keys start at 0: the first tokens join the mask
+            mask[:, :sink] |= keys[None, :sink] <= t[:, None]
         bias_ = torch.where(mask, 0.0, float("-inf"))
         kb, vb = k[lo:t0 + n], v[lo:t0 + n]
-        if sink:                            # the first `sink` tokens, where not in the window
+        if sink and mode != "ret":          # the first `sink` tokens, where not in the window
             head = torch.arange(min(sink, T), device=q.device)
             seen = (head[None, :] < first[t, None]) & (head[None, :] <= t[:, None])
             bias_ = torch.cat([torch.where(seen, 0.0, float("-inf")), bias_], dim=1)
@@ -415,6 +418,54 @@ def selection_churn(model: Llama, ids: torch.Tensor, top_k: int, lags=(1, 2, 4, 
         raise ValueError(f"selection_churn: no position of the {T} has {top_k} far pages of "
                          f"{page} tokens to choose (a longer context or a smaller top_k)")
     return {n: new[n] / max(total[n], 1) for n in lags}
+
+
+@torch.no_grad()
+def needle_page_ranks(model: Llama, ids: torch.Tensor, span: tuple[int, int], positions,
+                      top_k: int, page: int | None = None) -> list[dict]:
+    """Where the pages holding tokens ``span = [lo, hi)`` of ``ids`` rank in the retrieval far
+    view's choice (``ret<top_k>``, pages of ``page`` tokens), per layer, for the queries at
+    ``positions`` (the answer's: the positions whose next token is a key digit): the best
+    rank any such page gets by the best bound over the heads and by the bounds summed over
+    them (0: the top page), how many of the span's far pages ``far_page_select`` chooses
+    (the most at one position) and how many are far, and the far pages there are. The model
+    runs under ``ret<top_k>`` (its own choices shape the next layer's input). A span page
+    inside the window of a position is not far there and not counted."""
+    from kvops.ops.far_page_select import page_scores_ref
+
+    page = page or PAGE
+    T = ids.shape[0]
+    cos, sin = model.rope_cos[:T], model.rope_sin[:T]
+    x = model.tok_embeddings(ids)
+    t = torch.as_tensor(list(positions), device=ids.device)
+    _, win_len, _ = window_geometry(T, ids.device, page)
+    n_pages = (torch.arange(T, device=ids.device) - win_len + 1) // page
+    want = torch.arange(span[0] // page, (span[1] - 1) // page + 1, device=ids.device)
+    rows = []
+    for block in model.layers:
+        att = block.attention
+        q, k, v = att._qkv(block.attention_norm(x), cos, sin)
+        lo, hi = page_bounds(k, page)
+        nf = n_pages[t].to(torch.int32)
+        N = lo.shape[1]
+        scores = page_scores_ref(q[t], lo.expand(len(t), -1, -1, -1), hi.expand(len(t), -1, -1, -1),
+                                 nf)                                          # [2, n, N]
+        far = want[None, :] < nf[:, None].long()                             # [n, span pages]
+        best = []
+        for r in (0, 1):
+            s_ = scores[r]
+            mine = s_[:, want.clamp(max=N - 1)]                               # [n, span pages]
+            rank = (s_[:, :, None] > mine[:, None, :]).sum(dim=1)             # pages above each
+            rank = torch.where(far, rank, N)
+            best.append(int(rank.min()))
+        sel = retrieval_pages(q[t], (lo, hi), t, n_pages, top_k)              # [n, N]
+        chosen = int((sel[:, want.clamp(max=N - 1)] & far).sum(dim=1).max())
+        rows.append({"best_bound_rank": best[0], "summed_rank": best[1], "chosen": chosen,
+                     "span_far": int(far.sum(dim=1).max()), "far_pages": int(nf.max())})
+        o = attention_banded(q, k, v, "ret", top_k, False, page=page)
+        x = x + att.wo(o.flatten(-2))
+        x = x + block.feed_forward(block.ffn_norm(x))
+    return rows
 
 
 def perplexity(model, ids, config) -> float:

@@ -34,6 +34,13 @@ INTRO = ("There is an important piece of information hidden inside a lot of irre
 def passkey_prompt(tok: Tokenizer, n_tokens: int, depth: float, key: str) -> tuple[list[int], list[int]]:
     """(prompt ids, answer ids) of about ``n_tokens`` tokens: the key sentence after
     ``depth`` (0..1) of the filler, the question at the end, in SmolLM2's chat format."""
+    prompt, answer, _ = passkey_layout(tok, n_tokens, depth, key)
+    return prompt, answer
+
+
+def passkey_layout(tok: Tokenizer, n_tokens: int, depth: float, key: str):
+    """:func:`passkey_prompt`'s (prompt ids, answer ids) and the key sentence's token span
+    ``(start, end)`` in the prompt."""
     head = tok.encode(tok.chat_prompt(INTRO).split(INTRO)[0] + INTRO)
     needle = tok.encode(f"The pass key is {key}. Remember it. {key} is the pass key.\n")
     tail = tok.encode("\nWhat is the pass key?<|im_end|>\n<|im_start|>assistant\nThe pass key is")
@@ -42,7 +49,8 @@ def passkey_prompt(tok: Tokenizer, n_tokens: int, depth: float, key: str) -> tup
     reps = max(1, (n_tokens - len(head) - len(needle) - len(tail) - len(answer)) // len(filler))
     at = round(depth * reps)
     body = filler * at + needle + filler * (reps - at)
-    return head + body + tail, answer
+    start = len(head) + at * len(filler)
+    return head + body + tail, answer, (start, start + len(needle))
 
 
 def reusable_prefix(base: torch.Tensor | None, ids: torch.Tensor, answer_len: int) -> int:
@@ -56,14 +64,17 @@ def reusable_prefix(base: torch.Tensor | None, ids: torch.Tensor, answer_len: in
     return same.index(False) if False in same else m
 
 
-def passkey_cases(tok: Tokenizer, n_tokens: int, prompts: int, seed: int = 0):
-    """The prompts: (depth, prompt ids, answer ids), depths ``0, 1/(prompts-1), ..., 1``."""
+def passkey_cases(tok: Tokenizer, n_tokens: int, prompts: int, seed: int = 0,
+                  spans: bool = False):
+    """The prompts: (depth, prompt ids, answer ids), depths ``0, 1/(prompts-1), ..., 1``, and
+    with ``spans`` the key sentence's token span last (:func:`passkey_layout`)."""
     rng = random.Random(seed)
     cases = []
     for i in range(prompts):
         depth = i / max(1, prompts - 1)
         key = str(rng.randint(10000, 99999))
-        cases.append((depth, *passkey_prompt(tok, n_tokens, depth, key)))
+        prompt, answer, span = passkey_layout(tok, n_tokens, depth, key)
+        cases.append((depth, prompt, answer, span) if spans else (depth, prompt, answer))
     return cases
 
 
