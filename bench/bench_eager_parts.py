@@ -50,7 +50,7 @@ def rows(B: int = 4, ctx: int = 512):
     key = (sig(q), sig(k), sig(v), sig(ws), sig(wl), None, None, None, None)
     plan = ssa._PLANS[key]
     Bp, Hq, Dp, nsp, pdl, scale_log2, ints, meta, grid, merge, token = plan
-    out, lse, part_o, part_l, _ = ssa.split_outputs(B, HQ, D, nsp, dt, dev)
+    out, lse, part_o, part_l = ssa.split_outputs(B, HQ, D, nsp, dt, dev)
     args = (q, k, v, ws, wl, k, v, lse, part_o, part_l, scale_log2, *ints)
     ptr_args = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
     compiled, tail, mode, _ = _compiled_stage1()

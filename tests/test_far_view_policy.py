@@ -18,6 +18,14 @@ S, W, CHUNK, HKV, G, D, LAYERS = 8, 16, 16, 2, 2, 16, 2
 M = CHUNK // S
 
 
+def _token_qkv(T: int, seed: int):
+    """Random q [T, HKV * G, D] and k, v [T, HKV, D] of one sequence, for the evaluation's
+    attention paths."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(T, HKV * G, D, generator=gen), torch.randn(T, HKV, D, generator=gen),
+            torch.randn(T, HKV, D, generator=gen))
+
+
 def setup(cap=2, max_leave=1, sessions=2, ema=0.9, bias=True, seed=0, pages=64):
     pager = Pager(pages, S, max_sessions=sessions, max_blocks=24, device="cpu")
     far = FarView(pager, window_tokens=W, chunk_tokens=CHUNK, cap=cap, num_layers=LAYERS,
@@ -511,10 +519,7 @@ def test_decode_with_far_view_matches_the_block_parallel_evaluation(monkeypatch)
     monkeypatch.setattr(ev, "WINDOW", Wt)
     monkeypatch.setattr(ev, "PAGE", S)
     monkeypatch.setattr(ev, "CHUNK", CHUNK)
-    gen = torch.Generator().manual_seed(8)
-    q = torch.randn(T, HKV * G, D, generator=gen)
-    k = torch.randn(T, HKV, D, generator=gen)
-    v = torch.randn(T, HKV, D, generator=gen)
+    q, k, v = _token_qkv(T, 8)
     for bias in (True, False):
         want = ev.attention_banded(q, k, v, "far", cap, bias)
         pager = Pager(32, S, max_sessions=1, max_blocks=16, device="cpu")
@@ -643,10 +648,7 @@ def test_retrieval_eval_runs_on_other_page_sizes(monkeypatch):
             ev.parse_config(bad)
     monkeypatch.setattr(ev, "WINDOW", 32)
     T = 120
-    gen = torch.Generator().manual_seed(9)
-    q = torch.randn(T, HKV * G, D, generator=gen)
-    k = torch.randn(T, HKV, D, generator=gen)
-    v = torch.randn(T, HKV, D, generator=gen)
+    q, k, v = _token_qkv(T, 9)
     fine = ev.attention_banded(q, k, v, "ret", 4, False, page=8)
     torch.testing.assert_close(fine, ev.attention_far(q, k, v, "ret", 4, False, q_block=32,
                                                       page=8), atol=1e-5, rtol=1e-5)
@@ -705,10 +707,7 @@ def test_per_head_retrieval_diagnostic_attends_to_each_heads_own_pages(monkeypat
     assert ev.retrieval_page("reth128@8") == 8
     monkeypatch.setattr(ev, "WINDOW", 32)
     T, S, K = 120, 8, 3
-    gen = torch.Generator().manual_seed(11)
-    q = torch.randn(T, HKV * G, D, generator=gen)
-    k = torch.randn(T, HKV, D, generator=gen)
-    v = torch.randn(T, HKV, D, generator=gen)
+    q, k, v = _token_qkv(T, 11)
     got = ev.attention_banded(q, k, v, "reth", K, False, page=S)
     win_start, win_len, _ = ev.window_geometry(T, "cpu", S)
     first = torch.arange(T) - win_len + 1
@@ -777,10 +776,7 @@ def test_retrieval_with_sink_tokens_counts_each_key_once(monkeypatch):
     assert ev.retrieval_page("ret128+sink4@8") == 8
     monkeypatch.setattr(ev, "WINDOW", 32)
     T = 120
-    gen = torch.Generator().manual_seed(12)
-    q = torch.randn(T, HKV * G, D, generator=gen)
-    k = torch.randn(T, HKV, D, generator=gen)
-    v = torch.randn(T, HKV, D, generator=gen)
+    q, k, v = _token_qkv(T, 12)
     wide = ev.attention_banded(q, k, v, "ret", 16, False, sink=4, page=8)
     torch.testing.assert_close(wide, ev.attention_banded(q, k, v, "ret", 16, False, page=8),
                                atol=1e-6, rtol=1e-6)

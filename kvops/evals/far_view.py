@@ -50,6 +50,7 @@ import torch.nn.functional as F
 
 from kvops.evals.perplexity import hidden_states_with, nll_sum
 from kvops.models import Llama
+from kvops.ops.far_page_select import head_bounds_ref, page_scores_ref
 
 WINDOW, PAGE, CHUNK = 512, 16, 128
 
@@ -139,10 +140,8 @@ def head_pages(q, bounds, n_pages, top_k: int):
     n_pages [n] far pages of each query -> bool ``[Hkv, n, N]``."""
     lo, hi = bounds
     N, Hkv = lo.shape[1], lo.shape[2]
-    n, Hq, D = q.shape
-    qf = q.float().view(n, Hkv, Hq // Hkv, D)
-    bound = (torch.einsum("nhgd,phd->nhgp", qf.clamp(min=0), hi[0].float())
-             + torch.einsum("nhgd,phd->nhgp", qf.clamp(max=0), lo[0].float())).amax(dim=2)
+    n = q.shape[0]
+    bound = head_bounds_ref(q, lo.expand(n, -1, -1, -1), hi.expand(n, -1, -1, -1)).amax(dim=2)
     cand = torch.arange(N, device=q.device)[None, None, :] < n_pages.long()[:, None, None]
     bound = torch.where(cand, bound, float("-inf"))
     val, idx = torch.topk(bound, min(top_k, N), dim=2)                    # [n, Hkv, K]
@@ -165,6 +164,14 @@ def window_geometry(T: int, device, page: int | None = None) -> tuple[torch.Tens
     return win_start, win_len, first // CHUNK
 
 
+def far_pages(T: int, device, page: int | None = None) -> torch.Tensor:
+    """Per query position, the complete pages of ``page`` tokens (default ``PAGE``) before its
+    window: the far pages it can choose from."""
+    page = page or PAGE
+    _, win_len, _ = window_geometry(T, device, page)
+    return (torch.arange(T, device=device) - win_len + 1) // page
+
+
 @torch.no_grad()
 def attention_far(q, k, v, mode: str, cap: int, bias: bool, q_block: int = 256, every: int = 1,
                   page: int | None = None):
@@ -178,7 +185,7 @@ def attention_far(q, k, v, mode: str, cap: int, bias: bool, q_block: int = 256, 
     far = None
     if mode == "ret":
         bounds = page_bounds(k, page)
-        n_pages = (torch.arange(T, device=q.device) - win_len + 1) // page
+        n_pages = far_pages(T, q.device, page)
         N = bounds[0].shape[1]
         kpg = k[: N * page].reshape(N, page, Hkv, D)
         vpg = v[: N * page].reshape(N, page, Hkv, D)
@@ -392,16 +399,12 @@ def selection_churn(model: Llama, ids: torch.Tensor, top_k: int, lags=(1, 2, 4, 
     no pair to count: that raises ValueError."""
     page = page or PAGE
     T = ids.shape[0]
-    cos, sin = model.rope_cos[:T], model.rope_sin[:T]
-    x = model.tok_embeddings(ids)
     new = {n: 0 for n in lags}
     total = {n: 0 for n in lags}
     t_all = torch.arange(T, device=ids.device)
-    for block in model.layers:
-        att = block.attention
-        q, k, v = att._qkv(block.attention_norm(x), cos, sin)
-        _, win_len, _ = window_geometry(T, ids.device, page)
-        n_pages = (t_all - win_len + 1) // page
+    n_pages = far_pages(T, ids.device, page)
+
+    def attend(layer, q, k, v):
         bounds = page_bounds(k, page)
         sel = torch.cat([retrieval_pages(q[i:i + 256], bounds, t_all[i:i + 256], n_pages, top_k)
                          for i in range(0, T, 256)])
@@ -411,9 +414,9 @@ def selection_churn(model: Llama, ids: torch.Tensor, top_k: int, lags=(1, 2, 4, 
             fresh = (sel[n:] & ~sel[:-n]).sum(dim=1)
             new[n] += int(fresh[both].sum())
             total[n] += int(both.sum()) * top_k
-        o = attention_banded(q, k, v, "ret", top_k, False, page=page)
-        x = x + att.wo(o.flatten(-2))
-        x = x + block.feed_forward(block.ffn_norm(x))
+        return attention_banded(q, k, v, "ret", top_k, False, page=page)
+
+    hidden_states_with(model, ids, attend)
     if not any(total.values()):
         raise ValueError(f"selection_churn: no position of the {T} has {top_k} far pages of "
                          f"{page} tokens to choose (a longer context or a smaller top_k)")
@@ -431,40 +434,31 @@ def needle_page_ranks(model: Llama, ids: torch.Tensor, span: tuple[int, int], po
     (the most at one position) and how many are far, and the far pages there are. The model
     runs under ``ret<top_k>`` (its own choices shape the next layer's input). A span page
     inside the window of a position is not far there and not counted."""
-    from kvops.ops.far_page_select import page_scores_ref
-
     page = page or PAGE
-    T = ids.shape[0]
-    cos, sin = model.rope_cos[:T], model.rope_sin[:T]
-    x = model.tok_embeddings(ids)
     t = torch.as_tensor(list(positions), device=ids.device)
-    _, win_len, _ = window_geometry(T, ids.device, page)
-    n_pages = (torch.arange(T, device=ids.device) - win_len + 1) // page
+    n_pages = far_pages(ids.shape[0], ids.device, page)
+    nf = n_pages[t].to(torch.int32)
     want = torch.arange(span[0] // page, (span[1] - 1) // page + 1, device=ids.device)
+    far = want[None, :] < nf[:, None].long()                                 # [n, span pages]
     rows = []
-    for block in model.layers:
-        att = block.attention
-        q, k, v = att._qkv(block.attention_norm(x), cos, sin)
+
+    def attend(layer, q, k, v):
         lo, hi = page_bounds(k, page)
-        nf = n_pages[t].to(torch.int32)
         N = lo.shape[1]
-        scores = page_scores_ref(q[t], lo.expand(len(t), -1, -1, -1), hi.expand(len(t), -1, -1, -1),
-                                 nf)                                          # [2, n, N]
-        far = want[None, :] < nf[:, None].long()                             # [n, span pages]
+        mine = want.clamp(max=N - 1)
+        scores = page_scores_ref(q[t], lo.expand(len(t), -1, -1, -1),
+                                 hi.expand(len(t), -1, -1, -1), nf)           # [2, n, N]
         best = []
-        for r in (0, 1):
-            s_ = scores[r]
-            mine = s_[:, want.clamp(max=N - 1)]                               # [n, span pages]
-            rank = (s_[:, :, None] > mine[:, None, :]).sum(dim=1)             # pages above each
-            rank = torch.where(far, rank, N)
-            best.append(int(rank.min()))
+        for s_ in scores:
+            rank = (s_[:, :, None] > s_[:, mine][:, None, :]).sum(dim=1)      # pages above each
+            best.append(int(torch.where(far, rank, N).min()))
         sel = retrieval_pages(q[t], (lo, hi), t, n_pages, top_k)              # [n, N]
-        chosen = int((sel[:, want.clamp(max=N - 1)] & far).sum(dim=1).max())
-        rows.append({"best_bound_rank": best[0], "summed_rank": best[1], "chosen": chosen,
+        rows.append({"best_bound_rank": best[0], "summed_rank": best[1],
+                     "chosen": int((sel[:, mine] & far).sum(dim=1).max()),
                      "span_far": int(far.sum(dim=1).max()), "far_pages": int(nf.max())})
-        o = attention_banded(q, k, v, "ret", top_k, False, page=page)
-        x = x + att.wo(o.flatten(-2))
-        x = x + block.feed_forward(block.ffn_norm(x))
+        return attention_banded(q, k, v, "ret", top_k, False, page=page)
+
+    hidden_states_with(model, ids, attend)
     return rows
 
 

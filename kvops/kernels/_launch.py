@@ -29,6 +29,7 @@ _ENABLED = os.environ.get("KVOPS_DIRECT_LAUNCH", "1").strip() not in ("0", "fals
 # entry holds the kernel, so no other object takes its id while the entry lives
 _BINS: dict = {}
 MAX_BINS = 4096
+MAX_PLANS = 4096   # launch plans a launcher keeps (a serving process sees a handful of shapes)
 
 
 try:
@@ -48,6 +49,15 @@ def _no_hooks() -> bool:
         if hook is not None and getattr(hook, "calls", True):
             return False
     return True
+
+
+def keep_plan(plans: dict, key, plan):
+    """Keep ``plan`` under ``key`` in a launcher's plan cache (starting over past
+    ``MAX_PLANS``) and return it."""
+    if len(plans) >= MAX_PLANS:
+        plans.clear()
+    plans[key] = plan
+    return plan
 
 
 def _conventions(compiled):

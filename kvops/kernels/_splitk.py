@@ -76,13 +76,13 @@ def split_outputs(B: int, Hq: int, D: int, nsp: int, dtype: torch.dtype, device:
     float32, and where stage 1 writes: ``out``/``lse`` themselves when ``nsp == 1``, else float32
     partials ``[B, Hq, nsp, D]`` / ``[B, Hq, nsp]`` in the stream's scratch
     (``_workspace.float_views``: read by this call's merge only). Returns (out, lse, part_o,
-    part_l, split_stride) with ``split_stride`` the partials' split stride (0 unsplit)."""
+    part_l)."""
     out = torch.empty(B, Hq, D, device=device, dtype=dtype)
     lse = torch.empty(B, Hq, device=device, dtype=torch.float32)
     if nsp == 1:
-        return out, lse, out, lse, 0
+        return out, lse, out, lse
     part_o, part_l = float_views(device, ((B, Hq, nsp, D), (B, Hq, nsp)))
-    return out, lse, part_o, part_l, D
+    return out, lse, part_o, part_l
 
 
 def merge_plan(B: int, Hq: int, nsp: int, D: int, dtype: torch.dtype, pdl: bool,

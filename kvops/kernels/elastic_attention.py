@@ -70,7 +70,7 @@ from kvops.kernels._common import (
     kv_tile_bytes,
     next_pow2,
 )
-from kvops.kernels._launch import launch
+from kvops.kernels._launch import keep_plan, launch
 from kvops.kernels._splitk import (
     default_num_splits,
     merge_plan,
@@ -795,15 +795,10 @@ def elastic_attention_fwd(
     else:
         key = (knobs, sig(q), sig(k_cache), sig(v_cache), sig(block_table), sig(seq_lens),
                sig(block_mode), sig(base_span), scale)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _plan(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, scale,
-                     knobs)
-        if len(_PLANS) >= 4096:
-            _PLANS.clear()
-        _PLANS[key] = plan
+    plan = _PLANS.get(key) or keep_plan(_PLANS, key, _plan(
+        q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, scale, knobs))
     B, Hq, D, nsp, pdl, scale_log2, ints, meta, grid, halves_table, halves, merge, token = plan
-    out, lse, part_o, part_l, _ = split_outputs(B, Hq, D, nsp, q.dtype, q.device)
+    out, lse, part_o, part_l = split_outputs(B, Hq, D, nsp, q.dtype, q.device)
     if B == 0:
         return out, lse
     table = block_table

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from kvops._checks import signature as sig
 from kvops.kernels._common import check_copy_block, next_pow2, page_copy_block
-from kvops.kernels._launch import launch
+from kvops.kernels._launch import keep_plan, launch
 
 
 @triton.jit
@@ -136,11 +136,7 @@ def far_slot_update_fwd(new: torch.Tensor, block_table: torch.Tensor, k_cache: t
     if signature is None:
         signature = tuple(sig(t) for t in tensors)
     key = (signature, block_e, num_warps)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _plan(new, block_table, k_cache, v_cache, block_e, num_warps)
-        if len(_PLANS) >= 4096:
-            _PLANS.clear()
-        _PLANS[key] = plan
+    plan = _PLANS.get(key) or keep_plan(
+        _PLANS, key, _plan(new, block_table, k_cache, v_cache, block_e, num_warps))
     grid, ints, meta, token = plan
     launch(_far_slot_update_kernel, grid, token, (*tensors, *ints), meta)

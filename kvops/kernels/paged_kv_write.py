@@ -15,8 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kvops._checks import signature as sig
 from kvops.kernels._common import next_pow2, sm_count
-from kvops.kernels._launch import launch
+from kvops.kernels._launch import keep_plan, launch
 
 # Values a program moves per tensor (K or V): 4096 (8 KiB of 16-bit data), and at least
 # PROGRAMS_PER_SM programs an SM where N allows, so small steps still spread over the GPU.
@@ -81,34 +82,27 @@ def paged_kv_write_fwd(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                        num_warps: int | None = None, signature=None) -> None:
     """Launch the kernel. Inputs are already checked by the op (shapes, dtypes, page-contiguous
     caches, D contiguous in k and v). The keyword knobs override ``write_tile`` (tests, benches).
-    The launch (tile, grid, strides, binary key) is kept per argument signature: ``signature``
-    is the op's (``kvops.ops._library.sig`` of every argument); without one it is computed
-    each call.
+    A launch's plan (tile, grid, strides, binary key) is kept per argument signature
+    (``signature``: the op's, else one is computed here) and knobs.
     """
-    knobs = (block_t, block_c, num_warps)
-    plan = _PLANS.get(signature) if signature is not None and knobs == (None,) * 3 else None
-    if plan is None:
-        plan = _plan(k, v, k_cache, v_cache, slot_mapping, knobs)
-        if signature is not None and knobs == (None,) * 3:
-            if len(_PLANS) >= 4096:
-                _PLANS.clear()
-            _PLANS[signature] = plan
-    if plan is None:
+    if k.shape[0] == 0:
         return
-    grid, key, ints, meta = plan
-    launch(_paged_kv_write_kernel, grid, key, (k, v, k_cache, v_cache, slot_mapping, *ints),
-           meta)
+    tensors = (k, v, k_cache, v_cache, slot_mapping)
+    if signature is None:
+        signature = tuple(sig(t) for t in tensors)
+    key = (signature, block_t, block_c, num_warps)
+    plan = _PLANS.get(key) or keep_plan(_PLANS, key, _plan(*tensors, block_t, block_c,
+                                                           num_warps))
+    grid, bin_key, ints, meta = plan
+    launch(_paged_kv_write_kernel, grid, bin_key, (*tensors, *ints), meta)
 
 
-def _plan(k, v, k_cache, v_cache, slot_mapping, knobs):
+def _plan(k, v, k_cache, v_cache, slot_mapping, block_t, block_c, num_warps):
     N, Hkv, D = k.shape
-    if N == 0:
-        return None
     P, S = k_cache.shape[:2]
     flat = (Hkv == 1 or (k.stride(1) == D and v.stride(1) == D))
     row, parts = (Hkv * D, 1) if flat else (D, Hkv)
     bt, bc, nw = write_tile(N, row, parts, sm_count(k.device))
-    block_t, block_c, num_warps = knobs
     bt, bc, nw = block_t or bt, block_c or bc, num_warps or nw
     grid = (triton.cdiv(N, bt), parts * triton.cdiv(row, bc))
     ints = (N, P * S, k.stride(0), k.stride(1) if Hkv > 1 else 0, v.stride(0),

@@ -30,9 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kvops._checks import signature as sig
 from kvops.kernels._attention import LN2, LOG2E, dot
 from kvops.kernels._common import dot_precision, next_pow2, sm_count
-from kvops.kernels._launch import launch
+from kvops.kernels._launch import keep_plan, launch
 from kvops.kernels._splitk import merge_plan, merge_split_outputs
 from kvops.kernels._workspace import float_views
 
@@ -256,54 +257,33 @@ def paged_prefill_attention_fwd(
     """Allocate, pick the tile (``prefill_tile``) and the splits (``prefill_splits``), launch,
     and merge split partials (``_splitk.merge_split_outputs``). Inputs are already checked by the op;
     the keyword knobs override the rules (tests, benches); ``prefetch`` (on unless a caller
-    turns it off) loads page ids a tile ahead (``_key_run``; docs/tuning.md). The launch (tile,
-    splits, strides, binary key) is kept per argument signature: ``signature`` is the op's
-    (``kvops.ops._library.sig`` of every argument, with scale and window); without one it is
-    computed each call. Returns ``(out, lse)``."""
+    turns it off) loads page ids a tile ahead (``_key_run``; docs/tuning.md). A launch's plan
+    (tile, splits, strides, binary key) is kept per argument signature (``signature``: the
+    op's, of every tensor with scale and window, else one is computed here) and knobs.
+    Returns ``(out, lse)``."""
     N, Hq, D = q.shape
     out = torch.empty(N, Hq, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(N, Hq, dtype=torch.float32, device=q.device)
     if N == 0:
         return out, lse
+    tensors = (q, k_cache, v_cache, block_table, query_start, seq_lens)
+    if signature is None:
+        signature = (*(sig(t) for t in tensors), scale, window)
     knobs = (block_m, block_n, num_warps, num_stages, num_splits, prefetch)
-    cache = signature is not None and knobs == _DEFAULT_KNOBS
-    plan = _PLANS.get(signature) if cache else None
-    if plan is None:
-        plan = _plan(q, k_cache, v_cache, block_table, scale, window, knobs)
-        if cache:
-            if len(_PLANS) >= 4096:
-                _PLANS.clear()
-            _PLANS[signature] = plan
-    grid, nsp, ints, scale_log2, meta, merge, _, token = plan
+    key = (signature, knobs)
+    plan = _PLANS.get(key) or keep_plan(_PLANS, key, _plan(*tensors, scale, window, knobs))
+    grid, nsp, ints, meta, merge, token = plan
     if nsp == 1:
-        part_o, part_l, strides = out, lse, plan_strides(plan, out, lse)
+        part_o, part_l = out, lse
     else:
         part_o, part_l = float_views(q.device, ((N, Hq, nsp, D), (N, Hq, nsp)))
-        strides = plan_strides(plan, part_o, part_l)
-    key = (token, tuple(t.data_ptr() % 16 == 0 for t in (q, k_cache, v_cache, block_table,
-                                                            query_start, seq_lens, part_o,
-                                                            part_l)))
-    launch(_paged_prefill_kernel, grid, key,
-           (q, k_cache, v_cache, block_table, query_start, seq_lens, part_o, part_l, *ints,
-            scale_log2, nsp, *strides), meta)
+    launch(_paged_prefill_kernel, grid, token, (*tensors, part_o, part_l, *ints), meta)
     if merge is not None:
         merge_split_outputs(merge, part_o, part_l, out, lse)
     return out, lse
 
 
-_DEFAULT_KNOBS = (None, None, None, None, None, True)
-
-
-def plan_strides(plan, part_o, part_l):
-    """The kernel's stride arguments for a plan's tensors (the plan keeps q's, the pools' and
-    the table's; the partials' follow from the outputs)."""
-    q_strides, nsp = plan[6], plan[1]
-    split_o, split_l = (part_o.stride(2), 1) if nsp > 1 else (0, 0)
-    return (*q_strides, part_o.stride(0), part_o.stride(1), split_o, part_l.stride(0),
-            part_l.stride(1), split_l)
-
-
-def _plan(q, k_cache, v_cache, block_table, scale, window, knobs):
+def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, scale, window, knobs):
     N, Hq, D = q.shape
     P, S, Hkv, _ = k_cache.shape
     B, L = block_table.shape
@@ -318,17 +298,21 @@ def _plan(q, k_cache, v_cache, block_table, scale, window, knobs):
     num_tiles = N // block_q + B + 1
     nsp = num_splits or prefill_splits(N // block_q * Hkv, L * S, bn, sm_count(q.device))
     scale = D ** -0.5 if scale is None else scale
-    ints = (N, B, P, L, num_tiles, window)
-    in_strides = (q.stride(0), q.stride(1), k_cache.stride(0), v_cache.stride(0),
-                  block_table.stride(0))
+    # out and lse, or the partials, are contiguous [N, Hq, (nsp,) D] and [N, Hq, (nsp)]
+    out_strides = ((Hq * nsp * D, nsp * D, D, Hq * nsp, nsp, 1) if nsp > 1 else
+                   (Hq * D, D, 0, Hq, 1, 0))
+    strides = (q.stride(0), q.stride(1), k_cache.stride(0), v_cache.stride(0),
+               block_table.stride(0), *out_strides)
+    ints = (N, B, P, L, num_tiles, window, scale * LOG2E.value, nsp, *strides)
     meta = dict(S=S, HKV=Hkv, G=G, D=D, BLOCK_Q=block_q, BLOCK_M=bm, BLOCK_N=bn,
                 BLOCK_D=next_pow2(max(D, 16)), BLOCK_B=SEQ_CHUNK,
                 WINDOW=window > 0, PRECISION=dot_precision(q.dtype), PREFETCH=prefetch,
                 num_warps=nw, num_stages=ns)
     merge = merge_plan(N, Hq, nsp, D, q.dtype, False, q.device) if nsp > 1 else None
     # N, B, num_tiles and window are not specialized (one binary serves every value of them),
-    # so they stay out of the binary's key: the rest of what the kernel specializes on, with
-    # the pointers' alignments added at launch
-    token = ("prefill", P, L, nsp, in_strides, Hq, q.dtype, q.device, tuple(meta.values()))
-    return ((num_tiles, Hkv, nsp), nsp, ints, scale * LOG2E.value, meta, merge, in_strides,
-            token)
+    # so they stay out of the binary's key; the rest of what the kernel specializes on is in
+    # it, with the inputs' alignments (out, lse and the partials are always 16-byte aligned)
+    token = ("prefill", P, L, nsp, strides, Hq, q.dtype, q.device, tuple(meta.values()),
+             tuple(t.data_ptr() % 16 == 0 for t in (q, k_cache, v_cache, block_table,
+                                                     query_start, seq_lens)))
+    return (num_tiles, Hkv, nsp), nsp, ints, meta, merge, token

@@ -38,7 +38,7 @@ from kvops.kernels._common import (
     kv_tile_bytes,
     next_pow2,
 )
-from kvops.kernels._launch import launch
+from kvops.kernels._launch import keep_plan, launch
 from kvops.kernels._splitk import (
     default_num_splits,
     merge_plan,
@@ -248,14 +248,10 @@ def static_sliding_attention_fwd(
     else:
         key = (knobs, sig(q), sig(k), sig(v), sig(win_start), sig(win_len), sig(far_k),
                sig(far_v), sig(far_bias), scale)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _plan(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale, knobs)
-        if len(_PLANS) >= 4096:
-            _PLANS.clear()
-        _PLANS[key] = plan
+    plan = _PLANS.get(key) or keep_plan(
+        _PLANS, key, _plan(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale, knobs))
     B, Hq, D, nsp, pdl, scale_log2, ints, meta, grid, merge, token = plan
-    out, lse, part_o, part_l, _ = split_outputs(B, Hq, D, nsp, q.dtype, q.device)
+    out, lse, part_o, part_l = split_outputs(B, Hq, D, nsp, q.dtype, q.device)
     if far_k is None:
         far_k, far_v, far_bias = k, v, lse
     launch(_sliding_window_kernel, grid, token,

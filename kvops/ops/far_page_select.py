@@ -66,20 +66,26 @@ def _check(q, k_min, k_max, num_far, top_k) -> None:
         raise ValueError(f"top_k: expected an int in [1, N={N}], got {top_k!r}")
 
 
-def page_scores_ref(q: Tensor, k_min: Tensor, k_max: Tensor, num_far: Tensor) -> Tensor:
-    """Scores float32 [2, B, N]: ``[0]`` the best bound over query heads, ``[1]`` the bounds
-    summed over them; ``-inf`` past ``num_far``."""
+def head_bounds_ref(q: Tensor, k_min: Tensor, k_max: Tensor) -> Tensor:
+    """Each query head's upper bound on its logit over each page, float32 [B, Hkv, G, N]:
+    ``sum_d max(q_d * k_min_d, q_d * k_max_d)`` against its KV head's page bounds."""
     B, Hq, D = q.shape
-    N, Hkv = k_min.shape[1], k_min.shape[2]
+    Hkv = k_min.shape[2]
     qf = q.float().view(B, Hkv, Hq // Hkv, D)
     pos, neg = qf.clamp(min=0), qf.clamp(max=0)
     if B > 1 and k_min.stride(0) == 0 and k_max.stride(0) == 0:
         # one table expanded over the rows: contract against it once, not B copies
-        bound = (torch.einsum("bhgd,nhd->bhgn", pos, k_max[0].float())
-                 + torch.einsum("bhgd,nhd->bhgn", neg, k_min[0].float()))
-    else:
-        bound = (torch.einsum("bhgd,bnhd->bhgn", pos, k_max.float())
-                 + torch.einsum("bhgd,bnhd->bhgn", neg, k_min.float()))
+        return (torch.einsum("bhgd,nhd->bhgn", pos, k_max[0].float())
+                + torch.einsum("bhgd,nhd->bhgn", neg, k_min[0].float()))
+    return (torch.einsum("bhgd,bnhd->bhgn", pos, k_max.float())
+            + torch.einsum("bhgd,bnhd->bhgn", neg, k_min.float()))
+
+
+def page_scores_ref(q: Tensor, k_min: Tensor, k_max: Tensor, num_far: Tensor) -> Tensor:
+    """Scores float32 [2, B, N]: ``[0]`` the best bound over query heads, ``[1]`` the bounds
+    summed over them (:func:`head_bounds_ref`); ``-inf`` past ``num_far``."""
+    N = k_min.shape[1]
+    bound = head_bounds_ref(q, k_min, k_max)
     score = torch.stack((bound.amax(dim=(1, 2)), bound.sum(dim=(1, 2))))
     cand = torch.arange(N, device=q.device)[None, :] < num_far.long()[:, None]
     return torch.where(cand, score, float("-inf"))
