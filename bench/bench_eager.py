@@ -62,6 +62,27 @@ def cases(device, dtype=torch.bfloat16, B=4, ctx=512):
     slots = torch.arange(B, dtype=torch.int32, device=device) * S
     q_start = torch.arange(B + 1, dtype=torch.int32, device=device)
     ops = torch.ops.kvops
+    # far-page retrieval (kvops.runtime.FarRetrieval): N far pages a sequence, top 8 of them
+    N, K = L, 8
+    k_min, k_max = rnd(B, N, HKV, D), rnd(B, N, HKV, D)
+    num_far = torch.full((B,), N, dtype=torch.int32, device=device)
+    far_pages = torch.arange(B * N, dtype=torch.int32, device=device).view(B, N)
+    new = torch.stack([torch.randperm(N, generator=g)[:K] for _ in range(B)]).to(
+        device=device, dtype=torch.int32)
+    index = torch.full((B, K), -1, dtype=torch.int32, device=device)
+    far_k, far_v = rnd(B, K * S, HKV, D), rnd(B, K * S, HKV, D)
+    far_bias = torch.zeros(B, K * S, dtype=torch.float32, device=device)
+    n_layers, C = 2, 8
+    scores = torch.rand(n_layers, B, L + 1, generator=g).to(device)
+    summarized = torch.ones(B, L, dtype=torch.bool, device=device)
+    select = torch.arange(C, dtype=torch.int32, device=device).expand(n_layers, B, C).contiguous()
+
+    other = torch.roll(new, 1, 0).contiguous()     # another choice a sequence
+
+    def slot_update():      # alternates two choices, so every call copies pages
+        ops.far_slot_update(new, table, kc, vc, index, far_k, far_v, far_bias)
+        ops.far_slot_update(other, table, kc, vc, index, far_k, far_v, far_bias)
+
     return {
         "static_sliding_attention": (lambda: ops.static_sliding_attention(q, k, v, ws, wl),
                                      "sdpa", sdpa),
@@ -82,6 +103,11 @@ def cases(device, dtype=torch.bfloat16, B=4, ctx=512):
                                                                                q[:, :HKV]))),
         "paged_prefill_attention": (
             lambda: ops.paged_prefill_attention(q, kc, vc, table, q_start, seq), "sdpa", sdpa),
+        "far_page_summarize": (lambda: ops.far_page_summarize(kc, far_pages), "sdpa", sdpa),
+        "far_page_select": (lambda: ops.far_page_select(q, k_min, k_max, num_far, K), "sdpa",
+                            sdpa),
+        "far_slot_update (two calls)": (slot_update, "sdpa x2", lambda: (sdpa(), sdpa())),
+        "far_view_rank": (lambda: ops.far_view_rank(scores, summarized, select), "sdpa", sdpa),
     }
 
 

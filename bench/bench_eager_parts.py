@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import kvops  # noqa: F401  (registers the ops)
 from bench.common import eager_times, table
-from kvops.kernels import _launch
+from kvops.kernels import _launch, _workspace
 from kvops.kernels import static_sliding_attention as ssa
 from kvops.ops._library import sig
 
@@ -49,9 +49,12 @@ def rows(B: int = 4, ctx: int = 512):
     op_mod = sys.modules["kvops.ops.static_sliding_attention"]
     key = (sig(q), sig(k), sig(v), sig(ws), sig(wl), None, None, None, None)
     plan = ssa._PLANS[key]
-    Bp, Hq, Dp, nsp, pdl, scale_log2, ints, meta, grid, merge, token = plan
-    out, lse, part_o, part_l = ssa.split_outputs(B, HQ, D, nsp, dt, dev)
-    args = (q, k, v, ws, wl, k, v, lse, part_o, part_l, scale_log2, *ints)
+    Bp, Hq, Dp, nsp, scale_log2, ints, meta, grid, merge, fused, token = plan
+    out, lse, part_o, part_l, _ = ssa.split_outputs(B, HQ, D, nsp, dt, dev, grid[0])
+    count = _workspace.counters(dev, grid[0])
+    # the eager call's one launch: stage 1 with the merge by the last split (split launches)
+    meta, token = fused if fused is not None else (meta, token)
+    args = (q, k, v, ws, wl, k, v, lse, part_o, part_l, out, lse, count, scale_log2, *ints)
     ptr_args = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
     compiled, tail, mode, _ = _compiled_stage1()
     g = grid + (1,) * (3 - len(grid))
@@ -74,15 +77,20 @@ def rows(B: int = 4, ctx: int = 512):
         "is_current_stream_capturing": torch.cuda.is_current_stream_capturing,
         "dispatch into Python only (no-op op)": lambda: _noop()(q, k, v, ws, wl, None, None, None,
                                                               None),
-        "split_outputs (all outputs)": lambda: ssa.split_outputs(B, HQ, D, nsp, dt, dev),
+        "no-op op returning fresh out and lse": lambda: _noop(fresh=True)(
+            q, k, v, ws, wl, None, None, None, None),
+        "split_outputs (all outputs)": lambda: ssa.split_outputs(B, HQ, D, nsp, dt, dev, grid[0]),
         "sig(q)": lambda: sig(q),
         "signature key (9 args)": lambda: (sig(q), sig(k), sig(v), sig(ws), sig(wl), sig(None),
                                            sig(None), sig(None), None),
         "op: torch.ops call (whole)": call,
+        "op: its .default overload": lambda: op_mod._op(q, k, v, ws, wl, None, None, None, None),
+        "op: torch.ops call, launches stubbed": _Stubbed(call),
         "op: _impl direct (no dispatcher)": lambda: op_mod._impl(q, k, v, ws, wl),
         "launcher: static_sliding_attention_fwd": lambda: ssa.static_sliding_attention_fwd(
             q, k, v, ws, wl, signature=key),
-        "launch(): stage 1 (cached binary)": lambda: _launch.launch(
+        "counters (kept)": lambda: _workspace.counters(dev, grid[0]),
+        "launch(): stage 1 + merge (cached binary)": lambda: _launch.launch(
             ssa._sliding_window_kernel, grid, token, args, meta),
         "compiled.run, tensors": lambda: compiled.run(*head, *full),
         "compiled.run, raw pointers": lambda: compiled.run(*head, *full_ptr),
@@ -94,14 +102,20 @@ def rows(B: int = 4, ctx: int = 512):
             torch._C._cuda_getDevice()),
     }
     if merge is not None:
-        pieces["merge launch"] = lambda: ssa.merge_split_outputs(merge, part_o, part_l, out, lse)
+        pieces["merge launch (two-launch form)"] = lambda: ssa.merge_split_outputs(
+            merge, part_o, part_l, out, lse)
     out_rows = [["splits", nsp, "", ""], ["stage-1 runtime args", len(args), "", ""]]
     for name, fn in pieces.items():
+        saved = ssa.launch
+        if isinstance(fn, _Stubbed):
+            ssa.launch = lambda *a, **kw: None
         try:
             host, wall = eager_times(fn, **LOOP)
             out_rows.append([name, f"{host:.2f}", f"{wall:.2f}", ""])
         except Exception as e:  # noqa: BLE001
             out_rows.append([name, "error", repr(e)[:80], ""])
+        finally:
+            ssa.launch = saved
         print(out_rows[-1], flush=True)
     return out_rows
 
@@ -124,25 +138,47 @@ def _one_buffer(B, dev, dt):
     return buf[:n].view(dt).view(B, HQ, D), buf[n:].view(torch.float32).view(B, HQ)
 
 
-_NOOP = []
+_NOOP: dict = {}
 
 
-def _noop():
+def _noop(fresh: bool = False):
+    """A CUDA op with static_sliding_attention's schema whose implementation does nothing but
+    return two tensors: kept ones, or (``fresh``) out and lse allocated as the op does."""
     if not _NOOP:
         lib = torch.library.Library("kvops_bench", "DEF")
         keep = []
-        lib.define("noop(Tensor q, Tensor k, Tensor v, Tensor win_start, Tensor win_len, "
-                   "Tensor? far_k=None, Tensor? far_v=None, Tensor? far_bias=None, "
-                   "float? scale=None) -> (Tensor, Tensor)")
+        schema = ("(Tensor q, Tensor k, Tensor v, Tensor win_start, Tensor win_len, "
+                  "Tensor? far_k=None, Tensor? far_v=None, Tensor? far_bias=None, "
+                  "float? scale=None) -> (Tensor, Tensor)")
+        lib.define("noop" + schema)
+        lib.define("noop_fresh" + schema)
 
         def impl(q, k, v, ws, wl, fk=None, fv=None, fb=None, scale=None):
             if not keep:
                 keep.extend([q.new_empty(1), q.new_empty(1)])
             return keep[0], keep[1]
 
+        def impl_fresh(q, k, v, ws, wl, fk=None, fv=None, fb=None, scale=None):
+            B, Hq, D = q.shape
+            return (torch.empty(B, Hq, D, device=q.device, dtype=q.dtype),
+                    torch.empty(B, Hq, device=q.device, dtype=torch.float32))
+
         lib.impl("noop", impl, "CUDA")
-        _NOOP.append((lib, torch.ops.kvops_bench.noop.default))
-    return _NOOP[0][1]
+        lib.impl("noop_fresh", impl_fresh, "CUDA")
+        _NOOP.update(lib=lib, kept=torch.ops.kvops_bench.noop.default,
+                     fresh=torch.ops.kvops_bench.noop_fresh.default)
+    return _NOOP["fresh" if fresh else "kept"]
+
+
+class _Stubbed:
+    """A piece timed with the op's Triton launches stubbed out (its host path but the
+    launches): the loop below patches them around its timing."""
+
+    def __init__(self, call):
+        self.call = call
+
+    def __call__(self):
+        return self.call()
 
 
 def main():

@@ -15,7 +15,7 @@ from kvops.kernels import _workspace
 from kvops.kernels._common import device_props
 from kvops.kernels.static_sliding_attention import sliding_launch
 from kvops.ops.static_sliding_attention import static_sliding_attention_ref
-from tests.conftest import capture_graph, requires_cuda
+from tests.conftest import capture_graph, requires_cuda, two_launches
 
 
 def test_cpu_views_are_fresh_and_shaped():
@@ -58,8 +58,12 @@ def test_back_to_back_split_calls_keep_their_partials():
 @requires_cuda
 def test_two_streams_have_their_own_scratch(monkeypatch):
     """Stream a sleeps between its stage 1 and its merge while stream b runs a whole call: a
-    shared buffer would hand a's merge b's partials."""
+    shared buffer would hand a's merge b's partials. Two launches a call, as paged prefill
+    makes in eager calls (the decode ops merge in one launch there, which
+    tests/test_split_merge.py overlaps across streams)."""
     import kvops.kernels.static_sliding_attention as ssa
+
+    two_launches(ssa, monkeypatch)
 
     dev = torch.device("cuda")
     a, b = _case(2, 4096, 1, dev), _case(2, 4096, 2, dev)

@@ -1,9 +1,19 @@
 """Split-K (flash-decoding) reduction shared by the decode attention kernels.
 
 Stage 1 of a split-K kernel writes, per (sequence, query head, split), a normalized partial
-output and its natural-log ``lse`` (``-inf`` for a split that saw nothing). This kernel merges
-the ``NSP`` splits of every row into the final ``out``/``lse``. The number of splits is a launch
-constant chosen from shapes only, so the pair of launches is fixed-shape and graph-replayable.
+output and its natural-log ``lse`` (``-inf`` for a split that saw nothing). The ``NSP`` splits
+of every row are merged into the final ``out``/``lse`` in one of two ways:
+
+- in the same launch (``merge_if_last``, eager calls): each program counts itself done on its
+  (sequence, KV head)'s counter, and the last of the group's splits merges the group's rows and
+  sets the counter back to zero. One launch a call instead of two saves the host a launch
+  (5.6 us on the H200's host, ``bench/results/2026-12-03-1730-eager-parts.md``);
+- by a second launch (``merge_split_outputs``) while a CUDA graph is being captured, where a
+  launch costs the host nothing at replay and fresh counters would need a zeroing node.
+
+The number of splits is a launch constant chosen from shapes only, so either form is
+fixed-shape and graph-replayable. The two sum the splits in different orders, so an eager
+call and a replay of the same launch may differ in the last bits.
 """
 
 from __future__ import annotations
@@ -14,7 +24,7 @@ import triton.language as tl
 
 from kvops.kernels._common import DeviceProps, next_pow2
 from kvops.kernels._launch import launch
-from kvops.kernels._workspace import float_views
+from kvops.kernels._workspace import split_scratch
 
 
 @triton.jit
@@ -47,6 +57,51 @@ def _merge_splits_kernel(
     tl.store(Lse + i_r, b_lse_out)
 
 
+@triton.jit
+def merge_if_last(PartO, PartL, Out, Lse, Count, i_b, i_h, Hkv,
+                  stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, NUM_SPLITS,
+                  G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Called by every split program of one (sequence ``i_b``, KV head ``i_h``) after it wrote
+    its partials (``PartO``/``PartL`` with stage 1's strides): the last of the ``NUM_SPLITS`` to
+    finish merges the group's ``G`` query rows into ``Out [B, Hq, D]`` and ``Lse [B, Hq]``
+    (contiguous) as ``_merge_splits_kernel`` does, and sets ``Count`` (the group's int32
+    counter, zero before the launch) back to zero."""
+    tl.debug_barrier()            # every thread's partial stores precede this program's count
+    done = tl.atomic_add(Count, 1, sem="acq_rel", scope="gpu")
+    if done == NUM_SPLITS - 1:
+        o_g = tl.arange(0, BLOCK_G)
+        o_d = tl.arange(0, BLOCK_D)
+        o_s = tl.arange(0, BLOCK_S)
+        m_g = o_g < G
+        m_d = o_d < D
+        o_row = i_h * G + o_g
+        p_l = PartL + i_b * stride_lb + o_row * stride_lh
+        # .cg: read the other programs' partials from L2, never from a line this SM cached
+        b_lse = tl.load(p_l[:, None] + o_s[None, :], mask=m_g[:, None] & (o_s < NUM_SPLITS)[None, :],
+                        other=float("-inf"), cache_modifier=".cg")
+        b_max = tl.max(b_lse, 1)
+        b_safe = tl.where(b_max == float("-inf"), 0.0, b_max)
+        b_sum = tl.zeros([BLOCK_G], tl.float32)
+        b_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        p_o = PartO + i_b * stride_pb + o_row[:, None] * stride_ph + o_d[None, :]
+        m_o = m_g[:, None] & m_d[None, :]
+        for s in range(NUM_SPLITS):
+            b_w = tl.exp(tl.load(p_l + s, mask=m_g, other=float("-inf"), cache_modifier=".cg")
+                         - b_safe)                                       # 0 for empty splits
+            b_o = tl.load(p_o + s * stride_ps, mask=m_o, other=0.0, cache_modifier=".cg")
+            b_acc += b_o * b_w[:, None]
+            b_sum += b_w
+        b_out = b_acc / tl.where(b_sum > 0, b_sum, 1.0)[:, None]
+        # a NaN row (a win_len out of range) stays NaN; an empty one gets -inf
+        b_lse_out = tl.where(b_sum > 0, b_safe + tl.log(tl.where(b_sum > 0, b_sum, 1.0)),
+                             tl.where(b_sum == b_sum, float("-inf"), float("nan")))
+        r = i_b * Hkv * G + o_row
+        tl.store(Out + r[:, None] * D + o_d[None, :], b_out.to(Out.dtype.element_ty), mask=m_o)
+        tl.store(Lse + r, b_lse_out, mask=m_g)
+        tl.atomic_xchg(Count, 0)
+
+
 def default_num_splits(pairs: int, n: int, block_n: int, tile_bytes: int, sms: int) -> int:
     """Splits of each (sequence, KV head) pair's ``n`` rows on ``sms`` SMs: enough programs to
     keep about 64 KiB of K/V tiles in flight per SM (one program an SM for 64 KiB tiles, two
@@ -71,18 +126,20 @@ def merge_warps(D: int) -> int:
     return 4 if D >= 128 else 2
 
 
-def split_outputs(B: int, Hq: int, D: int, nsp: int, dtype: torch.dtype, device: torch.device):
+def split_outputs(B: int, Hq: int, D: int, nsp: int, dtype: torch.dtype, device: torch.device,
+                  groups: int = 0):
     """Outputs of a split-K decode launch: ``out [B, Hq, D]`` (``dtype``), ``lse [B, Hq]``
-    float32, and where stage 1 writes: ``out``/``lse`` themselves when ``nsp == 1``, else float32
-    partials ``[B, Hq, nsp, D]`` / ``[B, Hq, nsp]`` in the stream's scratch
-    (``_workspace.float_views``: read by this call's merge only). Returns (out, lse, part_o,
-    part_l)."""
+    float32, where stage 1 writes: ``out``/``lse`` themselves when ``nsp == 1``, else float32
+    partials ``[B, Hq, nsp, D]`` / ``[B, Hq, nsp]`` in the stream's scratch (read by this call's
+    merge only), and, for a split launch of ``groups`` (sequence, KV head) groups, the zeroed
+    counters ``merge_if_last`` counts on, or None where the merge is a second launch (capture,
+    ``_workspace.split_scratch``). Returns (out, lse, part_o, part_l, counters)."""
     out = torch.empty(B, Hq, D, device=device, dtype=dtype)
     lse = torch.empty(B, Hq, device=device, dtype=torch.float32)
     if nsp == 1:
-        return out, lse, out, lse
-    part_o, part_l = float_views(device, ((B, Hq, nsp, D), (B, Hq, nsp)))
-    return out, lse, part_o, part_l
+        return out, lse, out, lse, None
+    part_o, part_l, count = split_scratch(device, ((B, Hq, nsp, D), (B, Hq, nsp)), groups)
+    return out, lse, part_o, part_l, count
 
 
 def merge_plan(B: int, Hq: int, nsp: int, D: int, dtype: torch.dtype, pdl: bool,

@@ -1,6 +1,6 @@
-"""Scratch tensors a launch writes and the same op call reads back (split-K partials), kept
-across eager calls instead of allocated on every call (an allocation costs 2-7 us of host time
-on the H200's host, a view 1 us).
+"""Scratch tensors a launch writes and the same op call reads back (split-K partials), and the
+zeroed counters a split launch merges by, kept across eager calls instead of allocated on every
+call (an allocation costs 2-7 us of host time on the H200's host, a view 1 us).
 
 One buffer per (device, stream, host thread). Work on one stream runs in issue order, so a
 call's merge reads its partials before the next call on that stream writes them, and a second
@@ -23,6 +23,11 @@ when any of these holds, because a kept buffer would then be unsafe or wrong:
 A buffer grows to the largest request seen on its stream and thread. At most ``MAX_BUFFERS``
 are kept (streams and threads that are gone leave theirs behind until then); :func:`clear`
 frees them all.
+
+Counters (:func:`counters`) are int32 and zero whenever no launch that counts on them is in
+flight: each launch that takes them leaves them zero (``_splitk.merge_if_last``), so a kept
+buffer is zeroed once, when it is made, and apart from the float scratch (whose views of other
+shapes would overwrite them).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import torch
 ENABLED = os.environ.get("KVOPS_KEEP_SCRATCH", "1").strip() not in ("0", "false", "off")
 MAX_BUFFERS = 64
 _BUFS: dict = {}       # (device index, stream, thread) -> [buffer, {request: views}]
+_COUNTS: dict = {}     # (device index, stream, thread) -> [int32 zeros, {n: view}]
 _ALIGN = 32            # floats: every view starts 128 bytes after the previous one's start
 
 
@@ -73,17 +79,49 @@ def _default_pool(t: torch.Tensor) -> bool:
     return False                      # not found or not readable: keep nothing
 
 
-def float_views(device: torch.device, shapes: tuple) -> tuple:
-    """float32 tensors of ``shapes`` (a tuple of shape tuples) over one scratch buffer: valid
-    until the next call on this device, stream and thread; contents undefined."""
-    if not ENABLED or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return _fresh(device, shapes)
+def _kept_key(device: torch.device):
+    """The (device index, stream, thread) a kept buffer for ``device`` lives under, or None where
+    a call must allocate fresh (the module doc's cases, capture aside: callers test it first)."""
+    if not ENABLED or device.type != "cuda":
+        return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index != torch._C._cuda_getDevice() or (
             torch.are_deterministic_algorithms_enabled()
             and torch.utils.deterministic.fill_uninitialized_memory):
+        return None
+    return (index, torch._C._cuda_getCurrentRawStream(index), threading.get_ident())
+
+
+def float_views(device: torch.device, shapes: tuple) -> tuple:
+    """float32 tensors of ``shapes`` (a tuple of shape tuples) over one scratch buffer: valid
+    until the next call on this device, stream and thread; contents undefined."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return _fresh(device, shapes)
-    key = (index, torch._C._cuda_getCurrentRawStream(index), threading.get_ident())
+    return _float_views(_kept_key(device), device, shapes)
+
+
+def counters(device: torch.device, n: int):
+    """``n`` int32 zeros for one launch that counts on them and leaves them zero, or None while
+    the current stream captures a CUDA graph (a captured launch merges by a second kernel
+    instead: zeroing fresh counters would add a node to every replay). Kept per device, stream
+    and thread as the float scratch is; fresh zeros where that is not kept."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    return _counters(_kept_key(device), device, n)
+
+
+def split_scratch(device: torch.device, shapes: tuple, n: int) -> tuple:
+    """``float_views(device, shapes)`` and ``counters(device, n)`` in one call (one look at the
+    stream and the thread): the views followed by the counters (None while capturing)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return (*_fresh(device, shapes), None)
+    key = _kept_key(device)
+    return (*_float_views(key, device, shapes), _counters(key, device, n))
+
+
+def _float_views(key, device, shapes) -> tuple:
+    if key is None:
+        return _fresh(device, shapes)
     entry = _BUFS.get(key)
     if entry is not None:
         hit = entry[1].get(shapes)
@@ -94,18 +132,45 @@ def float_views(device: torch.device, shapes: tuple) -> tuple:
         buf = torch.empty(need, dtype=torch.float32, device=device)
         if not _default_pool(buf):
             return _views(buf, shapes)          # used by this call only
-        if len(_BUFS) >= MAX_BUFFERS:
-            _BUFS.clear()
-        # a replaced buffer returns to the caching allocator, which hands it only to later
-        # work on this stream: the calls already issued with it finish first
-        entry = _BUFS[key] = [buf, {}]
-    views = _views(entry[0], shapes)
+        entry = _keep(_BUFS, key, buf)
+    return _view(entry, shapes, lambda buf: _views(buf, shapes))
+
+
+def _counters(key, device, n: int) -> torch.Tensor:
+    if key is None:
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    entry = _COUNTS.get(key)
+    if entry is not None:
+        hit = entry[1].get(n)
+        if hit is not None:
+            return hit
+    if entry is None or entry[0].numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        if not _default_pool(buf):
+            return buf[:n]                      # used by this call only
+        entry = _keep(_COUNTS, key, buf)
+    return _view(entry, n, lambda buf: buf[:n])
+
+
+def _keep(kept: dict, key, buf) -> list:
+    if len(kept) >= MAX_BUFFERS:
+        kept.clear()
+    # a replaced buffer returns to the caching allocator, which hands it only to later work on
+    # this stream: the calls already issued with it finish first
+    entry = kept[key] = [buf, {}]
+    return entry
+
+
+def _view(entry: list, request, make):
+    views = make(entry[0])
     if len(entry[1]) >= 64:
         entry[1].clear()
-    entry[1][shapes] = views
+    entry[1][request] = views
     return views
 
 
 def clear() -> None:
-    """Free every scratch buffer (the next call on each stream allocates again)."""
+    """Free every scratch buffer and counter buffer (the next call on each stream allocates
+    again)."""
     _BUFS.clear()
+    _COUNTS.clear()

@@ -22,7 +22,9 @@ one), and each run is a plain pipelined loop of single-form tiles: TARGET tiles 
 values, BASE tiles read their half of the pair page as 32-bit words of four bytes and decode
 them into four byte planes (``_planes``), against which the query group and the accumulator are
 split the same way for the run. So a tile costs the bytes and the instructions of its own form
-only. Splits are merged by ``_splitk.merge_split_outputs``. The mixed paths cut long splits where
+only. Splits are merged in the same launch by the last split of each (sequence, KV head) in eager
+calls (``_splitk.merge_if_last``), by ``_splitk.merge_split_outputs`` under CUDA-graph capture.
+The mixed paths cut long splits where
 they cost alike rather than at equal rows (``weighted_from``).
 
 Launch shapes come from ``elastic_launch``: one-warp programs of 16-row tiles on the native
@@ -73,6 +75,7 @@ from kvops.kernels._common import (
 from kvops.kernels._launch import keep_plan, launch
 from kvops.kernels._splitk import (
     default_num_splits,
+    merge_if_last,
     merge_plan,
     merge_split_outputs,
     split_outputs,
@@ -492,7 +495,7 @@ def _weighted_split(p_mode, span_lo, span_hi, n, i_s, NUM_SPLITS, MODE: tl.const
 
 @triton.jit
 def _elastic_decode_kernel(
-    Q, K, V, BlockTable, SeqLens, BlockMode, BaseSpan, O, L,
+    Q, K, V, BlockTable, SeqLens, BlockMode, BaseSpan, O, L, Out, Lse, Count,
     scale_log2,
     stride_qb, stride_qh,
     stride_kp, stride_vp,
@@ -506,6 +509,7 @@ def _elastic_decode_kernel(
     SAME_STRIDE: tl.constexpr, PTX_DECODE: tl.constexpr, TILE: tl.constexpr,
     PDL_TRIGGER: tl.constexpr, PDL_WAIT: tl.constexpr,
     STAGES_T: tl.constexpr, STAGES_B: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     if PDL_TRIGGER:  # let the split merge launch now; it waits for this grid on-device
         tl.extra.cuda.gdc_launch_dependents()
@@ -581,6 +585,10 @@ def _elastic_decode_kernel(
 
     finish_rows(b_m, b_l, b_acc, O, L, i_b, i_h, i_s, stride_ob, stride_oh, stride_os,
                 stride_lb, stride_lh, G, D, BLOCK_G, BLOCK_D)
+    if FUSED_MERGE:
+        merge_if_last(O, L, Out, Lse, Count + i_bh, i_b, i_h, Hkv, stride_ob, stride_oh,
+                      stride_os, stride_lb, stride_lh, NUM_SPLITS, G, D, BLOCK_G, BLOCK_D,
+                      BLOCK_S)
 
 
 TILE_ROWS, TILE_ONE_PAGE, TILE_PAIR = 0, 1, 2     # how a tile meets pages (see ``_run``)
@@ -753,17 +761,21 @@ def _plan(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, sca
         CODEC=codec, PRECISION=dot_precision(q.dtype),
         SAME_STRIDE=k_cache.stride(0) == v_cache.stride(0), TILE=lp.tile, PTX_DECODE=ptx_decode,
         PDL_TRIGGER=pdl and nsp > 1, PDL_WAIT=pdl_wait, STAGES_T=lp.stages,
-        STAGES_B=lp.base_stages, num_warps=lp.warps, num_stages=lp.stages,
-        **({"launch_pdl": True} if pdl_wait else {}))
+        STAGES_B=lp.base_stages, FUSED_MERGE=False, BLOCK_S=1, num_warps=lp.warps,
+        num_stages=lp.stages, **({"launch_pdl": True} if pdl_wait else {}))
     halves = None
     if halves_table and block_table.numel():
         halves = ((triton.cdiv(block_table.numel(), 1024),),
                   (block_table.numel(), NB, block_table.stride(0), block_mode.stride(0)),
                   dict(BLOCK=1024, PDL_TRIGGER=pdl_wait, num_warps=4))
-    merge = merge_plan(B, Hq, nsp, D, q.dtype, pdl, q.device) if nsp > 1 else None
-    # the plan's own token keys its compiled kernels (see static_sliding_attention._plan)
-    return (B, Hq, D, nsp, pdl, scale * LOG2E, ints, meta, (B * Hkv, nsp), halves_table, halves,
-            merge, object())
+    merge = fused = None
+    if nsp > 1:
+        merge = merge_plan(B, Hq, nsp, D, q.dtype, pdl, q.device)
+        fused = (dict(meta, PDL_TRIGGER=False, FUSED_MERGE=True, BLOCK_S=next_pow2(nsp)),
+                 object())
+    # the plan's own tokens key its compiled kernels (see static_sliding_attention._plan)
+    return (B, Hq, D, nsp, scale * LOG2E, ints, meta, (B * Hkv, nsp), halves_table, halves,
+            merge, fused, object())
 
 
 def elastic_attention_fwd(
@@ -797,8 +809,9 @@ def elastic_attention_fwd(
                sig(block_mode), sig(base_span), scale)
     plan = _PLANS.get(key) or keep_plan(_PLANS, key, _plan(
         q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, scale, knobs))
-    B, Hq, D, nsp, pdl, scale_log2, ints, meta, grid, halves_table, halves, merge, token = plan
-    out, lse, part_o, part_l = split_outputs(B, Hq, D, nsp, q.dtype, q.device)
+    B, Hq, D, nsp, scale_log2, ints, meta, grid, halves_table, halves, merge, fused, token = plan
+    out, lse, part_o, part_l, count = split_outputs(B, Hq, D, nsp, q.dtype, q.device,
+                                                    grid[0])
     if B == 0:
         return out, lse
     table = block_table
@@ -811,9 +824,15 @@ def elastic_attention_fwd(
     # the kernel never reads the metadata of the other paths; pass valid pointers
     block_mode = block_table if block_mode is None else block_mode
     base_span = block_table if base_span is None else base_span
+    if count is not None:      # one launch: the last split of each group merges it
+        launch(_elastic_decode_kernel, grid, fused[1],
+               (q, k_cache, v_cache, table, seq_lens, block_mode, base_span, part_o, part_l,
+                out, lse, count, scale_log2, *ints), fused[0])
+        return out, lse
+    # the unfused kernel reads neither out, lse nor a counter: it gets valid pointers
     launch(_elastic_decode_kernel, grid, token,
            (q, k_cache, v_cache, table, seq_lens, block_mode, base_span, part_o, part_l,
-            scale_log2, *ints), meta)
+            out, lse, seq_lens, scale_log2, *ints), meta)
     if merge is not None:
         merge_split_outputs(merge, part_o, part_l, out, lse)
     return out, lse

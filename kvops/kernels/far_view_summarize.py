@@ -19,8 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kvops._checks import signature as sig
 from kvops.kernels._common import next_pow2, sm_count
-from kvops.kernels._launch import launch
+from kvops.kernels._launch import keep_plan, launch
 
 
 @triton.jit
@@ -76,32 +77,52 @@ def default_blocks(chunks: int, F: int, S: int, device: torch.device) -> tuple[i
     return block_t, block_f
 
 
+_PLANS: dict = {}
+
+
 def far_view_summarize_fwd(
     k_cache: torch.Tensor, v_cache: torch.Tensor, chunk_table: torch.Tensor,
     *, block_t: int | None = None, block_f: int | None = None, num_warps: int | None = None,
+    signature=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the summarize kernel. Inputs are already checked by the op.
 
     k_cache, v_cache [P, S, Hkv, D] (each page's [Hkv, D] dense); chunk_table int32 [B, C, M].
     Returns k_sum, v_sum [B, C, Hkv, D] in the cache dtype. The keyword-only knobs override the
-    defaults (benchmarks and tests use them); ``block_t`` must be a power of two.
+    defaults (benchmarks and tests use them); ``block_t`` must be a power of two. A launch's
+    plan (blocks, grid, strides, binary key) is kept per argument signature (``signature``:
+    the op's, else one is computed here) and knobs.
     """
+    if signature is None:
+        signature = (sig(k_cache), sig(v_cache), sig(chunk_table))
+    key = (signature, block_t, block_f, num_warps)
+    plan = _PLANS.get(key) or keep_plan(_PLANS, key, _plan(k_cache, v_cache, chunk_table,
+                                                           block_t, block_f, num_warps))
+    shape, grid, bin_key, ints, meta = plan
+    k_sum = torch.empty(shape, device=k_cache.device, dtype=k_cache.dtype)
+    v_sum = torch.empty(shape, device=v_cache.device, dtype=v_cache.dtype)
+    if grid is not None:
+        launch(_far_view_summarize_kernel, grid, bin_key,
+               (k_cache, v_cache, chunk_table, k_sum, v_sum, *ints), meta)
+    return k_sum, v_sum
+
+
+def _plan(k_cache, v_cache, chunk_table, block_t, block_f, num_warps):
     P, S, Hkv, D = k_cache.shape
     B, C, M = chunk_table.shape
-    F = Hkv * D
-    k_sum = torch.empty((B, C, Hkv, D), device=k_cache.device, dtype=k_cache.dtype)
-    v_sum = torch.empty((B, C, Hkv, D), device=v_cache.device, dtype=v_cache.dtype)
+    shape = (B, C, Hkv, D)
     if B * C == 0:
-        return k_sum, v_sum
+        return shape, None, None, None, None
+    F = Hkv * D
     dt, df = default_blocks(B * C, F, S, k_cache.device)
     block_t, block_f = min(block_t or dt, S), block_f or df
     num_f = triton.cdiv(F, block_f)
     ints = (k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-            chunk_table.stride(0), chunk_table.stride(1), chunk_table.stride(2), P, C, F, M)
-    key = (k_cache.shape, k_cache.dtype, k_cache.device, chunk_table.shape, ints, num_f,
-           block_t, block_f, num_warps,
-           tuple(t.data_ptr() % 16 for t in (k_cache, v_cache, chunk_table, k_sum, v_sum)))
-    launch(_far_view_summarize_kernel, (B * C * num_f,), key,
-           (k_cache, v_cache, chunk_table, k_sum, v_sum, *ints, 1.0 / (M * S)),
-           dict(NUM_F=num_f, S=S, BLOCK_T=block_t, BLOCK_F=block_f, num_warps=num_warps or 4))
-    return k_sum, v_sum
+            chunk_table.stride(0), chunk_table.stride(1), chunk_table.stride(2), P, C, F, M,
+            1.0 / (M * S))
+    meta = dict(NUM_F=num_f, S=S, BLOCK_T=block_t, BLOCK_F=block_f, num_warps=num_warps or 4)
+    # the outputs are fresh, so always 16-byte aligned
+    bin_key = (k_cache.shape, k_cache.dtype, k_cache.device, chunk_table.shape, ints,
+               tuple(meta.values()),
+               tuple(t.data_ptr() % 16 for t in (k_cache, v_cache, chunk_table)))
+    return shape, (B * C * num_f,), bin_key, ints, meta

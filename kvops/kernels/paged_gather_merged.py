@@ -28,8 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kvops._checks import signature as sig
 from kvops.kernels._common import check_copy_block, next_pow2, page_copy_block, sm_count
-from kvops.kernels._launch import launch
+from kvops.kernels._launch import keep_plan, launch
 
 # Up to this many rows, one launch (every program re-reads the rows: 12 KiB at 1024);
 # docs/tuning.md.
@@ -161,22 +162,51 @@ def default_programs_per_sm(T: int, fused: bool) -> int:
     return max(64, min(256, FUSED_ROW_READS_PER_SM // next_pow2(T)))
 
 
+_PLANS: dict = {}
+
+
 def paged_gather_merged_fwd(
     k_cache: torch.Tensor, v_cache: torch.Tensor, trains: torch.Tensor, num_trains: torch.Tensor,
     k_out: torch.Tensor, v_out: torch.Tensor,
     *, num_programs: int | None = None, block: int | None = None, num_warps: int | None = None,
-    fuse_max_trains: int = FUSE_MAX_TRAINS,
+    fuse_max_trains: int = FUSE_MAX_TRAINS, signature=None,
 ) -> None:
     """Launch the kernel(s). Inputs are already checked by the op (pages contiguous,
     any page stride; same shapes).
 
     k_cache, v_cache [P, S, Hkv, D]; trains int32 [T, 3]; num_trains int32 [1];
     k_out, v_out [Q, S, Hkv, D] (written in place). The keyword-only knobs override the tuned
-    defaults (benchmarks and tests use them); the grid depends on shapes only.
+    defaults (benchmarks and tests use them); the grid depends on shapes only. A launch's plan
+    (block, grid, strides, binary key) is kept per argument signature (``signature``: the
+    op's, else one is computed here) and knobs.
     """
+    tensors = (k_cache, v_cache, trains, num_trains, k_out, v_out)
+    if signature is None:
+        signature = tuple(sig(t) for t in tensors)
+    key = (signature, num_programs, block, num_warps, fuse_max_trains)
+    plan = _PLANS.get(key) or keep_plan(_PLANS, key, _plan(*tensors, num_programs, block,
+                                                           num_warps, fuse_max_trains))
+    if plan is _NOTHING:
+        return
+    grid, bin_key, ints, meta, ends_launch = plan
+    if ends_launch is None:
+        ends = trains             # not read
+    else:
+        ends = torch.empty(ints[0] + 1, dtype=torch.int32, device=trains.device)
+        launch(_train_ends_kernel, (1,), bin_key, (trains, num_trains, ends, *ints[:3]),
+               ends_launch)
+    launch(_gather_pages_kernel, grid, bin_key,
+           (k_cache, v_cache, k_out, v_out, trains, num_trains, ends, *ints), meta)
+
+
+_NOTHING = ()      # the plan of a call with no trains or no output pages
+
+
+def _plan(k_cache, v_cache, trains, num_trains, k_out, v_out, num_programs, block, num_warps,
+          fuse_max_trains):
     T, Q = trains.shape[0], k_out.shape[0]
     if T == 0 or Q == 0:
-        return
+        return _NOTHING
     P, S, Hkv, D = k_cache.shape
     page_elems = S * Hkv * D
     block = block or default_block(page_elems, k_cache.element_size())
@@ -184,18 +214,14 @@ def paged_gather_merged_fwd(
     units = page_elems // block
     fused = T <= fuse_max_trains
     strides = (k_cache.stride(0), v_cache.stride(0), k_out.stride(0), v_out.stride(0))
-    key = (k_cache.shape, k_cache.dtype, k_cache.device, T, Q, strides, block, num_warps,
-           num_programs, fused, tuple(t.data_ptr() % 16 for t in (k_cache, v_cache, k_out, v_out,
-                                                                  trains, num_trains)))
-    if fused:
-        ends = trains             # not read
-    else:
-        ends = torch.empty(T + 1, dtype=torch.int32, device=trains.device)
-        launch(_train_ends_kernel, (1,), key, (trains, num_trains, ends, T, P, Q),
-               dict(BLOCK_T=min(4096, next_pow2(T)), num_warps=8))
+    ends_launch = None if fused else dict(BLOCK_T=min(4096, next_pow2(T)), num_warps=8)
     per_sm = default_programs_per_sm(T, fused)
-    grid = num_programs or min(Q * units, per_sm * sm_count(k_cache.device))
-    launch(_gather_pages_kernel, (grid,), key,
-           (k_cache, v_cache, k_out, v_out, trains, num_trains, ends, T, P, Q, *strides),
-           dict(UNITS=units, BLOCK=block, FUSED=fused, BLOCK_T=next_pow2(T) if fused else 1,
-                FANOUT=64, num_warps=num_warps or 8))
+    grid = (num_programs or min(Q * units, per_sm * sm_count(k_cache.device)),)
+    meta = dict(UNITS=units, BLOCK=block, FUSED=fused, BLOCK_T=next_pow2(T) if fused else 1,
+                FANOUT=64, num_warps=num_warps or 8)
+    # the train ends are fresh, so always 16-byte aligned
+    bin_key = (k_cache.shape, k_cache.dtype, k_cache.device, T, Q, strides, grid,
+               tuple(meta.values()),
+               tuple(t.data_ptr() % 16 for t in (k_cache, v_cache, k_out, v_out, trains,
+                                                  num_trains)))
+    return grid, bin_key, (T, P, Q, *strides), meta, ends_launch

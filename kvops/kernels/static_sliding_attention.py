@@ -5,8 +5,9 @@ head's group once, streams its share of the visible window slots in logical (rin
 each K/V row is read once for the whole group and invisible slots are never read, and writes a
 normalized partial. The far slots, when given, are rows after the window's: the splits cut the
 visible window and the far slots together into equal ranges, so a far view costs what a window
-as wide costs. With one split the partial is the output; with more, a second fixed-shape launch
-merges them (``_splitk.merge_split_outputs``).
+as wide costs. With one split the partial is the output; with more, the last split of each
+(sequence, KV head) merges them in the same launch (eager calls, ``_splitk.merge_if_last``) or a
+second fixed-shape launch does (CUDA-graph capture, ``_splitk.merge_split_outputs``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from kvops.kernels._common import (
 from kvops.kernels._launch import keep_plan, launch
 from kvops.kernels._splitk import (
     default_num_splits,
+    merge_if_last,
     merge_plan,
     merge_split_outputs,
     split_outputs,
@@ -50,7 +52,7 @@ from kvops.kernels._splitk import (
 
 @triton.jit
 def _sliding_window_kernel(
-    Q, K, V, WinStart, WinLen, FarK, FarV, FarBias, O, L,
+    Q, K, V, WinStart, WinLen, FarK, FarV, FarBias, O, L, Out, Lse, Count,
     scale_log2,
     stride_qb, stride_qh,
     stride_kb, stride_kw, stride_kh,
@@ -64,6 +66,7 @@ def _sliding_window_kernel(
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_FAR: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     if USE_PDL:  # let the split merge launch now; it waits for this grid on-device
         tl.extra.cuda.gdc_launch_dependents()
@@ -124,6 +127,10 @@ def _sliding_window_kernel(
         b_acc = tl.full([BLOCK_G, BLOCK_D], float("nan"), tl.float32)
     finish_rows(b_m, b_l, b_acc, O, L, i_b, i_h, i_s, stride_ob, stride_oh, stride_os,
                 stride_lb, stride_lh, G, D, BLOCK_G, BLOCK_D)
+    if FUSED_MERGE:
+        merge_if_last(O, L, Out, Lse, Count + i_bh, i_b, i_h, Hkv, stride_ob, stride_oh,
+                      stride_os, stride_lb, stride_lh, NUM_SPLITS, G, D, BLOCK_G, BLOCK_D,
+                      BLOCK_S)
 
 
 SHORT_WINDOW = 1024   # unsplit windows up to this many rows: the short-window rule
@@ -216,11 +223,15 @@ def _plan(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale, knobs):
             W, C, Hkv, lp.splits)
     meta = dict(G=G, D=D, BLOCK_G=max(16, next_pow2(G)), BLOCK_D=next_pow2(D),
                 BLOCK_N=lp.block_n, HAS_FAR=has_far, PRECISION=dot_precision(q.dtype),
-                USE_PDL=pdl, num_warps=lp.warps, num_stages=lp.stages)
-    merge = merge_plan(B, Hq, nsp, D, q.dtype, pdl, q.device) if nsp > 1 else None
-    # the plan's own token keys its compiled kernel: a plan made again (another rule, patched
-    # constants in tests) never launches a binary compiled for the old one
-    return (B, Hq, D, nsp, pdl, scale * LOG2E_F, ints, meta, (B * Hkv, nsp), merge, object())
+                USE_PDL=pdl, FUSED_MERGE=False, BLOCK_S=1, num_warps=lp.warps,
+                num_stages=lp.stages)
+    merge = fused = None
+    if nsp > 1:
+        merge = merge_plan(B, Hq, nsp, D, q.dtype, pdl, q.device)
+        # the plan's own tokens key its compiled kernels: a plan made again (another rule,
+        # patched constants in tests) never launches a binary compiled for the old one
+        fused = (dict(meta, USE_PDL=False, FUSED_MERGE=True, BLOCK_S=next_pow2(nsp)), object())
+    return (B, Hq, D, nsp, scale * LOG2E_F, ints, meta, (B * Hkv, nsp), merge, fused, object())
 
 
 def static_sliding_attention_fwd(
@@ -250,13 +261,20 @@ def static_sliding_attention_fwd(
                sig(far_v), sig(far_bias), scale)
     plan = _PLANS.get(key) or keep_plan(
         _PLANS, key, _plan(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale, knobs))
-    B, Hq, D, nsp, pdl, scale_log2, ints, meta, grid, merge, token = plan
-    out, lse, part_o, part_l = split_outputs(B, Hq, D, nsp, q.dtype, q.device)
+    B, Hq, D, nsp, scale_log2, ints, meta, grid, merge, fused, token = plan
+    out, lse, part_o, part_l, count = split_outputs(B, Hq, D, nsp, q.dtype, q.device,
+                                                    grid[0])
     if far_k is None:
         far_k, far_v, far_bias = k, v, lse
+    if count is not None:      # one launch: the last split of each group merges it
+        launch(_sliding_window_kernel, grid, fused[1],
+               (q, k, v, win_start, win_len, far_k, far_v, far_bias, part_o, part_l, out, lse,
+                count, scale_log2, *ints), fused[0])
+        return out, lse
+    # the unfused kernel reads neither out, lse nor a counter: it gets valid pointers
     launch(_sliding_window_kernel, grid, token,
-           (q, k, v, win_start, win_len, far_k, far_v, far_bias, part_o, part_l, scale_log2,
-            *ints), meta)
+           (q, k, v, win_start, win_len, far_k, far_v, far_bias, part_o, part_l, out, lse,
+            win_len, scale_log2, *ints), meta)
     if merge is not None:
         merge_split_outputs(merge, part_o, part_l, out, lse)
     return out, lse

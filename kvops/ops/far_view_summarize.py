@@ -44,14 +44,15 @@ _checked = CheckedSignatures(_check)
 
 
 def _impl(k_cache, v_cache, chunk_table):
-    _checked((sig(k_cache), sig(v_cache), sig(chunk_table)), k_cache, v_cache, chunk_table)
+    key = (sig(k_cache), sig(v_cache), sig(chunk_table))
+    _checked(key, k_cache, v_cache, chunk_table)
     if validate():
         P = k_cache.shape[0]
         _checks.index_range("chunk_table[..., 0] (first page)", chunk_table[..., 0], 0, P, allow=-1)
         live = chunk_table[chunk_table[..., 0] >= 0]
         _checks.index_range("chunk_table (pages of a non-empty chunk)", live, 0, P)
     if use_triton(k_cache.device):
-        return far_view_summarize_fwd(k_cache, v_cache, chunk_table)
+        return far_view_summarize_fwd(k_cache, v_cache, chunk_table, signature=key)
     return far_view_summarize_ref(k_cache, v_cache, chunk_table)
 
 

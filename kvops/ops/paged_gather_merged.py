@@ -84,12 +84,13 @@ _checked = CheckedSignatures(_check)
 
 
 def _impl(k_cache, v_cache, trains, num_trains, k_out, v_out):
-    _checked((sig(k_cache), sig(v_cache), sig(trains), sig(num_trains), sig(k_out), sig(v_out)),
-             k_cache, v_cache, trains, num_trains, k_out, v_out)
+    key = (sig(k_cache), sig(v_cache), sig(trains), sig(num_trains), sig(k_out), sig(v_out))
+    _checked(key, k_cache, v_cache, trains, num_trains, k_out, v_out)
     if validate():
         _validate_trains(trains, num_trains, k_cache.shape[0], k_out.shape[0])
     if use_triton(k_cache.device):
-        paged_gather_merged_fwd(k_cache, v_cache, trains, num_trains, k_out, v_out)
+        paged_gather_merged_fwd(k_cache, v_cache, trains, num_trains, k_out, v_out,
+                                signature=key)
         return
     paged_gather_merged_ref(k_cache, v_cache, trains, num_trains, k_out, v_out)
 

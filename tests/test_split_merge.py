@@ -1,0 +1,142 @@
+"""The two ways a split-K decode launch merges its splits (``kvops.kernels._splitk``): in the same
+launch, by the last split of each (sequence, KV head) (eager calls), and by a second launch
+(CUDA-graph capture). Both against the float64 oracles, for both decode ops, with empty and NaN
+rows; the counters a one-launch merge takes are zero again after it; on CUDA, kept counters of
+two streams whose launches overlap stay apart."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvops  # noqa: F401  (registers the ops)
+from kvops.kernels import _workspace
+from kvops.kernels import elastic_attention as ea
+from kvops.kernels import static_sliding_attention as ssa
+from tests.conftest import requires_cuda, two_launches
+from tests.test_elastic_attention import check_against_oracle as elastic_check
+from tests.test_elastic_attention import make_case as elastic_case
+from tests.test_static_sliding_attention import check_against_oracle as sliding_check
+from tests.test_static_sliding_attention import make_case as sliding_case
+
+MERGES = ["one launch", "two launches"]
+
+
+def _force(module, merge, monkeypatch):
+    """Make ``module``'s launcher merge as ``merge`` says; returns the counters it is handed."""
+    given = []
+    if merge == "two launches":
+        two_launches(module, monkeypatch)
+    else:
+        def refuse(*a):
+            raise AssertionError("a one-launch merge launched the merge kernel")
+
+        split = module.split_outputs
+
+        def keep(*a):
+            outs = split(*a)
+            given.append(outs[4])
+            return outs
+
+        monkeypatch.setattr(module, "split_outputs", keep)
+        monkeypatch.setattr(module, "merge_split_outputs", refuse)
+    return given
+
+
+@pytest.mark.parametrize("merge", MERGES)
+@pytest.mark.parametrize("num_splits,C", [(3, 0), (5, 0), (4, 9)])
+def test_sliding_merges_match_the_oracle(kernel_device, merge, num_splits, C, monkeypatch):
+    given = _force(ssa, merge, monkeypatch)
+    dims = (3, 100, 2, 3, 64, C, torch.float16)
+    case = sliding_case(*dims, device=kernel_device, seed=num_splits + C, empty_rows=(1,))
+    out, lse = ssa.static_sliding_attention_fwd(**case, num_splits=num_splits)
+    sliding_check(out, lse, case, dims[-1], f"{merge}-splits{num_splits}-C{C}")
+    assert len(given) == (merge == "one launch")
+    for count in given:
+        assert count.shape == (3 * 2,) and not count.any()      # left zero for the next launch
+
+
+@pytest.mark.parametrize("merge", MERGES)
+def test_sliding_nan_rows_stay_nan(kernel_device, merge, monkeypatch):
+    """A win_len outside [0, W] makes its row NaN (the op's documented answer) through either
+    merge; its neighbours stay exact."""
+    _force(ssa, merge, monkeypatch)
+    dims = (3, 64, 2, 2, 32, 0, torch.float32)
+    case = sliding_case(*dims, device=kernel_device, seed=5)
+    case["win_len"][0] = 64 + 3
+    out, lse = ssa.static_sliding_attention_fwd(**case, num_splits=4)
+    assert out[0].isnan().all() and lse[0].isnan().all()
+    assert not out[1:].isnan().any() and not lse[1:].isnan().any()
+    rest = {n: t[1:] for n, t in case.items()}
+    sliding_check(out[1:], lse[1:], rest, dims[-1], f"{merge}-nan-neighbours")
+
+
+@pytest.mark.parametrize("merge", MERGES)
+@pytest.mark.parametrize("path", ["native", "structured", "general"])
+def test_elastic_merges_match_the_oracle(kernel_device, merge, path, monkeypatch):
+    given = _force(ea, merge, monkeypatch)
+    case = elastic_case(4, 5, 16, 2, 4, 64, torch.float16, path, kernel_device, seed=len(path),
+                        zero_row=True)
+    out, lse = ea.elastic_attention_fwd(**case, num_splits=3)
+    elastic_check(out, lse, case, f"{merge}-{path}")
+    assert len(given) == (merge == "one launch")
+    for count in given:
+        assert count.shape == (4 * 2,) and not count.any()
+
+
+def test_one_launch_and_two_agree(kernel_device, monkeypatch):
+    """The two merges sum the splits in different orders: equal to float32 rounding."""
+    dims = (2, 130, 2, 4, 64, 0, torch.float32)
+    case = sliding_case(*dims, device=kernel_device, seed=11)
+    one = ssa.static_sliding_attention_fwd(**case, num_splits=5)
+    two_launches(ssa, monkeypatch)
+    two = ssa.static_sliding_attention_fwd(**case, num_splits=5)
+    for a, b in zip(one, two):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+@requires_cuda
+def test_eager_calls_merge_in_one_launch_and_leave_kept_counters_zero(monkeypatch):
+    """Eager split calls of both ops on CUDA never launch the merge kernel, and every kept
+    counter is zero after them."""
+    dev = torch.device("cuda")
+    refuse = lambda *a: (_ for _ in ()).throw(AssertionError("merge kernel launched"))
+    monkeypatch.setattr(ssa, "merge_split_outputs", refuse)
+    monkeypatch.setattr(ea, "merge_split_outputs", refuse)
+    _workspace.clear()
+    for seed in range(3):
+        case = sliding_case(4, 4096, 8, 4, 128, 0, torch.bfloat16, dev, seed=seed)
+        ssa.static_sliding_attention_fwd(**case, num_splits=8)
+        paged = elastic_case(3, 40, 16, 2, 4, 128, torch.bfloat16, "structured", dev, seed=seed)
+        ea.elastic_attention_fwd(**paged, num_splits=6)
+    torch.cuda.synchronize()
+    assert _workspace._COUNTS
+    for buf, _ in _workspace._COUNTS.values():
+        assert not buf.any()
+
+
+@requires_cuda
+def test_overlapping_launches_on_two_streams_count_apart():
+    """A long one-launch merge on stream a runs while stream b's short ones start and finish:
+    shared counters would let b's programs count as a's (merging a's rows early, never merging
+    others) and leave them non-zero."""
+    dev = torch.device("cuda")
+    long = sliding_case(2, 1 << 20, 1, 4, 128, 0, torch.float16, dev, seed=1)
+    short = [sliding_case(2, 2048, 1, 4, 128, 0, torch.float16, dev, seed=2 + i)
+             for i in range(4)]
+    sa, sb = torch.cuda.Stream(), torch.cuda.Stream()
+    for c in (long, *short):           # compiled before the overlapping launches
+        ssa.static_sliding_attention_fwd(**c, num_splits=4)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(sa):
+        got_long = ssa.static_sliding_attention_fwd(**long, num_splits=4)
+    got_short = []
+    with torch.cuda.stream(sb):
+        for c in short:
+            got_short.append(ssa.static_sliding_attention_fwd(**c, num_splits=4))
+    torch.cuda.synchronize()
+    sliding_check(*got_long, long, torch.float16, "long")
+    for c, got in zip(short, got_short):
+        sliding_check(*got, c, torch.float16, "short")
+    for buf, _ in _workspace._COUNTS.values():
+        assert not buf.any()
