@@ -13,6 +13,7 @@ import kvops  # noqa: F401  (registers the ops)
 from kvops.kernels import _workspace
 from kvops.kernels import elastic_attention as ea
 from kvops.kernels import static_sliding_attention as ssa
+from kvops.ops.static_sliding_attention import static_sliding_attention_ref
 from tests.conftest import requires_cuda, two_launches
 from tests.test_elastic_attention import check_against_oracle as elastic_check
 from tests.test_elastic_attention import make_case as elastic_case
@@ -135,8 +136,9 @@ def test_overlapping_launches_on_two_streams_count_apart():
         for c in short:
             got_short.append(ssa.static_sliding_attention_fwd(**c, num_splits=4))
     torch.cuda.synchronize()
-    sliding_check(*got_long, long, torch.float16, "long")
-    for c, got in zip(short, got_short):
-        sliding_check(*got, c, torch.float16, "short")
+    for c, got in ((long, got_long), *zip(short, got_short)):   # too long for the oracle
+        want = static_sliding_attention_ref(**c)
+        torch.testing.assert_close(got[0].float(), want[0].float(), atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(got[1], want[1], atol=2e-3, rtol=2e-3)
     for buf, _ in _workspace._COUNTS.values():
         assert not buf.any()
