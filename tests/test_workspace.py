@@ -199,3 +199,18 @@ def test_views_are_aligned_and_disjoint(shapes):
         spans.append((v.data_ptr(), v.data_ptr() + 4 * v.numel()))
     spans.sort()
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+
+
+@requires_cuda
+def test_split_scratch_follows_its_counters_when_they_grow():
+    """A split request remembered with the old counter buffer is forgotten when the counters
+    grow: later calls get the kept buffer's counters, never the replaced ones."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    _workspace.clear()
+    shapes = ((2, 8, 4, 64), (2, 8, 4))
+    first = _workspace.split_scratch(dev, shapes, 16)
+    _workspace.split_scratch(dev, shapes, 5000)          # replaces the 1024-entry counters
+    again = _workspace.split_scratch(dev, shapes, 16)
+    (buf, _), = _workspace._COUNTS.values()
+    assert buf.numel() >= 5000 and again[2].data_ptr() == buf.data_ptr()
+    assert first[2].data_ptr() != buf.data_ptr() and not again[2].any()

@@ -39,7 +39,9 @@ import torch
 
 ENABLED = os.environ.get("KVOPS_KEEP_SCRATCH", "1").strip() not in ("0", "false", "off")
 MAX_BUFFERS = 64
-_BUFS: dict = {}       # (device index, stream, thread) -> [buffer, {request: views}]
+# (device index, stream, thread) -> [buffer, {request: views}]; a float buffer's requests are
+# shapes (float_views) or (shapes, n) (split_scratch: its views and the key's counters)
+_BUFS: dict = {}
 _COUNTS: dict = {}     # (device index, stream, thread) -> [int32 zeros, {n: view}]
 _ALIGN = 32            # floats: every view starts 128 bytes after the previous one's start
 
@@ -97,7 +99,7 @@ def float_views(device: torch.device, shapes: tuple) -> tuple:
     until the next call on this device, stream and thread; contents undefined."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return _fresh(device, shapes)
-    return _float_views(_kept_key(device), device, shapes)
+    return _float_views(_kept_key(device), device, shapes)[0]
 
 
 def counters(device: torch.device, n: int):
@@ -107,49 +109,65 @@ def counters(device: torch.device, n: int):
     and thread as the float scratch is; fresh zeros where that is not kept."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None
-    return _counters(_kept_key(device), device, n)
+    return _counters(_kept_key(device), device, n)[0]
 
 
 def split_scratch(device: torch.device, shapes: tuple, n: int) -> tuple:
     """``float_views(device, shapes)`` and ``counters(device, n)`` in one call (one look at the
-    stream and the thread): the views followed by the counters (None while capturing)."""
+    stream and the thread, one cache hit): the views followed by the counters (None while
+    capturing)."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return (*_fresh(device, shapes), None)
     key = _kept_key(device)
-    return (*_float_views(key, device, shapes), _counters(key, device, n))
+    entry = _BUFS.get(key) if key is not None else None
+    if entry is not None:
+        hit = entry[1].get((shapes, n))
+        if hit is not None:
+            return hit
+    views, kept_views = _float_views(key, device, shapes)
+    count, kept_count = _counters(key, device, n)
+    got = (*views, count)
+    if kept_views and kept_count:      # both in kept buffers: valid until either is replaced
+        _remember(_BUFS[key], (shapes, n), got)
+    return got
 
 
 def _float_views(key, device, shapes) -> tuple:
+    """(views, whether they lie in the kept buffer)."""
     if key is None:
-        return _fresh(device, shapes)
+        return _fresh(device, shapes), False
     entry = _BUFS.get(key)
     if entry is not None:
         hit = entry[1].get(shapes)
         if hit is not None:
-            return hit
+            return hit, True
     need = sum(_round(_numel(s)) for s in shapes)
     if entry is None or entry[0].numel() < need:
         buf = torch.empty(need, dtype=torch.float32, device=device)
         if not _default_pool(buf):
-            return _views(buf, shapes)          # used by this call only
+            return _views(buf, shapes), False   # used by this call only
         entry = _keep(_BUFS, key, buf)
-    return _view(entry, shapes, lambda buf: _views(buf, shapes))
+    return _view(entry, shapes, lambda buf: _views(buf, shapes)), True
 
 
-def _counters(key, device, n: int) -> torch.Tensor:
+def _counters(key, device, n: int) -> tuple:
+    """(counters, whether they lie in the kept counter buffer)."""
     if key is None:
-        return torch.zeros(n, dtype=torch.int32, device=device)
+        return torch.zeros(n, dtype=torch.int32, device=device), False
     entry = _COUNTS.get(key)
     if entry is not None:
         hit = entry[1].get(n)
         if hit is not None:
-            return hit
+            return hit, True
     if entry is None or entry[0].numel() < n:
         buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
         if not _default_pool(buf):
-            return buf[:n]                      # used by this call only
+            return buf[:n], False               # used by this call only
         entry = _keep(_COUNTS, key, buf)
-    return _view(entry, n, lambda buf: buf[:n])
+        floats = _BUFS.get(key)
+        if floats is not None:                  # its split requests hold the old counters
+            floats[1].clear()
+    return _view(entry, n, lambda buf: buf[:n]), True
 
 
 def _keep(kept: dict, key, buf) -> list:
@@ -162,7 +180,10 @@ def _keep(kept: dict, key, buf) -> list:
 
 
 def _view(entry: list, request, make):
-    views = make(entry[0])
+    return _remember(entry, request, make(entry[0]))
+
+
+def _remember(entry: list, request, views):
     if len(entry[1]) >= 64:
         entry[1].clear()
     entry[1][request] = views
