@@ -6,6 +6,10 @@ and graph-replay us.
 - wall us/call: the same loop timed through the final sync;
 - graph us: the median CUDA-graph replay time of one call (``bench.common.time_graph``).
 
+Host time drifts with the machine (an SDPA call took 15 to 29 us within one run), so each row
+interleaves rounds of the op, its peer and SDPA and reports medians and the medians of the
+rounds' ratios.
+
 The attention rows use Llama-3-8B heads (Hq 32, Hkv 8, D 128), bf16, B 4, 512 tokens (pages of
 16). Copy and pool ops use the same pool; their peers are torch's own indexing ops.
 
@@ -111,23 +115,35 @@ def cases(device, dtype=torch.bfloat16, B=4, ctx=512):
     }
 
 
+ROUNDS = 7     # interleaved rounds of (op, peer, sdpa): the host's speed drifts within a run
+
+
 def cuda_rows():
+    """One row an op: host and wall us the median over ``ROUNDS`` rounds, each timing the op,
+    its peer and SDPA back to back, and the ratios the medians of the rounds' own ratios, so a
+    drift of the host's speed between rows (SDPA 15-29 us a call within one run) cancels."""
+    import statistics
+
     from bench.common import time_graph
 
     rows = []
-    sdpa_host = None
-    for name, (op, peer_name, peer) in cases(torch.device("cuda")).items():
-        host, wall = eager_times(op, **LOOP)
-        graph = time_graph(op)[1]
-        p_host, p_wall = eager_times(peer, **LOOP)
-        p_graph = time_graph(peer)[1]
-        if peer_name == "sdpa":
-            sdpa_host = p_host
-        rows.append([name, host, wall, graph, peer_name, p_host, p_wall, p_graph,
-                     host / p_host, host / sdpa_host if sdpa_host else float("nan")])
+    all_cases = cases(torch.device("cuda"))
+    sdpa = all_cases["static_sliding_attention"][2]
+    loop = dict(LOOP, iters=LOOP["iters"] // 2)
+    for name, (op, peer_name, peer) in all_cases.items():
+        per_round = []
+        for _ in range(ROUNDS):
+            per_round.append((*eager_times(op, **loop), *eager_times(peer, **loop),
+                              eager_times(sdpa, **loop)[0]))
+        host, wall, p_host, p_wall, s_host = (statistics.median(c) for c in zip(*per_round))
+        to_peer = statistics.median(r[0] / r[2] for r in per_round)
+        to_sdpa = statistics.median(r[0] / r[4] for r in per_round)
+        graph, p_graph = time_graph(op)[1], time_graph(peer)[1]
+        rows.append([name, host, wall, graph, peer_name, p_host, p_wall, p_graph, s_host,
+                     to_peer, to_sdpa])
         print(rows[-1], flush=True)
     headers = ["op", "host us", "wall us", "graph us", "peer", "peer host us", "peer wall us",
-               "peer graph us", "host / peer", "host / sdpa"]
+               "peer graph us", "sdpa host us", "host / peer", "host / sdpa"]
     return headers, rows
 
 

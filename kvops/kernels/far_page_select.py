@@ -22,10 +22,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kvops._checks import signature as sig
 from kvops.kernels._attention import dot, load_query_group
 from kvops.kernels._common import dot_precision, next_pow2
 from kvops.kernels._keys import score_bits, score_key
-from kvops.kernels._launch import launch
+from kvops.kernels._launch import keep_plan, launch
 
 
 @triton.jit
@@ -152,24 +153,40 @@ def far_page_scores_fwd(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tenso
     Returns scores float32 [2, B, N]: ``[0]`` the best bound over query heads, ``[1]`` the
     bounds summed over them; ``-inf`` past num_far.
     """
-    B, Hq, D = q.shape
-    N, Hkv = k_min.shape[1], k_min.shape[2]
-    G = Hq // Hkv
+    B, N = q.shape[0], k_min.shape[1]
     scores = torch.empty((2, B, N), device=q.device, dtype=torch.float32)
     if B * N == 0:
         return scores
+    key = ("scores", sig(q), sig(k_min), sig(k_max), sig(num_far), block_n, num_warps)
+    plan = _PLANS.get(key) or keep_plan(_PLANS, key, _scores_plan(q, k_min, k_max, num_far,
+                                                                  block_n, num_warps))
+    grid, bin_key, ints, meta, copy_q = plan
+    q = q.contiguous() if copy_q else q
+    launch(_far_page_scores_kernel, grid, bin_key, (q, k_min, k_max, num_far, scores[0],
+                                                    scores[1], *ints), meta)
+    return scores
+
+
+_PLANS: dict = {}   # launch plans (grid, binary key, runtime integers, constants) by signature
+
+
+def _scores_plan(q, k_min, k_max, num_far, block_n, num_warps):
+    B, Hq, D = q.shape
+    N, Hkv = k_min.shape[1], k_min.shape[2]
+    G = Hq // Hkv
     block_n = block_n or default_block_n(D)
     num_n = triton.cdiv(N, block_n)
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    ints = (q.stride(0), q.stride(1), k_min.stride(0), k_min.stride(1), k_min.stride(2),
+    copy_q = q.stride(-1) != 1
+    q_strides = (Hq * D, D) if copy_q else (q.stride(0), q.stride(1))
+    ints = (*q_strides, k_min.stride(0), k_min.stride(1), k_min.stride(2),
             k_max.stride(0), k_max.stride(1), k_max.stride(2), N, Hkv, num_n)
     meta = dict(G=G, D=D, BLOCK_G=max(16, next_pow2(G)), BLOCK_D=next_pow2(D), BLOCK_N=block_n,
                 PRECISION=dot_precision(q.dtype), num_warps=num_warps or 4)
-    tensors = (q, k_min, k_max, num_far, scores[0], scores[1])
-    key = (q.dtype, q.device, ints, tuple(meta.items()),
-           tuple(t.data_ptr() % 16 for t in tensors))
-    launch(_far_page_scores_kernel, (B * num_n,), key, (*tensors, *ints), meta)
-    return scores
+    # scores[1] starts B * N floats after scores[0]: aligned when B * N is a multiple of 4
+    aligned = (copy_q or q.data_ptr() % 16 == 0, k_min.data_ptr() % 16 == 0,
+               k_max.data_ptr() % 16 == 0, num_far.data_ptr() % 16 == 0, (B * N) % 4 == 0)
+    bin_key = (q.dtype, q.device, ints, tuple(meta.items()), aligned)
+    return (B * num_n,), bin_key, ints, meta, copy_q
 
 
 CHOICE_MAX_PAGES = 16384   # rows held in one block up to here (32 keys a thread at 16 warps)
@@ -201,13 +218,20 @@ def far_page_top_fwd(scores: torch.Tensor, top_k: int) -> tuple[torch.Tensor, to
     score = torch.empty((B, top_k), device=scores.device, dtype=torch.float32)
     if B == 0:
         return index, score
+    key = ("top", sig(scores), top_k)
+    plan = _PLANS.get(key) or keep_plan(_PLANS, key, _top_plan(scores, top_k))
+    bin_key, ints, meta = plan
+    launch(_far_page_top_kernel, (B,), bin_key, (scores, index, score, *ints), meta)
+    return index, score
+
+
+def _top_plan(scores, top_k):
+    _, B, N = scores.shape
     block_n, warps = choice_launch(N)
     ints = (scores.stride(0), B, N, top_k)
     half = (top_k + 1) // 2
     block_k = next_pow2(half)
     meta = dict(HALF=half, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_J=min(block_k, 64),
                 num_warps=warps)
-    tensors = (scores, index, score)
-    key = (scores.device, scores.dtype, ints, tuple(t.data_ptr() % 16 for t in tensors))
-    launch(_far_page_top_kernel, (B,), key, (*tensors, *ints), meta)
-    return index, score
+    # index and score are fresh, so always 16-byte aligned
+    return (scores.device, scores.dtype, ints, scores.data_ptr() % 16), ints, meta

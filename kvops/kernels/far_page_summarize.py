@@ -20,8 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kvops._checks import signature as sig
 from kvops.kernels._common import next_pow2, sm_count
-from kvops.kernels._launch import launch
+from kvops.kernels._launch import keep_plan, launch
 
 
 @triton.jit
@@ -75,12 +76,32 @@ def default_blocks(entries: int, F: int, S: int, device: torch.device) -> tuple[
     return max(1, min(S, 4096 // block_f)), block_f
 
 
+_PLANS: dict = {}
+
+
 def _launch(k_cache, pages, rows, k_min, k_max, block_t, block_f, num_warps) -> None:
+    """Launch by a plan (blocks, grid, strides, binary key) kept per argument signature and
+    knobs."""
+    tensors = (k_cache, pages, rows, k_min, k_max)
+    key = (tuple(sig(t) for t in tensors), block_t, block_f, num_warps)
+    plan = _PLANS.get(key) or keep_plan(_PLANS, key, _plan(*tensors, block_t, block_f,
+                                                           num_warps))
+    if plan is _NOTHING:
+        return
+    grid, bin_key, ints, meta = plan
+    launch(_far_page_summarize_kernel, grid, bin_key,
+           (k_cache, pages, pages if rows is None else rows, k_min, k_max, *ints), meta)
+
+
+_NOTHING = ()      # the plan of a call with no entries
+
+
+def _plan(k_cache, pages, rows, k_min, k_max, block_t, block_f, num_warps):
     P, S, Hkv, D = k_cache.shape
     B, N = pages.shape
     F = Hkv * D
     if B * N == 0:
-        return
+        return _NOTHING
     dt, df = default_blocks(B * N, F, S, k_cache.device)
     block_t, block_f = min(block_t or dt, S), block_f or df
     num_f = triton.cdiv(F, block_f)
@@ -91,10 +112,9 @@ def _launch(k_cache, pages, rows, k_min, k_max, block_t, block_f, num_warps) -> 
             k_max.stride(1), P, N, F, k_min.shape[1])
     meta = dict(NUM_F=num_f, S=S, BLOCK_T=block_t, BLOCK_F=block_f, HAS_ROWS=has_rows,
                 num_warps=num_warps or 4)
-    tensors = (k_cache, pages, rows, k_min, k_max)
-    key = (k_cache.dtype, k_cache.device, rows.dtype, ints, tuple(meta.items()),
-           tuple(t.data_ptr() % 16 for t in tensors))
-    launch(_far_page_summarize_kernel, (B * N * num_f,), key, (*tensors, *ints), meta)
+    bin_key = (k_cache.dtype, k_cache.device, rows.dtype, ints, tuple(meta.items()),
+               tuple(t.data_ptr() % 16 for t in (k_cache, pages, rows, k_min, k_max)))
+    return (B * N * num_f,), bin_key, ints, meta
 
 
 def far_page_summarize_fwd(k_cache: torch.Tensor, pages: torch.Tensor, *,

@@ -16,9 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kvops._checks import signature as sig
 from kvops.kernels._common import next_pow2
 from kvops.kernels._keys import score_key
-from kvops.kernels._launch import launch
+from kvops.kernels._launch import keep_plan, launch
 
 _TAKEN = -(2 ** 63)             # a key already taken into the top: below any empty key
 _ABOVE = 2 ** 63 - 1
@@ -79,17 +80,31 @@ def far_view_rank_fwd(scores: torch.Tensor, summarized: torch.Tensor, select: to
     ``-2**63``). Returns keys int64 [L, B, C] and changed bool [L, B].
     """
     L, B, C = select.shape
-    J = summarized.shape[1]
     keys = torch.empty((L, B, C), device=scores.device, dtype=torch.int64)
     changed = torch.empty((L, B), device=scores.device, dtype=torch.bool)
     if L * B == 0:
         return keys, changed
-    summ = summarized.view(torch.uint8)
+    key = (sig(scores), sig(summarized), sig(select), empty_key)
+    plan = _PLANS.get(key) or keep_plan(_PLANS, key, _plan(scores, summarized, select,
+                                                           empty_key))
+    bin_key, ints, meta = plan
+    launch(_far_view_rank_kernel, (L * B,), bin_key,
+           (scores, summarized.view(torch.uint8), select, keys, changed.view(torch.int8), *ints),
+           meta)
+    return keys, changed
+
+
+_PLANS: dict = {}   # launch plans (binary key, runtime integers, constants) by signature
+
+
+def _plan(scores, summarized, select, empty_key):
+    L, B, C = select.shape
+    J = summarized.shape[1]
     ints = (scores.stride(0), scores.stride(1), B, J)
     block_j, warps = rank_launch(J)
     meta = dict(C=C, BLOCK_J=block_j, BLOCK_C=next_pow2(C), EMPTY=empty_key, TAKEN=_TAKEN,
                 ABOVE=_ABOVE, num_warps=warps)
-    tensors = (scores, summ, select, keys, changed.view(torch.int8))
-    key = (scores.device, ints, C, tuple(t.data_ptr() % 16 for t in tensors))
-    launch(_far_view_rank_kernel, (L * B,), key, (*tensors, *ints), meta)
-    return keys, changed
+    # keys and changed are fresh, so always 16-byte aligned
+    bin_key = (scores.device, ints, C, empty_key,
+               tuple(t.data_ptr() % 16 for t in (scores, summarized, select)))
+    return bin_key, ints, meta
