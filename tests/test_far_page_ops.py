@@ -299,7 +299,7 @@ def test_choice_of_rows_past_the_kernel_cap_takes_torch_topk(kernel_device, monk
         raise AssertionError("the choice kernel ran past its cap")
 
     monkeypatch.setattr(fps, "CHOICE_MAX_PAGES", 39)
-    monkeypatch.setattr(op_module, "far_page_top_fwd", refuse)
+    monkeypatch.setattr(op_module, "far_page_select_fwd", refuse)
     with kvops.backend("triton"):
         got = torch.ops.kvops.far_page_select(q, lo, hi, num_far, 5)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

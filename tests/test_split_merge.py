@@ -142,3 +142,29 @@ def test_overlapping_launches_on_two_streams_count_apart():
         torch.testing.assert_close(got[1], want[1], atol=2e-3, rtol=2e-3)
     for buf, _ in _workspace._COUNTS.values():
         assert not buf.any()
+
+
+@pytest.mark.parametrize("N", [5, 70, 200])
+def test_page_select_in_one_launch_equals_two(kernel_device, N, monkeypatch):
+    """far_page_select's one-launch form (the last scoring block of a row chooses) gives the
+    scoring and choice kernels' answer bit for bit, rows of one to four scoring blocks, and
+    leaves its counters zero."""
+    import kvops.kernels.far_page_select as fps
+    from tests.test_far_page_ops import make_select_case
+
+    q, lo, hi, num_far = make_select_case(3, N, 2, 4, 64, torch.float16, kernel_device, N)
+    num_far[0] = N
+    given = []
+    scratch = fps.split_scratch
+
+    def keep(*a):
+        got = scratch(*a)
+        given.append(got[-1])
+        return got
+
+    monkeypatch.setattr(fps, "split_scratch", keep)
+    one = fps.far_page_select_fwd(q, lo, hi, num_far, min(6, N))
+    assert len(given) == 1 and given[0] is not None and not given[0].any()
+    monkeypatch.setattr(fps, "split_scratch", lambda *a: (*scratch(*a)[:-1], None))
+    two = fps.far_page_select_fwd(q, lo, hi, num_far, min(6, N))
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])

@@ -58,6 +58,16 @@ def _merge_splits_kernel(
 
 
 @triton.jit
+def arrive(Count, n):
+    """Count this program done on ``Count`` (an int32 counter, zero before the launch) among the
+    ``n`` programs that share it: True for the last to arrive, which then reads the others'
+    writes (loads with ``cache_modifier=".cg"``) and sets the counter back to zero
+    (``tl.atomic_xchg(Count, 0)``) for the next launch."""
+    tl.debug_barrier()            # every thread's stores precede this program's count
+    return tl.atomic_add(Count, 1, sem="acq_rel", scope="gpu") == n - 1
+
+
+@triton.jit
 def merge_if_last(PartO, PartL, Out, Lse, Count, i_b, i_h, Hkv,
                   stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, NUM_SPLITS,
                   G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -67,9 +77,7 @@ def merge_if_last(PartO, PartL, Out, Lse, Count, i_b, i_h, Hkv,
     finish merges the group's ``G`` query rows into ``Out [B, Hq, D]`` and ``Lse [B, Hq]``
     (contiguous) as ``_merge_splits_kernel`` does, and sets ``Count`` (the group's int32
     counter, zero before the launch) back to zero."""
-    tl.debug_barrier()            # every thread's partial stores precede this program's count
-    done = tl.atomic_add(Count, 1, sem="acq_rel", scope="gpu")
-    if done == NUM_SPLITS - 1:
+    if arrive(Count, NUM_SPLITS):
         o_g = tl.arange(0, BLOCK_G)
         o_d = tl.arange(0, BLOCK_D)
         o_s = tl.arange(0, BLOCK_S)

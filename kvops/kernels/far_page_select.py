@@ -14,6 +14,10 @@ bounds of the other pages gives the rest. Each half is packed into its output en
 every entry moves to its rank among them (a compare of the half against itself), so each half
 comes out in decreasing score. One launch in place of two ``torch.topk``, a scatter and the
 joins (2.5-3x faster: docs/tuning.md).
+
+Eager calls score and choose in one launch (``far_page_select_fwd``): the scoring program of a
+row that finishes last (``_splitk.arrive`` on a counter kept per stream) makes the row's
+choice, with the scores in the stream's scratch. A captured graph runs the two kernels.
 """
 
 from __future__ import annotations
@@ -27,17 +31,20 @@ from kvops.kernels._attention import dot, load_query_group
 from kvops.kernels._common import dot_precision, next_pow2
 from kvops.kernels._keys import score_bits, score_key
 from kvops.kernels._launch import keep_plan, launch
+from kvops.kernels._splitk import arrive
+from kvops.kernels._workspace import split_scratch
 
 
 @triton.jit
 def _far_page_scores_kernel(
-    Q, KMin, KMax, NumFar, Best, Total,
+    Q, KMin, KMax, NumFar, Scores, Index, Score, Count,
     stride_qb, stride_qh,
     stride_lb, stride_ln, stride_lh,
     stride_ub, stride_un, stride_uh,
-    N, Hkv, NUM_N,
+    N, Hkv, NUM_N, TOP_K, stride_s,
     G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, CHOOSE: tl.constexpr,
+    HALF: tl.constexpr, CHOICE_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_J: tl.constexpr,
 ):
     i_pid = tl.program_id(0)
     i_b = (i_pid // NUM_N).to(tl.int64)
@@ -66,8 +73,13 @@ def _far_page_scores_kernel(
             total += tl.sum(tl.where(m_g, b_s, 0.0), axis=0)
     best = tl.where(m_n, best, float("-inf"))
     total = tl.where(m_n, total, float("-inf"))
-    tl.store(Best + i_b * N + o_n, best, mask=o_n < N)
-    tl.store(Total + i_b * N + o_n, total, mask=o_n < N)
+    tl.store(Scores + i_b * N + o_n, best, mask=o_n < N)
+    tl.store(Scores + stride_s + i_b * N + o_n, total, mask=o_n < N)
+    if CHOOSE:     # one launch: the last block of a row to finish makes the row's choice
+        if arrive(Count + i_b, NUM_N):
+            _choose_row(Scores, stride_s, Index, Score, i_b, N, TOP_K, HALF, CHOICE_N,
+                        BLOCK_K, BLOCK_J)
+            tl.atomic_xchg(Count + i_b, 0)
 
 
 @triton.jit
@@ -121,22 +133,32 @@ def _write_in_order(chosen, score, o_n, Index, Score, n, BLOCK_K: tl.constexpr,
 
 
 @triton.jit
-def _far_page_top_kernel(
-    Scores, Index, Score, stride_s, B, N, TOP_K,
-    HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_J: tl.constexpr,
-):
-    i_b = tl.program_id(0).to(tl.int64)
+def _choose_row(Scores, stride_s, Index, Score, i_b, N, TOP_K, HALF: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_J: tl.constexpr):
+    """The choice of row ``i_b`` from best bounds at ``Scores [B, N]`` and summed bounds
+    ``stride_s`` elements after them, into ``Index``/``Score [B, TOP_K]``. Scores are read from
+    L2 (``.cg``): in the one-launch form other programs wrote them."""
     o_n = tl.arange(0, BLOCK_N)
     m_n = o_n < N
-    best = tl.load(Scores + i_b * N + o_n, mask=m_n, other=float("-inf"))
+    best = tl.load(Scores + i_b * N + o_n, mask=m_n, other=float("-inf"), cache_modifier=".cg")
     first = _choose(tl.where(m_n, _order(best), -1), HALF)
     _write_in_order(first, best, o_n, Index + i_b * TOP_K, Score + i_b * TOP_K, HALF,
                     BLOCK_K, BLOCK_J)
     if TOP_K > HALF:
-        total = tl.load(Scores + stride_s + i_b * N + o_n, mask=m_n, other=float("-inf"))
+        total = tl.load(Scores + stride_s + i_b * N + o_n, mask=m_n, other=float("-inf"),
+                        cache_modifier=".cg")
         rest = _choose(tl.where(m_n & ~first, _order(total), -1), TOP_K - HALF)
         _write_in_order(rest, total, o_n, Index + i_b * TOP_K + HALF,
                         Score + i_b * TOP_K + HALF, TOP_K - HALF, BLOCK_K, BLOCK_J)
+
+
+@triton.jit
+def _far_page_top_kernel(
+    Scores, Index, Score, stride_s, B, N, TOP_K,
+    HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_J: tl.constexpr,
+):
+    _choose_row(Scores, stride_s, Index, Score, tl.program_id(0).to(tl.int64), N, TOP_K, HALF,
+                BLOCK_N, BLOCK_K, BLOCK_J)
 
 
 def default_block_n(D: int) -> int:
@@ -146,31 +168,59 @@ def default_block_n(D: int) -> int:
 
 def far_page_scores_fwd(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor,
                         num_far: torch.Tensor, *, block_n: int | None = None,
-                        num_warps: int | None = None) -> torch.Tensor:
+                        num_warps: int | None = None, out: torch.Tensor | None = None
+                        ) -> torch.Tensor:
     """Launch the scoring kernel. Inputs are already checked by the op.
 
     q [B, Hq, D]; k_min, k_max [B, N, Hkv, D] (last dim contiguous); num_far int32 [B].
-    Returns scores float32 [2, B, N]: ``[0]`` the best bound over query heads, ``[1]`` the
-    bounds summed over them; ``-inf`` past num_far.
+    Returns scores float32 [2, B, N] (``out`` when given, contiguous): ``[0]`` the best bound
+    over query heads, ``[1]`` the bounds summed over them; ``-inf`` past num_far.
     """
     B, N = q.shape[0], k_min.shape[1]
-    scores = torch.empty((2, B, N), device=q.device, dtype=torch.float32)
+    scores = torch.empty((2, B, N), device=q.device, dtype=torch.float32) if out is None else out
     if B * N == 0:
         return scores
     key = ("scores", sig(q), sig(k_min), sig(k_max), sig(num_far), block_n, num_warps)
-    plan = _PLANS.get(key) or keep_plan(_PLANS, key, _scores_plan(q, k_min, k_max, num_far,
+    plan = _PLANS.get(key) or keep_plan(_PLANS, key, _scores_plan(q, k_min, k_max, num_far, 0,
                                                                   block_n, num_warps))
     grid, bin_key, ints, meta, copy_q = plan
     q = q.contiguous() if copy_q else q
-    launch(_far_page_scores_kernel, grid, bin_key, (q, k_min, k_max, num_far, scores[0],
-                                                    scores[1], *ints), meta)
+    # the scores-only kernel writes no choice: index, score and counter get valid pointers
+    launch(_far_page_scores_kernel, grid, bin_key,
+           (q, k_min, k_max, num_far, scores, scores, scores, num_far, *ints), meta)
     return scores
+
+
+def far_page_select_fwd(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor,
+                        num_far: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores and choice (rows of at most ``CHOICE_MAX_PAGES`` pages): one launch in eager
+    calls, where the last block of each row to finish makes the row's choice (``_splitk.arrive``
+    on counters kept per stream), or the scoring and choice kernels one after the other while a
+    CUDA graph is captured. The scores live in the stream's scratch. Returns index int32 and
+    score float32 [B, top_k], as :func:`far_page_top_fwd`."""
+    B, N = q.shape[0], k_min.shape[1]
+    if B * N == 0:
+        return far_page_top_fwd(far_page_scores_fwd(q, k_min, k_max, num_far), top_k)
+    scores, count = split_scratch(q.device, ((2, B, N),), B)
+    if count is None:
+        return far_page_top_fwd(far_page_scores_fwd(q, k_min, k_max, num_far, out=scores), top_k)
+    key = ("select", sig(q), sig(k_min), sig(k_max), sig(num_far), top_k)
+    plan = _PLANS.get(key) or keep_plan(_PLANS, key, _scores_plan(q, k_min, k_max, num_far,
+                                                                  top_k, None, None))
+    grid, bin_key, ints, meta, copy_q = plan
+    q = q.contiguous() if copy_q else q
+    index = torch.empty((B, top_k), device=q.device, dtype=torch.int32)
+    score = torch.empty((B, top_k), device=q.device, dtype=torch.float32)
+    launch(_far_page_scores_kernel, grid, bin_key,
+           (q, k_min, k_max, num_far, scores, index, score, count, *ints), meta)
+    return index, score
 
 
 _PLANS: dict = {}   # launch plans (grid, binary key, runtime integers, constants) by signature
 
 
-def _scores_plan(q, k_min, k_max, num_far, block_n, num_warps):
+def _scores_plan(q, k_min, k_max, num_far, top_k, block_n, num_warps):
+    """The scoring launch; with ``top_k`` (> 0) the one-launch form that also chooses."""
     B, Hq, D = q.shape
     N, Hkv = k_min.shape[1], k_min.shape[2]
     G = Hq // Hkv
@@ -179,12 +229,18 @@ def _scores_plan(q, k_min, k_max, num_far, block_n, num_warps):
     copy_q = q.stride(-1) != 1
     q_strides = (Hq * D, D) if copy_q else (q.stride(0), q.stride(1))
     ints = (*q_strides, k_min.stride(0), k_min.stride(1), k_min.stride(2),
-            k_max.stride(0), k_max.stride(1), k_max.stride(2), N, Hkv, num_n)
+            k_max.stride(0), k_max.stride(1), k_max.stride(2), N, Hkv, num_n, top_k, B * N)
     meta = dict(G=G, D=D, BLOCK_G=max(16, next_pow2(G)), BLOCK_D=next_pow2(D), BLOCK_N=block_n,
-                PRECISION=dot_precision(q.dtype), num_warps=num_warps or 4)
-    # scores[1] starts B * N floats after scores[0]: aligned when B * N is a multiple of 4
+                PRECISION=dot_precision(q.dtype), CHOOSE=False, HALF=1, CHOICE_N=1, BLOCK_K=1,
+                BLOCK_J=1, num_warps=num_warps or 4)
+    if top_k:
+        choice = _top_plan_meta(N, top_k)
+        meta.update(CHOOSE=True, HALF=choice["HALF"], CHOICE_N=choice["BLOCK_N"],
+                    BLOCK_K=choice["BLOCK_K"], BLOCK_J=choice["BLOCK_J"],
+                    num_warps=max(meta["num_warps"], choice["num_warps"]))
+    # the scores, index and score are fresh or scratch, so always 16-byte aligned
     aligned = (copy_q or q.data_ptr() % 16 == 0, k_min.data_ptr() % 16 == 0,
-               k_max.data_ptr() % 16 == 0, num_far.data_ptr() % 16 == 0, (B * N) % 4 == 0)
+               k_max.data_ptr() % 16 == 0, num_far.data_ptr() % 16 == 0)
     bin_key = (q.dtype, q.device, ints, tuple(meta.items()), aligned)
     return (B * num_n,), bin_key, ints, meta, copy_q
 
@@ -227,11 +283,16 @@ def far_page_top_fwd(scores: torch.Tensor, top_k: int) -> tuple[torch.Tensor, to
 
 def _top_plan(scores, top_k):
     _, B, N = scores.shape
-    block_n, warps = choice_launch(N)
     ints = (scores.stride(0), B, N, top_k)
-    half = (top_k + 1) // 2
-    block_k = next_pow2(half)
-    meta = dict(HALF=half, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_J=min(block_k, 64),
-                num_warps=warps)
+    meta = _top_plan_meta(N, top_k)
     # index and score are fresh, so always 16-byte aligned
     return (scores.device, scores.dtype, ints, scores.data_ptr() % 16), ints, meta
+
+
+def _top_plan_meta(N: int, top_k: int) -> dict:
+    """The choice kernel's constants for rows of ``N`` pages (``choice_launch``)."""
+    block_n, warps = choice_launch(N)
+    half = (top_k + 1) // 2
+    block_k = next_pow2(half)
+    return dict(HALF=half, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_J=min(block_k, 64),
+                num_warps=warps)

@@ -41,7 +41,11 @@ from torch import Tensor
 
 from kvops import _checks
 from kvops._config import use_triton
-from kvops.kernels.far_page_select import choice_in_kernel, far_page_scores_fwd, far_page_top_fwd
+from kvops.kernels.far_page_select import (
+    choice_in_kernel,
+    far_page_scores_fwd,
+    far_page_select_fwd,
+)
 from kvops.ops._library import CheckedSignatures, register, sig
 
 
@@ -119,10 +123,9 @@ def _impl(q, k_min, k_max, num_far, top_k):
     _checked((sig(q), sig(k_min), sig(k_max), sig(num_far), top_k),
              q, k_min, k_max, num_far, top_k)
     if use_triton(q.device):
-        scores = far_page_scores_fwd(q, k_min, k_max, num_far)
         if choice_in_kernel(k_min.shape[1]):
-            return far_page_top_fwd(scores, top_k)
-        return _top(scores, top_k)
+            return far_page_select_fwd(q, k_min, k_max, num_far, top_k)
+        return _top(far_page_scores_fwd(q, k_min, k_max, num_far), top_k)
     return far_page_select_ref(q, k_min, k_max, num_far, top_k)
 
 
