@@ -23,23 +23,24 @@ from tests.test_static_sliding_attention import make_case as sliding_case
 MERGES = ["one launch", "two launches"]
 
 
-def _force(module, merge, monkeypatch):
-    """Make ``module``'s launcher merge as ``merge`` says; returns the counters it is handed."""
+def _force(module, merge, monkeypatch, name="split_outputs", counters_at=4):
+    """Make ``module``'s launcher merge as ``merge`` says, through the function ``name`` that
+    hands it its scratch (the counters at position ``counters_at`` of what it returns);
+    returns the counters it is handed."""
     given = []
+    make = getattr(module, name)
     if merge == "two launches":
-        two_launches(module, monkeypatch)
+        monkeypatch.setattr(module, name, lambda *a: (*make(*a)[:counters_at], None))
     else:
         def refuse(*a):
             raise AssertionError("a one-launch merge launched the merge kernel")
 
-        split = module.split_outputs
-
         def keep(*a):
-            outs = split(*a)
-            given.append(outs[4])
+            outs = make(*a)
+            given.append(outs[counters_at])
             return outs
 
-        monkeypatch.setattr(module, "split_outputs", keep)
+        monkeypatch.setattr(module, name, keep)
         monkeypatch.setattr(module, "merge_split_outputs", refuse)
     return given
 
@@ -168,3 +169,21 @@ def test_page_select_in_one_launch_equals_two(kernel_device, N, monkeypatch):
     monkeypatch.setattr(fps, "split_scratch", lambda *a: (*scratch(*a)[:-1], None))
     two = fps.far_page_select_fwd(q, lo, hi, num_far, min(6, N))
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+
+
+@pytest.mark.parametrize("merge", MERGES)
+def test_prefill_merges_match_the_oracle(kernel_device, merge, monkeypatch):
+    """paged_prefill_attention's split tiles through either merge, padding rows and a table
+    hole included (padding rows get their zeros straight from every split in one launch)."""
+    import kvops.kernels.paged_prefill_attention as ppa
+    from tests.test_paged_prefill_attention import check_against_oracle as prefill_check
+    from tests.test_paged_prefill_attention import make_case as prefill_case
+
+    given = _force(ppa, merge, monkeypatch, name="split_scratch", counters_at=2)
+    case = prefill_case([(70, 9), (0, 5), (33, 17)], 16, 2, 4, 64, torch.float16,
+                        kernel_device, seed=12, window=0, pad=2, hole=True)
+    out, lse = ppa.paged_prefill_attention_fwd(**case, num_splits=3, block_n=16)
+    prefill_check(out, lse, case, f"{merge}-prefill", 0)
+    assert len(given) == (merge == "one launch")
+    for count in given:
+        assert not count.any()

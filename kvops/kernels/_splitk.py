@@ -72,42 +72,50 @@ def merge_if_last(PartO, PartL, Out, Lse, Count, i_b, i_h, Hkv,
                   stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, NUM_SPLITS,
                   G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Called by every split program of one (sequence ``i_b``, KV head ``i_h``) after it wrote
-    its partials (``PartO``/``PartL`` with stage 1's strides): the last of the ``NUM_SPLITS`` to
-    finish merges the group's ``G`` query rows into ``Out [B, Hq, D]`` and ``Lse [B, Hq]``
-    (contiguous) as ``_merge_splits_kernel`` does, and sets ``Count`` (the group's int32
-    counter, zero before the launch) back to zero."""
+    """Called by every split program of one (sequence ``i_b``, KV head ``i_h``) of a decode
+    launch after it wrote its partials (``PartO``/``PartL`` with stage 1's strides): the last of
+    the ``NUM_SPLITS`` to finish merges the group's ``G`` query rows into ``Out [B, Hq, D]`` and
+    ``Lse [B, Hq]`` (contiguous) and sets ``Count`` (the group's counter) back to zero."""
     if arrive(Count, NUM_SPLITS):
         o_g = tl.arange(0, BLOCK_G)
         o_d = tl.arange(0, BLOCK_D)
-        o_s = tl.arange(0, BLOCK_S)
-        m_g = o_g < G
-        m_d = o_d < D
         o_row = i_h * G + o_g
-        p_l = PartL + i_b * stride_lb + o_row * stride_lh
-        # .cg: read the other programs' partials from L2, never from a line this SM cached
-        b_lse = tl.load(p_l[:, None] + o_s[None, :], mask=m_g[:, None] & (o_s < NUM_SPLITS)[None, :],
-                        other=float("-inf"), cache_modifier=".cg")
-        b_max = tl.max(b_lse, 1)
-        b_safe = tl.where(b_max == float("-inf"), 0.0, b_max)
-        b_sum = tl.zeros([BLOCK_G], tl.float32)
-        b_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        p_o = PartO + i_b * stride_pb + o_row[:, None] * stride_ph + o_d[None, :]
-        m_o = m_g[:, None] & m_d[None, :]
-        for s in range(NUM_SPLITS):
-            b_w = tl.exp(tl.load(p_l + s, mask=m_g, other=float("-inf"), cache_modifier=".cg")
-                         - b_safe)                                       # 0 for empty splits
-            b_o = tl.load(p_o + s * stride_ps, mask=m_o, other=0.0, cache_modifier=".cg")
-            b_acc += b_o * b_w[:, None]
-            b_sum += b_w
-        b_out = b_acc / tl.where(b_sum > 0, b_sum, 1.0)[:, None]
-        # a NaN row (a win_len out of range) stays NaN; an empty one gets -inf
-        b_lse_out = tl.where(b_sum > 0, b_safe + tl.log(tl.where(b_sum > 0, b_sum, 1.0)),
-                             tl.where(b_sum == b_sum, float("-inf"), float("nan")))
         r = i_b * Hkv * G + o_row
-        tl.store(Out + r[:, None] * D + o_d[None, :], b_out.to(Out.dtype.element_ty), mask=m_o)
-        tl.store(Lse + r, b_lse_out, mask=m_g)
+        merge_rows(PartO + i_b * stride_pb + o_row[:, None] * stride_ph + o_d[None, :],
+                   stride_ps, PartL + i_b * stride_lb + o_row * stride_lh, o_g < G,
+                   Out + r[:, None] * D + o_d[None, :], Lse + r, NUM_SPLITS, D, BLOCK_D,
+                   BLOCK_S)
         tl.atomic_xchg(Count, 0)
+
+
+@triton.jit
+def merge_rows(p_o, stride_ps, p_l, m_r, p_out, p_lse, NUM_SPLITS, D: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Merge the ``NUM_SPLITS`` partials of a block of rows as ``_merge_splits_kernel`` does:
+    ``p_o [R, BLOCK_D]`` points at split 0's partial outputs (split ``s`` ``s * stride_ps``
+    further), ``p_l [R]`` at split 0's partial lse (split stride 1), ``m_r [R]`` masks the rows;
+    the results go to ``p_out [R, BLOCK_D]`` and ``p_lse [R]``. Partials are read from L2
+    (``.cg``): other programs of the launch wrote them."""
+    o_s = tl.arange(0, BLOCK_S)
+    m_o = m_r[:, None] & (tl.arange(0, BLOCK_D) < D)[None, :]
+    b_lse = tl.load(p_l[:, None] + o_s[None, :], mask=m_r[:, None] & (o_s < NUM_SPLITS)[None, :],
+                    other=float("-inf"), cache_modifier=".cg")
+    b_max = tl.max(b_lse, 1)
+    b_safe = tl.where(b_max == float("-inf"), 0.0, b_max)
+    b_sum = tl.zeros_like(b_safe)
+    b_acc = tl.zeros(p_o.shape, tl.float32)
+    for s in range(NUM_SPLITS):
+        b_w = tl.exp(tl.load(p_l + s, mask=m_r, other=float("-inf"), cache_modifier=".cg")
+                     - b_safe)                                           # 0 for empty splits
+        b_o = tl.load(p_o + s * stride_ps, mask=m_o, other=0.0, cache_modifier=".cg")
+        b_acc += b_o * b_w[:, None]
+        b_sum += b_w
+    b_out = b_acc / tl.where(b_sum > 0, b_sum, 1.0)[:, None]
+    # a NaN row (a win_len out of range) stays NaN; an empty one gets -inf
+    b_lse_out = tl.where(b_sum > 0, b_safe + tl.log(tl.where(b_sum > 0, b_sum, 1.0)),
+                         tl.where(b_sum == b_sum, float("-inf"), float("nan")))
+    tl.store(p_out, b_out.to(p_out.dtype.element_ty), mask=m_o)
+    tl.store(p_lse, b_lse_out, mask=m_r)
 
 
 def default_num_splits(pairs: int, n: int, block_n: int, tile_bytes: int, sms: int) -> int:

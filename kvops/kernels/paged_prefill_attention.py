@@ -21,7 +21,10 @@ start first.
 
 When the tiles are too few to fill the GPU (a short chunk over a long prefix), each tile's key
 range is cut into ``NUM_SPLITS`` BLOCK_N-aligned parts (grid dim 2, ``prefill_splits``), each
-writing a normalized float32 partial and its lse, merged by ``_splitk.merge_split_outputs``.
+writing a normalized float32 partial and its lse. In eager calls the last split of each (tile,
+KV head) to finish merges the tile's rows in the same launch (``_splitk.arrive`` and
+``merge_rows``, on counters kept per stream); under CUDA-graph capture
+``_splitk.merge_split_outputs`` merges them in a second launch.
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ from kvops._checks import signature as sig
 from kvops.kernels._attention import LN2, LOG2E, dot
 from kvops.kernels._common import dot_precision, next_pow2, sm_count
 from kvops.kernels._launch import keep_plan, launch
-from kvops.kernels._splitk import merge_plan, merge_split_outputs
-from kvops.kernels._workspace import float_views
+from kvops.kernels._splitk import arrive, merge_plan, merge_rows, merge_split_outputs
+from kvops.kernels._workspace import split_scratch
 
 # Splits of a tile's key range only while the tiles fill less than this share of the SMs, and
 # only as far as each split keeps at least MIN_SPLIT_TILES key tiles of the longest context.
@@ -159,14 +162,15 @@ SEQ_CHUNK = 128
 
 @triton.jit(do_not_specialize=["N", "B", "num_tiles", "window", "NUM_SPLITS"])
 def _paged_prefill_kernel(
-    Q, KC, VC, BT, QS, SL, O, LSE,
+    Q, KC, VC, BT, QS, SL, O, LSE, Out, Lse, Counts,
     N, B, P, L, num_tiles, window, scale_log2, NUM_SPLITS,
     stride_qn, stride_qh, stride_kp, stride_vp, stride_bt, stride_on, stride_oh, stride_os,
     stride_ln, stride_lh, stride_ls,
     S: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
+    PRECISION: tl.constexpr, PREFETCH: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     i_t = num_tiles - 1 - tl.program_id(0)
     i_h = tl.program_id(1)
@@ -193,9 +197,16 @@ def _paged_prefill_kernel(
            + i_s * stride_os + o_d[None, :])
     p_lse = LSE + o_tok.to(tl.int64) * stride_ln + o_head * stride_lh + i_s * stride_ls
     m_o = m_r[:, None] & (o_d < D)[None, :]
+    o_out = o_tok.to(tl.int64) * (HKV * G) + o_head       # row of out [N, Hq, D], lse [N, Hq]
     if i_b == B:
-        tl.store(p_o, tl.zeros([BLOCK_M, BLOCK_D], tl.float32).to(p_o.dtype.element_ty), mask=m_o)
-        tl.store(p_lse, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=m_r)
+        if FUSED_MERGE:   # padding rows: every split writes the same final zeros, no merge
+            tl.store(Out + o_out[:, None] * D + o_d[None, :],
+                     tl.zeros([BLOCK_M, BLOCK_D], tl.float32).to(Out.dtype.element_ty), mask=m_o)
+            tl.store(Lse + o_out, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=m_r)
+        else:
+            tl.store(p_o, tl.zeros([BLOCK_M, BLOCK_D], tl.float32).to(p_o.dtype.element_ty),
+                     mask=m_o)
+            tl.store(p_lse, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=m_r)
         return
     seq_len = tl.minimum(tl.maximum(tl.load(SL + i_b), 0), L * S)
     pos0 = seq_len - (q_hi - q_lo)                      # position of the sequence's first query
@@ -242,6 +253,12 @@ def _paged_prefill_kernel(
                      float("-inf"))
     tl.store(p_o, b_out.to(p_o.dtype.element_ty), mask=m_o)
     tl.store(p_lse, b_lse, mask=m_r)
+    if FUSED_MERGE:    # the last split of this (tile, KV head) merges the tile's rows
+        if arrive(Counts + i_t * HKV + i_h, NUM_SPLITS):
+            merge_rows(p_o - i_s * stride_os, stride_os, p_lse - i_s * stride_ls, m_r,
+                       Out + o_out[:, None] * D + o_d[None, :], Lse + o_out, NUM_SPLITS, D,
+                       BLOCK_D, BLOCK_S)
+            tl.atomic_xchg(Counts + i_t * HKV + i_h, 0)
 
 
 _PLANS: dict = {}
@@ -255,7 +272,8 @@ def paged_prefill_attention_fwd(
     prefetch: bool = True, signature=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate, pick the tile (``prefill_tile``) and the splits (``prefill_splits``), launch,
-    and merge split partials (``_splitk.merge_split_outputs``). Inputs are already checked by the op;
+    and merge split partials (in the launch, or ``_splitk.merge_split_outputs`` under capture).
+    Inputs are already checked by the op;
     the keyword knobs override the rules (tests, benches); ``prefetch`` (on unless a caller
     turns it off) loads page ids a tile ahead (``_key_run``; docs/tuning.md). A launch's plan
     (tile, splits, strides, binary key) is kept per argument signature (``signature``: the
@@ -272,12 +290,19 @@ def paged_prefill_attention_fwd(
     knobs = (block_m, block_n, num_warps, num_stages, num_splits, prefetch)
     key = (signature, knobs)
     plan = _PLANS.get(key) or keep_plan(_PLANS, key, _plan(*tensors, scale, window, knobs))
-    grid, nsp, ints, meta, merge, token = plan
+    grid, nsp, ints, meta, merge, fused, token = plan
     if nsp == 1:
-        part_o, part_l = out, lse
+        part_o, part_l, count = out, lse, None
     else:
-        part_o, part_l = float_views(q.device, ((N, Hq, nsp, D), (N, Hq, nsp)))
-    launch(_paged_prefill_kernel, grid, token, (*tensors, part_o, part_l, *ints), meta)
+        part_o, part_l, count = split_scratch(q.device, ((N, Hq, nsp, D), (N, Hq, nsp)),
+                                              grid[0] * grid[1])
+    if count is not None:      # one launch: the last split of each tile merges it
+        launch(_paged_prefill_kernel, grid, fused[1],
+               (*tensors, part_o, part_l, out, lse, count, *ints), fused[0])
+        return out, lse
+    # the unfused kernel reads neither out, lse nor a counter: it gets valid pointers
+    launch(_paged_prefill_kernel, grid, token,
+           (*tensors, part_o, part_l, out, lse, seq_lens, *ints), meta)
     if merge is not None:
         merge_split_outputs(merge, part_o, part_l, out, lse)
     return out, lse
@@ -307,7 +332,7 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, scale, window
     meta = dict(S=S, HKV=Hkv, G=G, D=D, BLOCK_Q=block_q, BLOCK_M=bm, BLOCK_N=bn,
                 BLOCK_D=next_pow2(max(D, 16)), BLOCK_B=SEQ_CHUNK,
                 WINDOW=window > 0, PRECISION=dot_precision(q.dtype), PREFETCH=prefetch,
-                num_warps=nw, num_stages=ns)
+                FUSED_MERGE=False, BLOCK_S=1, num_warps=nw, num_stages=ns)
     merge = merge_plan(N, Hq, nsp, D, q.dtype, False, q.device) if nsp > 1 else None
     # N, B, num_tiles and window are not specialized (one binary serves every value of them),
     # so they stay out of the binary's key; the rest of what the kernel specializes on is in
@@ -315,4 +340,8 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, scale, window
     token = ("prefill", P, L, nsp, strides, Hq, q.dtype, q.device, tuple(meta.values()),
              tuple(t.data_ptr() % 16 == 0 for t in (q, k_cache, v_cache, block_table,
                                                      query_start, seq_lens)))
-    return (num_tiles, Hkv, nsp), nsp, ints, meta, merge, token
+    fused = None
+    if nsp > 1:   # the one-launch form: its own constants, so its own binary key
+        f_meta = dict(meta, FUSED_MERGE=True, BLOCK_S=next_pow2(nsp))
+        fused = (f_meta, ("fused", *token))
+    return (num_tiles, Hkv, nsp), nsp, ints, meta, merge, fused, token
