@@ -118,6 +118,19 @@ def merge_rows(p_o, stride_ps, p_l, m_r, p_out, p_lse, NUM_SPLITS, D: tl.constex
     tl.store(p_lse, b_lse_out, mask=m_r)
 
 
+def load_capture_form(ready: list) -> bool:
+    """Whether an eager one-launch call should also run its launch's two-launch form first:
+    once a plan (``ready``, the plan's own list, empty until then). A captured call launches
+    that form, and a kernel first compiled and loaded inside a capture can fail there (module
+    loading is not allowed while a stream captures) and costs the capture a compile, so the
+    first eager call of a plan, typically the warm-up before capture, loads it. Both forms
+    write the same outputs; the one-launch form runs second."""
+    if ready:
+        return False
+    ready.append(True)
+    return True
+
+
 def default_num_splits(pairs: int, n: int, block_n: int, tile_bytes: int, sms: int) -> int:
     """Splits of each (sequence, KV head) pair's ``n`` rows on ``sms`` SMs: enough programs to
     keep about 64 KiB of K/V tiles in flight per SM (one program an SM for 64 KiB tiles, two

@@ -124,30 +124,30 @@ def split_scratch(device: torch.device, shapes: tuple, n: int) -> tuple:
         hit = entry[1].get((shapes, n))
         if hit is not None:
             return hit
-    views, kept_views = _float_views(key, device, shapes)
+    views, floats = _float_views(key, device, shapes)
     count, kept_count = _counters(key, device, n)
     got = (*views, count)
-    if kept_views and kept_count:      # both in kept buffers: valid until either is replaced
-        _remember(_BUFS[key], (shapes, n), got)
+    if floats is not None and kept_count:   # both kept: valid until either is replaced
+        _remember(floats, (shapes, n), got)
     return got
 
 
 def _float_views(key, device, shapes) -> tuple:
-    """(views, whether they lie in the kept buffer)."""
+    """(views, the kept entry they lie in, or None)."""
     if key is None:
-        return _fresh(device, shapes), False
+        return _fresh(device, shapes), None
     entry = _BUFS.get(key)
     if entry is not None:
         hit = entry[1].get(shapes)
         if hit is not None:
-            return hit, True
+            return hit, entry
     need = sum(_round(_numel(s)) for s in shapes)
     if entry is None or entry[0].numel() < need:
         buf = torch.empty(need, dtype=torch.float32, device=device)
         if not _default_pool(buf):
-            return _views(buf, shapes), False   # used by this call only
+            return _views(buf, shapes), None    # used by this call only
         entry = _keep(_BUFS, key, buf)
-    return _view(entry, shapes, lambda buf: _views(buf, shapes)), True
+    return _view(entry, shapes, lambda buf: _views(buf, shapes)), entry
 
 
 def _counters(key, device, n: int) -> tuple:
@@ -173,6 +173,9 @@ def _counters(key, device, n: int) -> tuple:
 def _keep(kept: dict, key, buf) -> list:
     if len(kept) >= MAX_BUFFERS:
         kept.clear()
+        if kept is _COUNTS:     # the float entries' split requests hold the dropped counters
+            for entry in _BUFS.values():
+                entry[1].clear()
     # a replaced buffer returns to the caching allocator, which hands it only to later work on
     # this stream: the calls already issued with it finish first
     entry = kept[key] = [buf, {}]

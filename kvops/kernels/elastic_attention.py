@@ -75,6 +75,7 @@ from kvops.kernels._common import (
 from kvops.kernels._launch import keep_plan, launch
 from kvops.kernels._splitk import (
     default_num_splits,
+    load_capture_form,
     merge_if_last,
     merge_plan,
     merge_split_outputs,
@@ -775,7 +776,7 @@ def _plan(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, sca
                  object())
     # the plan's own tokens key its compiled kernels (see static_sliding_attention._plan)
     return (B, Hq, D, nsp, scale * LOG2E, ints, meta, (B * Hkv, nsp), halves_table, halves,
-            merge, fused, object())
+            merge, fused, object(), [])
 
 
 def elastic_attention_fwd(
@@ -809,7 +810,8 @@ def elastic_attention_fwd(
                sig(block_mode), sig(base_span), scale)
     plan = _PLANS.get(key) or keep_plan(_PLANS, key, _plan(
         q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, scale, knobs))
-    B, Hq, D, nsp, scale_log2, ints, meta, grid, halves_table, halves, merge, fused, token = plan
+    (B, Hq, D, nsp, scale_log2, ints, meta, grid, halves_table, halves, merge, fused, token,
+     ready) = plan
     out, lse, part_o, part_l, count = split_outputs(B, Hq, D, nsp, q.dtype, q.device,
                                                     grid[0])
     if B == 0:
@@ -824,15 +826,13 @@ def elastic_attention_fwd(
     # the kernel never reads the metadata of the other paths; pass valid pointers
     block_mode = block_table if block_mode is None else block_mode
     base_span = block_table if base_span is None else base_span
+    head = (q, k_cache, v_cache, table, seq_lens, block_mode, base_span, part_o, part_l, out, lse)
+    if count is None or load_capture_form(ready):
+        # the unfused kernel reads no counter: it gets a valid pointer
+        launch(_elastic_decode_kernel, grid, token, (*head, seq_lens, scale_log2, *ints), meta)
+        if merge is not None:
+            merge_split_outputs(merge, part_o, part_l, out, lse)
     if count is not None:      # one launch: the last split of each group merges it
-        launch(_elastic_decode_kernel, grid, fused[1],
-               (q, k_cache, v_cache, table, seq_lens, block_mode, base_span, part_o, part_l,
-                out, lse, count, scale_log2, *ints), fused[0])
-        return out, lse
-    # the unfused kernel reads neither out, lse nor a counter: it gets valid pointers
-    launch(_elastic_decode_kernel, grid, token,
-           (q, k_cache, v_cache, table, seq_lens, block_mode, base_span, part_o, part_l,
-            out, lse, seq_lens, scale_log2, *ints), meta)
-    if merge is not None:
-        merge_split_outputs(merge, part_o, part_l, out, lse)
+        launch(_elastic_decode_kernel, grid, fused[1], (*head, count, scale_log2, *ints),
+               fused[0])
     return out, lse

@@ -31,7 +31,7 @@ from kvops.kernels._attention import dot, load_query_group
 from kvops.kernels._common import dot_precision, next_pow2
 from kvops.kernels._keys import score_bits, score_key
 from kvops.kernels._launch import keep_plan, launch
-from kvops.kernels._splitk import arrive
+from kvops.kernels._splitk import arrive, load_capture_form
 from kvops.kernels._workspace import split_scratch
 
 
@@ -183,7 +183,7 @@ def far_page_scores_fwd(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tenso
     key = ("scores", sig(q), sig(k_min), sig(k_max), sig(num_far), block_n, num_warps)
     plan = _PLANS.get(key) or keep_plan(_PLANS, key, _scores_plan(q, k_min, k_max, num_far, 0,
                                                                   block_n, num_warps))
-    grid, bin_key, ints, meta, copy_q = plan
+    grid, bin_key, ints, meta, copy_q, _ = plan
     q = q.contiguous() if copy_q else q
     # the scores-only kernel writes no choice: index, score and counter get valid pointers
     launch(_far_page_scores_kernel, grid, bin_key,
@@ -207,7 +207,9 @@ def far_page_select_fwd(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tenso
     key = ("select", sig(q), sig(k_min), sig(k_max), sig(num_far), top_k)
     plan = _PLANS.get(key) or keep_plan(_PLANS, key, _scores_plan(q, k_min, k_max, num_far,
                                                                   top_k, None, None))
-    grid, bin_key, ints, meta, copy_q = plan
+    grid, bin_key, ints, meta, copy_q, ready = plan
+    if load_capture_form(ready):   # the kernels a captured call launches, loaded outside it
+        far_page_top_fwd(far_page_scores_fwd(q, k_min, k_max, num_far, out=scores), top_k)
     q = q.contiguous() if copy_q else q
     index = torch.empty((B, top_k), device=q.device, dtype=torch.int32)
     score = torch.empty((B, top_k), device=q.device, dtype=torch.float32)
@@ -242,7 +244,7 @@ def _scores_plan(q, k_min, k_max, num_far, top_k, block_n, num_warps):
     aligned = (copy_q or q.data_ptr() % 16 == 0, k_min.data_ptr() % 16 == 0,
                k_max.data_ptr() % 16 == 0, num_far.data_ptr() % 16 == 0)
     bin_key = (q.dtype, q.device, ints, tuple(meta.items()), aligned)
-    return (B * num_n,), bin_key, ints, meta, copy_q
+    return (B * num_n,), bin_key, ints, meta, copy_q, []
 
 
 CHOICE_MAX_PAGES = 16384   # rows held in one block up to here (32 keys a thread at 16 warps)

@@ -37,7 +37,13 @@ from kvops._checks import signature as sig
 from kvops.kernels._attention import LN2, LOG2E, dot
 from kvops.kernels._common import dot_precision, next_pow2, sm_count
 from kvops.kernels._launch import keep_plan, launch
-from kvops.kernels._splitk import arrive, merge_plan, merge_rows, merge_split_outputs
+from kvops.kernels._splitk import (
+    arrive,
+    load_capture_form,
+    merge_plan,
+    merge_rows,
+    merge_split_outputs,
+)
 from kvops.kernels._workspace import split_scratch
 
 # Splits of a tile's key range only while the tiles fill less than this share of the SMs, and
@@ -290,21 +296,20 @@ def paged_prefill_attention_fwd(
     knobs = (block_m, block_n, num_warps, num_stages, num_splits, prefetch)
     key = (signature, knobs)
     plan = _PLANS.get(key) or keep_plan(_PLANS, key, _plan(*tensors, scale, window, knobs))
-    grid, nsp, ints, meta, merge, fused, token = plan
+    grid, nsp, ints, meta, merge, fused, token, ready = plan
     if nsp == 1:
         part_o, part_l, count = out, lse, None
     else:
         part_o, part_l, count = split_scratch(q.device, ((N, Hq, nsp, D), (N, Hq, nsp)),
                                               grid[0] * grid[1])
+    head = (*tensors, part_o, part_l, out, lse)
+    if count is None or load_capture_form(ready):
+        # the unfused kernel reads no counter: it gets a valid pointer
+        launch(_paged_prefill_kernel, grid, token, (*head, seq_lens, *ints), meta)
+        if merge is not None:
+            merge_split_outputs(merge, part_o, part_l, out, lse)
     if count is not None:      # one launch: the last split of each tile merges it
-        launch(_paged_prefill_kernel, grid, fused[1],
-               (*tensors, part_o, part_l, out, lse, count, *ints), fused[0])
-        return out, lse
-    # the unfused kernel reads neither out, lse nor a counter: it gets valid pointers
-    launch(_paged_prefill_kernel, grid, token,
-           (*tensors, part_o, part_l, out, lse, seq_lens, *ints), meta)
-    if merge is not None:
-        merge_split_outputs(merge, part_o, part_l, out, lse)
+        launch(_paged_prefill_kernel, grid, fused[1], (*head, count, *ints), fused[0])
     return out, lse
 
 
@@ -344,4 +349,4 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, scale, window
     if nsp > 1:   # the one-launch form: its own constants, so its own binary key
         f_meta = dict(meta, FUSED_MERGE=True, BLOCK_S=next_pow2(nsp))
         fused = (f_meta, ("fused", *token))
-    return (num_tiles, Hkv, nsp), nsp, ints, meta, merge, fused, token
+    return (num_tiles, Hkv, nsp), nsp, ints, meta, merge, fused, token, []

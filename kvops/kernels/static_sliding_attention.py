@@ -42,6 +42,7 @@ from kvops.kernels._common import (
 from kvops.kernels._launch import keep_plan, launch
 from kvops.kernels._splitk import (
     default_num_splits,
+    load_capture_form,
     merge_if_last,
     merge_plan,
     merge_split_outputs,
@@ -231,7 +232,9 @@ def _plan(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale, knobs):
         # the plan's own tokens key its compiled kernels: a plan made again (another rule,
         # patched constants in tests) never launches a binary compiled for the old one
         fused = (dict(meta, USE_PDL=False, FUSED_MERGE=True, BLOCK_S=next_pow2(nsp)), object())
-    return (B, Hq, D, nsp, scale * LOG2E_F, ints, meta, (B * Hkv, nsp), merge, fused, object())
+    # ready: empty until an eager call has also loaded the two-launch form (``load_capture_form``)
+    return (B, Hq, D, nsp, scale * LOG2E_F, ints, meta, (B * Hkv, nsp), merge, fused, object(),
+            [])
 
 
 def static_sliding_attention_fwd(
@@ -261,20 +264,18 @@ def static_sliding_attention_fwd(
                sig(far_v), sig(far_bias), scale)
     plan = _PLANS.get(key) or keep_plan(
         _PLANS, key, _plan(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale, knobs))
-    B, Hq, D, nsp, scale_log2, ints, meta, grid, merge, fused, token = plan
+    B, Hq, D, nsp, scale_log2, ints, meta, grid, merge, fused, token, ready = plan
     out, lse, part_o, part_l, count = split_outputs(B, Hq, D, nsp, q.dtype, q.device,
                                                     grid[0])
     if far_k is None:
         far_k, far_v, far_bias = k, v, lse
+    head = (q, k, v, win_start, win_len, far_k, far_v, far_bias, part_o, part_l, out, lse)
+    if count is None or load_capture_form(ready):
+        # the unfused kernel reads no counter: it gets a valid pointer
+        launch(_sliding_window_kernel, grid, token, (*head, win_len, scale_log2, *ints), meta)
+        if merge is not None:
+            merge_split_outputs(merge, part_o, part_l, out, lse)
     if count is not None:      # one launch: the last split of each group merges it
-        launch(_sliding_window_kernel, grid, fused[1],
-               (q, k, v, win_start, win_len, far_k, far_v, far_bias, part_o, part_l, out, lse,
-                count, scale_log2, *ints), fused[0])
-        return out, lse
-    # the unfused kernel reads neither out, lse nor a counter: it gets valid pointers
-    launch(_sliding_window_kernel, grid, token,
-           (q, k, v, win_start, win_len, far_k, far_v, far_bias, part_o, part_l, out, lse,
-            win_len, scale_log2, *ints), meta)
-    if merge is not None:
-        merge_split_outputs(merge, part_o, part_l, out, lse)
+        launch(_sliding_window_kernel, grid, fused[1], (*head, count, scale_log2, *ints),
+               fused[0])
     return out, lse
