@@ -141,9 +141,11 @@ def test_wave_tile_only_where_waves_are_poorly_filled(pairs, sms, D, dtype, want
 
 
 def _launches(case, sms, monkeypatch, **knobs):
-    """(grid, BLOCK_N, num_stages) of every main-kernel launch the op makes on ``sms`` SMs."""
+    """(grid, BLOCK_N, num_stages) of every main-kernel launch the op makes on ``sms`` SMs (its
+    one-launch form alone: a plan's first call also runs the two-launch form, of one shape)."""
     monkeypatch.setattr(ssa, "device_props", lambda device: DeviceProps(sms, 227 * 1024, (0, 0),
                                                                         False))
+    monkeypatch.setattr(ssa, "load_capture_form", lambda ready: False)
     spy = LaunchSpy(ssa._sliding_window_kernel)
     monkeypatch.setattr(ssa, "_sliding_window_kernel", spy)
     out, lse = static_sliding_attention_fwd(**case, **knobs)
