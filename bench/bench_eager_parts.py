@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import kvops  # noqa: F401  (registers the ops)
 from bench.common import eager_times, table
-from kvops.kernels import _launch, _workspace
+from kvops.kernels import _launch, _splitk, _workspace
 from kvops.kernels import static_sliding_attention as ssa
 from kvops.ops._library import sig
 
@@ -49,9 +49,8 @@ def rows(B: int = 4, ctx: int = 512):
     op_mod = sys.modules["kvops.ops.static_sliding_attention"]
     key = (sig(q), sig(k), sig(v), sig(ws), sig(wl), None, None, None, None)
     plan = ssa._PLANS[key]
-    Bp, Hq, Dp, nsp, scale_log2, ints, meta, grid, merge, fused, token = plan
-    out, lse, part_o, part_l, _ = ssa.split_outputs(B, HQ, D, nsp, dt, dev, grid[0])
-    count = _workspace.counters(dev, grid[0])
+    Bp, Hq, Dp, nsp, scale_log2, ints, meta, grid, merge, fused, token, _ = plan
+    out, lse, part_o, part_l, count = ssa.split_outputs(B, HQ, D, nsp, dt, dev, grid[0])
     # the eager call's one launch: stage 1 with the merge by the last split (split launches)
     meta, token = fused if fused is not None else (meta, token)
     args = (q, k, v, ws, wl, k, v, lse, part_o, part_l, out, lse, count, scale_log2, *ints)
@@ -89,7 +88,8 @@ def rows(B: int = 4, ctx: int = 512):
         "op: _impl direct (no dispatcher)": lambda: op_mod._impl(q, k, v, ws, wl),
         "launcher: static_sliding_attention_fwd": lambda: ssa.static_sliding_attention_fwd(
             q, k, v, ws, wl, signature=key),
-        "counters (kept)": lambda: _workspace.counters(dev, grid[0]),
+        "split_scratch (kept partials and counters)": lambda: _workspace.split_scratch(
+            dev, ((B, HQ, nsp, D), (B, HQ, nsp)), grid[0]),
         "launch(): stage 1 + merge (cached binary)": lambda: _launch.launch(
             ssa._sliding_window_kernel, grid, token, args, meta),
         "compiled.run, tensors": lambda: compiled.run(*head, *full),
@@ -102,20 +102,20 @@ def rows(B: int = 4, ctx: int = 512):
             torch._C._cuda_getDevice()),
     }
     if merge is not None:
-        pieces["merge launch (two-launch form)"] = lambda: ssa.merge_split_outputs(
+        pieces["merge launch (two-launch form)"] = lambda: _splitk.merge_split_outputs(
             merge, part_o, part_l, out, lse)
     out_rows = [["splits", nsp, "", ""], ["stage-1 runtime args", len(args), "", ""]]
     for name, fn in pieces.items():
-        saved = ssa.launch
+        saved = _splitk.launch        # the launcher launches through _splitk.launch_split
         if isinstance(fn, _Stubbed):
-            ssa.launch = lambda *a, **kw: None
+            _splitk.launch = lambda *a, **kw: None
         try:
             host, wall = eager_times(fn, **LOOP)
             out_rows.append([name, f"{host:.2f}", f"{wall:.2f}", ""])
         except Exception as e:  # noqa: BLE001
             out_rows.append([name, "error", repr(e)[:80], ""])
         finally:
-            ssa.launch = saved
+            _splitk.launch = saved
         print(out_rows[-1], flush=True)
     return out_rows
 

@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvops
+from kvops.kernels import _splitk
 from kvops.kernels import elastic_attention as ea
 from kvops.kernels._common import device_props
 from kvops.kernels.elastic_attention import (
@@ -295,9 +296,9 @@ def test_mixed_split_edges(kernel_device, path, S, long_split, monkeypatch):
     case["seq_lens"][1] = min(int(case["seq_lens"][1]), nsp * 24 - 1)   # equal rows at "mixed"
     case["seq_lens"][2] = nsp * 24                                       # weighted from here
     caught = []
-    merge = ea.merge_split_outputs
+    merge = _splitk.merge_split_outputs
     two_launches(ea, monkeypatch)                   # the merge kernel sees the partials
-    monkeypatch.setattr(ea, "merge_split_outputs", lambda plan, part_o, part_l, *a: (
+    monkeypatch.setattr(_splitk, "merge_split_outputs", lambda plan, part_o, part_l, *a: (
         caught.append(part_l.clone()), merge(plan, part_o, part_l, *a)))
     elastic_attention_fwd(**case, num_splits=nsp)
     part_l = caught[0].view(B, 4, nsp).double().cpu()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kvops  # noqa: F401  (registers the ops)
-from kvops.kernels import _workspace
+from kvops.kernels import _splitk, _workspace
 from kvops.kernels import elastic_attention as ea
 from kvops.kernels import static_sliding_attention as ssa
 from kvops.ops.static_sliding_attention import static_sliding_attention_ref
@@ -24,28 +24,27 @@ from tests.test_static_sliding_attention import make_case as sliding_case
 MERGES = ["one launch", "two launches"]
 
 
-def _force(module, merge, monkeypatch, name="split_outputs", counters_at=4):
-    """Make ``module``'s launcher merge as ``merge`` says, through the function ``name`` that
-    hands it its scratch (the counters at position ``counters_at`` of what it returns);
-    returns the counters it is handed."""
+def _force(module, merge, monkeypatch):
+    """Make ``module``'s launcher merge as ``merge`` says; returns the counters its
+    ``split_outputs`` hands it."""
     given = []
-    make = getattr(module, name)
+    make = module.split_outputs
     if merge == "two launches":
-        monkeypatch.setattr(module, name, lambda *a: (*make(*a)[:counters_at], None))
+        two_launches(module, monkeypatch)
     else:
         def refuse(*a):
             raise AssertionError("a one-launch merge launched the merge kernel")
 
         def keep(*a):
             outs = make(*a)
-            given.append(outs[counters_at])
+            given.append(outs[4])
             return outs
 
-        monkeypatch.setattr(module, name, keep)
-        monkeypatch.setattr(module, "merge_split_outputs", refuse)
+        monkeypatch.setattr(module, "split_outputs", keep)
+        monkeypatch.setattr(_splitk, "merge_split_outputs", refuse)
         # the one-launch form alone (the first call of a plan also runs the two-launch form:
         # test_first_eager_call_also_loads_the_capture_form)
-        monkeypatch.setattr(module, "load_capture_form", lambda ready: False)
+        monkeypatch.setattr(_splitk, "load_capture_form", lambda ready: False)
     return given
 
 
@@ -110,9 +109,8 @@ def test_eager_calls_merge_in_one_launch_and_leave_kept_counters_zero(monkeypatc
     counter is zero after them."""
     dev = torch.device("cuda")
     refuse = lambda *a: (_ for _ in ()).throw(AssertionError("merge kernel launched"))
-    for module in (ssa, ea):
-        monkeypatch.setattr(module, "merge_split_outputs", refuse)
-        monkeypatch.setattr(module, "load_capture_form", lambda ready: False)
+    monkeypatch.setattr(_splitk, "merge_split_outputs", refuse)
+    monkeypatch.setattr(_splitk, "load_capture_form", lambda ready: False)
     _workspace.clear()
     for seed in range(3):
         case = sliding_case(4, 4096, 8, 4, 128, 0, torch.bfloat16, dev, seed=seed)
@@ -188,8 +186,9 @@ def test_first_eager_call_also_loads_the_capture_form(kernel_device, module, mon
     spy = LaunchSpy(getattr(mod, name))
     monkeypatch.setattr(mod, name, spy)
     merges = []
-    merge = mod.merge_split_outputs
-    monkeypatch.setattr(mod, "merge_split_outputs", lambda *a: (merges.append(1), merge(*a)))
+    merge = _splitk.merge_split_outputs
+    monkeypatch.setattr(_splitk, "merge_split_outputs",
+                        lambda *a: (merges.append(1), merge(*a)))
     if module == "sliding":
         case = sliding_case(2, 100, 2, 3, 64, 0, torch.float16, kernel_device, seed=3)
         call = lambda: ssa.static_sliding_attention_fwd(**case, num_splits=3)
@@ -243,7 +242,7 @@ def test_prefill_merges_match_the_oracle(kernel_device, merge, monkeypatch):
     from tests.test_paged_prefill_attention import check_against_oracle as prefill_check
     from tests.test_paged_prefill_attention import make_case as prefill_case
 
-    given = _force(ppa, merge, monkeypatch, name="split_scratch", counters_at=2)
+    given = _force(ppa, merge, monkeypatch)
     case = prefill_case([(70, 9), (0, 5), (33, 17)], 16, 2, 4, 64, torch.float16,
                         kernel_device, seed=12, window=0, pad=2, hole=True)
     out, lse = ppa.paged_prefill_attention_fwd(**case, num_splits=3, block_n=16)

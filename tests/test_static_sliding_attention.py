@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import kvops
 import kvops.kernels.static_sliding_attention as ssa
+from kvops.kernels import _splitk
 from kvops.kernels._common import DeviceProps, kv_block_n
 from kvops.kernels.static_sliding_attention import static_sliding_attention_fwd, wave_tile
 from kvops.ops.static_sliding_attention import static_sliding_attention_ref
@@ -145,7 +146,7 @@ def _launches(case, sms, monkeypatch, **knobs):
     one-launch form alone: a plan's first call also runs the two-launch form, of one shape)."""
     monkeypatch.setattr(ssa, "device_props", lambda device: DeviceProps(sms, 227 * 1024, (0, 0),
                                                                         False))
-    monkeypatch.setattr(ssa, "load_capture_form", lambda ready: False)
+    monkeypatch.setattr(_splitk, "load_capture_form", lambda ready: False)
     spy = LaunchSpy(ssa._sliding_window_kernel)
     monkeypatch.setattr(ssa, "_sliding_window_kernel", spy)
     out, lse = static_sliding_attention_fwd(**case, **knobs)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kvops  # noqa: F401  (registers the ops)
-from kvops.kernels import _workspace
+from kvops.kernels import _splitk, _workspace
 from kvops.kernels._common import device_props
 from kvops.kernels.static_sliding_attention import sliding_launch
 from kvops.ops.static_sliding_attention import static_sliding_attention_ref
@@ -20,7 +20,7 @@ from tests.conftest import capture_graph, requires_cuda, two_launches
 
 def test_cpu_views_are_fresh_and_shaped():
     kept = dict(_workspace._BUFS)
-    a, b = _workspace.float_views(torch.device("cpu"), ((2, 3, 4), (5,)))
+    a, b, _ = _workspace.split_scratch(torch.device("cpu"), ((2, 3, 4), (5,)), 3)
     assert a.shape == (2, 3, 4) and b.shape == (5,) and a.dtype == torch.float32
     assert _workspace._BUFS == kept                 # nothing kept off CUDA
 
@@ -68,7 +68,7 @@ def test_two_streams_have_their_own_scratch(monkeypatch):
     dev = torch.device("cuda")
     a, b = _case(2, 4096, 1, dev), _case(2, 4096, 2, dev)
     sa, sb = torch.cuda.Stream(), torch.cuda.Stream()
-    merge = ssa.merge_split_outputs
+    merge = _splitk.merge_split_outputs
 
     def slow_merge(*args):
         if torch.cuda.current_stream() == sa:
@@ -77,7 +77,7 @@ def test_two_streams_have_their_own_scratch(monkeypatch):
 
     for c in (a, b):                                 # compiled before the timed interleaving
         torch.ops.kvops.static_sliding_attention(*c)
-    monkeypatch.setattr(ssa, "merge_split_outputs", slow_merge)
+    monkeypatch.setattr(_splitk, "merge_split_outputs", slow_merge)
     torch.cuda.synchronize()
     outs = {"a": [], "b": []}
     for _ in range(3):
@@ -145,18 +145,18 @@ def test_capture_and_private_pools_never_use_kept_scratch():
     shapes = ((2, 8, 16, 64), (2, 8, 16))
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
-        eager = _workspace.float_views(dev, shapes)          # kept for stream s
+        eager = _workspace.split_scratch(dev, shapes, 1)[:-1]   # kept for stream s
     assert _inside_kept(eager[0])
     kept = {k: v[0].data_ptr() for k, v in _workspace._BUFS.items()}
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=s):
-        captured = _workspace.float_views(dev, shapes)
+        captured = _workspace.split_scratch(dev, shapes, 1)[:-1]
         captured[0].zero_()
     assert not any(_inside_kept(t) for t in captured)
     pool = torch.cuda.MemPool()
     other = torch.cuda.Stream()
     with torch.cuda.stream(other), torch.cuda.use_mem_pool(pool):
-        pooled = _workspace.float_views(dev, shapes)
+        pooled = _workspace.split_scratch(dev, shapes, 1)[:-1]
     assert not any(_inside_kept(t) for t in pooled)
     assert {k: v[0].data_ptr() for k, v in _workspace._BUFS.items()} == kept
 
@@ -192,7 +192,7 @@ def test_scratch_grows_and_serves_smaller_requests():
 @pytest.mark.parametrize("shapes", [((3, 5, 7), (3, 5)), ((1,), (33,), (2, 2))])
 @requires_cuda
 def test_views_are_aligned_and_disjoint(shapes):
-    views = _workspace.float_views(torch.device("cuda"), shapes)
+    views = _workspace.split_scratch(torch.device("cuda"), shapes, 1)[:-1]
     spans = []
     for v, s in zip(views, shapes):
         assert v.shape == s and v.is_contiguous() and v.data_ptr() % 128 == 0

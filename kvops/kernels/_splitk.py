@@ -131,6 +131,23 @@ def load_capture_form(ready: list) -> bool:
     return True
 
 
+def launch_split(kernel, grid: tuple, head: tuple, count, spare, tail: tuple, unfused: tuple,
+                 fused, merge, ready: list) -> None:
+    """Launch a split kernel whose runtime arguments are ``(*head, counters, *tail)``, ``head``
+    ending in its partials, out and lse (``split_outputs``'s tensors): with ``count`` (the
+    counters ``split_outputs`` gave) its one-launch form (``fused``: its constants and binary
+    key), after the two-launch form on a plan's first call (``load_capture_form``); without,
+    the two-launch form: ``unfused`` (binary key, constants) with ``spare``, any int32 tensor,
+    in the counters' place (that form never reads it), then the merge by ``merge``
+    (``merge_plan``; None unsplit)."""
+    if count is None or load_capture_form(ready):
+        launch(kernel, grid, unfused[0], (*head, spare, *tail), unfused[1])
+        if merge is not None:
+            merge_split_outputs(merge, *head[-4:])
+    if count is not None:      # one launch: the last split of each group merges it
+        launch(kernel, grid, fused[1], (*head, count, *tail), fused[0])
+
+
 def default_num_splits(pairs: int, n: int, block_n: int, tile_bytes: int, sms: int) -> int:
     """Splits of each (sequence, KV head) pair's ``n`` rows on ``sms`` SMs: enough programs to
     keep about 64 KiB of K/V tiles in flight per SM (one program an SM for 64 KiB tiles, two
@@ -156,7 +173,7 @@ def merge_warps(D: int) -> int:
 
 
 def split_outputs(B: int, Hq: int, D: int, nsp: int, dtype: torch.dtype, device: torch.device,
-                  groups: int = 0):
+                  groups: int):
     """Outputs of a split-K decode launch: ``out [B, Hq, D]`` (``dtype``), ``lse [B, Hq]``
     float32, where stage 1 writes: ``out``/``lse`` themselves when ``nsp == 1``, else float32
     partials ``[B, Hq, nsp, D]`` / ``[B, Hq, nsp]`` in the stream's scratch (read by this call's

@@ -24,10 +24,10 @@ A buffer grows to the largest request seen on its stream and thread. At most ``M
 are kept (streams and threads that are gone leave theirs behind until then); :func:`clear`
 frees them all.
 
-Counters (:func:`counters`) are int32 and zero whenever no launch that counts on them is in
-flight: each launch that takes them leaves them zero (``_splitk.merge_if_last``), so a kept
-buffer is zeroed once, when it is made, and apart from the float scratch (whose views of other
-shapes would overwrite them).
+Counters (the last of :func:`split_scratch`'s results) are int32 and zero whenever no launch
+that counts on them is in flight: each launch that takes them leaves them zero
+(``_splitk.arrive``), so a kept buffer is zeroed once, when it is made, and apart from the
+float scratch (whose views of other shapes would overwrite them).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import torch
 ENABLED = os.environ.get("KVOPS_KEEP_SCRATCH", "1").strip() not in ("0", "false", "off")
 MAX_BUFFERS = 64
 # (device index, stream, thread) -> [buffer, {request: views}]; a float buffer's requests are
-# shapes (float_views) or (shapes, n) (split_scratch: its views and the key's counters)
+# shapes (its views) or (shapes, n) (split_scratch's result: its views and the key's counters)
 _BUFS: dict = {}
 _COUNTS: dict = {}     # (device index, stream, thread) -> [int32 zeros, {n: view}]
 _ALIGN = 32            # floats: every view starts 128 bytes after the previous one's start
@@ -94,28 +94,13 @@ def _kept_key(device: torch.device):
     return (index, torch._C._cuda_getCurrentRawStream(index), threading.get_ident())
 
 
-def float_views(device: torch.device, shapes: tuple) -> tuple:
-    """float32 tensors of ``shapes`` (a tuple of shape tuples) over one scratch buffer: valid
-    until the next call on this device, stream and thread; contents undefined."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return _fresh(device, shapes)
-    return _float_views(_kept_key(device), device, shapes)[0]
-
-
-def counters(device: torch.device, n: int):
-    """``n`` int32 zeros for one launch that counts on them and leaves them zero, or None while
-    the current stream captures a CUDA graph (a captured launch merges by a second kernel
-    instead: zeroing fresh counters would add a node to every replay). Kept per device, stream
-    and thread as the float scratch is; fresh zeros where that is not kept."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    return _counters(_kept_key(device), device, n)[0]
-
-
 def split_scratch(device: torch.device, shapes: tuple, n: int) -> tuple:
-    """``float_views(device, shapes)`` and ``counters(device, n)`` in one call (one look at the
-    stream and the thread, one cache hit): the views followed by the counters (None while
-    capturing)."""
+    """float32 tensors of ``shapes`` (a tuple of shape tuples) over one scratch buffer, valid
+    until the next call on this device, stream and thread, contents undefined; then ``n`` int32
+    zeros for one launch that counts on them and leaves them zero, or None while the current
+    stream captures a CUDA graph (a captured launch merges by a second kernel instead: zeroing
+    fresh counters would add a node to every replay). Returns the views followed by the
+    counters; a repeated request is one cache hit."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return (*_fresh(device, shapes), None)
     key = _kept_key(device)

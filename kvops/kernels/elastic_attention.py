@@ -75,10 +75,9 @@ from kvops.kernels._common import (
 from kvops.kernels._launch import keep_plan, launch
 from kvops.kernels._splitk import (
     default_num_splits,
-    load_capture_form,
+    launch_split,
     merge_if_last,
     merge_plan,
-    merge_split_outputs,
     split_outputs,
     use_pdl,
 )
@@ -826,13 +825,8 @@ def elastic_attention_fwd(
     # the kernel never reads the metadata of the other paths; pass valid pointers
     block_mode = block_table if block_mode is None else block_mode
     base_span = block_table if base_span is None else base_span
-    head = (q, k_cache, v_cache, table, seq_lens, block_mode, base_span, part_o, part_l, out, lse)
-    if count is None or load_capture_form(ready):
-        # the unfused kernel reads no counter: it gets a valid pointer
-        launch(_elastic_decode_kernel, grid, token, (*head, seq_lens, scale_log2, *ints), meta)
-        if merge is not None:
-            merge_split_outputs(merge, part_o, part_l, out, lse)
-    if count is not None:      # one launch: the last split of each group merges it
-        launch(_elastic_decode_kernel, grid, fused[1], (*head, count, scale_log2, *ints),
-               fused[0])
+    launch_split(_elastic_decode_kernel, grid,
+                 (q, k_cache, v_cache, table, seq_lens, block_mode, base_span, part_o, part_l,
+                  out, lse),
+                 count, seq_lens, (scale_log2, *ints), (token, meta), fused, merge, ready)
     return out, lse

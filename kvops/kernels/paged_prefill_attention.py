@@ -36,15 +36,8 @@ import triton.language as tl
 from kvops._checks import signature as sig
 from kvops.kernels._attention import LN2, LOG2E, dot
 from kvops.kernels._common import dot_precision, next_pow2, sm_count
-from kvops.kernels._launch import keep_plan, launch
-from kvops.kernels._splitk import (
-    arrive,
-    load_capture_form,
-    merge_plan,
-    merge_rows,
-    merge_split_outputs,
-)
-from kvops.kernels._workspace import split_scratch
+from kvops.kernels._launch import keep_plan
+from kvops.kernels._splitk import arrive, launch_split, merge_plan, merge_rows, split_outputs
 
 # Splits of a tile's key range only while the tiles fill less than this share of the SMs, and
 # only as far as each split keeps at least MIN_SPLIT_TILES key tiles of the longest context.
@@ -286,10 +279,8 @@ def paged_prefill_attention_fwd(
     op's, of every tensor with scale and window, else one is computed here) and knobs.
     Returns ``(out, lse)``."""
     N, Hq, D = q.shape
-    out = torch.empty(N, Hq, D, dtype=q.dtype, device=q.device)
-    lse = torch.empty(N, Hq, dtype=torch.float32, device=q.device)
     if N == 0:
-        return out, lse
+        return split_outputs(0, Hq, D, 1, q.dtype, q.device, 0)[:2]
     tensors = (q, k_cache, v_cache, block_table, query_start, seq_lens)
     if signature is None:
         signature = (*(sig(t) for t in tensors), scale, window)
@@ -297,19 +288,11 @@ def paged_prefill_attention_fwd(
     key = (signature, knobs)
     plan = _PLANS.get(key) or keep_plan(_PLANS, key, _plan(*tensors, scale, window, knobs))
     grid, nsp, ints, meta, merge, fused, token, ready = plan
-    if nsp == 1:
-        part_o, part_l, count = out, lse, None
-    else:
-        part_o, part_l, count = split_scratch(q.device, ((N, Hq, nsp, D), (N, Hq, nsp)),
-                                              grid[0] * grid[1])
-    head = (*tensors, part_o, part_l, out, lse)
-    if count is None or load_capture_form(ready):
-        # the unfused kernel reads no counter: it gets a valid pointer
-        launch(_paged_prefill_kernel, grid, token, (*head, seq_lens, *ints), meta)
-        if merge is not None:
-            merge_split_outputs(merge, part_o, part_l, out, lse)
-    if count is not None:      # one launch: the last split of each tile merges it
-        launch(_paged_prefill_kernel, grid, fused[1], (*head, count, *ints), fused[0])
+    # out [N, Hq, D] and lse [N, Hq] are a decode launch's outputs with N rows
+    out, lse, part_o, part_l, count = split_outputs(N, Hq, D, nsp, q.dtype, q.device,
+                                                    grid[0] * grid[1])
+    launch_split(_paged_prefill_kernel, grid, (*tensors, part_o, part_l, out, lse), count,
+                 seq_lens, ints, (token, meta), fused, merge, ready)
     return out, lse
 
 

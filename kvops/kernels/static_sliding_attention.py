@@ -39,13 +39,12 @@ from kvops.kernels._common import (
     kv_tile_bytes,
     next_pow2,
 )
-from kvops.kernels._launch import keep_plan, launch
+from kvops.kernels._launch import keep_plan
 from kvops.kernels._splitk import (
     default_num_splits,
-    load_capture_form,
+    launch_split,
     merge_if_last,
     merge_plan,
-    merge_split_outputs,
     split_outputs,
     use_pdl,
 )
@@ -269,13 +268,7 @@ def static_sliding_attention_fwd(
                                                     grid[0])
     if far_k is None:
         far_k, far_v, far_bias = k, v, lse
-    head = (q, k, v, win_start, win_len, far_k, far_v, far_bias, part_o, part_l, out, lse)
-    if count is None or load_capture_form(ready):
-        # the unfused kernel reads no counter: it gets a valid pointer
-        launch(_sliding_window_kernel, grid, token, (*head, win_len, scale_log2, *ints), meta)
-        if merge is not None:
-            merge_split_outputs(merge, part_o, part_l, out, lse)
-    if count is not None:      # one launch: the last split of each group merges it
-        launch(_sliding_window_kernel, grid, fused[1], (*head, count, scale_log2, *ints),
-               fused[0])
+    launch_split(_sliding_window_kernel, grid,
+                 (q, k, v, win_start, win_len, far_k, far_v, far_bias, part_o, part_l, out, lse),
+                 count, win_len, (scale_log2, *ints), (token, meta), fused, merge, ready)
     return out, lse
