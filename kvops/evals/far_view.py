@@ -22,7 +22,9 @@ Configurations (near window ``WINDOW = 512`` tokens, ``PAGE = 16``-token pages, 
   bound for that head's query group (:func:`head_pages`);
 - ``sink<n>``, ``<config>+sink<n>`` and ``ret<K>+sink<n>[@<S>]`` (diagnostics, not a kvops
   path): the window (and far
-  view) plus the sequence's first ``n`` tokens exact (StreamingLLM's attention sink).
+  view) plus the sequence's first ``n`` tokens exact (StreamingLLM's attention sink);
+- ``ret<K>+dense<n>[@<S>]`` (diagnostic): the retrieval far view in every layer but the first
+  ``n``, which attend densely (:func:`dense_layers`; Quest leaves its first two layers dense).
 
 Block-parallel evaluation (:func:`attention_banded`, :func:`hidden_states`,
 :func:`perplexity`): every query position gets the attention a decode step with
@@ -62,6 +64,9 @@ def parse_config(name: str) -> tuple[str, int, bool, int]:
     if name.startswith("ret"):
         retrieval_page(name)                  # a bad page size is refused here
         name = name.partition("@")[0]
+        head, plus, extra = name.partition("+")
+        if extra.startswith("dense") and extra[5:].isdigit():
+            name = head                       # dense layers: dense_layers reads them
     base, plus, extra = name.partition("+")
     sink = int(extra[4:]) if extra.startswith("sink") and extra[4:].isdigit() else -1
     if base.startswith("sink") and base[4:].isdigit() and not plus:
@@ -84,6 +89,13 @@ def parse_config(name: str) -> tuple[str, int, bool, int]:
             return "far", int(cap), suffix == "", sink
     raise ValueError(f"config: expected dense, near, sink<n>, far<cap> or far<cap>-nobias "
                      f"(+sink<n>), ret<K> or ret<K>-every<N>, got {name!r}")
+
+
+def dense_layers(name: str) -> int:
+    """``ret<K>+dense<n>[@<S>]`` -> n, the first layers that attend densely; 0 otherwise."""
+    _, plus, extra = name.partition("@")[0].partition("+")
+    tail = extra[5:]
+    return int(tail) if name.startswith("ret") and extra.startswith("dense") and tail.isdigit() else 0
 
 
 def retrieval_every(name: str) -> int:
@@ -358,11 +370,14 @@ def hidden_states(model: Llama, ids: torch.Tensor, config: str) -> torch.Tensor:
     T = ids.shape[0]
     cos, sin = model.rope_cos[:T], model.rope_sin[:T]
     x = model.tok_embeddings(ids)
-    for block in model.layers:
+    for layer, block in enumerate(model.layers):
         att = block.attention
         q, k, v = att._qkv(block.attention_norm(x), cos, sin)
-        o = attention_banded(q, k, v, mode, cap, bias, sink, every=retrieval_every(config),
-                             page=retrieval_page(config))
+        if layer < dense_layers(config):
+            o = attention_dense(q, k, v, 0)
+        else:
+            o = attention_banded(q, k, v, mode, cap, bias, sink, every=retrieval_every(config),
+                                 page=retrieval_page(config))
         x = x + att.wo(o.flatten(-2))
         x = x + block.feed_forward(block.ffn_norm(x))
     return model.norm(x)
@@ -379,8 +394,10 @@ def hidden_states_from(model: Llama, ids: torch.Tensor, config: str, start: int 
     mode, cap, bias, sink = parse_config(config)
     every, page = retrieval_every(config), retrieval_page(config)
 
+    dense_below = dense_layers(config)
+
     def attend(layer, q, k, v):
-        if mode == "dense":
+        if mode == "dense" or layer < dense_below:
             return attention_dense(q, k, v, start)
         return attention_banded(q, k, v, mode, cap, bias, sink, q0=start, every=every, page=page)
 
