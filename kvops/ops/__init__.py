@@ -8,6 +8,7 @@ from kvops.ops.elastic_attention import elastic_attention
 from kvops.ops.far_page_select import far_page_select
 from kvops.ops.far_page_summarize import far_page_summarize, far_page_summarize_into
 from kvops.ops.far_slot_update import far_slot_update
+from kvops.ops.far_view_observe import far_view_observe
 from kvops.ops.far_view_rank import far_view_rank
 from kvops.ops.far_view_summarize import far_view_summarize
 from kvops.ops.pack_base_pairs import pack_base_pairs
@@ -19,5 +20,5 @@ from kvops.ops.static_sliding_attention import static_sliding_attention
 
 __all__ = ["elastic_attention", "far_page_select", "far_page_summarize",
            "far_page_summarize_into", "far_slot_update",
-           "far_view_rank", "far_view_summarize", "pack_base_pairs", "paged_gather_merged", "paged_kv_write",
+           "far_view_observe", "far_view_rank", "far_view_summarize", "pack_base_pairs", "paged_gather_merged", "paged_kv_write",
            "paged_prefill_attention", "refine_base_pairs", "static_sliding_attention"]

@@ -156,6 +156,8 @@ class FarView:
         self.k_store = torch.zeros(store, dtype=dtype, device=dev)
         self.v_store = torch.zeros(store, dtype=dtype, device=dev)
         self.scores = torch.zeros((num_layers, self.B, self.J + 1), dtype=torch.float32, device=dev)
+        # the first store row of each slot in a layer's store viewed [B * (J + 1), Hkv, D]
+        self._store_row = torch.arange(self.B, device=dev, dtype=torch.int32)[:, None] * (self.J + 1)
         self._host_scores = np.zeros((num_layers, self.B, self.J + 1), dtype=np.float32)
         self._host_stale = False                      # the device utilities moved since
         B, J, L = self.B, self.J, num_layers
@@ -639,13 +641,15 @@ class FarView:
         first ``R`` slots)."""
         R = self._rows(rows)
         t = self._tables()
-        sel = t["far_select"].view(self.layers, self.B, self.C)[layer, :R].long()
-        idx = torch.where(sel >= 0, sel, self.J)
-        at = idx[..., None, None].expand(-1, -1, *self.k_store.shape[-2:])
-        far_k = self.k_store[layer, :R].gather(1, at)
-        far_v = self.v_store[layer, :R].gather(1, at)
+        sel = t["far_select"].view(self.layers, self.B, self.C)[layer, :R]
+        # rows of the layer's store viewed [B * (J + 1), Hkv, D]: one index_select a store
+        has = sel >= 0
+        flat = (torch.where(has, sel, self.J) + self._store_row[:R]).view(-1)
+        shape = (R, self.C, *self.k_store.shape[-2:])
+        far_k = self.k_store[layer].flatten(0, 1).index_select(0, flat).view(shape)
+        far_v = self.v_store[layer].flatten(0, 1).index_select(0, flat).view(shape)
         live = math.log(self.count) if self.log_count_bias else 0.0
-        far_bias = torch.where(sel >= 0, live, float("-inf")).to(torch.float32)
+        far_bias = torch.where(has, live, float("-inf")).to(torch.float32)
         return far_k, far_v, far_bias
 
     def _rows(self, rows: int | None) -> int:
@@ -665,22 +669,8 @@ class FarView:
         nothing must not move their slot's utilities). Rows with ``lse = -inf`` (nothing
         visible) add no mass.
         """
-        B, Hq, D = q.shape
-        self._rows(B)
-        Hkv = far_k.shape[2]
-        scale = D ** -0.5 if scale is None else scale
-        qf = q.float().view(B, Hkv, Hq // Hkv, D)
-        logits = torch.einsum("bhgd,bchd->bhgc", qf, far_k.float()) * scale
-        norm = lse.view(B, Hkv, Hq // Hkv, 1)
-        # lse = -inf only when every far bias is -inf too: those logits stay -inf, mass 0
-        norm = torch.where(norm > float("-inf"), norm, 0.0)
-        mass = torch.exp(logits + far_bias[:, None, None, :] - norm).sum(dim=(1, 2))   # [R, C]
-        sel = self._tables()["far_select"].view(self.layers, self.B, self.C)[layer, :B].long()
-        idx = torch.where(sel >= 0, sel, self.J)
-        scores = self.scores[layer, :B]
-        old = scores.gather(1, idx)
-        new = torch.where(sel >= 0, self.ema * old + (1.0 - self.ema) * mass, 0.0)
-        if live is not None:                 # the sink column J holds 0, so old is 0 there
-            new = torch.where(live[:, None], new, old)
-        scores.scatter_(1, idx, new)
+        self._rows(q.shape[0])
+        sel = self._tables()["far_select"].view(self.layers, self.B, self.C)[layer, :q.shape[0]]
+        mass = torch.ops.kvops.far_view_observe(q, far_k, far_bias, lse, sel, self.scores[layer],
+                                                live, self.ema, scale)
         return mass

@@ -1,0 +1,226 @@
+"""far_view_observe (the far view's utility update): the kernel and the reference against a
+float64 loop oracle, with invisible slots holding NaN, rows with nothing visible, rows that are
+not live, empty and out-of-range selection entries and more utility rows than query rows; the
+op contract (opcheck, input errors, validation mode, compile, CUDA graphs); and FarView.observe
+giving what the op gives."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kvops
+from kvops.kernels.far_view_observe import OBSERVE_BLOCK_ELEMS, far_view_observe_fwd, observe_launch
+from kvops.ops.far_view_observe import far_view_observe_ref
+from tests.conftest import capture_graph, counting_backend, requires_cuda
+from tests.tolerances import assert_close
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-3}
+
+
+def make_case(R, C, Hkv, G, D, N, dtype=torch.float32, seed=0, extra_rows=1, live=True):
+    """A call's q, far keys and biases (some slots invisible, their keys NaN), an lse that
+    bounds the logits (one row with nothing visible: lse -inf), distinct selection entries
+    per row with -1 and out-of-range ones, and utilities for ``R + extra_rows`` rows."""
+    gen = torch.Generator().manual_seed(seed)
+    Hq = Hkv * G
+    q = torch.randn(R, Hq, D, generator=gen).to(dtype)
+    far_k = torch.randn(R, C, Hkv, D, generator=gen).to(dtype)
+    vis = torch.rand(R, C, generator=gen) < 0.7
+    if R > 1:
+        vis[R - 1] = False                               # nothing visible in the last row
+    far_bias = torch.where(vis, torch.rand(R, C, generator=gen) * 3 - 1, float("-inf"))
+    far_k[~vis] = float("nan")
+    logits = torch.einsum("rhgd,rchd->rhgc", q.double().view(R, Hkv, G, D),
+                          torch.where(vis[:, :, None, None], far_k.double(), 0.0)) * D ** -0.5
+    lse = torch.logsumexp(logits + far_bias.double()[:, None, None, :], dim=-1).view(R, Hq)
+    lse = (lse + torch.rand(R, Hq, generator=gen, dtype=torch.float64)).float()  # a window too
+    sel = torch.stack([torch.randperm(max(N + 2, C), generator=gen)[:C] for _ in range(R)]).int() - 1
+    sel = torch.where(vis | (sel < 0), sel, -1)           # an invisible slot holds nothing, or
+    sel[0, 0] = N + 3 if C > 1 else sel[0, 0]             # an entry past the row updates nothing
+    scores = torch.rand(R + extra_rows, N, generator=gen)
+    alive = (torch.rand(R, generator=gen) < 0.75) if live else None
+    return q, far_k, far_bias, lse, sel, scores, alive
+
+
+def oracle(q, far_k, far_bias, lse, sel, scores, live, ema):
+    """(mass, new scores) by loops in float64."""
+    R, Hq, D = q.shape
+    C, Hkv = far_k.shape[1], far_k.shape[2]
+    G = Hq // Hkv
+    N = scores.shape[1]
+    mass = torch.zeros(R, C, dtype=torch.float64)
+    out = scores.double().clone()
+    for r in range(R):
+        for c in range(C):
+            b = float(far_bias[r, c])
+            if b == -math.inf:
+                continue
+            for h in range(Hq):
+                s = float(q[r, h].double() @ far_k[r, c, h // G].double()) * D ** -0.5
+                norm = float(lse[r, h]) if float(lse[r, h]) > -math.inf else 0.0
+                mass[r, c] += math.exp(s + b - norm)
+        if live is not None and not bool(live[r]):
+            continue
+        for c in range(C):
+            j = int(sel[r, c])
+            if 0 <= j < N:
+                out[r, j] = ema * float(scores[r, j]) + (1 - ema) * mass[r, c]
+    return mass, out
+
+
+def check(mass, new_scores, want, dtype, case):
+    tol = TOL[dtype]
+    assert_close("mass", mass, want[0], tol, tol, case)
+    assert_close("scores", new_scores, want[1], tol, tol, case)
+
+
+shapes = st.tuples(st.integers(1, 5), st.sampled_from([1, 3, 8, 16]), st.sampled_from([1, 2]),
+                   st.sampled_from([1, 2, 3, 4, 8]), st.sampled_from([16, 64, 96]),
+                   st.integers(1, 40), st.sampled_from([torch.float32, torch.bfloat16]),
+                   st.booleans(), st.integers(0, 2**31 - 1))
+
+
+@given(shape=shapes)
+def test_reference_matches_oracle(shape):
+    R, C, Hkv, G, D, N, dtype, live, seed = shape
+    q, fk, fb, lse, sel, scores, alive = make_case(R, C, Hkv, G, D, N, dtype, seed, live=live)
+    want = oracle(q, fk, fb, lse, sel, scores, alive, 0.8)
+    got = scores.clone()
+    mass = far_view_observe_ref(q, fk, fb, lse, sel, got, alive, 0.8)
+    check(mass, got, want, dtype, str(shape))
+
+
+@given(shape=shapes)
+def test_kernel_matches_oracle(kernel_device, poison, shape):
+    R, C, Hkv, G, D, N, dtype, live, seed = shape
+    q, fk, fb, lse, sel, scores, alive = make_case(R, C, Hkv, G, D, N, dtype, seed, live=live)
+    want = oracle(q, fk, fb, lse, sel, scores, alive, 0.8)
+    dev = [t.to(kernel_device) if t is not None else None
+           for t in (q, fk, fb, lse, sel, scores, alive)]
+    mass = far_view_observe_fwd(*dev, 0.8, D ** -0.5)
+    check(mass.cpu(), dev[5].cpu(), want, dtype, str(shape))
+
+
+def test_kernel_on_a_wide_group(kernel_device):
+    """G 8 over 64 slots at D 256: the head dim is read in slices (the launch rule)."""
+    q, fk, fb, lse, sel, scores, alive = make_case(3, 64, 1, 8, 256, 80, seed=3)
+    assert observe_launch(8, 64, 256)[0] < 256
+    want = scores.clone()
+    want_mass = far_view_observe_ref(q, fk, fb, lse, sel, want, alive, 0.5)
+    dev = [t.to(kernel_device) for t in (q, fk, fb, lse, sel, scores, alive)]
+    with kvops.backend("triton"):
+        mass = torch.ops.kvops.far_view_observe(*dev, ema=0.5)
+    assert_close("mass", mass, want_mass, 1e-5, 1e-5)
+    assert_close("scores", dev[5], want, 1e-5, 1e-5)
+
+
+def test_launch_rule_table():
+    """BLOCK_D keeps a [G, C, BLOCK_D] block within OBSERVE_BLOCK_ELEMS, 16 to D channels."""
+    table = {(4, 16, 128): (128, 4), (8, 64, 256): (16, 4), (1, 8, 64): (64, 4),
+             (2, 16, 128): (128, 4), (16, 16, 128): (32, 4), (64, 64, 128): (16, 4)}
+    for (G, C, D), want in table.items():
+        assert observe_launch(G, C, D) == want, (G, C, D)
+        block_d = want[0]
+        assert block_d == 16 or 2 ** math.ceil(math.log2(G)) * 2 ** math.ceil(math.log2(C)) \
+            * block_d <= OBSERVE_BLOCK_ELEMS
+
+
+def test_opcheck():
+    args = make_case(3, 4, 2, 2, 16, 9, seed=1)
+    args = (*args[:6], args[6])
+    torch.library.opcheck(torch.ops.kvops.far_view_observe.default, args, {"ema": 0.7})
+
+
+def _bad_inputs():
+    q, fk, fb, lse, sel, scores, live = make_case(3, 4, 2, 2, 16, 9, seed=0)
+    yield "q-dtype", (q.double(), fk, fb, lse, sel, scores), TypeError, "q: expected dtype"
+    yield "k-dtype", (q, fk.half(), fb, lse, sel, scores), TypeError, "far_k: expected dtype"
+    yield "k-shape", (q, fk[:2], fb, lse, sel, scores), ValueError, "far_k: expected shape"
+    yield "heads", (q[:, :3], fk, fb, lse[:, :3], sel, scores), ValueError, "multiple of KV"
+    yield "bias-dtype", (q, fk, fb.double(), lse, sel, scores), TypeError, "far_bias: expected"
+    yield "lse-shape", (q, fk, fb, lse[:, :2], sel, scores), ValueError, "lse: expected shape"
+    yield "sel-dtype", (q, fk, fb, lse, sel.long(), scores), TypeError, "select: expected dtype"
+    yield "sel-shape", (q, fk, fb, lse, sel[:, :2], scores), ValueError, "select: expected shape"
+    yield "scores-rows", (q, fk, fb, lse, sel, scores[:2]), ValueError, "B >= R=3"
+    yield "scores-last-dim", (q, fk, fb, lse, sel, scores.t().contiguous().t()), ValueError, \
+        "scores: expected the last dim contiguous"
+    yield "live-dtype", (q, fk, fb, lse, sel, scores, live.int()), TypeError, "live: expected"
+    yield "ema", (q, fk, fb, lse, sel, scores, live, 1.0), ValueError, "ema: expected"
+
+
+@pytest.mark.parametrize("name,args,exc,msg", list(_bad_inputs()),
+                         ids=[c[0] for c in _bad_inputs()])
+def test_bad_inputs_raise(name, args, exc, msg):
+    with pytest.raises(exc, match=msg):
+        torch.ops.kvops.far_view_observe(*args)
+
+
+def test_validation_mode_raises_on_out_of_range_entries():
+    q, fk, fb, lse, sel, scores, live = make_case(3, 4, 2, 2, 16, 9, seed=0)
+    assert int(sel.max()) >= scores.shape[1]
+    with kvops.validate(True):
+        with pytest.raises(IndexError, match="select"):
+            torch.ops.kvops.far_view_observe(q, fk, fb, lse, sel, scores, live)
+
+
+def test_compile_updates_in_place_without_recompiles():
+    backend, calls = counting_backend()
+    step = torch.compile(torch.ops.kvops.far_view_observe, backend=backend, fullgraph=True)
+    for seed in range(3):
+        q, fk, fb, lse, sel, scores, live = make_case(3, 4, 2, 2, 16, 9, seed=seed)
+        want = scores.clone()
+        want_mass = far_view_observe_ref(q, fk, fb, lse, sel, want, live)
+        mass = step(q, fk, fb, lse, sel, scores, live)
+        assert_close("mass", mass, want_mass, 1e-6, 1e-6)
+        assert_close("scores", scores, want, 1e-6, 1e-6)
+    assert len(calls) == 1
+
+
+def test_far_view_observe_uses_the_op():
+    """FarView.observe updates the layer's utilities as the op does on its selection rows."""
+    from kvops.runtime import Pager
+    from kvops.runtime.far_view import FarView
+
+    pager = Pager(64, 8, max_sessions=3, max_blocks=16, device="cpu")
+    far = FarView(pager, window_tokens=32, chunk_tokens=16, cap=4, num_layers=2, num_kv_heads=2,
+                  head_dim=16, dtype=torch.float32)
+    with pager.frame():
+        pass
+    sel = pager.device_tables["far_select"].view(2, 3, 4)
+    sel.copy_(torch.tensor([[[0, 2, -1, 5], [1, -1, -1, -1], [3, 4, 6, 7]]] * 2,
+                           dtype=torch.int32))
+    far.scores.copy_(torch.rand(far.scores.shape))
+    q, fk, fb, lse, _, _, live = make_case(3, 4, 2, 2, 16, 8, seed=5)
+    fb = torch.where(sel[1] >= 0, 0.5, float("-inf"))
+    fk = torch.where(torch.isnan(fk), 0.0, fk)
+    want = far.scores[1].clone()
+    want_mass = far_view_observe_ref(q, fk, fb, lse, sel[1], want, live, far.ema)
+    before = far.scores[0].clone()
+    mass = far.observe(1, q, fk, fb, lse, live=live)
+    assert torch.equal(far.scores[0], before)
+    assert_close("mass", mass, want_mass, 1e-6, 1e-6)
+    assert_close("scores", far.scores[1], want, 1e-6, 1e-6)
+
+
+@requires_cuda
+def test_cuda_graph_replay_with_new_inputs():
+    static = [t.cuda() for t in make_case(64, 16, 8, 4, 128, 64, torch.bfloat16, seed=0)]
+
+    def fn():
+        return torch.ops.kvops.far_view_observe(*static, ema=0.9)
+
+    base = static[5].clone()
+    graph, mass = capture_graph(fn)
+    for seed in range(1, 4):
+        new = make_case(64, 16, 8, 4, 128, 64, torch.bfloat16, seed=seed)
+        for dst, src in zip(static, new):
+            dst.copy_(src)
+        want = oracle(*new, 0.9)
+        graph.replay()
+        check(mass.cpu(), static[5].cpu(), want, torch.bfloat16, f"graph-{seed}")
+    assert not torch.equal(base, static[5])
