@@ -258,6 +258,11 @@ def test_a_bucket_of_the_first_slots_sees_and_scores_only_its_live_rows():
     part = far.view(layer, 2)
     for got, want in zip(part, full):
         assert torch.equal(got, want[:2])
+    for rows in (2, 3):                 # a step's one prepare serves every layer's view
+        prep = far.prepare(rows)
+        for i in range(LAYERS):
+            for got, want in zip(far.view(i, rows, prep), far.view(i, rows)):
+                assert torch.equal(got, want)
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(3, HKV * G, D, generator=gen)
     win_k, win_v = torch.randn(3, W, HKV, D, generator=gen), torch.randn(3, W, HKV, D, generator=gen)

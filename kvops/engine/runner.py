@@ -194,6 +194,7 @@ class ModelRunner:
             W = kv.window
             arena_map = torch.where(valid, self._rows[:bk] * W + pos % W, none)
 
+        far = kv.far.prepare(bk) if kv.far is not None else None   # every layer's far rows
         mixed = {}
         if self.decode == "elastic":
             # a captured step takes the BASE table always (one graph a bucket); eager steps
@@ -224,7 +225,7 @@ class ModelRunner:
             if kv.far is None:
                 o, _ = torch.ops.kvops.static_sliding_attention(q, ka, va, ws, wl)
                 return o
-            fk, fv, fb = kv.far.view(i, bk)
+            fk, fv, fb = kv.far.view(i, bk, far)
             o, lse = torch.ops.kvops.static_sliding_attention(q, ka, va, ws, wl, fk, fv, fb)
             kv.far.observe(i, q, fk, fb, lse, live=valid)
             return o

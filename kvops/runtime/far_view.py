@@ -635,22 +635,31 @@ class FarView:
         self.scores[layer].scatter_(1, ids, start.expand(B, n))
         self.scores[layer, :, J] = 0.0
 
-    def view(self, layer: int, rows: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    def prepare(self, rows: int | None = None) -> tuple[Tensor, Tensor]:
+        """Every layer's gather rows and far bias for the slots ``[0, R)``, from the committed
+        selection in one pass: ``(flat int32 [L, R * C], far_bias float32 [L, R, C])``, what
+        :meth:`view` takes as ``prepared`` (a decode step computes them once for all its
+        layers instead of once a layer)."""
+        R = self._rows(rows)
+        sel = self._tables()["far_select"].view(self.layers, self.B, self.C)[:, :R]
+        has = sel >= 0
+        # rows of a layer's store viewed [B * (J + 1), Hkv, D] (an empty slot reads the sink)
+        flat = (torch.where(has, sel, self.J) + self._store_row[:R]).view(self.layers, -1)
+        live = math.log(self.count) if self.log_count_bias else 0.0
+        return flat, torch.where(has, live, float("-inf")).to(torch.float32)
+
+    def view(self, layer: int, rows: int | None = None,
+             prepared: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """``far_k, far_v [R, C, Hkv, D]`` and ``far_bias float32 [R, C]`` for ``layer``, for
         the slots ``[0, R)`` (``rows``; all ``B`` when None: a decode batch bucket takes the
-        first ``R`` slots)."""
+        first ``R`` slots). ``prepared``: :meth:`prepare`'s result for the same rows (else it
+        is computed here)."""
         R = self._rows(rows)
-        t = self._tables()
-        sel = t["far_select"].view(self.layers, self.B, self.C)[layer, :R]
-        # rows of the layer's store viewed [B * (J + 1), Hkv, D]: one index_select a store
-        has = sel >= 0
-        flat = (torch.where(has, sel, self.J) + self._store_row[:R]).view(-1)
+        flat, bias = prepared if prepared is not None else self.prepare(R)
         shape = (R, self.C, *self.k_store.shape[-2:])
-        far_k = self.k_store[layer].flatten(0, 1).index_select(0, flat).view(shape)
-        far_v = self.v_store[layer].flatten(0, 1).index_select(0, flat).view(shape)
-        live = math.log(self.count) if self.log_count_bias else 0.0
-        far_bias = torch.where(has, live, float("-inf")).to(torch.float32)
-        return far_k, far_v, far_bias
+        far_k = self.k_store[layer].flatten(0, 1).index_select(0, flat[layer]).view(shape)
+        far_v = self.v_store[layer].flatten(0, 1).index_select(0, flat[layer]).view(shape)
+        return far_k, far_v, bias[layer]
 
     def _rows(self, rows: int | None) -> int:
         if rows is None:
