@@ -2,8 +2,8 @@
 attention call, one program a row.
 
 Program ``r`` loads the row's ``C`` far biases (a slot is visible where its bias is above
-``-inf``), then per KV head the group's ``G`` queries and the ``C`` far keys of that head, a
-``BLOCK_D`` slice of the head dim at a time, and sums ``exp(scale * q . k + bias - lse)`` over
+``-inf``), then per KV head the group's ``G`` queries and the ``C`` far keys of that head (one
+``tl.dot``, both sides padded to 16), and sums ``exp(scale * q . k + bias - lse)`` over
 the group's heads (float32; an ``lse`` of ``-inf`` counts as 0, and an invisible slot's key is
 never loaded, so nothing there reaches the sum). The row's mass is written, and where the
 row is live each selection entry inside the utility row moves its utility to
@@ -17,12 +17,9 @@ import triton
 import triton.language as tl
 
 from kvops._checks import signature as sig
-from kvops.kernels._common import next_pow2
+from kvops.kernels._attention import dot
+from kvops.kernels._common import dot_precision, next_pow2
 from kvops.kernels._launch import keep_plan, launch
-
-# elements of one (group, slot, channel) product block a program holds in registers
-OBSERVE_BLOCK_ELEMS = 8192
-
 
 @triton.jit
 def _far_view_observe_kernel(
@@ -31,6 +28,7 @@ def _far_view_observe_kernel(
     C, NCOL, ema, scale,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LIVE: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     o_c = tl.arange(0, BLOCK_C)
@@ -40,18 +38,15 @@ def _far_view_observe_kernel(
     bias = tl.load(FB + r * C + o_c, mask=m_c, other=float("-inf"))
     vis = m_c & (bias > float("-inf"))
     b_bias = tl.where(vis, bias, 0.0)
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < D
     mass = tl.zeros([BLOCK_C], tl.float32)
     for h in range(HKV):
-        s = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)
-        for d0 in tl.static_range(0, D, BLOCK_D):
-            o_d = d0 + tl.arange(0, BLOCK_D)
-            m_d = o_d < D
-            b_q = tl.load(Q + r * stride_qr + (h * G + o_g)[:, None] * stride_qh + o_d[None, :],
-                          mask=m_g[:, None] & m_d[None, :], other=0.0).to(tl.float32)
-            b_k = tl.load(FK + r * stride_kr + o_c[:, None] * stride_kc + h * stride_kh
-                          + o_d[None, :], mask=vis[:, None] & m_d[None, :],
-                          other=0.0).to(tl.float32)
-            s += tl.sum(b_q[:, None, :] * b_k[None, :, :], axis=2)
+        b_q = tl.load(Q + r * stride_qr + (h * G + o_g)[:, None] * stride_qh + o_d[None, :],
+                      mask=m_g[:, None] & m_d[None, :], other=0.0)
+        b_k = tl.load(FK + r * stride_kr + o_c[:, None] * stride_kc + h * stride_kh
+                      + o_d[None, :], mask=vis[:, None] & m_d[None, :], other=0.0)
+        s = dot(b_q, tl.trans(b_k), PRECISION)                  # [BLOCK_G, BLOCK_C]
         lse = tl.load(LSE + r * stride_lr + h * G + o_g, mask=m_g, other=0.0)
         norm = tl.where(lse > float("-inf"), lse, 0.0)
         p = tl.exp(s * scale + b_bias[None, :] - norm[:, None])
@@ -67,13 +62,12 @@ def _far_view_observe_kernel(
     tl.store(p_s, ema * old + (1.0 - ema) * mass, mask=upd)
 
 
-def observe_launch(G: int, C: int, D: int) -> tuple[int, int]:
-    """``(BLOCK_D, num_warps)`` for groups of ``G`` query heads over ``C`` far slots of head
-    dim ``D``: the head-dim slice that keeps a ``[G, C, BLOCK_D]`` product block within
-    OBSERVE_BLOCK_ELEMS (at least 16 channels, at most all of D), four warps."""
-    block = next_pow2(G) * next_pow2(C)
-    block_d = max(16, min(next_pow2(D), OBSERVE_BLOCK_ELEMS // block))
-    return block_d, 4
+def observe_launch(G: int, C: int, D: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_G, BLOCK_C, BLOCK_D, num_warps)`` for groups of ``G`` query heads over ``C``
+    far slots of head dim ``D``: a head's scores are one ``tl.dot`` of ``[BLOCK_G, D]`` queries
+    by ``[BLOCK_C, D]`` keys, so both sides are at least 16 (the smallest dot), the head dim
+    whole; four warps."""
+    return max(16, next_pow2(G)), max(16, next_pow2(C)), next_pow2(D), 4
 
 
 def far_view_observe_fwd(q, far_k, far_bias, lse, select, scores, live, ema: float,
@@ -107,11 +101,11 @@ def _plan(q, far_k, lse, scores, live, ema, scale):
     R, Hq, D = q.shape
     C, Hkv = far_k.shape[1], far_k.shape[2]
     G = Hq // Hkv
-    block_d, warps = observe_launch(G, C, D)
+    block_g, block_c, block_d, warps = observe_launch(G, C, D)
     ints = (q.stride(0), q.stride(1), far_k.stride(0), far_k.stride(1), far_k.stride(2),
             lse.stride(0), scores.stride(0), C, scores.shape[1], float(ema), float(scale))
-    meta = dict(HKV=Hkv, G=G, D=D, BLOCK_G=next_pow2(G), BLOCK_C=next_pow2(C), BLOCK_D=block_d,
-                HAS_LIVE=live is not None, num_warps=warps)
+    meta = dict(HKV=Hkv, G=G, D=D, BLOCK_G=block_g, BLOCK_C=block_c, BLOCK_D=block_d,
+                HAS_LIVE=live is not None, PRECISION=dot_precision(q.dtype), num_warps=warps)
     # the binary's key without the pointers' alignments (the launch adds them: a row slice of
     # a layer's selection moves with the layer); mass is fresh, always aligned
     bin_key = ("observe", q.device, q.dtype, ints[:9], tuple(meta.values()))
