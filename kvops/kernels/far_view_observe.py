@@ -21,6 +21,7 @@ from kvops.kernels._attention import dot
 from kvops.kernels._common import dot_precision, next_pow2
 from kvops.kernels._launch import keep_plan, launch
 
+
 @triton.jit
 def _far_view_observe_kernel(
     Q, FK, FB, LSE, SEL, SC, LIVE, MASS,
@@ -74,8 +75,7 @@ def far_view_observe_fwd(q, far_k, far_bias, lse, select, scores, live, ema: flo
                          scale: float, signature=None) -> torch.Tensor:
     """Launch the observe kernel; inputs are already checked by the op. Returns ``mass
     float32 [R, C]`` and updates ``scores`` in place."""
-    R, Hq, D = q.shape
-    C, Hkv = far_k.shape[1], far_k.shape[2]
+    R, C = q.shape[0], far_k.shape[1]
     mass = torch.empty((R, C), dtype=torch.float32, device=q.device)
     if R == 0:
         return mass

@@ -20,5 +20,6 @@ from kvops.ops.static_sliding_attention import static_sliding_attention
 
 __all__ = ["elastic_attention", "far_page_select", "far_page_summarize",
            "far_page_summarize_into", "far_slot_update",
-           "far_view_observe", "far_view_rank", "far_view_summarize", "pack_base_pairs", "paged_gather_merged", "paged_kv_write",
+           "far_view_observe", "far_view_rank", "far_view_summarize", "pack_base_pairs",
+           "paged_gather_merged", "paged_kv_write",
            "paged_prefill_attention", "refine_base_pairs", "static_sliding_attention"]
