@@ -23,6 +23,7 @@ from kvops.engine.traces import (
 )
 from kvops.models.config import LlamaConfig
 from kvops.models.paged import random_llama
+from tests.conftest import requires_cuda
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "traces"
 CFG = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
@@ -111,6 +112,45 @@ def test_kvrm_gives_far_pages_back_once_summarized(model):
     assert k["finished"] == m["finished"] == 6 and all(len(r.output) == 50 for r in reqs)
     assert k["reserved_gib_mean"] < m["reserved_gib_mean"]
     assert kv_k.free_pages() == kv_k.total_pages and kv_m.free_pages() == kv_m.total_pages
+
+
+@requires_cuda
+def test_kvrm_on_cuda_replays_captured_steps_and_absorbs_as_eager_does(model):
+    """On CUDA the decode buckets and the far view's absorb run as captured graphs: the tokens
+    equal the eager engine's, the absorb graph replays in the steps where chunks leave the
+    window, and nothing is captured after the first use."""
+    rows = [TraceRow(0.001 * i, 600 + 50 * i, 400, (1, 2 + i % 2) if i % 3 else ())
+            for i in range(6)]
+    dev, tok = torch.device("cuda"), 2 * CFG.n_layers * CFG.n_kv_heads * CFG.head_dim * 4
+    cuda_model = random_llama(CFG, dtype=torch.float32, std=0.5, device=dev)
+    outs, engines = {}, {}
+    for graphs in (False, True):
+        reqs = build_requests(rows, CFG.vocab_size, length_scale=0.125)
+        kv = make_kv("kvrm", KVBudget(bytes=4096 * tok, max_seqs=8, max_context=192, window=32),
+                     CFG, torch.float32, dev)
+        engine = Engine(cuda_model, kv, "static",
+                        SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8,
+                                        long_prefill_tokens=32), graphs=graphs)
+        if graphs:
+            engine.runner.capture_absorb()
+            engine.runner._absorb_graph = CountedReplays(engine.runner._absorb_graph)
+        engine.replay(reqs)
+        outs[graphs], engines[graphs] = [r.output for r in reqs], engine
+        assert kv.free_pages() == kv.total_pages
+    assert outs[True] == outs[False] and all(len(o) == 50 for o in outs[True])
+    runner = engines[True].runner
+    assert runner._absorb_graph.replays and runner.captures == 1 + len(runner._graphs)
+
+
+class CountedReplays:
+    """A captured graph that counts its replays."""
+
+    def __init__(self, graph):
+        self.graph, self.replays = graph, 0
+
+    def replay(self):
+        self.replays += 1
+        self.graph.replay()
 
 
 def test_kvrm_pulls_far_utilities_every_rerank_steps(model, monkeypatch):

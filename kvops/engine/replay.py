@@ -156,7 +156,8 @@ def _warmup(engine: Engine, vocab: int, max_context: int) -> None:
     """Requests through the engine so that the kernels compile before the measured replay (on
     CUDA: prefill packs of one to eight sequences, token counts with and without a factor of
     16, a single-token prompt, chunked prompts, each Triton specialization the replay is likely
-    to meet), then a capture of every decode bucket; the engine's records start again after."""
+    to meet), then a capture of every decode bucket (and, with a far view, of its absorb); the
+    engine's records start again after."""
     long = engine.scheduler.cfg.long_prefill_tokens
     if engine.runner.device.type == "cuda":
         lengths = [1, 16, 17, 48, 100, 257, long + 37, 2 * long]
@@ -179,6 +180,7 @@ def _warmup(engine: Engine, vocab: int, max_context: int) -> None:
                 runner._pos.fill_(-1)           # rows that decode nothing: no writes
                 runner._replay(bk)
             b += 1
+        runner.capture_absorb()                 # kvrm: the far view's absorb, one graph
     engine.steps.clear()
     runner.paths.clear()
     engine.kv.prefix_hit_tokens = 0

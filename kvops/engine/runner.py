@@ -83,6 +83,7 @@ class ModelRunner:
         self._rows = torch.arange(B, dtype=torch.int64, device=dev)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
+        self._absorb_graph = None
         self.captures = 0
         self.steps = 0
         self.buckets_used: set[int] = set()
@@ -120,9 +121,11 @@ class ModelRunner:
         prefill = [it for it in items if it[2] > 1]
         decode = [it for it in items if it[2] == 1]
         out = self._prefill(prefill) if prefill else {}
-        if kv.far is not None and kv.far.summaries_due:     # eager: skipped when none is due
-            for i in range(kv.layers):
-                kv.far.absorb(i, kv.k_pool[i], kv.v_pool[i])
+        if kv.far is not None and kv.far.summaries_due:     # skipped when none is due
+            if self._absorb_graph is not None:
+                self._absorb_graph.replay()
+            else:
+                self._absorb()
         if decode:
             out.update(self._decode(decode))
         if kv.far is not None:
@@ -252,6 +255,30 @@ class ModelRunner:
         self.paths[self.last_path] += 1
         nxt = nxt.tolist()
         return {req: nxt[s] for (req, _, _), s in zip(items, slots)}
+
+    def _absorb(self) -> None:
+        kv = self.kv
+        for i in range(kv.layers):
+            kv.far.absorb(i, kv.k_pool[i], kv.v_pool[i])
+
+    def capture_absorb(self) -> None:
+        """Capture every layer's far-view absorb in one CUDA graph, so a step in which chunks
+        leave the window replays one graph instead of launching about ten kernels a layer (the
+        absorb reads the commit's leave tables on the device, fixed shapes). One eager absorb
+        runs first (its kernels compile outside the capture); with no chunk queued it writes
+        only the sink column. Counted as a capture."""
+        if not self.graphs or self.kv.far is None or self._absorb_graph is not None:
+            return
+        s = torch.cuda.Stream(self.device)
+        s.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(s):
+            self._absorb()
+        torch.cuda.current_stream(self.device).wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):               # its own pool: a few small summaries
+            self._absorb()
+        self._absorb_graph = g
+        self.captures += 1
 
     def _replay(self, bk: int) -> torch.Tensor:
         entry = self._graphs.get(bk)
