@@ -16,6 +16,8 @@ Configurations (near window W = 512 tokens, 16-token pages, sv_chunk = 128):
   view) plus the sequence's first ``n`` tokens exact (StreamingLLM's attention sink), to tell
   how much of the near-only loss is the sink alone (in ``far<cap>+sink<n>`` those tokens also
   stay in chunk 0's summary).
+- ``ret<K>+dense<n>[@<S>]`` (diagnostic): the retrieval far view with the first ``n`` layers
+  dense, to tell whether the early layers' choice is what a retrieval misses.
 
 How the far view is evaluated. By default, block-parallel: every query position gets the
 attention a decode step with :class:`kvops.runtime.FarView` gives it (its window plus the
