@@ -82,6 +82,10 @@ def cases(device, dtype=torch.bfloat16, B=4, ctx=512):
     select = torch.arange(C, dtype=torch.int32, device=device).expand(n_layers, B, C).contiguous()
 
     other = torch.roll(new, 1, 0).contiguous()     # another choice a sequence
+    # the mean far view's utility update: C far summaries a sequence
+    obs_k = rnd(B, C, HKV, D)
+    obs_bias = torch.zeros(B, C, dtype=torch.float32, device=device)
+    obs_lse = torch.full((B, HQ), 4.0, dtype=torch.float32, device=device)
 
     def slot_update():      # alternates two choices, so every call copies pages
         ops.far_slot_update(new, table, kc, vc, index, far_k, far_v, far_bias)
@@ -112,6 +116,8 @@ def cases(device, dtype=torch.bfloat16, B=4, ctx=512):
                             sdpa),
         "far_slot_update (two calls)": (slot_update, "sdpa x2", lambda: (sdpa(), sdpa())),
         "far_view_rank": (lambda: ops.far_view_rank(scores, summarized, select), "sdpa", sdpa),
+        "far_view_observe": (lambda: ops.far_view_observe(q, obs_k, obs_bias, obs_lse,
+                                                          select[0], scores[0]), "sdpa", sdpa),
     }
 
 

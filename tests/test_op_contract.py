@@ -19,7 +19,7 @@ from tests.conftest import requires_cuda
 OPS = ["static_sliding_attention", "elastic_attention", "paged_gather_merged",
        "far_view_summarize", "pack_base_pairs", "refine_base_pairs", "paged_kv_write",
        "paged_prefill_attention", "far_page_summarize", "far_page_select", "far_slot_update",
-       "far_view_rank"]
+       "far_view_rank", "far_view_observe"]
 PAGES_MSG = r"expected contiguous pages \[S, Hkv, D\] \(any page stride\)"
 
 
