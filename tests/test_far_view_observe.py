@@ -40,7 +40,8 @@ def make_case(R, C, Hkv, G, D, N, dtype=torch.float32, seed=0, extra_rows=1, liv
     lse = torch.logsumexp(logits + far_bias.double()[:, None, None, :], dim=-1).view(R, Hq)
     lse = (lse + torch.rand(R, Hq, generator=gen, dtype=torch.float64)).float()  # a window too
     sel = torch.stack([torch.randperm(max(N + 2, C), generator=gen)[:C] for _ in range(R)]).int() - 1
-    sel = torch.where(vis | (sel < 0), sel, -1)           # an invisible slot holds nothing, or
+    keep = torch.rand(R, C, generator=gen) < 0.3           # invisible, still owning a column:
+    sel = torch.where(vis | keep | (sel < 0), sel, -1)    # mass 0, its utility decays
     sel[0, 0] = N + 3 if C > 1 else sel[0, 0]             # an entry past the row updates nothing
     scores = torch.rand(R + extra_rows, N, generator=gen)
     alive = (torch.rand(R, generator=gen) < 0.75) if live else None
@@ -81,7 +82,8 @@ def check(mass, new_scores, want, dtype, case):
 
 shapes = st.tuples(st.integers(1, 5), st.sampled_from([1, 3, 8, 16]), st.sampled_from([1, 2]),
                    st.sampled_from([1, 2, 3, 4, 8]), st.sampled_from([16, 64, 96]),
-                   st.integers(1, 40), st.sampled_from([torch.float32, torch.bfloat16]),
+                   st.integers(1, 40),
+                   st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
                    st.booleans(), st.integers(0, 2**31 - 1))
 
 
@@ -149,6 +151,9 @@ def _bad_inputs():
         "scores: expected the last dim contiguous"
     yield "live-dtype", (q, fk, fb, lse, sel, scores, live.int()), TypeError, "live: expected"
     yield "ema", (q, fk, fb, lse, sel, scores, live, 1.0), ValueError, "ema: expected"
+    yield "head-dim", (q[..., :8], fk[..., :8], fb, lse, sel, scores), ValueError, "head dim"
+    wide = make_case(1, 65, 1, 1, 512, 9)
+    yield "slots-x-dim", wide[:6], ValueError, "C \\* D <= 32768"
 
 
 @pytest.mark.parametrize("name,args,exc,msg", list(_bad_inputs()),
@@ -203,6 +208,27 @@ def test_far_view_observe_uses_the_op():
     assert torch.equal(far.scores[0], before)
     assert_close("mass", mass, want_mass, 1e-6, 1e-6)
     assert_close("scores", far.scores[1], want, 1e-6, 1e-6)
+
+
+@requires_cuda
+def test_cuda_layer_slices_at_any_alignment():
+    """Rows of a layer's selection and utilities start wherever the layer does (4-byte steps),
+    and the launch specializes on 16-byte alignment: every offset gives the reference."""
+    q, fk, fb, lse, sel, scores, live = make_case(5, 3, 2, 4, 64, 7, torch.bfloat16, seed=2)
+    for off in range(4):
+        sel_buf = torch.full((off * 3 + sel.numel(),), -1, dtype=torch.int32)
+        sel_buf[off * 3:] = sel.flatten()
+        sc_buf = torch.zeros(off * 7 + scores.numel())
+        sc_buf[off * 7:] = scores.flatten()
+        sel_c = sel_buf.cuda()[off * 3:].view(5, 3)
+        sc_c = sc_buf.cuda()[off * 7:].view(scores.shape)
+        lse_c = torch.cat([torch.zeros(off), lse.flatten()]).cuda()[off:].view(lse.shape)
+        want = scores.clone()
+        want_mass = far_view_observe_ref(q, fk, fb, lse, sel, want, live, 0.9)
+        mass = torch.ops.kvops.far_view_observe(q.cuda(), fk.cuda(), fb.cuda(), lse_c, sel_c,
+                                                sc_c, live.cuda())
+        assert_close("mass", mass, want_mass, 2e-3, 2e-3, f"offset {off}")
+        assert_close("scores", sc_c, want, 2e-3, 2e-3, f"offset {off}")
 
 
 @requires_cuda

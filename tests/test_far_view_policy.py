@@ -261,8 +261,13 @@ def test_a_bucket_of_the_first_slots_sees_and_scores_only_its_live_rows():
     for rows in (2, 3):                 # a step's one prepare serves every layer's view
         prep = far.prepare(rows)
         for i in range(LAYERS):
-            for got, want in zip(far.view(i, rows, prep), far.view(i, rows)):
-                assert torch.equal(got, want)
+            fk, fv, fb = far.view(i, rows, prep)
+            for r in range(rows):
+                for c, j in enumerate(far.selection(i, r)):
+                    at = j if j >= 0 else far.J      # an empty slot reads the sink row
+                    assert torch.equal(fk[r, c], far.k_store[i, r, at])
+                    assert torch.equal(fv[r, c], far.v_store[i, r, at])
+                    assert (fb[r, c] == float("-inf")) == (j < 0)
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(3, HKV * G, D, generator=gen)
     win_k, win_v = torch.randn(3, W, HKV, D, generator=gen), torch.randn(3, W, HKV, D, generator=gen)

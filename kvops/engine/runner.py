@@ -197,7 +197,9 @@ class ModelRunner:
             W = kv.window
             arena_map = torch.where(valid, self._rows[:bk] * W + pos % W, none)
 
-        far = kv.far.prepare(bk) if kv.far is not None else None   # every layer's far rows
+        far = None
+        if kv.far is not None and self.decode == "static":
+            far = kv.far.prepare(bk)             # every layer's far rows, once a step
         mixed = {}
         if self.decode == "elastic":
             # a captured step takes the BASE table always (one graph a bucket); eager steps
@@ -264,16 +266,25 @@ class ModelRunner:
     def capture_absorb(self) -> None:
         """Capture every layer's far-view absorb in one CUDA graph, so a step in which chunks
         leave the window replays one graph instead of launching about ten kernels a layer (the
-        absorb reads the commit's leave tables on the device, fixed shapes). One eager absorb
-        runs first (its kernels compile outside the capture); with no chunk queued it writes
-        only the sink column. Counted as a capture."""
+        absorb reads the commit's leave tables on the device, fixed shapes). Its kernels compile
+        first in one eager absorb over emptied leave tables (which writes only the sink
+        column; the tables are restored after), so the call changes no session's state
+        whenever it comes. Counted as a capture."""
         if not self.graphs or self.kv.far is None or self._absorb_graph is not None:
             return
+        far = self.kv.far
+        t = far._tables()
+        kept = [(t[name], t[name].clone(), empty) for name, empty in
+                (("far_leave_pages", -1), ("far_leave_ids", far.J))]
+        for table, _, empty in kept:
+            table.fill_(empty)
         s = torch.cuda.Stream(self.device)
         s.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(s):
             self._absorb()
         torch.cuda.current_stream(self.device).wait_stream(s)
+        for table, saved, _ in kept:
+            table.copy_(saved)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):               # its own pool: a few small summaries
             self._absorb()
@@ -283,11 +294,16 @@ class ModelRunner:
     def _replay(self, bk: int) -> torch.Tensor:
         entry = self._graphs.get(bk)
         if entry is None:
+            # warm-up (Triton compiles, the allocator warms) with no row decoding, so it writes
+            # no K/V and moves no utility; the replay below is the step's one decode
+            pos = self._pos[:bk].clone()
+            self._pos[:bk].fill_(-1)
             s = torch.cuda.Stream(self.device)
             s.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(s):                 # warm-up: Triton compiles, allocator
+            with torch.cuda.stream(s):
                 self._decode_forward(bk)
             torch.cuda.current_stream(self.device).wait_stream(s)
+            self._pos[:bk].copy_(pos)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             g = torch.cuda.CUDAGraph()

@@ -15,6 +15,9 @@ from kvops.kernels.far_view_observe import far_view_observe_fwd
 from kvops.ops._library import CheckedSignatures, register, sig
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# far slots times head dim of one KV head's keys, which the kernel holds as one tile (cap 64 at
+# D 512, 256 at D 128)
+MAX_SLOT_ELEMS = 32768
 
 
 def _check(q, far_k, far_bias, lse, select, scores, live, ema) -> None:
@@ -29,6 +32,10 @@ def _check(q, far_k, far_bias, lse, select, scores, live, ema) -> None:
         raise ValueError(f"far_k: expected at least one far slot (C >= 1), got shape "
                          f"{tuple(far_k.shape)}")
     _checks.heads("q", Hq, "far_k", Hkv)
+    _checks.head_dim("q", D)
+    if C * D > MAX_SLOT_ELEMS:
+        raise ValueError(f"far_k: expected C * D <= {MAX_SLOT_ELEMS} (a KV head's far keys are "
+                         f"one tile), got C={C}, D={D}")
     for name, t in (("q", q), ("far_k", far_k)):
         if t.numel() and t.stride(-1) != 1:
             raise ValueError(f"{name}: expected the head dim contiguous, got strides {t.stride()}")
@@ -128,7 +135,8 @@ def far_view_observe(q: Tensor, far_k: Tensor, far_bias: Tensor, lse: Tensor, se
     (empty slots) and rows that are not live change nothing.
 
     - q [R, Hq, D] float16, bfloat16 or float32 (the query the attention saw; head dim
-      contiguous); far_k [R, C, Hkv, D], q's dtype (the far keys it saw); far_bias float32
+      contiguous, D a multiple of 16 up to 512); far_k [R, C, Hkv, D], q's dtype (the far
+      keys it saw; ``C * D`` at most 32768: one KV head's keys are one tile); far_bias float32
       [R, C] (its far bias: a slot of ``-inf`` is invisible, its key never read, its mass 0);
       lse float32 [R, Hq] (the attention's natural-log ``lse``).
     - select int32 [R, C]: the column of ``scores`` each slot's summary owns, ``-1`` none.
