@@ -248,3 +248,13 @@ def test_cuda_graph_replay_with_new_inputs():
         graph.replay()
         check(mass.cpu(), static[5].cpu(), want, torch.bfloat16, f"graph-{seed}")
     assert not torch.equal(base, static[5])
+
+
+def test_step_bench_runs_on_cpu():
+    """bench/bench_far_view_step.py's pieces (prepare, view, observe, its torch form, absorb)
+    run on tiny CPU shapes, so the GPU bench does not rot between device runs."""
+    from bench.bench_far_view_step import SMOKE, run
+
+    text = run(SMOKE, smoke=True)
+    for part in ("view", "observe (far_view_observe)", "observe, torch reference", "absorb"):
+        assert part in text
