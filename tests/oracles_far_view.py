@@ -1,6 +1,9 @@
-"""Float64 oracle for far-view summarization, written as plain loops (not the reference)."""
+"""Float64 oracles for the far view's ops (summarization, the utility update), written as plain
+loops (not the references)."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -29,3 +32,30 @@ def far_view_summarize_oracle(k_cache, v_cache, chunk_table):
             k_sum[b, c] /= M * S
             v_sum[b, c] /= M * S
     return k_sum, v_sum
+
+
+def far_view_observe_oracle(q, far_k, far_bias, lse, sel, scores, live, ema):
+    """far_view_observe's (mass, new scores) by loops in float64: a visible slot's mass summed
+    over the query heads, then the EMA of each live row's in-range entries."""
+    R, Hq, D = q.shape
+    C, Hkv = far_k.shape[1], far_k.shape[2]
+    G = Hq // Hkv
+    N = scores.shape[1]
+    mass = torch.zeros(R, C, dtype=torch.float64)
+    out = scores.double().clone()
+    for r in range(R):
+        for c in range(C):
+            b = float(far_bias[r, c])
+            if b == -math.inf:
+                continue
+            for h in range(Hq):
+                s = float(q[r, h].double() @ far_k[r, c, h // G].double()) * D ** -0.5
+                norm = float(lse[r, h]) if float(lse[r, h]) > -math.inf else 0.0
+                mass[r, c] += math.exp(s + b - norm)
+        if live is not None and not bool(live[r]):
+            continue
+        for c in range(C):
+            j = int(sel[r, c])
+            if 0 <= j < N:
+                out[r, j] = ema * float(scores[r, j]) + (1 - ema) * mass[r, c]
+    return mass, out

@@ -6,8 +6,6 @@ giving what the op gives."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from hypothesis import given
@@ -17,6 +15,7 @@ import kvops
 from kvops.kernels.far_view_observe import far_view_observe_fwd, observe_launch
 from kvops.ops.far_view_observe import far_view_observe_ref
 from tests.conftest import capture_graph, counting_backend, requires_cuda
+from tests.oracles_far_view import far_view_observe_oracle
 from tests.tolerances import assert_close
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-3}
@@ -48,32 +47,6 @@ def make_case(R, C, Hkv, G, D, N, dtype=torch.float32, seed=0, extra_rows=1, liv
     return q, far_k, far_bias, lse, sel, scores, alive
 
 
-def oracle(q, far_k, far_bias, lse, sel, scores, live, ema):
-    """(mass, new scores) by loops in float64."""
-    R, Hq, D = q.shape
-    C, Hkv = far_k.shape[1], far_k.shape[2]
-    G = Hq // Hkv
-    N = scores.shape[1]
-    mass = torch.zeros(R, C, dtype=torch.float64)
-    out = scores.double().clone()
-    for r in range(R):
-        for c in range(C):
-            b = float(far_bias[r, c])
-            if b == -math.inf:
-                continue
-            for h in range(Hq):
-                s = float(q[r, h].double() @ far_k[r, c, h // G].double()) * D ** -0.5
-                norm = float(lse[r, h]) if float(lse[r, h]) > -math.inf else 0.0
-                mass[r, c] += math.exp(s + b - norm)
-        if live is not None and not bool(live[r]):
-            continue
-        for c in range(C):
-            j = int(sel[r, c])
-            if 0 <= j < N:
-                out[r, j] = ema * float(scores[r, j]) + (1 - ema) * mass[r, c]
-    return mass, out
-
-
 def check(mass, new_scores, want, dtype, case):
     tol = TOL[dtype]
     assert_close("mass", mass, want[0], tol, tol, case)
@@ -91,7 +64,7 @@ shapes = st.tuples(st.integers(1, 5), st.sampled_from([1, 3, 8, 16]), st.sampled
 def test_reference_matches_oracle(shape):
     R, C, Hkv, G, D, N, dtype, live, seed = shape
     q, fk, fb, lse, sel, scores, alive = make_case(R, C, Hkv, G, D, N, dtype, seed, live=live)
-    want = oracle(q, fk, fb, lse, sel, scores, alive, 0.8)
+    want = far_view_observe_oracle(q, fk, fb, lse, sel, scores, alive, 0.8)
     got = scores.clone()
     mass = far_view_observe_ref(q, fk, fb, lse, sel, got, alive, 0.8)
     check(mass, got, want, dtype, str(shape))
@@ -101,7 +74,7 @@ def test_reference_matches_oracle(shape):
 def test_kernel_matches_oracle(kernel_device, poison, shape):
     R, C, Hkv, G, D, N, dtype, live, seed = shape
     q, fk, fb, lse, sel, scores, alive = make_case(R, C, Hkv, G, D, N, dtype, seed, live=live)
-    want = oracle(q, fk, fb, lse, sel, scores, alive, 0.8)
+    want = far_view_observe_oracle(q, fk, fb, lse, sel, scores, alive, 0.8)
     dev = [t.to(kernel_device) if t is not None else None
            for t in (q, fk, fb, lse, sel, scores, alive)]
     mass = far_view_observe_fwd(*dev, 0.8, D ** -0.5)
@@ -244,7 +217,7 @@ def test_cuda_graph_replay_with_new_inputs():
         new = make_case(64, 16, 8, 4, 128, 64, torch.bfloat16, seed=seed)
         for dst, src in zip(static, new):
             dst.copy_(src)
-        want = oracle(*new, 0.9)
+        want = far_view_observe_oracle(*new, 0.9)
         graph.replay()
         check(mass.cpu(), static[5].cpu(), want, torch.bfloat16, f"graph-{seed}")
     assert not torch.equal(base, static[5])
