@@ -93,7 +93,7 @@ def parse_config(name: str) -> tuple[str, int, bool, int]:
 
 def dense_layers(name: str) -> int:
     """``ret<K>+dense<n>[@<S>]`` -> n, the first layers that attend densely; 0 otherwise."""
-    _, plus, extra = name.partition("@")[0].partition("+")
+    extra = name.partition("@")[0].partition("+")[2]
     tail = extra[5:]
     return int(tail) if name.startswith("ret") and extra.startswith("dense") and tail.isdigit() else 0
 
@@ -370,10 +370,11 @@ def hidden_states(model: Llama, ids: torch.Tensor, config: str) -> torch.Tensor:
     T = ids.shape[0]
     cos, sin = model.rope_cos[:T], model.rope_sin[:T]
     x = model.tok_embeddings(ids)
+    dense_below = dense_layers(config)
     for layer, block in enumerate(model.layers):
         att = block.attention
         q, k, v = att._qkv(block.attention_norm(x), cos, sin)
-        if layer < dense_layers(config):
+        if layer < dense_below:
             o = attention_dense(q, k, v, 0)
         else:
             o = attention_banded(q, k, v, mode, cap, bias, sink, every=retrieval_every(config),
@@ -393,7 +394,6 @@ def hidden_states_from(model: Llama, ids: torch.Tensor, config: str, start: int 
     are ``ids[:start]``; causal attention makes them independent of what follows)."""
     mode, cap, bias, sink = parse_config(config)
     every, page = retrieval_every(config), retrieval_page(config)
-
     dense_below = dense_layers(config)
 
     def attend(layer, q, k, v):

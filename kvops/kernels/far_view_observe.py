@@ -80,16 +80,13 @@ def far_view_observe_fwd(q, far_k, far_bias, lse, select, scores, live, ema: flo
     if R == 0:
         return mass
     if signature is None:
-        signature = (*(sig(t) for t in (q, far_k, far_bias, lse, select, scores)),
-                     live is not None)
+        signature = tuple(sig(t) for t in (q, far_k, far_bias, lse, select, scores, live))
     key = (signature, ema, scale)
     plan = _PLANS.get(key) or keep_plan(_PLANS, key, _plan(q, far_k, lse, scores, live,
-                                                           ema, scale))
+                                                           ema, scale, signature))
     bin_key, ints, meta = plan
     live_arg = live.view(torch.uint8) if live is not None else select   # unread without live
-    aligned = tuple(t.data_ptr() % 16 == 0 for t in (q, far_k, far_bias, lse, select, scores,
-                                                      live_arg))
-    launch(_far_view_observe_kernel, (R,), (bin_key, aligned),
+    launch(_far_view_observe_kernel, (R,), bin_key,
            (q, far_k, far_bias, lse, select, scores, live_arg, mass, *ints), meta)
     return mass
 
@@ -97,7 +94,7 @@ def far_view_observe_fwd(q, far_k, far_bias, lse, select, scores, live, ema: flo
 _PLANS: dict = {}   # launch plans (binary key, runtime arguments, constants) by signature
 
 
-def _plan(q, far_k, lse, scores, live, ema, scale):
+def _plan(q, far_k, lse, scores, live, ema, scale, signature):
     R, Hq, D = q.shape
     C, Hkv = far_k.shape[1], far_k.shape[2]
     G = Hq // Hkv
@@ -106,7 +103,9 @@ def _plan(q, far_k, lse, scores, live, ema, scale):
             lse.stride(0), scores.stride(0), C, scores.shape[1], float(ema), float(scale))
     meta = dict(HKV=Hkv, G=G, D=D, BLOCK_G=block_g, BLOCK_C=block_c, BLOCK_D=block_d,
                 HAS_LIVE=live is not None, PRECISION=dot_precision(q.dtype), num_warps=warps)
-    # the binary's key without the pointers' alignments (the launch adds them: a row slice of
-    # a layer's selection moves with the layer); mass is fresh, always aligned
-    bin_key = ("observe", q.device, q.dtype, ints[:9], tuple(meta.values()))
+    # the binary specializes on the strides and ints above, the constants and each pointer's
+    # 16-byte alignment: the last field of the seven tensors' signatures (a row slice of a
+    # layer's selection moves with the layer); mass is fresh, always aligned
+    bin_key = ("observe", q.device, q.dtype, ints[:9], tuple(meta.values()),
+               tuple(t[-1] for t in signature[:7] if t is not None))
     return bin_key, ints, meta

@@ -641,10 +641,15 @@ class FarView:
         :meth:`view` takes as ``prepared`` (a decode step computes them once for all its
         layers instead of once a layer)."""
         R = self._rows(rows)
-        sel = self._tables()["far_select"].view(self.layers, self.B, self.C)[:, :R]
+        flat, bias = self._gather_rows(
+            self._tables()["far_select"].view(self.layers, self.B, self.C)[:, :R])
+        return flat.view(self.layers, -1), bias
+
+    def _gather_rows(self, sel: Tensor) -> tuple[Tensor, Tensor]:
+        """Selection entries ``[..., R, C]`` -> rows of a layer's store viewed ``[B * (J + 1),
+        Hkv, D]`` (an empty slot reads the sink) and the far bias."""
         has = sel >= 0
-        # rows of a layer's store viewed [B * (J + 1), Hkv, D] (an empty slot reads the sink)
-        flat = (torch.where(has, sel, self.J) + self._store_row[:R]).view(self.layers, -1)
+        flat = torch.where(has, sel, self.J) + self._store_row[:sel.shape[-2]]
         live = math.log(self.count) if self.log_count_bias else 0.0
         return flat, torch.where(has, live, float("-inf")).to(torch.float32)
 
@@ -652,14 +657,19 @@ class FarView:
              prepared: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """``far_k, far_v [R, C, Hkv, D]`` and ``far_bias float32 [R, C]`` for ``layer``, for
         the slots ``[0, R)`` (``rows``; all ``B`` when None: a decode batch bucket takes the
-        first ``R`` slots). ``prepared``: :meth:`prepare`'s result for the same rows (else it
-        is computed here)."""
+        first ``R`` slots). ``prepared``: :meth:`prepare`'s result for the same rows (else this
+        layer's rows are computed here)."""
         R = self._rows(rows)
-        flat, bias = prepared if prepared is not None else self.prepare(R)
+        if prepared is not None:
+            flat, bias = prepared[0][layer], prepared[1][layer]
+        else:
+            flat, bias = self._gather_rows(
+                self._tables()["far_select"].view(self.layers, self.B, self.C)[layer, :R])
+            flat = flat.view(-1)
         shape = (R, self.C, *self.k_store.shape[-2:])
-        far_k = self.k_store[layer].flatten(0, 1).index_select(0, flat[layer]).view(shape)
-        far_v = self.v_store[layer].flatten(0, 1).index_select(0, flat[layer]).view(shape)
-        return far_k, far_v, bias[layer]
+        far_k = self.k_store[layer].flatten(0, 1).index_select(0, flat).view(shape)
+        far_v = self.v_store[layer].flatten(0, 1).index_select(0, flat).view(shape)
+        return far_k, far_v, bias
 
     def _rows(self, rows: int | None) -> int:
         if rows is None:
