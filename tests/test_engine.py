@@ -322,6 +322,43 @@ def test_kvrm_with_shared_prefixes_and_far_trims(model):
     assert m["prefix_hit_tokens"] > 0 and kv.free_pages() == kv.total_pages
 
 
+def test_kvrm_trims_every_decoding_requests_summarized_far_blocks(model, monkeypatch):
+    # after each commit, a decoding request (not an alias source of that step) has given back
+    # exactly the blocks of its leading summarized chunks as they stood before the commit, and
+    # a request still in prefill none of them: the per-slot candidates agree with checking
+    # every request
+    from kvops.engine.kv import PagedKV
+    from kvops.engine.request import Status
+
+    checked = []
+    commit = PagedKV.commit_step
+
+    def checking(self, admits, grows):
+        keep = {src for _, src, hit, _ in admits if hit}
+        want = {}
+        for key in self.pager.sessions():
+            req = self._slot_req.get(self.pager.slot(key))
+            if req is None or req.key != key or req.status is not Status.RUNNING:
+                continue
+            lead = self.far.leading_summarized(self.pager.slot(key)) * self.far.M
+            had = self._far_trimmed.get(key, 0)
+            decoding = req.num_computed >= len(req.prompt) and key not in keep
+            want[key] = max(lead, had) if decoding else had
+        out = commit(self, admits, grows)
+        for key, n in want.items():
+            if key in self.pager.sessions():
+                assert self._far_trimmed.get(key, 0) == n, key
+                assert all(p < 0 for p in self.pager.pages(key)[:n]), key
+                checked.append(n)
+        return out
+
+    monkeypatch.setattr(PagedKV, "commit_step", checking)
+    rows = [TraceRow(0.05 * i, 900 + 40 * i, 300, (1, 2, 3 + i)) for i in range(8)]
+    reqs, kv, m = serve(model, rows, "kvrm", window=32, max_context=192, clock="model")
+    assert m["finished"] == 8 and kv.free_pages() == kv.total_pages
+    assert max(checked) > 0                       # far blocks did go back
+
+
 def test_bare_kvops_runs_the_replay_then_one_pressure_comparison(monkeypatch, tmp_path):
     from kvops import cli
 

@@ -20,8 +20,10 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from kvops.engine.request import Request
+from kvops.engine.request import Request, Status
 from kvops.runtime import FarView, Pager, Transport, apply_copies
+
+_NEVER = np.iinfo(np.int64).max     # a trim count no summarized lead passes
 
 
 def _blocks(n: int, S: int) -> int:
@@ -67,6 +69,10 @@ class PagedKV:
         self.prefix_sharing = prefix_sharing
         self.far_trim = far_trim and self.far is not None
         self._far_trimmed: dict[str, int] = {}    # session -> leading blocks trimmed as far
+        # the same per slot, for the running request in it (_NEVER: a slot whose session does
+        # not decode: free, a cached prefix, ended), and the request a slot was opened for
+        self._trim_at = np.full(max_sessions, _NEVER, dtype=np.int64)
+        self._slot_req: dict[int, Request] = {}
         self._holders: dict[tuple, list[str]] = {}       # hash chain -> sessions holding it
         self._chains: dict[str, list[tuple]] = {}        # session -> chains it registered
         self._cached: OrderedDict[str, None] = OrderedDict()   # finished, kept as prefixes
@@ -110,8 +116,10 @@ class PagedKV:
         """Free pages growing ``req`` by ``n`` tokens takes (``hit`` aliased tokens first when
         it is new): new blocks plus a copy-on-write of a shared partly filled tail."""
         S = self.S
-        running = req.status.name == "RUNNING"
+        running = req.status is Status.RUNNING
         start = req.num_computed if running else hit
+        if running and n == 1 and req.key not in self._partial:     # a decode step
+            return int(start % S == 0)
         need = _blocks(start + n, S) - _blocks(start, S)
         if start % S:                       # the tokens land in a partly filled tail page
             if not running:                 # aliased mid-page: its first write copies the page
@@ -211,11 +219,19 @@ class PagedKV:
             if cold:
                 self._ends.append((key, cold))
             self._cached[key] = None
+            self._stop_trims(key)
             return
         self._drop_chains(key)
         self._partial.discard(key)
         self._far_trimmed.pop(key, None)
         self._ends.append((key, None))
+        self._stop_trims(key)
+
+    def _stop_trims(self, key: str) -> None:
+        """``key``'s session decodes no more: its slot is no far trim's candidate."""
+        sess = self.pager.committed.sessions.get(key) if self.far_trim else None
+        if sess is not None:
+            self._trim_at[sess.slot] = _NEVER
 
     def commit_step(self, admits: list[tuple[Request, str | None, int, int]],
                     grows: list[tuple[Request, int]]):
@@ -223,7 +239,7 @@ class PagedKV:
         tokens of ``src``, then reserve ``n``) and ``grows`` ``(req, n)``; one commit. Returns
         the :class:`~kvops.runtime.Commit`."""
         if self.far_trim:                   # not a session this step aliases from
-            self._trim_far(grows, {src for _, src, hit, _ in admits if hit})
+            self._trim_far({src for _, src, hit, _ in admits if hit})
         self.deferred = set()
         with self.pager.frame() as f:
             for key, blocks in self._ends:
@@ -242,6 +258,11 @@ class PagedKV:
             for layer in range(self.layers):
                 apply_copies(self.k_pool[layer], self.v_pool[layer], commit.copies)
         self.last_commit = commit
+        if self.far_trim:
+            for req, _, _, _ in admits:
+                slot = self.pager.slot(req.key)
+                self._slot_req[slot] = req
+                self._trim_at[slot] = 0
         self._after_commit(commit, admits)
         return commit
 
@@ -265,21 +286,24 @@ class PagedKV:
 
     def _after_commit(self, commit, admits) -> None:
         """The frame committed (and its copy-on-write copies ran)."""
-    def _trim_far(self, grows, keep: set) -> None:
+    def _trim_far(self, keep: set) -> None:
         """``kvrm``'s bounded budget: once a decoding request's leading far chunks are
         summarized (absorbed in an earlier step), their blocks go back. A request still in
         prefill keeps them (its prefill attends to the whole prefix); a request with trimmed
-        blocks serves no prefix."""
+        blocks serves no prefix. The candidates are the slots whose summarized lead passed
+        what was trimmed (one array comparison): a step in which no chunk was summarized
+        loops over nothing."""
         M = self.far.M
-        for req, _ in grows:
+        lead = self.far.leading_summarized_all()
+        for slot in np.flatnonzero(lead * M > self._trim_at).tolist():
+            req = self._slot_req[slot]
             if req.num_computed < len(req.prompt) or req.key in keep:
                 continue
-            k = self.far.leading_summarized(self.pager.slot(req.key))
-            have = self._far_trimmed.get(req.key, 0)
-            if k * M > have:
-                self._ends.append((req.key, list(range(have, k * M))))
-                self._far_trimmed[req.key] = k * M
-                self._drop_chains(req.key)
+            have, now = int(self._trim_at[slot]), int(lead[slot]) * M
+            self._ends.append((req.key, list(range(have, now))))
+            self._far_trimmed[req.key] = now
+            self._trim_at[slot] = now
+            self._drop_chains(req.key)
 
     def after_step(self, reqs: list[Request]) -> None:
         """The step's K/V is written: register the hash blocks it completed."""

@@ -57,6 +57,7 @@ class Request:
     token_walls: list[float] = field(default_factory=list)
     token_model: list[float] = field(default_factory=list)
     token_steps: list[int] = field(default_factory=list)    # the step (1-based) of each token
+    _key: tuple[int, str] = field(default=(-1, ""), repr=False)  # (preemptions, key) made
 
     def __post_init__(self):
         if not self.prompt:
@@ -67,8 +68,12 @@ class Request:
     @property
     def key(self) -> str:
         """The request's pager session key (a new one after each preemption, since the pager
-        takes a key again only in a later frame)."""
-        return f"r{self.rid}.{self.preemptions}"
+        takes a key again only in a later frame); made once per preemption count, since the
+        scheduler and the KV manager read it a few times a step."""
+        made = self._key
+        if made[0] != self.preemptions:
+            made = self._key = (self.preemptions, f"r{self.rid}.{self.preemptions}")
+        return made[1]
 
     @property
     def num_tokens(self) -> int:

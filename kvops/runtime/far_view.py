@@ -608,6 +608,14 @@ class FarView:
         gone = np.flatnonzero(self._dropped[slot, :done])
         return int(gone[0]) if gone.size else done
 
+    def leading_summarized_all(self) -> np.ndarray:
+        """:meth:`leading_summarized` of every slot, ``[B]`` int64 (one copy and a lookup per
+        slot with a dropped chunk)."""
+        lead = self._done.astype(np.int64)
+        for slot in self._holes:
+            lead[slot] = self.leading_summarized(slot)
+        return lead
+
     def selection(self, layer: int, slot: int) -> list[int]:
         """Committed far slots of ``slot`` at ``layer`` (chunk ids, -1 empty), in slot order
         (the order of ``view``'s far slots; the chunks in a row are in no particular order)."""

@@ -67,6 +67,8 @@ class TableSet:
             buf = self._stage[0].to(self.device, copy=True)
         self.device_buffer = buf
         self.views = {name: buf[r].view(self.shape[name]) for name, r in self.region.items()}
+        self._stage_np = [stage.numpy() for stage in self._stage]
+        self._rows_memo = (None, 0, 0)      # the last array index and its lowest, highest row
         self.fixed = True
 
     def check(self, name: str) -> None:
@@ -88,7 +90,12 @@ class TableSet:
             start, stop, _ = where.indices(self.shape[name][0])
         elif isinstance(where, np.ndarray) and where.ndim == 1 and where.dtype.kind in "iu" \
                 and where.size:
-            start, stop = int(where.min()), int(where.max()) + 1
+            memo = self._rows_memo          # one index array often writes several tables
+            if memo[0] is where:
+                start, stop = memo[1], memo[2]
+            else:
+                start, stop = int(where.min()), int(where.max()) + 1
+                self._rows_memo = (where, start, stop)
             if start >= 0 and 4 * where.size < stop - start:
                 width = self.width[name]
                 rows = region.start + where.astype(np.int64) * width
@@ -103,13 +110,14 @@ class TableSet:
     def upload(self, epoch: int, changed: list) -> None:
         """Copy the changed ranges (slices or flat index arrays of the buffer) to the device in
         one transfer; nothing to do without a device (the device views are the host buffer)."""
+        self._rows_memo = (None, 0, 0)      # an index array may change before the next commit
         if self.device is None:
             return
         i = epoch % 2
         stage, event = self._stage[i], self._events[i]
         if event is not None:
             event.synchronize()
-        buf = stage.numpy()
+        buf = self._stage_np[i]
         master = self.master
         for where in self._last + changed:
             buf[where] = master[where]
