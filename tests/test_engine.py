@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvops.engine import CONFIGS, Engine, KVBudget, Request, SchedulerConfig, Status, make_kv
-from kvops.engine.configs import decode_kind
+from kvops.engine.configs import decode_kind, is_elastic
 from kvops.engine.runner import bucket_of
 from kvops.engine.traces import (
     TraceRow,
@@ -58,11 +58,13 @@ def burst(n=8):
             for i in range(n)]
 
 
-@pytest.mark.parametrize("config", [c for c in CONFIGS if c != "elastic"])   # float16/bf16
+@pytest.mark.parametrize("config", [c for c in CONFIGS if not is_elastic(c)])
 def test_replay_finishes_every_request_with_its_length_and_leaks_no_page(model, config):
-    # elastic needs a 16-bit KV cache: tests/test_engine_elastic.py serves it in bfloat16
-    reqs, kv, m = serve(model, burst())
+    # the elastic configurations need a 16-bit KV cache: tests/test_engine_elastic.py and
+    # tests/test_engine_elastic_ablations.py serve them in bfloat16
+    reqs, kv, m = serve(model, burst(), config)
     assert m["finished"] == len(reqs) and m["refused"] == 0
+    assert 0 < m["commit_share"] < m["control_share"] < 1
     assert [len(r.output) for r in reqs] == [r.output_len for r in reqs]
     assert all(len(r.token_times) == r.output_len for r in reqs)
     if kv.kind == "paged":
@@ -100,6 +102,23 @@ def test_static_paged_and_pager_merge_give_identical_tokens(model):
         reqs, _, _ = serve(model, burst(), config, prefix=False)
         outs[config] = [r.output for r in reqs]
     assert outs["paged"] == outs["static"] == outs["pager+merge"] == outs["pager"]
+
+
+def test_staged_prefix_copies_give_the_tokens_of_moving_every_block(model):
+    # W 32 under shared prefixes and chunked prefill: pager+merge writes through and stages an
+    # aliased prefix's window blocks until each session's first decode, dropping those its
+    # later chunks push out; pager moves every block each step; the arenas they decode from,
+    # and so the tokens, are the same
+    # prompts of 68-94 tokens (lengths / 8) that alias one 64-token hash block, some in two
+    # chunks of at most 32 (the tests' scheduler)
+    rows = [TraceRow(0.02 * i, 544 + 40 * i, 120, (1, 2 + i)) for i in range(6)]
+    outs, stats = {}, {}
+    for config in ("pager", "pager+merge"):
+        reqs, kv, m = serve(model, rows, config, window=32, max_context=256, clock="model")
+        outs[config] = [r.output for r in reqs]
+        stats[config] = m
+    assert outs["pager"] == outs["pager+merge"]
+    assert stats["pager+merge"]["prefix_hit_tokens"] > 0
 
 
 def test_kvrm_gives_far_pages_back_once_summarized(model):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 
@@ -21,10 +21,10 @@ class Harness:
     """A pool whose token (session tag, position) is written as the K value and its negation as
     the V value; the arena must hold each session's window in ring order after each gather."""
 
-    def __init__(self, device, P=48, B=3, W=24, L=16, copy_tail=True):
+    def __init__(self, device, P=48, B=3, W=24, L=16, copy_tail=True, **transport):
         self.device = device
         self.pager = Pager(P, S, B, L, device=device)
-        self.tr = Transport(self.pager, W, S * HKV * D * 4, copy_tail=copy_tail)
+        self.tr = Transport(self.pager, W, S * HKV * D * 4, copy_tail=copy_tail, **transport)
         self.W = W
         self.k = torch.zeros(P, S, HKV, D, device=device)
         self.v = torch.zeros(P, S, HKV, D, device=device)
@@ -60,8 +60,8 @@ class Harness:
     def _aliased(self, key, p):
         return p < getattr(self, "alias_len", {}).get(key, 0)
 
-    def check_windows(self):
-        for key in self.pager.sessions():
+    def check_windows(self, keys=None):
+        for key in self.pager.sessions() if keys is None else keys:
             slot = self.pager.slot(key)
             ws, wl = self.tr.window_of(key)
             n = self.pager.length(key)
@@ -147,6 +147,91 @@ def test_write_through_moves_only_new_windows_and_remaps(harness):
     # c's window (3 blocks) moves; a's shared tail is copied on write and moved once
     assert stats["moves"] == 3 + 1
     h.check_windows()
+
+
+def test_deferred_aliased_blocks_move_by_the_first_decode_and_only_in_its_window(harness):
+    """defer_aliased: an aliased arrival's window blocks are staged, not moved; each commit
+    moves stage_pages of the newest, the first one-token step moves the rest, and blocks a
+    later prefill chunk pushes out of the window are never moved."""
+    h = Harness(harness.device, P=64, copy_tail=False, defer_aliased=True, stage_pages=1)
+    h.step(lambda f: f.reserve("a", 60))
+    h.alias_src, h.alias_len = {"c": "a", "d": "a"}, {"c": 40, "d": 40}
+    # c: 44 tokens, window blocks 3..5, aliased 3 and 4: block 4 moves, 3 stays staged
+    stats = h.step(lambda f: (f.alias("c", "a", 40), f.reserve("c", 4)))
+    assert (stats["moves"], stats["staged"], stats["dropped"]) == (1, 1, 0)
+    stats = h.step(lambda f: f.reserve("c", 4))                 # prefill: block 3 moves
+    assert (stats["moves"], stats["staged"], stats["dropped"]) == (1, 0, 0)
+    for _ in range(10):                                         # decode reads a whole window
+        stats = h.step(lambda f: f.reserve("c", 1))
+        assert stats["moves"] == 0
+        h.check_windows(["a", "c"])
+    # d: 48 tokens (blocks 3, 4 staged, 4 moves), then 16 more push block 3 out unmoved
+    stats = h.step(lambda f: (f.alias("d", "a", 40), f.reserve("d", 8)))
+    assert (stats["moves"], stats["staged"]) == (1, 1)
+    stats = h.step(lambda f: f.reserve("d", 16))
+    assert (stats["moves"], stats["staged"], stats["dropped"]) == (0, 0, 1)
+    stats = h.step(lambda f: [f.reserve(k, 1) for k in ("c", "d")])
+    assert stats["moves"] == 0
+    h.check_windows()
+
+
+def test_deferred_aliased_blocks_left_to_the_deadline_move_in_one_step(harness):
+    h = Harness(harness.device, P=64, copy_tail=False, defer_aliased=True, stage_pages=0)
+    h.step(lambda f: f.reserve("a", 60))
+    h.alias_src, h.alias_len = {"c": "a"}, {"c": 44}             # block 5 partly shared
+    stats = h.step(lambda f: (f.alias("c", "a", 44), f.reserve("c", 3)))
+    assert (stats["moves"], stats["staged"]) == (0, 3)           # blocks 3, 4, 5
+    stats = h.step(lambda f: f.reserve("c", 1))                  # the first decode
+    assert (stats["moves"], stats["staged"]) == (3, 0)
+    h.check_windows()
+    stats = h.step(lambda f: (f.trim("c"), f.reserve("a", 1)))
+    assert stats["moves"] == 0
+    h.check_windows()
+
+
+@settings(max_examples=40, deadline=None)
+@given(alias=st.integers(1, 59), chunks=st.lists(st.integers(1, 20), min_size=1, max_size=4),
+       stage=st.integers(0, 3), other=st.booleans())
+def test_deferred_aliased_windows_are_whole_at_every_decode(alias, chunks, stage, other):
+    """Any aliased length, prefill chunks and staging budget: at every step in which a session
+    grows by one token its whole window is in the arena, and no other session's is disturbed."""
+    h = Harness(torch.device("cpu"), P=64, copy_tail=False, defer_aliased=True,
+                stage_pages=stage)
+    h.step(lambda f: (f.reserve("a", 60), f.reserve("b", 30)))
+    h.alias_src, h.alias_len = {"c": "a"}, {"c": alias}
+    first = chunks[0] if chunks[0] > 1 else 2
+    h.step(lambda f: (f.alias("c", "a", alias), f.reserve("c", first)))
+    for n in chunks[1:]:
+        h.step(lambda f, n=n: (f.reserve("c", n),) + ((f.reserve("b", 1),) if other else ()))
+        if other:
+            h.check_windows(["a", "b"])
+    for _ in range(4):
+        stats = h.step(lambda f: [f.reserve(k, 1) for k in ("b", "c")])
+        assert stats["staged"] == 0
+        h.check_windows()
+
+
+def test_an_aborted_frame_leaves_the_staged_blocks_as_they_were():
+    h = Harness(torch.device("cpu"), P=64, copy_tail=False, defer_aliased=True, stage_pages=0)
+    h.step(lambda f: f.reserve("a", 60))
+    h.step(lambda f: (f.alias("c", "a", 40), f.reserve("c", 4)))
+    before = dict(h.tr._staged)
+    assert before
+    with pytest.raises(RuntimeError, match="boom"):
+        with h.pager.frame() as f:
+            f.trim("c")
+            f.alias("d", "a", 40)
+            f.reserve("d", 3)
+            raise RuntimeError("boom")
+    assert h.tr._staged == before
+
+
+def test_defer_aliased_needs_write_through():
+    with pytest.raises(ValueError, match="defer_aliased: expected copy_tail=False"):
+        Transport(Pager(8, 16, 2, 4), 32, 1024, copy_tail=True, defer_aliased=True)
+    with pytest.raises(ValueError, match="stage_pages: expected an int >= 0, got -1"):
+        Transport(Pager(8, 16, 2, 4), 32, 1024, copy_tail=False, defer_aliased=True,
+                  stage_pages=-1)
 
 
 def test_stats_match_planner_and_tables():

@@ -32,7 +32,9 @@ def _blocks(n: int, S: int) -> int:
 
 class PagedKV:
     """Pool ``[layers, P, S, Hkv, D]`` mapped by a pager; ``window`` > 0 adds the arenas
-    ``[layers, B, W, Hkv, D]`` and a transport (``max_train_bytes``, ``copy_tail``); ``far`` a
+    ``[layers, B, W, Hkv, D]`` and a transport (``max_train_bytes``, ``copy_tail``; without
+    ``copy_tail`` the model writes through and an aliased prefix's window blocks are staged
+    until the session first decodes: ``Transport``'s ``defer_aliased``); ``far`` a
     far view (``{"chunk_tokens", "cap"}``, optionally ``"rerank_every"``: steps between pulls of
     the utilities, which the host ranks at the next commit; 1 by default)."""
 
@@ -55,7 +57,8 @@ class PagedKV:
         self.k_arena = self.v_arena = None
         if window:
             page_bytes = page_size * kv_heads * head_dim * self.k_pool.element_size()
-            self.transport = Transport(self.pager, window, page_bytes, max_train_bytes, copy_tail)
+            self.transport = Transport(self.pager, window, page_bytes, max_train_bytes, copy_tail,
+                                       defer_aliased=not copy_tail)
             arena = (layers, max_sessions, window, kv_heads, head_dim)
             self.k_arena = torch.zeros(arena, dtype=dtype, device=device)
             self.v_arena = torch.zeros(arena, dtype=dtype, device=device)

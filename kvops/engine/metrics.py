@@ -160,6 +160,8 @@ def summarize(requests: list[Request], steps: list[StepRecord], extra: dict | No
         "step_ms": _stats(step_s),
         "commit_ms": _stats([s.commit_s for s in steps]),
         "control_share": float(control.sum() / step_s.sum()) if step_s.sum() > 0 else 0.0,
+        "commit_share": (float(sum(s.commit_s for s in steps) / step_s.sum())
+                         if step_s.sum() > 0 else 0.0),
         "reserved_gib_mean": float(np.mean([s.reserved_bytes for s in steps]) / 2**30) if steps else 0.0,
         "reserved_gib_max": float(max((s.reserved_bytes for s in steps), default=0) / 2**30),
         "used_gib_mean": float(np.mean([s.used_bytes for s in steps]) / 2**30) if steps else 0.0,

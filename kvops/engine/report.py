@@ -87,8 +87,9 @@ def goals(result: dict) -> str:
     g, kib = k["dma_groups_per_moving_session"], k["mean_train_kib"]
     rows += [("kvrm DMA groups per moving session", _f(g, 2), "<= 2.1", "2.0", g <= 2.1),
              ("kvrm mean train KiB", _f(kib), ">= 110", "132", kib >= 110),
-             ("kvrm control plane share of step", f"{_f(100 * k['control_share'], 2)} %", "< 2 %",
-              "-", k["control_share"] < 0.02),
+             ("kvrm control plane share of step (schedule + commit; the commit alone)",
+              f"{_f(100 * k['control_share'], 2)} % ({_f(100 * k['commit_share'], 2)} %)", "< 2 %",
+              "< 1.9 % (submit + commit)", k["control_share"] < 0.02),
              ("re-captures after warm-up (all configs)",
               str(sum(x["recaptures"] for x in r.values())), "0", "-",
               all(x["recaptures"] == 0 for x in r.values()))]

@@ -25,9 +25,18 @@ Tables it adds to the pager (all int32): ``trains [B * NW, 3]`` and ``num_trains
 window block's first token to the session's length, so between ``W - S + 1`` and ``W`` tokens
 once the session is longer than the window).
 
+With ``defer_aliased`` (write-through only), a new session's aliased blocks are staged rather
+than moved at its arrival: its prefill reads the pool, not the arena, so the arena must hold
+them only from the first step in which the session grows by one token (a decode, the runner's
+arena path). Each commit drops the staged blocks that have left the session's window (a long
+prompt's later chunks push an aliased prefix out before it is ever read, and those copies are
+never made), moves up to ``stage_pages`` of the newest still staged, and at that first
+one-token step moves all that remain: the age cutoff is the step that reads them.
+
 Per step, ``last`` (also the commit's ``Commit.stats["transport"]``) reports ``moves``
-(unmerged: one descriptor per page), ``groups`` (trains), ``bytes`` (one of K or V) and
-``mean_train_bytes``.
+(unmerged: one descriptor per page), ``groups`` (trains), ``bytes`` (one of K or V),
+``mean_train_bytes``, and with ``defer_aliased`` ``staged`` (blocks still staged after the
+commit) and ``dropped`` (staged blocks that left their window unmoved in this commit).
 """
 
 from __future__ import annotations
@@ -98,16 +107,35 @@ class Transport:
         alone. False: the model writes each new token's K/V into its arena slot as well as its
         pool page (as KV-RM's static kernel writes back), prefill's included, so growth
         moves nothing and only a new session's aliased blocks and remapped blocks are moved.
+    defer_aliased : bool
+        With ``copy_tail=False``: stage a new session's aliased window blocks until the first
+        step it grows by one token, dropping those that leave its window first (module doc).
+    stage_pages : int or None
+        Staged pages a session moves in a commit before that step (the newest first); default
+        one train's worth, ``max_train_bytes // page_bytes``.
     """
 
     kind = "transport"
 
     def __init__(self, pager: Pager, window_tokens: int, page_bytes: int,
-                 max_train_bytes: int = 131072, copy_tail: bool = True):
+                 max_train_bytes: int = 131072, copy_tail: bool = True,
+                 defer_aliased: bool = False, stage_pages: int | None = None):
         S = pager.page_size
         if window_tokens < S or window_tokens % S:
             raise ValueError(f"window_tokens: expected a positive multiple of the page size "
                              f"S={S}, got W={window_tokens}")
+        if defer_aliased and copy_tail:
+            raise ValueError("defer_aliased: expected copy_tail=False (with copy_tail every "
+                             "block that gets tokens moves, so a session's arena follows the "
+                             "pool at every step), got copy_tail=True")
+        if stage_pages is None:
+            stage_pages = max(max_train_bytes // page_bytes, 1)
+        if stage_pages.__class__ is not int or stage_pages < 0:
+            raise ValueError(f"stage_pages: expected an int >= 0, got {stage_pages!r}")
+        self.defer_aliased, self.stage_pages = defer_aliased, stage_pages
+        # slot -> (session, its staged blocks, ascending); replaced, never edited, so that an
+        # aborted frame leaves it as it was
+        self._staged: dict[int, tuple[object, list[int]]] = {}
         self.pager = pager
         self.window_tokens = window_tokens
         self.pages_per_window = window_tokens // S
@@ -154,6 +182,8 @@ class Transport:
         grew_from = d.before_length // S if grew else nb
         if d.new:               # write-through: the blocks the step writes whole move nothing
             todo = range(first, nb if self.copy_tail else min(nb, -(-d.aliased // S)))
+            if self.defer_aliased and d.after_length - d.aliased != 1:
+                return [], []   # staged (plan): the step's prefill reads the pool
         else:   # O(delta): blocks that got tokens, and remapped blocks still in the window
             todo = range(max(first, grew_from), nb)
             old_end = min(grew_from, -(-d.before_length // S))
@@ -178,6 +208,7 @@ class Transport:
         """
         ex_key: list[int] = []          # moves as dst << 32 | src, and their slots
         ex_slot: list[int] = []
+        staged = None
         if deltas:
             w_slot, w_after = [], []
             for d in deltas:
@@ -187,6 +218,11 @@ class Transport:
                     ex_slot += [d.slot] * len(src)
                 w_slot.append(d.slot)
                 w_after.append(d.after_length)
+            if self.defer_aliased:
+                staged = self._stage_opened(deltas)
+        stage_stats = None
+        if self.defer_aliased:
+            staged, stage_stats = self._stage_moves(frame, deltas, grown, staged, ex_key, ex_slot)
         slots, after = grown.slots, grown.after
         key = None
         if self.copy_tail and slots.size:
@@ -247,10 +283,76 @@ class Transport:
         nbytes = m * self.page_bytes
         last = {"groups": groups, "bytes": nbytes,
                 "mean_train_bytes": nbytes / groups if groups else 0.0, "moves": m}
-        return Staged(ones if ones != self._ones else None, last)
+        if stage_stats is not None:
+            last.update(stage_stats)
+        if ones == self._ones and staged is None:
+            return Staged(None, last)
+        return Staged((ones, staged), last)
 
-    def adopt(self, ones: int) -> None:
+    def adopt(self, state) -> None:
+        ones, staged = state
         self._ones = ones
+        if staged is not None:
+            self._staged = staged
+
+    def _stage_opened(self, deltas: list[SessionDelta]) -> dict | None:
+        """The staged blocks after this commit's closes and opens (``None``: unchanged): a
+        closed session's go; a new session that aliased blocks inside its window and does not
+        read its arena in this step stages them."""
+        S, NW = self.pager.page_size, self.pages_per_window
+        staged = None
+        for d in deltas:                        # closes come before opens
+            if d.closed and d.slot in self._staged:
+                staged = dict(self._staged if staged is None else staged)
+                del staged[d.slot]
+            elif d.new and d.aliased and d.after_length - d.aliased != 1:
+                nb = -(-d.after_length // S)
+                blocks = list(range(max(0, nb - NW), min(nb, -(-d.aliased // S))))
+                if blocks:
+                    staged = dict(self._staged if staged is None else staged)
+                    staged[d.slot] = (d.key, blocks)
+        return staged
+
+    def _stage_moves(self, frame: Frame, deltas: list[SessionDelta], grown: GrownBatch,
+                     staged: dict | None, ex_key: list[int], ex_slot: list[int]):
+        """Move the staged blocks this commit takes (into ``ex_key``, ``ex_slot``): every one
+        still in the window of a session that grows by one token in this step, else up to
+        ``stage_pages`` of the newest; drop those that left the window. Returns the staged
+        blocks after the commit (``None``: unchanged) and the stats."""
+        have = self._staged if staged is None else staged
+        if not have:
+            return staged, {"staged": 0, "dropped": 0}
+        S, NW = self.pager.page_size, self.pages_per_window
+        span = {d.slot: (d.aliased if d.new else d.before_length, d.after_length, d)
+                for d in deltas if not d.closed}
+        slots = np.fromiter(have, np.int64, len(have))
+        at = np.flatnonzero(np.isin(grown.slots, slots)) if grown.slots.size else []
+        for i in at.tolist() if len(at) else ():
+            span[int(grown.slots[i])] = (int(grown.before[i]), int(grown.after[i]), None)
+        out, dropped, left = {}, 0, 0
+        for slot, (key, blocks) in have.items():
+            got = span.get(slot)
+            if got is None:                     # not in this frame: nothing read, stage on
+                n = self.pager.length(key)
+                got = (n, n, None)
+            before, after, d = got
+            first = max(0, -(-after // S) - NW)
+            keep = [j for j in blocks if j >= first]
+            if d is not None and not d.new:     # remapped blocks moved with the session's edits
+                keep = [j for j in keep if j not in d.after_overlay]
+            dropped += len(blocks) - len(keep)
+            cut = 0 if after - before == 1 else max(len(keep) - self.stage_pages, 0)
+            take = keep[cut:]
+            for j in take:
+                page = frame.page(key, j)
+                if page >= 0:
+                    ex_key.append(arena_page(slot, j, NW) << 32 | page)
+                    ex_slot.append(slot)
+            rest = keep[:cut]
+            if rest:
+                out[slot] = (key, rest)
+                left += len(rest)
+        return out, {"staged": left, "dropped": dropped}
 
     @property
     def last(self) -> dict:
