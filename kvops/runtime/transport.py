@@ -181,9 +181,9 @@ class Transport:
         grew = self.copy_tail and d.after_length > d.before_length
         grew_from = d.before_length // S if grew else nb
         if d.new:               # write-through: the blocks the step writes whole move nothing
-            todo = range(first, nb if self.copy_tail else min(nb, -(-d.aliased // S)))
-            if self.defer_aliased and d.after_length - d.aliased != 1:
+            if self._defers(d):
                 return [], []   # staged (plan): the step's prefill reads the pool
+            todo = range(first, nb) if self.copy_tail else self._aliased_window(d)
         else:   # O(delta): blocks that got tokens, and remapped blocks still in the window
             todo = range(max(first, grew_from), nb)
             old_end = min(grew_from, -(-d.before_length // S))
@@ -295,22 +295,29 @@ class Transport:
         if staged is not None:
             self._staged = staged
 
+    def _defers(self, d: SessionDelta) -> bool:
+        """``defer_aliased`` stages new session ``d``'s aliased window blocks: it does not read
+        its arena in this step (it grows by more than one token: a prefill)."""
+        return self.defer_aliased and d.new and d.after_length - d.aliased != 1
+
+    def _aliased_window(self, d: SessionDelta) -> range:
+        """New session ``d``'s blocks that hold aliased tokens and lie in its window."""
+        S = self.pager.page_size
+        nb = -(-d.after_length // S)
+        return range(max(0, nb - self.pages_per_window), min(nb, -(-d.aliased // S)))
+
     def _stage_opened(self, deltas: list[SessionDelta]) -> dict | None:
         """The staged blocks after this commit's closes and opens (``None``: unchanged): a
         closed session's go; a new session that aliased blocks inside its window and does not
         read its arena in this step stages them."""
-        S, NW = self.pager.page_size, self.pages_per_window
         staged = None
         for d in deltas:                        # closes come before opens
             if d.closed and d.slot in self._staged:
                 staged = dict(self._staged if staged is None else staged)
                 del staged[d.slot]
-            elif d.new and d.aliased and d.after_length - d.aliased != 1:
-                nb = -(-d.after_length // S)
-                blocks = list(range(max(0, nb - NW), min(nb, -(-d.aliased // S))))
-                if blocks:
-                    staged = dict(self._staged if staged is None else staged)
-                    staged[d.slot] = (d.key, blocks)
+            elif self._defers(d) and (blocks := list(self._aliased_window(d))):
+                staged = dict(self._staged if staged is None else staged)
+                staged[d.slot] = (d.key, blocks)
         return staged
 
     def _stage_moves(self, frame: Frame, deltas: list[SessionDelta], grown: GrownBatch,
@@ -326,8 +333,7 @@ class Transport:
         span = {d.slot: (d.aliased if d.new else d.before_length, d.after_length, d)
                 for d in deltas if not d.closed}
         slots = np.fromiter(have, np.int64, len(have))
-        at = np.flatnonzero(np.isin(grown.slots, slots)) if grown.slots.size else []
-        for i in at.tolist() if len(at) else ():
+        for i in np.flatnonzero(np.isin(grown.slots, slots)).tolist():
             span[int(grown.slots[i])] = (int(grown.before[i]), int(grown.after[i]), None)
         out, dropped, left = {}, 0, 0
         for slot, (key, blocks) in have.items():
@@ -338,9 +344,9 @@ class Transport:
             before, after, d = got
             first = max(0, -(-after // S) - NW)
             keep = [j for j in blocks if j >= first]
-            if d is not None and not d.new:     # remapped blocks moved with the session's edits
-                keep = [j for j in keep if j not in d.after_overlay]
             dropped += len(blocks) - len(keep)
+            if d is not None and not d.new:     # remapped blocks: moves() moves them now
+                keep = [j for j in keep if d.page_after(j) == d.page_before(j)]
             cut = 0 if after - before == 1 else max(len(keep) - self.stage_pages, 0)
             take = keep[cut:]
             for j in take:
