@@ -10,6 +10,7 @@ decode attention must read once, the fraction is of the 4.65 TB/s streaming-read
     python -m bench.bench_static_sliding --heads 9,3,64 --quick   # other heads (SmolLM2's here)
     python -m bench.bench_static_sliding --waves    # tile rows where the grid fills waves partly
     python -m bench.bench_static_sliding --far      # far slots against a dense window as wide
+    python -m bench.bench_static_sliding --far-tiles  # tile rules at the short-window edge
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import kvops
 from bench.common import READ_CEILING, rotation, table, tbps, time_graph, write_result
-from kvops.kernels._common import grid_waves, kv_tile_bytes, sm_count
+from kvops.kernels._common import device_props, grid_waves, kv_tile_bytes, sm_count
 from kvops.kernels._splitk import default_num_splits
-from kvops.kernels.static_sliding_attention import static_sliding_attention_fwd
+from kvops.kernels.static_sliding_attention import sliding_launch, static_sliding_attention_fwd
 
 HQ, HKV, D = 32, 8, 128
 
@@ -226,6 +227,52 @@ def far(heads=((32, 8), (8, 1)), shapes=FAR_SHAPES, d=128, dtype=torch.float16):
                   "TB/s (far)", "of read ceiling"], rows)
 
 
+TILE_HEADS = ((32, 8), (28, 4), (8, 1))
+TILE_BATCHES = (32, 64, 128)
+TILE_ROWS = ((1024, 0), (1024, 16), (1024, 64), (1152, 0), (1536, 0), (2048, 0))
+
+
+def far_tiles(heads=TILE_HEADS, batches=TILE_BATCHES, rows=TILE_ROWS, d=128,
+              dtype=torch.bfloat16):
+    """The tile rules at the short-window edge: windows of W rows with C live far slots (the
+    mean far view's 16 summaries beside a 1k window) under the launch rule, forced 64-row and
+    128-row window tiles, and (with far slots) the far slots in one window-sized tile, as
+    before ``far_tile``; plus dense windows of 1024-2048 rows, where the short-window rule's
+    edge lies. Three rotating K/V sets; TB/s counts the K+V bytes of W + C rows."""
+    attn = static_sliding_attention_fwd
+    rows_out = []
+    for (hq, hkv), B, (W, C) in itertools.product(heads, batches, rows):
+        q = torch.randn(B, hq, d, device="cuda", dtype=dtype)
+        sets = []
+        for _ in range(3):
+            k = torch.randn(B, W, hkv, d, device="cuda", dtype=dtype)
+            far = (torch.randn(B, C, hkv, d, device="cuda", dtype=dtype),
+                   torch.randn(B, C, hkv, d, device="cuda", dtype=dtype),
+                   torch.zeros(B, C, device="cuda")) if C else (None, None, None)
+            sets.append((k, torch.randn_like(k), *far))
+        ws = torch.randint(0, W, (B,), dtype=torch.int32, device="cuda")
+        wl = torch.full((B,), W, dtype=torch.int32, device="cuda")
+        variants = [("rule", {}), ("64 rows", dict(block_n=64)), ("128 rows", dict(block_n=128))]
+        if C:
+            variants.append(("128 rows, far tile 128", dict(block_n=128, far_block_n=128)))
+        times = {}
+        for name, kw in variants:
+            fns = [lambda a=(q, s[0], s[1], ws, wl, *s[2:]), kw=kw: attn(*a, **kw) for s in sets]
+            times[name] = time_graph(fns)[1]
+        lp = sliding_launch(B, hkv, W, d, 2, C, device_props(q.device))
+        nbytes = 2 * B * (W + C) * hkv * d * dtype.itemsize
+        best = min(times.values())
+        rows_out.append([f"{hq}/{hkv}", B, W, C, f"{lp.block_n}/{lp.splits}",
+                         *(times.get(n, "") for n in ("rule", "64 rows", "128 rows",
+                                                       "128 rows, far tile 128")),
+                         times["rule"] / best, tbps(nbytes, times["rule"])])
+        print(rows_out[-1], flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    return table(["Hq/Hkv", "B", "W", "C", "rule tile/splits", "rule us", "64 rows us",
+                  "128 rows us", "128 + far 128 us", "rule / best", "TB/s (rule)"], rows_out)
+
+
 def main():
     global HQ, HKV, D
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -242,7 +289,14 @@ def main():
                          "--widths override the shapes)")
     ap.add_argument("--far", action="store_true",
                     help="a window with far slots against a dense window as wide (fp16)")
+    ap.add_argument("--far-tiles", action="store_true",
+                    help="the tile rules at the short-window edge, far slots included (bf16)")
     args = ap.parse_args()
+    if args.far_tiles:
+        body = far_tiles()
+        write_result("static_sliding_attention-far-tiles", body)
+        print(body)
+        return
     if args.far:
         body = far()
         write_result("static_sliding_attention-far", body)

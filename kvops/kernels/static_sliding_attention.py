@@ -64,7 +64,7 @@ def _sliding_window_kernel(
     stride_lb, stride_lh,
     W, C, Hkv, NUM_SPLITS,
     G: tl.constexpr, D: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     HAS_FAR: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
     FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
@@ -103,16 +103,18 @@ def _sliding_window_kernel(
         b_m, b_l, b_acc = online_softmax_tile(b_q, b_k, b_v, b_bias, b_m, b_l, b_acc,
                                               scale_log2, PRECISION)
     if HAS_FAR:
-        # far slots [f_lo, f_hi), each biased (log-count, 0, or -inf when empty)
+        # far slots [f_lo, f_hi), each biased (log-count, 0, or -inf when empty), in tiles of
+        # BLOCK_C rows (a few far slots do not pay for a window-sized tile)
+        o_c = tl.arange(0, BLOCK_C)
         f_lo = tl.maximum(lo, wl) - wl
         f_hi = tl.maximum(hi, wl) - wl
-        for start in range(f_lo, f_hi, BLOCK_N):
-            m_n = start + o_n < f_hi
-            p_k = FarK + i_b * stride_fkb + (start + o_n)[:, None] * stride_fkc \
+        for start in range(f_lo, f_hi, BLOCK_C):
+            m_n = start + o_c < f_hi
+            p_k = FarK + i_b * stride_fkb + (start + o_c)[:, None] * stride_fkc \
                 + i_h * stride_fkh + o_d[None, :]
-            p_v = FarV + i_b * stride_fvb + (start + o_n)[:, None] * stride_fvc \
+            p_v = FarV + i_b * stride_fvb + (start + o_c)[:, None] * stride_fvc \
                 + i_h * stride_fvh + o_d[None, :]
-            b_bias = tl.load(FarBias + i_b * stride_fbb + start + o_n, mask=m_n,
+            b_bias = tl.load(FarBias + i_b * stride_fbb + start + o_c, mask=m_n,
                              other=float("-inf")) * LOG2E
             # an empty slot (bias -inf) is not read: NaN or inf there must not reach the output
             m_live = (m_n & (b_bias > float("-inf")))[:, None] & m_d[None, :]
@@ -156,6 +158,13 @@ def wave_tile(pairs: int, block_n: int, D: int, itemsize: int, sms: int) -> int:
     return 64 if fill <= (SPILL_FILL if waves > 1 else IDLE_FILL) else block_n
 
 
+def far_tile(C: int, block_n: int) -> int:
+    """Rows of the far-slot tile: the far slots rounded up to a power of two, at least 16 (a
+    ``tl.dot`` operand) and at most the window's tile. ``C`` 16 summaries take one 16-row tile
+    instead of a window-sized one whose other rows are masked."""
+    return min(block_n, max(16, next_pow2(C)))
+
+
 @functools.lru_cache(maxsize=4096)
 def sliding_launch(B: int, Hkv: int, W: int, D: int, itemsize: int, C: int,
                    props: DeviceProps, block_n: int | None = None, splits: int | None = None,
@@ -192,7 +201,7 @@ def sliding_launch(B: int, Hkv: int, W: int, D: int, itemsize: int, C: int,
 
 
 _PLANS: dict = {}
-_NO_KNOBS = (None,) * 5
+_NO_KNOBS = (None,) * 6
 
 
 def _plan(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale, knobs):
@@ -202,7 +211,7 @@ def _plan(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale, knobs):
     has_far = far_k is not None
     C = far_k.shape[1] if has_far else 0
     props = device_props(q.device)
-    block_n, num_splits, num_warps, num_stages, pdl = knobs
+    block_n, num_splits, num_warps, num_stages, pdl, far_block_n = knobs
     lp = sliding_launch(B, Hkv, W, D, k.element_size(), C, props, block_n, num_splits,
                         num_warps, num_stages)
     nsp = lp.splits
@@ -222,7 +231,8 @@ def _plan(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale, knobs):
             v.stride(0), v.stride(1), v.stride(2), *far_strides, *o_strides,
             W, C, Hkv, lp.splits)
     meta = dict(G=G, D=D, BLOCK_G=max(16, next_pow2(G)), BLOCK_D=next_pow2(D),
-                BLOCK_N=lp.block_n, HAS_FAR=has_far, PRECISION=dot_precision(q.dtype),
+                BLOCK_N=lp.block_n, BLOCK_C=far_block_n or far_tile(C, lp.block_n),
+                HAS_FAR=has_far, PRECISION=dot_precision(q.dtype),
                 USE_PDL=pdl, FUSED_MERGE=False, BLOCK_S=1, num_warps=lp.warps,
                 num_stages=lp.stages)
     merge = fused = None
@@ -243,19 +253,19 @@ def static_sliding_attention_fwd(
     far_bias: torch.Tensor | None = None, scale: float | None = None,
     *, num_splits: int | None = None, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, pdl: bool | None = None,
-    signature=None,
+    far_block_n: int | None = None, signature=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the sliding-window decode kernel. Inputs are already checked by the op.
 
     q [B, Hq, D]; k, v [B, W, Hkv, D]; win_start, win_len int32 [B];
     far_k, far_v [B, C, Hkv, D] and far_bias float32 [B, C], or all None.
     Returns out [B, Hq, D] (q.dtype) and lse float32 [B, Hq].
-    The keyword-only knobs override the launch rule (``sliding_launch``; benchmarks and tests
-    use them). A launch's plan (rule, strides, constants) is kept per argument signature:
-    ``signature`` is the op's (``kvops.ops._library.sig`` of every argument), else one is
-    computed here.
+    The keyword-only knobs override the launch rule (``sliding_launch``, and ``far_tile`` for
+    ``far_block_n``; benchmarks and tests use them). A launch's plan (rule, strides,
+    constants) is kept per argument signature: ``signature`` is the op's
+    (``kvops.ops._library.sig`` of every argument), else one is computed here.
     """
-    knobs = (block_n, num_splits, num_warps, num_stages, pdl)
+    knobs = (block_n, num_splits, num_warps, num_stages, pdl, far_block_n)
     if signature is not None and knobs == _NO_KNOBS:
         key = signature
     else:
