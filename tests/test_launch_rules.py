@@ -12,7 +12,7 @@ from kvops.kernels._splitk import default_num_splits, merge_warps, use_pdl
 from kvops.kernels.elastic_attention import elastic_launch, native_dense_tile
 from kvops.kernels.far_page_select import choice_in_kernel, choice_launch
 from kvops.kernels.far_view_rank import rank_launch
-from kvops.kernels.static_sliding_attention import sliding_launch
+from kvops.kernels.static_sliding_attention import far_tile, sliding_launch
 
 H200 = DeviceProps(132, 227 * 1024, (9, 0), True)
 A100 = DeviceProps(108, 163 * 1024, (8, 0), True)
@@ -26,6 +26,9 @@ SLIDING = [
     ((16, 8, 4096, 128, 0, H200), (128, 1, 4, 3)),     # 128 programs: one full wave
     ((64, 8, 2048, 128, 0, H200), (128, 1, 4, 3)),
     ((128, 8, 1024, 128, 0, H200), (64, 1, 4, 3)),     # short windows, > 1 program an SM
+    ((64, 8, 1024, 128, 16, H200), (64, 1, 4, 3)),     # ... a 1k window and 16 far summaries
+    ((64, 4, 1024, 128, 128, H200), (64, 1, 4, 3)),    # ... up to 128 far slots
+    ((64, 8, 1024, 128, 129, H200), (128, 1, 4, 3)),   # past SHORT_WINDOW: wave_tile, full waves
     ((128, 1, 1024, 128, 0, H200), (128, 1, 4, 3)),    # ... one wave of programs: 128 rows
     ((128, 2, 1024, 128, 0, H200), (64, 1, 4, 3)),
     ((128, 4, 1024, 256, 0, H200), (64, 1, 4, 3)),     # D 256: 64-row tiles already
@@ -42,6 +45,16 @@ SLIDING = [
 @pytest.mark.parametrize("args,want", SLIDING, ids=[str(a[:5]) for a, _ in SLIDING])
 def test_sliding_launch_table(args, want):
     assert tuple(sliding_launch(*args[:4], 2, *args[4:])) == want
+
+
+# (C far slots, window tile rows) -> far tile rows
+FAR_TILE = [((1, 128), 16), ((9, 64), 16), ((16, 128), 16), ((17, 128), 32), ((64, 128), 64),
+            ((512, 128), 128), ((100, 64), 64), ((3, 16), 16)]
+
+
+@pytest.mark.parametrize("args,want", FAR_TILE, ids=[str(a) for a, _ in FAR_TILE])
+def test_far_tile_table(args, want):
+    assert far_tile(*args) == want
 
 
 def test_sliding_launch_keeps_given_knobs():

@@ -135,7 +135,7 @@ def _sliding_window_kernel(
                       BLOCK_S)
 
 
-SHORT_WINDOW = 1024   # unsplit windows up to this many rows: the short-window rule
+SHORT_WINDOW = 1152   # unsplit windows (far slots included) up to this many rows: the short-window rule
 SPILL_FILL = 0.82     # past one wave: 128-row grids filling at most this share of their slots
 IDLE_FILL = 0.65      # within one wave: unsplit 128-row grids busy on at most this share of SMs
 
@@ -175,8 +175,9 @@ def sliding_launch(B: int, Hkv: int, W: int, D: int, itemsize: int, C: int,
 
     - tile rows ``kv_block_n`` (64 KiB of K and V), split count ``default_num_splits`` (about
       64 KiB of tiles in flight an SM), 4 warps, 3 stages;
-    - unsplit launches of at most ``SHORT_WINDOW`` rows with more programs than SMs: 64-row
-      tiles (several short programs an SM); with at most one program an SM the large tile;
+    - unsplit launches of at most ``SHORT_WINDOW`` rows (a 1k window with up to 128 far slots)
+      with more programs than SMs: 64-row tiles (several short programs an SM); with at most
+      one program an SM the large tile;
     - other unsplit launches: ``wave_tile``, re-split for its tile.
     """
     rows = W + C
