@@ -12,6 +12,7 @@ import torch
 
 from kvops.engine import CONFIGS, Engine, KVBudget, Request, SchedulerConfig, Status, make_kv
 from kvops.engine.configs import decode_kind, is_elastic
+from kvops.engine.kv import PagedKV
 from kvops.engine.runner import bucket_of
 from kvops.engine.traces import (
     TraceRow,
@@ -39,17 +40,17 @@ def model():
 
 
 def serve(model, rows, config="paged", *, budget_tokens=4096, max_seqs=8, max_context=192,
-          window=192, length_scale=0.125, sched=None, prefix=True, clock="wall"):
+          window=192, length_scale=0.125, sched=None, prefix=True, clock="wall", engine=False):
     reqs = build_requests(rows, CFG.vocab_size, length_scale=length_scale)
     tok = 2 * CFG.n_layers * CFG.n_kv_heads * CFG.head_dim * 4
     kv = make_kv(config, KVBudget(bytes=budget_tokens * tok, max_seqs=max_seqs,
                                   max_context=max_context, window=window),
                  CFG, torch.float32, torch.device("cpu"), prefix_sharing=prefix)
-    engine = Engine(model, kv, decode_kind(config),
-                    sched or SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=max_seqs,
-                                             long_prefill_tokens=32), clock=clock)
-    metrics = engine.replay(reqs)
-    return reqs, kv, metrics
+    eng = Engine(model, kv, decode_kind(config),
+                 sched or SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=max_seqs,
+                                          long_prefill_tokens=32), clock=clock)
+    metrics = eng.replay(reqs)
+    return (reqs, kv, metrics, eng) if engine else (reqs, kv, metrics)
 
 
 def burst(n=8):
@@ -135,9 +136,10 @@ def test_kvrm_gives_far_pages_back_once_summarized(model):
 
 @requires_cuda
 def test_kvrm_on_cuda_replays_captured_steps_and_absorbs_as_eager_does(model):
-    """On CUDA the decode buckets and the far view's absorb run as captured graphs: the tokens
-    equal the eager engine's, the absorb graph replays in the steps where chunks leave the
-    window, and nothing is captured after the first use."""
+    """On CUDA the decode buckets, the copy trains and the far view's absorb run as captured
+    graphs: the tokens equal the eager engine's, the gather graph replays in the steps whose
+    commit moved blocks and the absorb graph in the steps where chunks leave the window, and
+    nothing is captured after the first use."""
     rows = [TraceRow(0.001 * i, 600 + 50 * i, 400, (1, 2 + i % 2) if i % 3 else ())
             for i in range(6)]
     dev, tok = torch.device("cuda"), 2 * CFG.n_layers * CFG.n_kv_heads * CFG.head_dim * 4
@@ -151,14 +153,17 @@ def test_kvrm_on_cuda_replays_captured_steps_and_absorbs_as_eager_does(model):
                         SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8,
                                         long_prefill_tokens=32), graphs=graphs)
         if graphs:
-            engine.runner.capture_absorb()
-            engine.runner._absorb_graph = CountedReplays(engine.runner._absorb_graph)
+            r = engine.runner
+            r.capture_transfers()
+            r._absorb_graph, r._gather_graph = map(CountedReplays, (r._absorb_graph,
+                                                                   r._gather_graph))
         engine.replay(reqs)
         outs[graphs], engines[graphs] = [r.output for r in reqs], engine
         assert kv.free_pages() == kv.total_pages
     assert outs[True] == outs[False] and all(len(o) == 50 for o in outs[True])
-    runner = engines[True].runner
-    assert runner._absorb_graph.replays and runner.captures == 1 + len(runner._graphs)
+    runner, steps = engines[True].runner, engines[True].steps
+    assert runner._absorb_graph.replays and runner.captures == 2 + len(runner._graphs)
+    assert runner._gather_graph.replays == sum(s.groups > 0 for s in steps) > 0
 
 
 class CountedReplays:
@@ -170,6 +175,31 @@ class CountedReplays:
     def replay(self):
         self.replays += 1
         self.graph.replay()
+
+
+@pytest.mark.parametrize("config", ["pager+merge", "kvrm"])
+def test_copy_trains_run_only_in_steps_whose_commit_moved_blocks(model, config, monkeypatch):
+    """The runner launches the transport's gathers in exactly the steps whose commit queued
+    copy trains (a layer's launch each), and skipping the others changes no token: the tokens
+    equal those of a runner that gathers every step."""
+    # the staged-prefix workload above: aliased window blocks move at the first decodes
+    rows = [TraceRow(0.02 * i, 544 + 40 * i, 120, (1, 2 + i)) for i in range(6)]
+    kw = dict(window=32, max_context=256, clock="model")
+    calls = []
+    real = torch.ops.kvops.paged_gather_merged
+    monkeypatch.setattr(torch.ops.kvops, "paged_gather_merged",
+                        lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(PagedKV, "trains_due", lambda self: True)
+    reqs_all, _, _, eng_all = serve(model, rows, config, engine=True, **kw)
+    assert len(calls) == CFG.n_layers * len(eng_all.steps)
+    monkeypatch.undo()
+    calls.clear()
+    monkeypatch.setattr(torch.ops.kvops, "paged_gather_merged",
+                        lambda *a: calls.append(1) or real(*a))
+    reqs, _, _, eng = serve(model, rows, config, engine=True, **kw)
+    moved = sum(s.groups > 0 for s in eng.steps)
+    assert 0 < moved < len(eng.steps) and len(calls) == CFG.n_layers * moved
+    assert [r.output for r in reqs] == [r.output for r in reqs_all]
 
 
 def test_kvrm_pulls_far_utilities_every_rerank_steps(model, monkeypatch):

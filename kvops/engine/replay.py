@@ -180,7 +180,7 @@ def _warmup(engine: Engine, vocab: int, max_context: int) -> None:
                 runner._pos.fill_(-1)           # rows that decode nothing: no writes
                 runner._replay(bk)
             b += 1
-        runner.capture_absorb()                 # kvrm: the far view's absorb, one graph
+        runner.capture_transfers()              # the copy trains and kvrm's absorb, a graph each
     engine.steps.clear()
     runner.paths.clear()
     engine.kv.prefix_hit_tokens = 0

@@ -3,7 +3,8 @@
 A step runs, in order:
 
 1. the transport's copy trains into the window arenas (``paged_gather_merged``, one call a
-   layer) when the configuration has arenas;
+   layer, or on CUDA one graph of them all) when the configuration has arenas and the
+   step's commit queued trains;
 2. the prefill chunks, packed: K/V written into the pool with ``paged_kv_write`` (and into the
    arena ring for tokens inside the window, write-through), attention with
    ``paged_prefill_attention`` over each request's block table;
@@ -83,7 +84,7 @@ class ModelRunner:
         self._rows = torch.arange(B, dtype=torch.int64, device=dev)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
-        self._absorb_graph = None
+        self._absorb_graph = self._gather_graph = None
         self.captures = 0
         self.steps = 0
         self.buckets_used: set[int] = set()
@@ -112,12 +113,11 @@ class ModelRunner:
         the requests whose tokens reach the end of what they have."""
         kv = self.kv
         self.last_path = ""
-        if kv.transport is not None:
-            t = kv.tables()
-            for i in range(kv.layers):
-                torch.ops.kvops.paged_gather_merged(
-                    kv.k_pool[i], kv.v_pool[i], t["trains"], t["num_trains"],
-                    self.k_arena_pages[i], self.v_arena_pages[i])
+        if kv.transport is not None and kv.trains_due():    # skipped when nothing moves
+            if self._gather_graph is not None:
+                self._gather_graph.replay()
+            else:
+                self._gather()
         prefill = [it for it in items if it[2] > 1]
         decode = [it for it in items if it[2] == 1]
         out = self._prefill(prefill) if prefill else {}
@@ -263,33 +263,55 @@ class ModelRunner:
         for i in range(kv.layers):
             kv.far.absorb(i, kv.k_pool[i], kv.v_pool[i])
 
-    def capture_absorb(self) -> None:
-        """Capture every layer's far-view absorb in one CUDA graph, so a step in which chunks
-        leave the window replays one graph instead of launching about ten kernels a layer (the
-        absorb reads the commit's leave tables on the device, fixed shapes). Its kernels compile
-        first in one eager absorb over emptied leave tables (which writes only the sink
-        column; the tables are restored after), so the call changes no session's state
-        whenever it comes. Counted as a capture."""
-        if not self.graphs or self.kv.far is None or self._absorb_graph is not None:
+    def _gather(self) -> None:
+        kv, t = self.kv, self.kv.tables()
+        for i in range(kv.layers):
+            torch.ops.kvops.paged_gather_merged(
+                kv.k_pool[i], kv.v_pool[i], t["trains"], t["num_trains"],
+                self.k_arena_pages[i], self.v_arena_pages[i])
+
+    def capture_transfers(self) -> None:
+        """Capture the step's fixed-shape transfers, each in one CUDA graph over every layer,
+        so a step that needs one replays a graph instead of launching a kernel or more a layer
+        (they read the commit's tables on the device):
+
+        - the transport's copy trains (``paged_gather_merged``, one launch a layer; steps whose
+          commit moved blocks), where the configuration has window arenas;
+        - the far view's absorb (``kvrm``: about ten kernels a layer; steps in which chunks
+          leave the window).
+
+        Each runs first eagerly over emptied tables (no trains; leave tables that write only
+        the sink column), restored after, so the call changes no session's state whenever it
+        comes. Counted as captures."""
+        if not self.graphs:
             return
-        far = self.kv.far
-        t = far._tables()
-        kept = [(t[name], t[name].clone(), empty) for name, empty in
-                (("far_leave_pages", -1), ("far_leave_ids", far.J))]
+        kv = self.kv
+        if kv.transport is not None and self._gather_graph is None:
+            t = kv.tables()
+            self._gather_graph = self._capture(self._gather, [(t["num_trains"], 0)])
+        if kv.far is not None and self._absorb_graph is None:
+            t = kv.far._tables()
+            self._absorb_graph = self._capture(
+                self._absorb, [(t["far_leave_pages"], -1), (t["far_leave_ids"], kv.far.J)])
+
+    def _capture(self, fn, empties: list) -> torch.cuda.CUDAGraph:
+        """``fn`` run once eagerly on a side stream with each table of ``empties`` filled with
+        its empty value (restored after), then captured in a graph of its own pool."""
+        kept = [(table, table.clone(), empty) for table, empty in empties]
         for table, _, empty in kept:
             table.fill_(empty)
         s = torch.cuda.Stream(self.device)
         s.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(s):
-            self._absorb()
+            fn()
         torch.cuda.current_stream(self.device).wait_stream(s)
         for table, saved, _ in kept:
             table.copy_(saved)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):               # its own pool: a few small summaries
-            self._absorb()
-        self._absorb_graph = g
+        with torch.cuda.graph(g):
+            fn()
         self.captures += 1
+        return g
 
     def _replay(self, bk: int) -> torch.Tensor:
         entry = self._graphs.get(bk)

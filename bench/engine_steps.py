@@ -1,0 +1,72 @@
+"""Decode-step times of a replay, per configuration and batch: where one configuration's
+steps cost more than another's.
+
+Reads the ``replay.json`` that ``kvops replay`` writes and, for each configuration, takes the
+steps that only decode (every computed token a decode) and groups them by the number of
+decoding requests (1-8, 9-16, 17-32, 33-64, 65+): median wall time of the step, of its
+scheduling and of its frame commit, and the steps' count; then the same medians against a
+reference configuration's at the same group (``--ref``, default the first).
+
+    python -m bench.engine_steps replay-out/replay.json
+    python -m bench.engine_steps replay-out/replay.json --ref paged
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+
+from bench.common import table
+
+GROUPS = ((1, 8), (9, 16), (17, 32), (33, 64), (65, 1 << 30))
+
+
+def decode_groups(steps: list[dict]) -> dict:
+    """``{(lo, hi): {"n", "step_ms", "schedule_ms", "commit_ms"}}`` over the decode-only
+    steps (medians, ms)."""
+    out = {}
+    for lo, hi in GROUPS:
+        sel = [s for s in steps if s["decodes"] and s["tokens"] == s["decodes"]
+               and lo <= s["decodes"] <= hi]
+        if not sel:
+            continue
+        med = {k: float(np.median([s[k] for s in sel]) * 1e3)
+               for k in ("step_s", "schedule_s", "commit_s")}
+        out[(lo, hi)] = {"n": len(sel), "step_ms": med["step_s"],
+                         "schedule_ms": med["schedule_s"], "commit_ms": med["commit_s"]}
+    return out
+
+
+def report(result: dict, ref: str | None = None) -> str:
+    configs = list(result["steps"])
+    ref = ref or configs[0]
+    if ref not in result["steps"]:
+        raise ValueError(f"--ref: expected one of {', '.join(configs)}, got {ref!r}")
+    groups = {c: decode_groups(result["steps"][c]) for c in configs}
+    rows = []
+    for c in configs:
+        for g, v in groups[c].items():
+            base = groups[ref].get(g)
+            rows.append([c, f"{g[0]}-{g[1] if g[1] < 1 << 20 else ''}", v["n"], v["step_ms"],
+                         v["schedule_ms"], v["commit_ms"],
+                         v["step_ms"] - base["step_ms"] if base else "",
+                         v["step_ms"] / base["step_ms"] if base else ""])
+    return (f"Decode-only steps by decoding requests, medians in ms; against `{ref}` at the "
+            "same group.\n\n" + table(["config", "decodes", "steps", "step ms", "schedule ms",
+                                        "commit ms", f"step - {ref} ms", f"step / {ref}"], rows))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("replay_json")
+    ap.add_argument("--ref", default=None, help="the configuration to compare against")
+    args = ap.parse_args()
+    with open(args.replay_json) as f:
+        result = json.load(f)
+    print(report(result, args.ref))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""bench.engine_steps groups a replay's decode-only steps by batch and compares configurations."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.engine_steps import decode_groups, report
+
+
+def step(decodes, tokens, step_ms, commit_ms=0.1):
+    return dict(decodes=decodes, tokens=tokens, step_s=step_ms / 1e3, schedule_s=1e-5,
+                commit_s=commit_ms / 1e3)
+
+
+def test_groups_take_only_decode_steps_and_their_medians():
+    steps = [step(4, 4, 10.0), step(6, 6, 12.0), step(8, 8, 30.0), step(5, 300, 99.0),
+             step(20, 20, 15.0), step(0, 64, 50.0)]
+    got = decode_groups(steps)
+    assert set(got) == {(1, 8), (17, 32)}
+    assert got[(1, 8)]["n"] == 3 and got[(1, 8)]["step_ms"] == pytest.approx(12.0)
+    assert got[(17, 32)]["step_ms"] == pytest.approx(15.0)
+
+
+def test_report_compares_against_the_reference_at_the_same_group():
+    result = {"steps": {"paged": [step(4, 4, 10.0)],
+                        "kvrm": [step(4, 4, 11.0), step(40, 40, 20.0)]}}
+    rows = [[c.strip() for c in line.strip("|").split("|")]
+            for line in report(result, "paged").splitlines() if line.startswith("|")]
+    kvrm = {r[1]: r for r in rows if r[0] == "kvrm"}
+    assert kvrm["1-8"][6:] == ["1.000", "1.100"]      # 1 ms dearer than paged, 1.1x
+    assert kvrm["33-64"][6:] == ["", ""]               # paged has no step there
+    with pytest.raises(ValueError, match="--ref"):
+        report(result, "static")
