@@ -134,36 +134,55 @@ def test_kvrm_gives_far_pages_back_once_summarized(model):
     assert kv_k.free_pages() == kv_k.total_pages and kv_m.free_pages() == kv_m.total_pages
 
 
-@requires_cuda
-def test_kvrm_on_cuda_replays_captured_steps_and_absorbs_as_eager_does(model):
-    """On CUDA the decode buckets, the copy trains and the far view's absorb run as captured
-    graphs: the tokens equal the eager engine's, the gather graph replays in the steps whose
-    commit moved blocks and the absorb graph in the steps where chunks leave the window, and
-    nothing is captured after the first use."""
-    rows = [TraceRow(0.001 * i, 600 + 50 * i, 400, (1, 2 + i % 2) if i % 3 else ())
-            for i in range(6)]
+def serve_on_cuda(rows, config, graphs, *, window=32, max_context=192, clock="wall"):
+    """``rows`` served by ``config`` on CUDA with the tests' tiny model, decode steps captured
+    or eager; with graphs the copy-train and absorb graphs count their replays."""
     dev, tok = torch.device("cuda"), 2 * CFG.n_layers * CFG.n_kv_heads * CFG.head_dim * 4
     cuda_model = random_llama(CFG, dtype=torch.float32, std=0.5, device=dev)
-    outs, engines = {}, {}
-    for graphs in (False, True):
-        reqs = build_requests(rows, CFG.vocab_size, length_scale=0.125)
-        kv = make_kv("kvrm", KVBudget(bytes=4096 * tok, max_seqs=8, max_context=192, window=32),
-                     CFG, torch.float32, dev)
-        engine = Engine(cuda_model, kv, "static",
-                        SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8,
-                                        long_prefill_tokens=32), graphs=graphs)
-        if graphs:
-            r = engine.runner
-            r.capture_transfers()
-            r._absorb_graph, r._gather_graph = map(CountedReplays, (r._absorb_graph,
-                                                                   r._gather_graph))
-        engine.replay(reqs)
-        outs[graphs], engines[graphs] = [r.output for r in reqs], engine
-        assert kv.free_pages() == kv.total_pages
-    assert outs[True] == outs[False] and all(len(o) == 50 for o in outs[True])
-    runner, steps = engines[True].runner, engines[True].steps
+    reqs = build_requests(rows, CFG.vocab_size, length_scale=0.125)
+    kv = make_kv(config, KVBudget(bytes=4096 * tok, max_seqs=8, max_context=max_context,
+                                  window=window), CFG, torch.float32, dev)
+    engine = Engine(cuda_model, kv, decode_kind(config),
+                    SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8,
+                                    long_prefill_tokens=32), graphs=graphs, clock=clock)
+    if graphs:
+        r = engine.runner
+        r.capture_transfers()
+        r._absorb_graph, r._gather_graph = (g if g is None else CountedReplays(g)
+                                            for g in (r._absorb_graph, r._gather_graph))
+    engine.replay(reqs)
+    assert kv.free_pages() == kv.total_pages
+    return [r.output for r in reqs], engine
+
+
+@requires_cuda
+def test_kvrm_on_cuda_replays_captured_steps_and_absorbs_as_eager_does():
+    """On CUDA the decode buckets, the copy trains and the far view's absorb run as captured
+    graphs: the tokens equal the eager engine's, the absorb graph replays in the steps where
+    chunks leave the window, the gather graph in the steps whose commit moved blocks (none
+    here: every prefix block is out of the window), and nothing is captured after the first
+    use."""
+    rows = [TraceRow(0.001 * i, 600 + 50 * i, 400, (1, 2 + i % 2) if i % 3 else ())
+            for i in range(6)]
+    (eager, _), (outs, engine) = (serve_on_cuda(rows, "kvrm", g) for g in (False, True))
+    assert outs == eager and all(len(o) == 50 for o in outs)
+    runner = engine.runner
     assert runner._absorb_graph.replays and runner.captures == 2 + len(runner._graphs)
-    assert runner._gather_graph.replays == sum(s.groups > 0 for s in steps) > 0
+    assert runner._gather_graph.replays == sum(s.groups > 0 for s in engine.steps)
+
+
+@requires_cuda
+@pytest.mark.parametrize("config", ["pager+merge", "kvrm"])
+def test_copy_train_graph_replays_where_blocks_move_and_decodes_as_eager_does(config):
+    """The staged-prefix workload on CUDA: aliased window blocks move at the first decodes,
+    through the captured gather graph in exactly those steps, and the tokens equal the eager
+    engine's (which launches each layer's gather)."""
+    rows = [TraceRow(0.02 * i, 544 + 40 * i, 120, (1, 2 + i)) for i in range(6)]
+    kw = dict(window=32, max_context=256, clock="model")
+    (eager, _), (outs, engine) = (serve_on_cuda(rows, config, g, **kw) for g in (False, True))
+    assert outs == eager
+    moved = sum(s.groups > 0 for s in engine.steps)
+    assert engine.runner._gather_graph.replays == moved > 0
 
 
 class CountedReplays:
