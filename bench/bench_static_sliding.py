@@ -236,9 +236,9 @@ def far_tiles(heads=TILE_HEADS, batches=TILE_BATCHES, rows=TILE_ROWS, d=128,
               dtype=torch.bfloat16):
     """The tile rules at the short-window edge: windows of W rows with C live far slots (the
     mean far view's 16 summaries beside a 1k window) under the launch rule, forced 64-row and
-    128-row window tiles, and (with far slots) the far slots in one window-sized tile, as
-    before ``far_tile``; plus dense windows of 1024-2048 rows, where the short-window rule's
-    edge lies. Three rotating K/V sets; TB/s counts the K+V bytes of W + C rows."""
+    128-row window tiles, and (with far slots) the far slots in one window-sized tile
+    (``far_block_n=128``, against ``far_tile``'s); plus dense windows of 1024-2048 rows, where
+    the short-window rule's edge lies. Three rotating K/V sets; TB/s counts the K+V bytes of W + C rows."""
     attn = static_sliding_attention_fwd
     rows_out = []
     for (hq, hkv), B, (W, C) in itertools.product(heads, batches, rows):

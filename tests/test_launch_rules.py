@@ -27,8 +27,10 @@ SLIDING = [
     ((64, 8, 2048, 128, 0, H200), (128, 1, 4, 3)),
     ((128, 8, 1024, 128, 0, H200), (64, 1, 4, 3)),     # short windows, > 1 program an SM
     ((64, 8, 1024, 128, 16, H200), (64, 1, 4, 3)),     # ... a 1k window and 16 far summaries
-    ((64, 4, 1024, 128, 128, H200), (64, 1, 4, 3)),    # ... up to 128 far slots
-    ((64, 8, 1024, 128, 129, H200), (128, 1, 4, 3)),   # past SHORT_WINDOW: wave_tile, full waves
+    ((64, 4, 1024, 128, 128, H200), (64, 1, 4, 3)),    # ... up to 128 far slots (SHORT_SHARED)
+    ((64, 8, 1024, 128, 129, H200), (128, 1, 4, 3)),   # past SHORT_SHARED: wave_tile, full waves
+    ((9, 8, 1024, 128, 16, H200), (64, 3, 4, 3)),      # one program an SM, past SHORT_WINDOW:
+                                                       # wave_tile's partial wave, re-split
     ((128, 1, 1024, 128, 0, H200), (128, 1, 4, 3)),    # ... one wave of programs: 128 rows
     ((128, 2, 1024, 128, 0, H200), (64, 1, 4, 3)),
     ((128, 4, 1024, 256, 0, H200), (64, 1, 4, 3)),     # D 256: 64-row tiles already

@@ -157,9 +157,9 @@ def _launches(case, sms, monkeypatch, **knobs):
 def test_wave_tile_launch_matches_oracle(kernel_device, sms, grid, monkeypatch):
     """Launches whose 128-row grid would spill into a partial second wave (6 programs on 4 SMs:
     64-row tiles, unsplit) or leave SMs idle (6 on 10: 64-row tiles, 3 splits) take that shape
-    by themselves and still match the oracle, over a window longer than ``SHORT_WINDOW`` with
+    by themselves and still match the oracle, over a window longer than ``SHORT_SHARED`` with
     partial and empty windows."""
-    dims = (3, ssa.SHORT_WINDOW + 76, 2, 4, 128, 0, torch.float16)
+    dims = (3, ssa.SHORT_SHARED + 76, 2, 4, 128, 0, torch.float16)
     case = make_case(*dims, device=kernel_device, seed=sms, empty_rows=(1,))
     out, lse, launches = _launches(case, sms, monkeypatch)
     check_against_oracle(out, lse, case, dims[-1], case_id(*dims) + f"-sms{sms}")
@@ -170,7 +170,7 @@ def test_wave_tile_launch_matches_oracle(kernel_device, sms, grid, monkeypatch):
 def test_wave_tile_not_where_the_launch_is_forced(kernel_device, knobs, monkeypatch):
     """A forced tile, depth or split count keeps the 128-row tile where ``wave_tile`` would
     take 64 rows (6 programs on 4 SMs)."""
-    dims = (3, ssa.SHORT_WINDOW + 76, 2, 4, 128, 0, torch.float16)
+    dims = (3, ssa.SHORT_SHARED + 76, 2, 4, 128, 0, torch.float16)
     case = make_case(*dims, device=kernel_device, seed=1)
     out, lse, launches = _launches(case, 4, monkeypatch, **knobs)
     check_against_oracle(out, lse, case, dims[-1], case_id(*dims) + f"-{knobs}")
@@ -179,14 +179,32 @@ def test_wave_tile_not_where_the_launch_is_forced(kernel_device, knobs, monkeypa
 
 @pytest.mark.parametrize("sms,grid", [(4, (6, 1)), (10, (6, 3))])
 def test_far_slots_are_rows_of_the_same_splits(kernel_device, sms, grid, monkeypatch):
-    """A window with far slots launches as a window as wide: ``SHORT_WINDOW - 100`` rows and
-    176 far slots take the grid and tile of ``SHORT_WINDOW + 76`` rows (one launch, no extra
+    """A window with far slots launches as a window as wide: ``SHORT_SHARED - 100`` rows and
+    176 far slots take the grid and tile of ``SHORT_SHARED + 76`` rows (one launch, no extra
     split), split ranges crossing from the window into the far slots, and match the oracle."""
-    dims = (3, ssa.SHORT_WINDOW - 100, 2, 4, 128, 176, torch.float16)
+    dims = (3, ssa.SHORT_SHARED - 100, 2, 4, 128, 176, torch.float16)
     case = make_case(*dims, device=kernel_device, seed=sms, empty_rows=(1,))
     out, lse, launches = _launches(case, sms, monkeypatch)
     check_against_oracle(out, lse, case, dims[-1], case_id(*dims) + f"-sms{sms}")
     assert launches == [(grid, 64, 3)]
+
+
+@pytest.mark.parametrize("far_block_n,num_splits", [(16, 1), (16, 3), (32, 5), (64, 2)])
+def test_far_tile_smaller_than_the_window_tile(kernel_device, far_block_n, num_splits):
+    """Far slots walked in tiles smaller than the window's (``far_block_n`` below ``block_n``
+    64), over 100 far slots that several splits cut: every far slot is attended once."""
+    dims = (3, 150, 2, 4, 64, 100, torch.float32)
+    case = make_case(*dims, device=kernel_device, seed=far_block_n + num_splits)
+    out, lse = static_sliding_attention_fwd(**case, block_n=64, num_splits=num_splits,
+                                            far_block_n=far_block_n)
+    check_against_oracle(out, lse, case, dims[-1], case_id(*dims) + f"-far{far_block_n}")
+
+
+@pytest.mark.parametrize("bad", [8, 24, 0])
+def test_far_block_n_must_be_a_power_of_two_of_16_or_more(bad):
+    case = make_case(2, 32, 2, 4, 64, 4, torch.float32, torch.device("cpu"), seed=0)
+    with pytest.raises(ValueError, match="far_block_n: expected a power of two >= 16"):
+        static_sliding_attention_fwd(**case, far_block_n=bad)
 
 
 def test_ring_wrap_equals_rotated_prefix(kernel_device):

@@ -3,8 +3,8 @@
 A step runs, in order:
 
 1. the transport's copy trains into the window arenas (``paged_gather_merged``, one call a
-   layer, or on CUDA one graph of them all) when the configuration has arenas and the
-   step's commit queued trains;
+   layer, or one graph of them all once :meth:`ModelRunner.capture_transfers` has run) when
+   the configuration has arenas and the step's commit queued trains;
 2. the prefill chunks, packed: K/V written into the pool with ``paged_kv_write`` (and into the
    arena ring for tokens inside the window, write-through), attention with
    ``paged_prefill_attention`` over each request's block table;

@@ -135,7 +135,8 @@ def _sliding_window_kernel(
                       BLOCK_S)
 
 
-SHORT_WINDOW = 1152   # unsplit windows (far slots included) up to this many rows: the short-window rule
+SHORT_WINDOW = 1024   # unsplit windows (far slots included) up to this many rows: the short-window rule
+SHORT_SHARED = 1152   # ... up to this many with more programs than SMs (a 1k window and far slots)
 SPILL_FILL = 0.82     # past one wave: 128-row grids filling at most this share of their slots
 IDLE_FILL = 0.65      # within one wave: unsplit 128-row grids busy on at most this share of SMs
 
@@ -175,9 +176,9 @@ def sliding_launch(B: int, Hkv: int, W: int, D: int, itemsize: int, C: int,
 
     - tile rows ``kv_block_n`` (64 KiB of K and V), split count ``default_num_splits`` (about
       64 KiB of tiles in flight an SM), 4 warps, 3 stages;
-    - unsplit launches of at most ``SHORT_WINDOW`` rows (a 1k window with up to 128 far slots)
-      with more programs than SMs: 64-row tiles (several short programs an SM); with at most
-      one program an SM the large tile;
+    - unsplit launches with more programs than SMs and at most ``SHORT_SHARED`` rows (a 1k
+      window with up to 128 far slots): 64-row tiles (several short programs an SM); with at
+      most one program an SM and at most ``SHORT_WINDOW`` rows the large tile;
     - other unsplit launches: ``wave_tile``, re-split for its tile.
     """
     rows = W + C
@@ -188,8 +189,9 @@ def sliding_launch(B: int, Hkv: int, W: int, D: int, itemsize: int, C: int,
     if auto_splits:
         splits = default_num_splits(pairs, rows, block_n, kv_tile_bytes(block_n, D, itemsize),
                                     props.sms)
-    if tuned_tile and splits == 1 and rows <= SHORT_WINDOW:
-        if pairs > props.sms:          # more than one program an SM: the short-loop tile
+    shared = pairs > props.sms         # more than one program an SM
+    if tuned_tile and splits == 1 and rows <= (SHORT_SHARED if shared else SHORT_WINDOW):
+        if shared:                     # the short-loop tile
             block_n = min(block_n, 64)
         stages = 3
     elif tuned_tile and auto_splits and splits == 1:
@@ -266,6 +268,9 @@ def static_sliding_attention_fwd(
     constants) is kept per argument signature: ``signature`` is the op's
     (``kvops.ops._library.sig`` of every argument), else one is computed here.
     """
+    if far_block_n is not None and (far_block_n < 16 or far_block_n & (far_block_n - 1)):
+        raise ValueError(f"far_block_n: expected a power of two >= 16 (a tl.dot operand), "
+                         f"got {far_block_n}")
     knobs = (block_n, num_splits, num_warps, num_stages, pdl, far_block_n)
     if signature is not None and knobs == _NO_KNOBS:
         key = signature
