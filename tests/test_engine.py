@@ -24,6 +24,7 @@ from kvops.engine.traces import (
 )
 from kvops.models.config import LlamaConfig
 from kvops.models.paged import random_llama
+from kvops.runtime.far_view import FarView
 from tests.conftest import requires_cuda
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "traces"
@@ -153,6 +154,40 @@ def serve_on_cuda(rows, config, graphs, *, window=32, max_context=192, clock="wa
     engine.replay(reqs)
     assert kv.free_pages() == kv.total_pages
     return [r.output for r in reqs], engine
+
+
+# six sessions sharing prefixes; one session whose last prefill chunk (4 of 100 tokens) makes
+# no chunk far, so its held-back trim is due in a commit that summarizes nothing
+TRIM_ROWS = {"six": [TraceRow(0.001 * i, 600 + 50 * i, 400, (1, 2 + i % 2) if i % 3 else ())
+                     for i in range(6)],
+             "held": [TraceRow(0.0, 800, 400, ())]}
+
+
+@pytest.mark.parametrize("rows", TRIM_ROWS.values(), ids=TRIM_ROWS.keys())
+def test_kvrm_far_trims_looked_at_only_when_the_summarized_lead_moved(model, monkeypatch, rows):
+    """kvrm looks for summarized far blocks to give back only after a commit that moved the far
+    view's summarized lead, or while a candidate is held back (in prefill, or aliased from):
+    the pages mapped at every step and the tokens equal those of a look at every commit, and
+    most commits skip the look."""
+    kw = dict(window=32, max_context=192, engine=True)
+    looks = []
+    real = PagedKV._trim_far
+
+    def every_commit(self, keep):
+        self._trim_waiting = True                   # as if a candidate were always held back
+        real(self, keep)
+
+    monkeypatch.setattr(PagedKV, "_trim_far", every_commit)
+    reqs_all, _, _, eng_all = serve(model, rows, "kvrm", **kw)
+    monkeypatch.undo()
+    far_real = FarView.leading_summarized_all
+    monkeypatch.setattr(FarView, "leading_summarized_all",
+                        lambda self: looks.append(1) or far_real(self))
+    reqs, kv, _, eng = serve(model, rows, "kvrm", **kw)
+    assert [s.reserved_bytes for s in eng.steps] == [s.reserved_bytes for s in eng_all.steps]
+    assert [r.output for r in reqs] == [r.output for r in reqs_all]
+    assert kv.free_pages() == kv.total_pages
+    assert 0 < len(looks) < len(eng.steps) / 2
 
 
 @requires_cuda

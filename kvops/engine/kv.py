@@ -75,6 +75,9 @@ class PagedKV:
         # the same per slot, for the running request in it (_NEVER: a slot whose session does
         # not decode: free, a cached prefix, ended), and the request a slot was opened for
         self._trim_at = np.full(max_sessions, _NEVER, dtype=np.int64)
+        # the far view's lead_epoch at the last look, and whether a candidate was held back
+        # then (in prefill, or the source of an alias): without either, nothing can be trimmed
+        self._trim_epoch, self._trim_waiting = -1, False
         self._slot_req: dict[int, Request] = {}
         self._holders: dict[tuple, list[str]] = {}       # hash chain -> sessions holding it
         self._chains: dict[str, list[tuple]] = {}        # session -> chains it registered
@@ -294,19 +297,26 @@ class PagedKV:
         summarized (absorbed in an earlier step), their blocks go back. A request still in
         prefill keeps them (its prefill attends to the whole prefix); a request with trimmed
         blocks serves no prefix. The candidates are the slots whose summarized lead passed
-        what was trimmed (one array comparison): a step in which no chunk was summarized
-        loops over nothing."""
+        what was trimmed (one array comparison), looked at only when the far view adopted a
+        commit that moved the summarized lead (``lead_epoch``) or a candidate was held back at
+        the last look: a decode step in which no chunk was summarized does nothing."""
+        epoch = self.far.lead_epoch
+        if epoch == self._trim_epoch and not self._trim_waiting:
+            return
+        self._trim_epoch, waiting = epoch, False
         M = self.far.M
         lead = self.far.leading_summarized_all()
         for slot in np.flatnonzero(lead * M > self._trim_at).tolist():
             req = self._slot_req[slot]
             if req.num_computed < len(req.prompt) or req.key in keep:
+                waiting = True
                 continue
             have, now = int(self._trim_at[slot]), int(lead[slot]) * M
             self._ends.append((req.key, list(range(have, now))))
             self._far_trimmed[req.key] = now
             self._trim_at[slot] = now
             self._drop_chains(req.key)
+        self._trim_waiting = waiting
 
     def after_step(self, reqs: list[Request]) -> None:
         """The step's K/V is written: register the hash blocks it completed."""

@@ -168,6 +168,7 @@ class FarView:
         self._seen, self._done = self._sd
         self._dropped = np.zeros((B, J), dtype=bool)
         self._holes: set[int] = set()                 # slots with a dropped chunk
+        self.lead_epoch = 0                           # adopted commits that moved done/dropped
         self._keys: list = [None] * B                 # the session in each slot
         self._queue = _NONE                           # the slots with queued chunks
         self._leave_rows = _NONE                      # far_leave rows the last commit filled
@@ -464,6 +465,7 @@ class FarView:
             if how is _CLEARED:
                 self._leave_rows = _NONE
         elif how is _DECODE:
+            self.lead_epoch += 1
             q, first, lim, col, queue, last, self._sel_key = got
             if lim is None:                     # seen = done: nothing queued
                 self._sd[:, q] = first + 1
@@ -473,6 +475,7 @@ class FarView:
             self._sel_key[self._lrow, q, col] = self._fresh_key[first]
             self._leave_rows, self._queue, self.last = q, queue, last
         else:
+            self.lead_epoch += 1
             sd, take, resets, keys, dropped, keyed, rows, queue, last = got
             self._sd = sd
             self._seen, self._done = sd
@@ -610,7 +613,8 @@ class FarView:
 
     def leading_summarized_all(self) -> np.ndarray:
         """:meth:`leading_summarized` of every slot, ``[B]`` int64 (one copy and a lookup per
-        slot with a dropped chunk)."""
+        slot with a dropped chunk). It changes only with ``lead_epoch``, which counts the
+        adopted commits that summarized, dropped or reset chunks."""
         lead = self._done.astype(np.int64)
         for slot in self._holes:
             lead[slot] = self.leading_summarized(slot)
