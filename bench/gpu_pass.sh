@@ -4,6 +4,8 @@
 # short table of the parts last. Parts are named on the command line (default: all, in order):
 #   bench/gpu_pass.sh suite tests fidelity farret elastic elastic_steady engine tp tp_more transformers elastic_ablations
 # and everything under $OUT is packed into $OUT/gpu-pass.tgz at the end.
+# The device machine's copied .git can lag the tree it runs, so a call names the tree's commit:
+#   KVOPS_COMMIT=<sha> bash bench/gpu_pass.sh ...   (results headers print it; see records.commit_id)
 set -u
 OUT=${OUT:-/tmp/gpu-pass}
 mkdir -p "$OUT"

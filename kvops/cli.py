@@ -254,18 +254,16 @@ def _replay(args, tp=None) -> int:
 
 
 def record(name: str, result: dict, table: str) -> str:
-    """``bench/results/<date>-<HHMM>-<name>.md``: date, device, commit, command and the table.
+    """``bench/results/<date>-<HHMM>-<name>.md``: date, device, commit (``commit_id``:
+    ``KVOPS_COMMIT`` wins), command and the table.
 
     The time of day is in the name so that two runs on one day are two files."""
     import datetime
-    import subprocess
     from pathlib import Path
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+    from kvops.evals.records import commit_id
+
+    commit = commit_id()
     now = datetime.datetime.now(datetime.timezone.utc)
     path = Path("bench/results") / f"{now:%Y-%m-%d-%H%M}-{name}.md"
     path.parent.mkdir(parents=True, exist_ok=True)

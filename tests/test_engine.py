@@ -414,6 +414,9 @@ def test_record_names_its_file_by_date_and_time_of_day(tmp_path, monkeypatch):
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}-\d{4}-probe\.md", name), name
     text = (tmp_path / path).read_text()
     assert "- commit: " in text and "- command: `python -m kvops" in text and "| 1 |" in text
+    monkeypatch.setenv("KVOPS_COMMIT", "abc1234 (the tree sent to the device)")
+    path = record("probe2", {"device_name": "cpu", "dtype": "float32"}, "| a |")
+    assert "- commit: abc1234 (the tree sent to the device)\n" in (tmp_path / path).read_text()
 
 
 def test_kvrm_with_shared_prefixes_and_far_trims(model):

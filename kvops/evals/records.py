@@ -33,7 +33,13 @@ def _fmt(c) -> str:
     return str(c)
 
 
-def _commit(cwd: Path) -> str:
+def commit_id(cwd: str | Path = ".") -> str:
+    """The commit a record names: ``KVOPS_COMMIT`` when set (a checkout whose git is not the
+    tree's, as on the device machine, whose copied ``.git`` can lag the tree), else git's short
+    HEAD in ``cwd`` (``+dirty`` with uncommitted changes to tracked files), else "unknown"."""
+    env = os.environ.get("KVOPS_COMMIT")
+    if env:
+        return env
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, cwd=cwd, check=True).stdout.strip()
@@ -41,12 +47,12 @@ def _commit(cwd: Path) -> str:
                                capture_output=True, text=True, cwd=cwd).stdout.strip()
         return rev + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("KVOPS_COMMIT", "unknown")
+        return "unknown"
 
 
 def write_record(directory: str | Path, name: str, body: str) -> Path:
     """Write ``<directory>/<date>-<name>.md`` (and a copy under ``$OUT`` when set) with the run's
-    header; returns the path. ``KVOPS_COMMIT`` names the commit where there is no git checkout."""
+    header; returns the path. The commit is :func:`commit_id`'s (``KVOPS_COMMIT`` wins)."""
     import triton
 
     directory = Path(directory)
@@ -59,7 +65,7 @@ def write_record(directory: str | Path, name: str, body: str) -> Path:
         "",
         f"- date: {now:%Y-%m-%d %H:%M} UTC",
         f"- gpu: {gpu}",
-        f"- commit: {os.environ.get('KVOPS_COMMIT') or _commit(directory)}",
+        f"- commit: {commit_id(directory)}",
         f"- torch {torch.__version__}, triton {triton.__version__}, python {platform.python_version()}",
         f"- command: `{' '.join(shlex.quote(a) for a in getattr(sys, 'orig_argv', sys.argv))}`",
         "",
