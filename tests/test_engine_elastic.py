@@ -65,6 +65,28 @@ def test_elastic_serves_the_pressure_replay_without_preemption(runs):
     assert max(s.running + s.waiting for s in engine.steps) <= 8
 
 
+def test_policy_time_breaks_down_into_the_papers_phases(runs):
+    """Each step's policy host time splits into its phases: demotion time exactly in the steps
+    that demote, promotion-issue time exactly in the steps that issue promotions, the phases
+    within the policy's time, the policy within the commit's; the replay's means add up to
+    the policy's and commit's time a step."""
+    _, _, engine, m = runs["elastic"]
+    steps = engine.steps
+    assert all((s.demote_s > 0) == (s.demoted > 0) for s in steps)
+    assert all((s.promote_s > 0) == (s.promoted > 0) for s in steps)
+    assert all(s.settle_s + s.demote_s + s.promote_s <= s.fidelity_s <= s.commit_s
+               for s in steps)
+    br = m["policy_ms"]
+    assert set(br) == {"control", "demotion", "promotion", "metadata"}
+    assert br["demotion"] > 0 and br["promotion"] > 0 and br["control"] > 0
+    assert br["control"] + br["demotion"] + br["promotion"] == pytest.approx(
+        m["fidelity_ms_per_step"])
+    commit_ms = sum(s.commit_s for s in steps) / len(steps) * 1e3
+    assert sum(br.values()) == pytest.approx(commit_ms)
+    paged = runs["paged"][3]["policy_ms"]                # no policy: the commit is metadata
+    assert paged["control"] == paged["demotion"] == paged["promotion"] == 0
+
+
 def test_requests_that_never_had_a_base_block_get_the_exact_tokens(runs):
     reqs, kv, _, _ = runs["elastic"]
     exact = [r.output for r in runs["reserve"][0]]

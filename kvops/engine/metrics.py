@@ -58,6 +58,9 @@ class StepRecord:
     promoted: int = 0        # promotions issued
     settled: int = 0         # promotions mapped back
     fidelity_s: float = 0.0  # host time of Fidelity.step (plan, demotion packs, promotion issue)
+    settle_s: float = 0.0    # ... of it: mapping finished promotions back
+    demote_s: float = 0.0    # ... the demotion's packs and copies down (launched)
+    promote_s: float = 0.0   # ... the promotions' issue (holds, copies up and refines launched)
 
 
 def _stats(values, unit: float = 1e3) -> dict:
@@ -204,7 +207,24 @@ def fidelity_metrics(steps: list[StepRecord]) -> dict:
         "fidelity_ms_p90": float(np.percentile(fid, 90) * 1e3),
         "demotion_step_ms": float(np.mean([s.fidelity_s for s in steps if s.demoted]) * 1e3)
         if batches else 0.0,
+        "policy_ms": policy_breakdown(steps),
     }
+
+
+def policy_breakdown(steps: list[StepRecord]) -> dict:
+    """The policy's critical-path host time a step in ElasticKV's breakdown (ms, means over
+    the steps): ``control`` the decisions (``Fidelity.step`` less its phases below),
+    ``demotion`` launching the demotions' packs and copies down, ``promotion`` issuing
+    promotions and mapping finished ones back, ``metadata`` the rest of the frame commit (the
+    pager's tables, their upload, the other policies). Host time: the packs' device time is in
+    the step's."""
+    if not steps:
+        return {"control": 0.0, "demotion": 0.0, "promotion": 0.0, "metadata": 0.0}
+    mean = lambda f: float(np.mean([f(s) for s in steps]) * 1e3)     # noqa: E731
+    return {"control": mean(lambda s: s.fidelity_s - s.settle_s - s.demote_s - s.promote_s),
+            "demotion": mean(lambda s: s.demote_s),
+            "promotion": mean(lambda s: s.promote_s + s.settle_s),
+            "metadata": mean(lambda s: s.commit_s - s.fidelity_s)}
 
 
 def steps_as_dict(steps: list[StepRecord]) -> list[dict]:

@@ -191,7 +191,7 @@ def markdown(result: dict) -> str:
     cols += ["Eff@300 %", "waiting mean"] if axis == "window" else ["out tok/s"]
     cols += ["BASE exposure mean / max %", "demotion batches (pairs/batch)", "demotion steps %",
              "promotions", "decode paths (native/span/general)", "control ms/step",
-             "fidelity ms/step (P90)"]
+             "fidelity ms/step (P90)", "policy ms/step: control / demotion / promotion / metadata"]
     lines = [head, "", "TTFT and TPOT as mean / P90.", "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for p in result["points"]:
@@ -213,7 +213,10 @@ def markdown(result: dict) -> str:
                     "/".join(str(paths.get(k, 0)) for k in ("native", "span", "general")),
                     _f(r["control_ms_per_step"], 3),
                     f"{_f(r['fidelity_ms_per_step'], 3)} ({_f(r['fidelity_ms_p90'], 3)})"
-                    if el else "-"]
+                    if el else "-",
+                    " / ".join(_f(r["policy_ms"][k], 3) for k in
+                               ("control", "demotion", "promotion", "metadata"))
+                    if el and "policy_ms" in r else "-"]
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + goals(result)
 

@@ -89,6 +89,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 from collections.abc import Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -364,6 +365,9 @@ class Fidelity:
         self._pend: _Pending | None = None                      # the open frame's record
         self.last_plan: FidelityPlan | None = None              # the last step's decisions
         self._picked: list = []                                 # the last promotions issued
+        # host seconds of the last step's phases: settling promotions, the demotion's packs and
+        # copies down (device work on the critical path, launched), the promotions' issue
+        self.last_times = {"settle_s": 0.0, "demote_s": 0.0, "promote_s": 0.0}
         self.reserve = 0.0
         self.stats = {"demoted": 0, "promoted": 0, "demotion_batches": 0, "in_flight": 0,
                       "base_blocks": 0, "exposure": 0.0, "exposure_mean": 0.0, "steps": 0}
@@ -609,8 +613,11 @@ class Fidelity:
             raise ValueError(f"step: already called in the frame of epoch {frame.epoch}; "
                              f"call it once a frame")
         pend.stepped = True
+        times = self.last_times = {"settle_s": 0.0, "demote_s": 0.0, "promote_s": 0.0}
         self._reap_d2h()
+        t0 = time.perf_counter()
         settled = self._settle(frame, pend, plan)
+        times["settle_s"] = time.perf_counter() - t0
         free = frame.free_pages
         short = need - free
         promoted = 0
@@ -760,6 +767,7 @@ class Fidelity:
         pages = np.array(rows, dtype=np.int32)
         triples = np.concatenate([pages, pages[:, :1]], axis=1)   # (a, b, a): in place
         slots = self._host.take(len(rows))                    # before the pack: may raise
+        t0 = time.perf_counter()
         try:
             back = self._pack(triples)                        # [N, caches, 2, S, Hkv, D]
         except BaseException:
@@ -768,6 +776,7 @@ class Fidelity:
             raise
         frame.on_abort(lambda: self._undo_pack(triples, back, slots))
         self._to_host(back, slots)
+        self.last_times["demote_s"] += time.perf_counter() - t0
         keys = [key for key, _ in who]
         js = [j for _, j in who]
         tops = [j + 1 for j in js]
@@ -919,6 +928,14 @@ class Fidelity:
     def _issue(self, frame: Frame, pend: _Pending, picks: list[tuple[Hashable, int]]) -> None:
         """One batch of promotions: hold two pages a pair, retain the BASE pages, and on the
         side stream copy the batch's backings up (a copy a run of host slots) and refine."""
+        t0 = time.perf_counter()
+        try:
+            self._issue_batch(frame, pend, picks)
+        finally:
+            self.last_times["promote_s"] += time.perf_counter() - t0
+
+    def _issue_batch(self, frame: Frame, pend: _Pending,
+                     picks: list[tuple[Hashable, int]]) -> None:
         keys = [key for key, _ in picks]
         js = np.fromiter((j for _, j in picks), np.int64, len(picks))
         both = frame.pages_at(keys + keys, np.concatenate([js, js + 1]))
