@@ -32,10 +32,9 @@ def decode_groups(steps: list[dict]) -> dict:
                and lo <= s["decodes"] <= hi]
         if not sel:
             continue
-        med = {k: float(np.median([s[k] for s in sel]) * 1e3)
-               for k in ("step_s", "schedule_s", "commit_s")}
-        out[(lo, hi)] = {"n": len(sel), "step_ms": med["step_s"],
-                         "schedule_ms": med["schedule_s"], "commit_ms": med["commit_s"]}
+        med = {f"{k}_ms": float(np.median([s[f"{k}_s"] for s in sel]) * 1e3)
+               for k in ("step", "schedule", "commit")}
+        out[(lo, hi)] = {"n": len(sel), **med}
     return out
 
 

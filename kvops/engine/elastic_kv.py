@@ -118,8 +118,7 @@ class ElasticKV(PagedKV):
         self.eager, self.general = bool(eager), bool(general)
         self.base_touched: set[int] = set()      # rids that had a BASE block at some commit
         self._live: dict[str, Request] = {}
-        self.last_fidelity: dict = {"demoted": 0, "promoted": 0, "settled": 0, "fid_s": 0.0,
-                                    "settle_s": 0.0, "demote_s": 0.0, "promote_s": 0.0}
+        self.last_fidelity: dict = {"demoted": 0, "promoted": 0, "settled": 0, "fid_s": 0.0}
 
     @staticmethod
     def _pools(shape, dtype, device):
@@ -184,7 +183,7 @@ class ElasticKV(PagedKV):
                 raise RuntimeError(f"elastic: {f.free_pages} free pages after demotion cannot "
                                    f"hold this step's admissions")
             self.deferred.add(keep.pop(grows[-1])[0])
-        self.last_fidelity = {**got, "fid_s": fid_s, **self.fidelity.last_times}
+        self.last_fidelity = {**got, "fid_s": fid_s}
         return keep
 
     def _after_commit(self, commit, admits) -> None:

@@ -95,8 +95,7 @@ class Engine:
             got = kv.last_fidelity
             el = dict(base_blocks=fid.stats["base_blocks"], exposure=fid.stats["exposure"],
                       demoted=got["demoted"], promoted=got["promoted"], settled=got["settled"],
-                      fidelity_s=got["fid_s"], settle_s=got["settle_s"],
-                      demote_s=got["demote_s"], promote_s=got["promote_s"])
+                      fidelity_s=got["fid_s"], **fid.last_times)
         rec = StepRecord(
             t=now, step_s=time.perf_counter() - t0, schedule_s=t1 - t0, commit_s=t2 - t1,
             running=len(sched.running), waiting=len(sched.waiting),

@@ -347,9 +347,7 @@ class PagedKV:
         """Whether this step's commit queued copy trains (``num_trains > 0`` on the device).
         Without any, every layer's ``paged_gather_merged`` copies nothing, so the runner skips
         them."""
-        c = self.last_commit
-        return (self.transport is not None and c is not None
-                and bool(c.stats.get("transport", {}).get("groups", 0)))
+        return self.transport is not None and bool(self.transport.last.get("groups", 0))
 
     def dma(self) -> dict:
         """This commit's copy trains: groups, moving sessions, bytes (one of K or V, a layer)."""

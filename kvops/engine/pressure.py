@@ -216,7 +216,7 @@ def markdown(result: dict) -> str:
                     if el else "-",
                     " / ".join(_f(r["policy_ms"][k], 3) for k in
                                ("control", "demotion", "promotion", "metadata"))
-                    if el and "policy_ms" in r else "-"]
+                    if el else "-"]
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + goals(result)
 

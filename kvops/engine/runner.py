@@ -113,19 +113,13 @@ class ModelRunner:
         the requests whose tokens reach the end of what they have."""
         kv = self.kv
         self.last_path = ""
-        if kv.transport is not None and kv.trains_due():    # skipped when nothing moves
-            if self._gather_graph is not None:
-                self._gather_graph.replay()
-            else:
-                self._gather()
+        if self.write_arena and kv.trains_due():     # skipped when nothing moves
+            self._transfer(self._gather_graph, self._gather)
         prefill = [it for it in items if it[2] > 1]
         decode = [it for it in items if it[2] == 1]
         out = self._prefill(prefill) if prefill else {}
         if kv.far is not None and kv.far.summaries_due:     # skipped when none is due
-            if self._absorb_graph is not None:
-                self._absorb_graph.replay()
-            else:
-                self._absorb()
+            self._transfer(self._absorb_graph, self._absorb)
         if decode:
             out.update(self._decode(decode))
         if kv.far is not None:
@@ -263,6 +257,14 @@ class ModelRunner:
         for i in range(kv.layers):
             kv.far.absorb(i, kv.k_pool[i], kv.v_pool[i])
 
+    @staticmethod
+    def _transfer(graph, launch) -> None:
+        """A transfer's captured graph (:meth:`capture_transfers`), else its eager launches."""
+        if graph is not None:
+            graph.replay()
+        else:
+            launch()
+
     def _gather(self) -> None:
         kv, t = self.kv, self.kv.tables()
         for i in range(kv.layers):
@@ -286,7 +288,7 @@ class ModelRunner:
         if not self.graphs:
             return
         kv = self.kv
-        if kv.transport is not None and self._gather_graph is None:
+        if self.write_arena and self._gather_graph is None:
             t = kv.tables()
             self._gather_graph = self._capture(self._gather, [(t["num_trains"], 0)])
         if kv.far is not None and self._absorb_graph is None:

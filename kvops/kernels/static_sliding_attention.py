@@ -215,6 +215,9 @@ def _plan(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale, knobs):
     C = far_k.shape[1] if has_far else 0
     props = device_props(q.device)
     block_n, num_splits, num_warps, num_stages, pdl, far_block_n = knobs
+    if far_block_n is not None and (far_block_n < 16 or far_block_n & (far_block_n - 1)):
+        raise ValueError(f"far_block_n: expected a power of two >= 16 (a tl.dot operand), "
+                         f"got {far_block_n}")
     lp = sliding_launch(B, Hkv, W, D, k.element_size(), C, props, block_n, num_splits,
                         num_warps, num_stages)
     nsp = lp.splits
@@ -268,9 +271,6 @@ def static_sliding_attention_fwd(
     constants) is kept per argument signature: ``signature`` is the op's
     (``kvops.ops._library.sig`` of every argument), else one is computed here.
     """
-    if far_block_n is not None and (far_block_n < 16 or far_block_n & (far_block_n - 1)):
-        raise ValueError(f"far_block_n: expected a power of two >= 16 (a tl.dot operand), "
-                         f"got {far_block_n}")
     knobs = (block_n, num_splits, num_warps, num_stages, pdl, far_block_n)
     if signature is not None and knobs == _NO_KNOBS:
         key = signature

@@ -106,6 +106,8 @@ from kvops.runtime.policy import Staged
 
 TARGET, BASE, PROMOTING = 0, 1, 2
 
+PHASES = ("settle_s", "demote_s", "promote_s")   # Fidelity.last_times: a step's timed phases
+
 
 def _one_pool(caches: list[torch.Tensor]) -> torch.Tensor | None:
     """The caches as one pool ``[caches * P, S, Hkv, D]`` when they are equal, consecutive
@@ -365,9 +367,9 @@ class Fidelity:
         self._pend: _Pending | None = None                      # the open frame's record
         self.last_plan: FidelityPlan | None = None              # the last step's decisions
         self._picked: list = []                                 # the last promotions issued
-        # host seconds of the last step's phases: settling promotions, the demotion's packs and
-        # copies down (device work on the critical path, launched), the promotions' issue
-        self.last_times = {"settle_s": 0.0, "demote_s": 0.0, "promote_s": 0.0}
+        # host seconds of the last step's phases (PHASES): settling promotions, the demotion's
+        # packs and copies down (device work on the critical path, launched), promotions' issue
+        self.last_times = dict.fromkeys(PHASES, 0.0)
         self.reserve = 0.0
         self.stats = {"demoted": 0, "promoted": 0, "demotion_batches": 0, "in_flight": 0,
                       "base_blocks": 0, "exposure": 0.0, "exposure_mean": 0.0, "steps": 0}
@@ -613,7 +615,7 @@ class Fidelity:
             raise ValueError(f"step: already called in the frame of epoch {frame.epoch}; "
                              f"call it once a frame")
         pend.stepped = True
-        times = self.last_times = {"settle_s": 0.0, "demote_s": 0.0, "promote_s": 0.0}
+        times = self.last_times = dict.fromkeys(PHASES, 0.0)
         self._reap_d2h()
         t0 = time.perf_counter()
         settled = self._settle(frame, pend, plan)
