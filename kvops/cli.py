@@ -78,6 +78,9 @@ def _replay_parser(sub) -> None:
     p.add_argument("--preemption", choices=["newest", "longest"], default=None)
     p.add_argument("--no-prefix-sharing", action="store_true")
     p.add_argument("--no-graphs", action="store_true", help="CUDA: decode eagerly")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="CUDA: schedule and commit after each step's tokens are back, not "
+                        "while the step runs")
     p.add_argument("--tp", type=int, default=None, metavar="N",
                    help="tensor parallelism over N ranks (docs/tp.md): under torchrun the "
                         "world size (one process a GPU, NCCL); otherwise N processes spawned "
@@ -138,6 +141,7 @@ def _settings_kw(args, device) -> dict:
         kw["step_cost"] = (c.a, c.b, c.c)
     kw["device"] = str(device)
     kw["graphs"] = False if args.no_graphs else None
+    kw["overlap"] = False if args.no_overlap else None
     kw["fidelity"] = parse_fidelity(args.fidelity)
     return kw
 

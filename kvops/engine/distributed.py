@@ -404,16 +404,17 @@ class LeaderEngine(Engine):
                  clock: str = "wall", step_cost=None):
         self.tp, self.checker = tp, _Checker(tp, kv)
         self.log = KVLog(kv, tp, self.checker)
+        # overlap off: every rank folds a step's plan, then its tokens, in that order
         super().__init__(model, self.log, decode, sched, graphs=graphs, clock=clock,
-                         step_cost=step_cost)
-        run = self.runner.run
+                         step_cost=step_cost, overlap=False)
+        launch = self.runner.launch
 
-        def run_and_fold(items):
-            out = run(items)
-            self.checker.fold(sorted((r.rid, t) for r, t in out.items()))
-            return out
+        def launch_and_fold(items):
+            got = launch(items)
+            self.checker.fold(sorted((r.rid, t) for r, t in got.collect().items()))
+            return got
 
-        self.runner.run = run_and_fold
+        self.runner.launch = launch_and_fold
 
     def replay(self, requests: list[Request], progress=None, concurrency=None) -> dict:
         res = super().replay(requests, progress, concurrency)
@@ -426,7 +427,7 @@ class FollowerEngine(Engine):
     forwards, and joins every check; :meth:`replay` returns when rank 0's replay ends."""
 
     def __init__(self, model, kv, decode, sched=None, *, graphs=None, tp: TPContext):
-        super().__init__(model, kv, decode, sched, graphs=graphs)
+        super().__init__(model, kv, decode, sched, graphs=graphs, overlap=False)
         self.tp, self.checker = tp, _Checker(tp, kv)
 
     def replay(self, requests: list[Request], progress=None, concurrency=None) -> dict:

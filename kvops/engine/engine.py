@@ -4,14 +4,27 @@
         admit the requests that have arrived            (refused when they can never fit)
         plan = scheduler.schedule()                     (budget, chunks, pages, preemption)
         kv.commit_step(plan)                            (one Frame: trims, aliases, reserves)
-        next_tokens = runner.run(plan.items())          (prefill chunks, then decodes)
-        append tokens; finished requests end            (their trims go into the next frame)
+        collect the last step's tokens                  (overlap: it ran during the above)
+        runner.launch(plan.items())                     (prefill chunks, then decodes)
+        count the step's tokens; finished requests end  (their trims go into the next frame)
+
+With ``overlap`` (the default on CUDA) a step's device work runs while the host schedules and
+commits the next one, as vLLM's asynchronous scheduling and SGLang's overlap scheduler do: a
+request's context grows by the step's tokens when they are launched, before their values are
+known, and a request that reaches its output length ends then; the values are collected
+before the next launch, which reads them. Every queue on the device is the current stream, so
+the next commit's table upload and copies run after the step that reads the old tables. Steps
+whose requests may stop on EOS (``ignore_eos=False``), where the end depends on the value,
+collect at once. Without ``overlap`` each step collects its own tokens (the order of a
+synchronous engine); the tokens are the same either way. ``StepRecord.control_exposed_s``
+is the control plane's time on the critical path: all of it unless the previous step's device
+work was still running when the commit ended (then none).
 
 The driving clock (``clock``) is wall time since the replay started (``"wall"``) or modeled
 time (``"model"``: the sum of :class:`~kvops.engine.clock.StepCost` over the steps so far,
 the same on every machine); while nothing is in flight it jumps to the next arrival (no
 request waits then, so no latency changes). Every token is also stamped on the other clock
-and with its step (:mod:`kvops.engine.clock`).
+and with its step (:mod:`kvops.engine.clock`); a token's wall time is when the host has it.
 """
 
 from __future__ import annotations
@@ -21,14 +34,24 @@ import time
 from kvops.engine.clock import H200_8B, StepCost, check_clock
 from kvops.engine.metrics import EFF_TBT_S, EFF_TTFT_S, StepRecord, summarize
 from kvops.engine.request import Request, Status
-from kvops.engine.runner import ModelRunner
+from kvops.engine.runner import Launched, ModelRunner
 from kvops.engine.scheduler import Scheduler, SchedulerConfig
+
+
+class _Pending:
+    """A launched step whose tokens the host has not read: the requests it gives a token
+    (each with the index of its placeholder in ``output``), and its modeled time and index."""
+
+    __slots__ = ("launched", "produced", "modeled", "index")
+
+    def __init__(self, launched: Launched | None, produced: list, modeled: float, index: int):
+        self.launched, self.produced, self.modeled, self.index = launched, produced, modeled, index
 
 
 class Engine:
     def __init__(self, model, kv, decode: str, sched: SchedulerConfig | None = None, *,
                  graphs: bool | None = None, clock: str = "wall",
-                 step_cost: StepCost | None = None):
+                 step_cost: StepCost | None = None, overlap: bool | None = None):
         self.model, self.kv = model, kv
         self.clock = check_clock(clock)
         self.step_cost = StepCost.parse(step_cost) if step_cost is not None else H200_8B
@@ -36,6 +59,12 @@ class Engine:
         self.eff = (EFF_TTFT_S, EFF_TBT_S)  # Eff@300's thresholds (s)
         self.scheduler = Scheduler(sched or SchedulerConfig(), kv)
         self.runner = ModelRunner(model, kv, decode, graphs=graphs)
+        if overlap is None:
+            overlap = self.runner.device.type == "cuda"
+        if not isinstance(overlap, bool):
+            raise ValueError(f"overlap: expected a bool or None, got {overlap!r}")
+        self.overlap = overlap
+        self._pending: _Pending | None = None
         self.steps: list[StepRecord] = []
         self._t0 = time.perf_counter()
         self._skip = 0.0
@@ -66,25 +95,30 @@ class Engine:
         t1 = time.perf_counter()
         kv.commit_step(plan.admits, plan.grows)
         t2 = time.perf_counter()
+        prev = self._pending
+        hidden = prev is not None and prev.launched is not None and not prev.launched.ready()
+        self.collect()                      # the previous step's tokens (overlap)
         items = [it for it in plan.items() if it[0] not in kv.deferred]
-        nxt = self.runner.run(items) if items else {}
-        self.produced = len(nxt)
+        launched = self.runner.launch(items) if items else None
         tokens = sum(n for _, _, n in items)
         kv_tokens = sum(start + n for _, start, n in items)
         cost = self.step_cost.of(tokens, kv_tokens)
         self.model_t += cost
-        now, wall, modeled, index = self.now(), self.wall(), self.modeled(), len(self.steps) + 1
+        produced = []
         for req, start, n in items:
+            gives = start + n == req.num_tokens     # the step's logits give the next token
             req.num_computed = start + n
-            tok = nxt.get(req)
-            if tok is not None:
-                req.output.append(tok)
-                req.token_times.append(now)
-                req.token_walls.append(wall)
-                req.token_model.append(modeled)
-                req.token_steps.append(index)
+            if gives:
+                req.output.append(None)             # its value comes with collect()
+                produced.append((req, len(req.output) - 1))
+        self.produced = len(produced)
+        self._pending = _Pending(launched, produced, self.modeled(), len(self.steps) + 1)
+        if not self.overlap or any(not r.ignore_eos for r, _ in produced):
+            self.collect()                  # the end may depend on the value (EOS)
+        else:
+            for req, _ in produced:         # the output length ends it
                 if req.done:
-                    req.status, req.finish_time = Status.FINISHED, now
+                    req.status = Status.FINISHED
                     sched.finish(req)
         kv.after_step([r for r, _, _ in items if r.status is Status.RUNNING])
         used = sum(r.num_computed for r in sched.running) * kv.token_bytes
@@ -97,7 +131,8 @@ class Engine:
                       demoted=got["demoted"], promoted=got["promoted"], settled=got["settled"],
                       fidelity_s=got["fid_s"], **fid.last_times)
         rec = StepRecord(
-            t=now, step_s=time.perf_counter() - t0, schedule_s=t1 - t0, commit_s=t2 - t1,
+            t=self.now(), step_s=time.perf_counter() - t0, schedule_s=t1 - t0, commit_s=t2 - t1,
+            control_exposed_s=0.0 if hidden else t2 - t0,
             running=len(sched.running), waiting=len(sched.waiting),
             tokens=tokens, decodes=sum(n == 1 for _, _, n in items), kv_tokens=kv_tokens,
             model_s=cost, path=self.runner.last_path if items else "",
@@ -107,8 +142,37 @@ class Engine:
         self.steps.append(rec)
         return rec
 
+    def collect(self) -> None:
+        """Read the launched step's tokens into its requests' outputs and stamp them (the
+        wall clock when the host has them; the modeled clock and the step of the launch);
+        a request whose token ends it finishes (at once, if :meth:`step` has not ended it)."""
+        pend, self._pending = self._pending, None
+        if pend is None or not pend.produced:
+            return
+        toks = pend.launched.collect()
+        wall = self.wall()
+        t = pend.modeled if self.clock == "model" else wall
+        for req, i in pend.produced:
+            req.output[i] = toks[req]
+            req.token_times.append(t)
+            req.token_walls.append(wall)
+            req.token_model.append(pend.modeled)
+            req.token_steps.append(pend.index)
+            if req.done:
+                if req.status is Status.RUNNING:
+                    req.status = Status.FINISHED
+                    self.scheduler.finish(req)
+                req.finish_time = t
+
+    def awaiting(self) -> int:
+        """Requests that have ended whose last token the host has not collected (overlap)."""
+        pend = self._pending
+        return 0 if pend is None else sum(r.status is Status.FINISHED for r, _ in pend.produced)
+
     def drain(self) -> None:
-        """End every cached prefix and commit, so the pool is as it started."""
+        """Collect the last step's tokens, end every cached prefix and commit, so the pool is
+        as it started."""
+        self.collect()
         while self.kv.evict_cached() is not None:
             pass
         self.kv.quiesce()
@@ -128,13 +192,16 @@ class Engine:
             now = self.now()
             while i < len(pending) and pending[i].arrival <= now:
                 if concurrency is not None:
-                    if len(sched.waiting) + len(sched.running) >= concurrency:
+                    if len(sched.waiting) + len(sched.running) + self.awaiting() >= concurrency:
                         break
                     pending[i].arrival = now
                 self.arrive(pending[i])
                 sched.add(pending[i])
                 i += 1
             if not sched.waiting and not sched.running:
+                if self._pending is not None:   # the last tokens come in before time jumps
+                    self.collect()
+                    continue
                 if i < len(pending):
                     self._skip += pending[i].arrival - now
                 continue

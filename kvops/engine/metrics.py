@@ -5,8 +5,10 @@ requests with one output token left out; ITL = gaps between consecutive tokens, 
 requests; E2EL = last token - arrival. Each as mean, median, p90, p99 in milliseconds. Output
 throughput = output tokens / duration, duration from the trace's start to the last token.
 Per step: wall time, the control plane (scheduling, the frame commit, the table upload, the
-copy-on-write copies), running and waiting requests, reserved and used KV bytes, DMA groups
-(the transport's copy trains and the far view's summaries) and the sessions that moved pages;
+copy-on-write copies) and its part on the critical path (all of it, unless the engine's
+overlap ran the last step's device work under it), running and waiting requests, reserved
+and used KV bytes, DMA groups (the transport's copy trains and the far view's summaries) and
+the sessions that moved pages;
 for ``elastic`` the fidelity policy's BASE blocks, exposure, demotions, promotions and host time
 (:func:`fidelity_metrics`).
 
@@ -51,6 +53,8 @@ class StepRecord:
     kv_tokens: int = 0       # context the step's tokens attend to (sum of start + n)
     model_s: float = 0.0     # the step's modeled cost (kvops.engine.clock.StepCost)
     path: str = ""           # decode attention: native | span | general ("" without decodes)
+    control_exposed_s: float = 0.0  # schedule + commit on the critical path (0 when the last
+                                    # step's device work ran under them: engine overlap)
     # elastic: the fidelity policy after the step's commit
     base_blocks: int = 0     # BASE blocks mapped
     exposure: float = 0.0    # BASE blocks / live blocks
@@ -165,6 +169,8 @@ def summarize(requests: list[Request], steps: list[StepRecord], extra: dict | No
         "control_share": float(control.sum() / step_s.sum()) if step_s.sum() > 0 else 0.0,
         "commit_share": (float(sum(s.commit_s for s in steps) / step_s.sum())
                          if step_s.sum() > 0 else 0.0),
+        "control_exposed_share": (float(sum(s.control_exposed_s for s in steps) / step_s.sum())
+                                  if step_s.sum() > 0 else 0.0),
         "reserved_gib_mean": float(np.mean([s.reserved_bytes for s in steps]) / 2**30) if steps else 0.0,
         "reserved_gib_max": float(max((s.reserved_bytes for s in steps), default=0) / 2**30),
         "used_gib_mean": float(np.mean([s.used_bytes for s in steps]) / 2**30) if steps else 0.0,

@@ -89,6 +89,8 @@ class ReplaySettings:
     preemption: str = "newest"
     prefix_sharing: bool = True
     graphs: bool | None = None           # default: on CUDA
+    overlap: bool | None = None          # schedule and commit under the last step's device
+                                         # work (kvops.engine.engine); default: on CUDA
     device: str | None = None
     dtype: str | None = None
     seed: int = 0
@@ -251,9 +253,12 @@ def run(settings: ReplaySettings, progress: bool = True, tp=None, model=None) ->
         kv = make_kv(name, budget if tp is None else tp.kv_budget(budget), cfg, dtype, device,
                      prefix_sharing=settings.prefix_sharing,
                      fidelity=settings.fidelity if is_elastic(name) else None)
-        make = Engine if tp is None else tp.engine
-        engine = make(model, kv, decode_kind(name), sched, graphs=settings.graphs,
-                      clock=settings.clock, step_cost=step_cost)
+        if tp is None:
+            engine = Engine(model, kv, decode_kind(name), sched, graphs=settings.graphs,
+                            clock=settings.clock, step_cost=step_cost, overlap=settings.overlap)
+        else:                               # the ranks step in lockstep, synchronously
+            engine = tp.engine(model, kv, decode_kind(name), sched, graphs=settings.graphs,
+                               clock=settings.clock, step_cost=step_cost)
         engine.eff = (settings.eff_ttft_s, settings.eff_tbt_s)
         _warmup(engine, cfg.vocab_size, budget.max_context)
         reqs = _requests(settings, cfg.vocab_size, cfg.max_seq_len)

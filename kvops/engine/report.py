@@ -40,7 +40,7 @@ def markdown(result: dict) -> str:
             f"{s['max_num_batched_tokens']} tokens/step")
     cols = ["config", "done/refused", "out tok/s", "TTFT p50 / p99 ms", "TPOT p50 / p99 ms",
             "ITL p99 ms", "E2EL p50 ms", "reserved GiB (mean)", "DMA groups/step",
-            "groups/moving session", "train KiB", "commit ms p50", "control %",
+            "groups/moving session", "train KiB", "commit ms p50", "control % (exposed)",
             "preempt", "prefix hit tok", "captures (re-)"]
     lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for name, r in result["results"].items():
@@ -51,10 +51,17 @@ def markdown(result: dict) -> str:
             _f(r["itl_ms"]["p99"], 2), _f(r["e2el_ms"]["median"]),
             _f(r["reserved_gib_mean"], 3), _f(r["dma_groups_per_step"], 2),
             _f(r["dma_groups_per_moving_session"], 2), _f(r["mean_train_kib"]),
-            _f(r["commit_ms"]["median"], 3), _f(100 * r["control_share"], 2),
+            _f(r["commit_ms"]["median"], 3),
+            f"{_f(100 * r['control_share'], 2)} ({_f(100 * _exposed(r), 2)})",
             str(r["preemptions"]), str(r["prefix_hit_tokens"]),
             f"{r['warmup_captures']} ({r['recaptures']})"]) + " |")
     return "\n".join(lines) + goals(result)
+
+
+def _exposed(r: dict) -> float:
+    """The control plane's share of step time on the critical path (all of it in records
+    from before the engine's overlap)."""
+    return r.get("control_exposed_share", r["control_share"])
 
 
 def goals(result: dict) -> str:
@@ -87,9 +94,11 @@ def goals(result: dict) -> str:
     g, kib = k["dma_groups_per_moving_session"], k["mean_train_kib"]
     rows += [("kvrm DMA groups per moving session", _f(g, 2), "<= 2.1", "2.0", g <= 2.1),
              ("kvrm mean train KiB", _f(kib), ">= 110", "132", kib >= 110),
-             ("kvrm control plane share of step (schedule + commit; the commit alone)",
-              f"{_f(100 * k['control_share'], 2)} % ({_f(100 * k['commit_share'], 2)} %)", "< 2 %",
-              "< 1.9 % (submit + commit)", k["control_share"] < 0.02),
+             ("kvrm control plane share of step on the critical path (host time: schedule + "
+              "commit; the commit alone)",
+              f"{_f(100 * _exposed(k), 2)} % ({_f(100 * k['control_share'], 2)} %; "
+              f"{_f(100 * k['commit_share'], 2)} %)", "< 2 %", "< 1.9 % (submit + commit)",
+              _exposed(k) < 0.02),
              ("re-captures after warm-up (all configs)",
               str(sum(x["recaptures"] for x in r.values())), "0", "-",
               all(x["recaptures"] == 0 for x in r.values()))]

@@ -56,6 +56,45 @@ def bucket_of(rows: int, max_rows: int) -> int:
 DECODE_KINDS = ("paged", "elastic", "static", "arena")
 
 
+class Launched:
+    """A step whose device work is queued. Each part's next tokens (``(requests, rows,
+    tokens)``: the requests' rows of ``tokens``, or ``None`` for one a request in order) are
+    copied into pinned host memory behind the step's work on CUDA, so :meth:`ready` asks
+    without waiting, :meth:`collect` waits for this step only, and a captured graph's output
+    may be overwritten by the next replay."""
+
+    __slots__ = ("_parts", "_event", "_tokens")
+
+    def __init__(self, device: torch.device, parts: list):
+        self._tokens = self._event = None
+        if device.type == "cuda":
+            kept = []
+            for reqs, rows, toks in parts:
+                host = torch.empty(toks.shape, dtype=toks.dtype, pin_memory=True)
+                host.copy_(toks, non_blocking=True)
+                kept.append((reqs, rows, host))
+            parts = kept
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._parts = parts
+
+    def ready(self) -> bool:
+        """Whether the step's device work is done (always, on the CPU)."""
+        return self._event is None or self._event.query()
+
+    def collect(self) -> dict:
+        """``{request: next token}``; waits for this step's work (CUDA)."""
+        if self._tokens is None:
+            if self._event is not None:
+                self._event.synchronize()
+            out = {}
+            for reqs, rows, toks in self._parts:
+                vals = toks.tolist()
+                out.update(zip(reqs, vals if rows is None else [vals[i] for i in rows]))
+            self._tokens = out
+        return self._tokens
+
+
 class ModelRunner:
     """Runs steps of ``model`` on ``kv`` with decode attention ``decode`` (``paged``,
     ``elastic``, ``static`` or ``arena``); ``graphs`` captures decode buckets (CUDA only)."""
@@ -107,29 +146,48 @@ class ModelRunner:
         return pos, pool, arena
 
     # -- the step ---------------------------------------------------------------------------------
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        """A host array on the device without a sync: on CUDA through pinned memory, copied
+        asynchronously (the caching host allocator keeps the pinned block until the copy
+        is done), so a step's launches never wait for the GPU."""
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
     @torch.no_grad()
-    def run(self, items: list) -> dict:
-        """Compute ``items`` ``(request, start, n)``; returns ``{request: next token}`` for
-        the requests whose tokens reach the end of what they have."""
+    def launch(self, items: list) -> Launched:
+        """Queue the step's device work for ``items`` ``(request, start, n)``; returns the
+        :class:`Launched` step, whose :meth:`Launched.collect` gives the next tokens. On CUDA
+        nothing here waits for the GPU (inputs go up asynchronously, next tokens come back
+        into pinned memory), except a far-view utility pull (``kvrm``, every
+        ``rerank_every`` steps), which syncs. On the CPU the work is done when this returns."""
         kv = self.kv
         self.last_path = ""
         if self.write_arena and kv.trains_due():     # skipped when nothing moves
             self._transfer(self._gather_graph, self._gather)
         prefill = [it for it in items if it[2] > 1]
         decode = [it for it in items if it[2] == 1]
-        out = self._prefill(prefill) if prefill else {}
+        parts = []
+        if prefill:
+            parts.append(self._prefill(prefill))
         if kv.far is not None and kv.far.summaries_due:     # skipped when none is due
             self._transfer(self._absorb_graph, self._absorb)
         if decode:
-            out.update(self._decode(decode))
+            parts.append(self._decode(decode))
         if kv.far is not None:
             self.steps += 1
             if self.steps % kv.far_rerank == 0:    # the next commit re-ranks (a device sync)
                 kv.far.pull_scores()
-        return out
+        return Launched(self.device, [p for p in parts if p[0]])
 
-    def _prefill(self, items: list) -> dict:
-        kv, dev = self.kv, self.device
+    def run(self, items: list) -> dict:
+        """Compute ``items`` ``(request, start, n)``; returns ``{request: next token}`` for
+        the requests whose tokens reach the end of what they have."""
+        return self.launch(items).collect()
+
+    def _prefill(self, items: list) -> tuple[list, None, torch.Tensor | None]:
+        kv = self.kv
         if self.decode == "elastic":            # paged_prefill_attention reads TARGET only
             for req, _, _ in items:
                 first, end = kv.fidelity.span(req.key)
@@ -147,14 +205,19 @@ class ModelRunner:
             qs.append(qs[-1] + n)
             lens.append(start + n)
             slots.append(kv.slot(req))
-        tokens = torch.tensor(np.concatenate(toks), dtype=torch.int64, device=dev)
-        positions = torch.from_numpy(np.concatenate(poss)).to(dev)
-        pool_map = torch.from_numpy(np.concatenate(pools)).to(dev)
-        arena_map = torch.from_numpy(np.concatenate(arenas)).to(dev)
+        done = [it[0] for it in items if it[1] + it[2] == it[0].num_tokens]
+        last = [qs[j + 1] - 1 for j, (req, start, n) in enumerate(items)
+                if start + n == req.num_tokens]
+        up = self._to_device
+        tokens = up(np.concatenate(toks).astype(np.int64, copy=False))
+        positions = up(np.concatenate(poss))
+        pool_map = up(np.concatenate(pools))
+        arena_map = up(np.concatenate(arenas))
         t = kv.tables()
-        bt = t["block_table"].index_select(0, torch.tensor(slots, device=dev))
-        q_start = torch.tensor(qs, dtype=torch.int32, device=dev)
-        seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+        bt = t["block_table"].index_select(0, up(np.asarray(slots, dtype=np.int64)))
+        q_start = up(np.asarray(qs, dtype=np.int32))
+        seq_lens = up(np.asarray(lens, dtype=np.int32))
+        last_rows = up(np.asarray(last, dtype=np.int64)) if done else None
 
         def attend(i, q, k, v):
             torch.ops.kvops.paged_kv_write(k, v, kv.k_pool[i], kv.v_pool[i], pool_map)
@@ -166,13 +229,9 @@ class ModelRunner:
             return o
 
         hidden = forward_packed(self.model, tokens, positions, attend)
-        last = [qs[j + 1] - 1 for j, (req, start, n) in enumerate(items)
-                if start + n == req.num_tokens]
-        done = [it[0] for it in items if it[1] + it[2] == it[0].num_tokens]
         if not done:
-            return {}
-        nxt = logits(self.model, hidden[torch.tensor(last, device=dev)]).argmax(-1).tolist()
-        return dict(zip(done, nxt))
+            return [], None, None
+        return done, None, logits(self.model, hidden[last_rows]).argmax(-1)
 
     def _decode_forward(self, bk: int) -> torch.Tensor:
         """The fixed-shape decode step over rows ``[0, bk)`` (row = KV slot): next tokens.
@@ -232,7 +291,7 @@ class ModelRunner:
         hidden = forward_packed(self.model, self._tok[:bk], pos, attend)
         return logits(self.model, hidden).argmax(-1)
 
-    def _decode(self, items: list) -> dict:
+    def _decode(self, items: list) -> tuple[list, list, torch.Tensor]:
         kv = self.kv
         slots = [kv.slot(req) for req, _, _ in items]
         bk = bucket_of(max(slots) + 1, self.rows)
@@ -241,7 +300,7 @@ class ModelRunner:
         host[1] = -1
         host[0, slots] = [req.token(start) for req, start, _ in items]
         host[1, slots] = [start for _, start, _ in items]
-        dev = torch.from_numpy(host).to(self.device)
+        dev = self._to_device(host)
         self._tok[:bk].copy_(dev[0])
         self._pos[:bk].copy_(dev[1])
         nxt = self._replay(bk) if self.graphs else self._decode_forward(bk)
@@ -249,8 +308,7 @@ class ModelRunner:
             self.last_path = "native" if self.decode != "elastic" else (
                 "general" if getattr(self.kv, "general", False) else "span")
         self.paths[self.last_path] += 1
-        nxt = nxt.tolist()
-        return {req: nxt[s] for (req, _, _), s in zip(items, slots)}
+        return [req for req, _, _ in items], slots, nxt
 
     def _absorb(self) -> None:
         kv = self.kv
