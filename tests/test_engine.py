@@ -135,6 +135,17 @@ def test_kvrm_gives_far_pages_back_once_summarized(model):
     assert kv_k.free_pages() == kv_k.total_pages and kv_m.free_pages() == kv_m.total_pages
 
 
+def test_kvrm_sessions_keep_serving_their_prefix_after_far_trims(model):
+    # later arrivals find earlier sessions already trimmed: a session keeps the blocks of its
+    # hash chains, so kvrm hits every prefix pager+merge hits, and still maps less
+    rows = [TraceRow(0.05 * i, 900 + 40 * i, 300, (1, 2, 3 + i)) for i in range(8)]
+    kw = dict(window=32, max_context=192, clock="model")
+    (_, _, m), (_, kv, k) = (serve(model, rows, c, **kw) for c in ("pager+merge", "kvrm"))
+    assert k["prefix_hit_tokens"] == m["prefix_hit_tokens"] > 0
+    assert k["reserved_gib_mean"] < m["reserved_gib_mean"]
+    assert kv.free_pages() == kv.total_pages
+
+
 def serve_on_cuda(rows, config, graphs, *, window=32, max_context=192, clock="wall"):
     """``rows`` served by ``config`` on CUDA with the tests' tiny model, decode steps captured
     or eager; with graphs the copy-train and absorb graphs count their replays."""
@@ -430,9 +441,10 @@ def test_kvrm_with_shared_prefixes_and_far_trims(model):
 
 def test_kvrm_trims_every_decoding_requests_summarized_far_blocks(model, monkeypatch):
     # after each commit, a decoding request (not an alias source of that step) has given back
-    # exactly the blocks of its leading summarized chunks as they stood before the commit, and
-    # a request still in prefill none of them: the per-slot candidates agree with checking
-    # every request
+    # exactly the blocks of its leading summarized chunks as they stood before the commit,
+    # but for those of its registered hash chains (the prefix it serves), which stay mapped,
+    # and a request still in prefill none of them: the per-slot candidates agree with
+    # checking every request
     from kvops.engine.kv import PagedKV
     from kvops.engine.request import Status
 
@@ -449,20 +461,24 @@ def test_kvrm_trims_every_decoding_requests_summarized_far_blocks(model, monkeyp
             lead = self.far.leading_summarized(self.pager.slot(key)) * self.far.M
             had = self._far_trimmed.get(key, 0)
             decoding = req.num_computed >= len(req.prompt) and key not in keep
-            want[key] = max(lead, had) if decoding else had
+            pb = self._prefix_blocks(req)
+            want[key] = (pb, max(lead, had) if decoding and lead > pb else had)
         out = commit(self, admits, grows)
-        for key, n in want.items():
+        for key, (pb, n) in want.items():
             if key in self.pager.sessions():
+                pages = self.pager.pages(key)
                 assert self._far_trimmed.get(key, 0) == n, key
-                assert all(p < 0 for p in self.pager.pages(key)[:n]), key
-                checked.append(n)
+                assert all(p < 0 for p in pages[pb:n]), key
+                assert all(p >= 0 for p in pages[:pb]), key
+                checked.append((pb, n))
         return out
 
     monkeypatch.setattr(PagedKV, "commit_step", checking)
     rows = [TraceRow(0.05 * i, 900 + 40 * i, 300, (1, 2, 3 + i)) for i in range(8)]
     reqs, kv, m = serve(model, rows, "kvrm", window=32, max_context=192, clock="model")
     assert m["finished"] == 8 and kv.free_pages() == kv.total_pages
-    assert max(checked) > 0                       # far blocks did go back
+    assert max(n - pb for pb, n in checked) > 0   # far blocks did go back
+    assert max(pb for pb, n in checked if n) > 0  # and prefixes stayed while others did
 
 
 def test_bare_kvops_runs_the_replay_then_one_pressure_comparison(monkeypatch, tmp_path):

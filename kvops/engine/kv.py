@@ -195,8 +195,13 @@ class PagedKV:
             src, hit = holders[-1], end
         return src, hit
 
+    def _prefix_blocks(self, req: Request) -> int:
+        """Leading blocks of ``req``'s session that its registered hash chains cover."""
+        chains = self._chains.get(req.key)
+        return _blocks(len(chains) * req.hash_block, self.S) if chains else 0
+
     def _register(self, req: Request) -> None:
-        if req.key in self._far_trimmed:
+        if req.key in self._far_trimmed:      # no chain over blocks a far trim gave back
             return
         key, have = req.key, self._chains.setdefault(req.key, [])
         full = min(req.num_computed, len(req.prompt)) // req.hash_block
@@ -219,9 +224,8 @@ class PagedKV:
         preempted; its trim goes into the next frame."""
         key = req.key
         if keep_prefix and self.prefix_sharing and self._chains.get(key):
-            n_keep = len(self._chains[key]) * req.hash_block
             nb = _blocks(self.pager.length(key), self.S)
-            cold = list(range(_blocks(n_keep, self.S), nb))
+            cold = list(range(max(self._prefix_blocks(req), self._far_trimmed.pop(key, 0)), nb))
             if cold:
                 self._ends.append((key, cold))
             self._cached[key] = None
@@ -294,9 +298,11 @@ class PagedKV:
         """The frame committed (and its copy-on-write copies ran)."""
     def _trim_far(self, keep: set) -> None:
         """``kvrm``'s bounded budget: once a decoding request's leading far chunks are
-        summarized (absorbed in an earlier step), their blocks go back. A request still in
-        prefill keeps them (its prefill attends to the whole prefix); a request with trimmed
-        blocks serves no prefix. The candidates are the slots whose summarized lead passed
+        summarized (absorbed in an earlier step), their blocks go back, except those of its
+        registered hash chains (a prefix it serves to later admissions, usually mapped by the
+        sessions that aliased it too, so trimming it would free little and end the sharing).
+        A request still in prefill keeps them (its prefill attends to the whole prefix). The
+        candidates are the slots whose summarized lead passed
         what was trimmed (one array comparison), looked at only when the far view adopted a
         commit that moved the summarized lead (``lead_epoch``) or a candidate was held back at
         the last look: a decode step in which no chunk was summarized does nothing."""
@@ -312,10 +318,11 @@ class PagedKV:
                 waiting = True
                 continue
             have, now = int(self._trim_at[slot]), int(lead[slot]) * M
-            self._ends.append((req.key, list(range(have, now))))
-            self._far_trimmed[req.key] = now
+            first = max(have, self._prefix_blocks(req))
+            if first < now:
+                self._ends.append((req.key, list(range(first, now))))
+                self._far_trimmed[req.key] = now
             self._trim_at[slot] = now
-            self._drop_chains(req.key)
         self._trim_waiting = waiting
 
     def after_step(self, reqs: list[Request]) -> None:
@@ -394,7 +401,6 @@ class StaticKV:
         self._free = list(range(slots - 1, -1, -1))
         self._slot: dict[str, int] = {}
         self._len = np.zeros(slots, dtype=np.int32)
-        self._host = np.zeros((2, slots), dtype=np.int32)       # seq_lens, win_start (zeros)
         bt = np.arange(slots * self.max_blocks, dtype=np.int32).reshape(slots, self.max_blocks)
         self._tables = {"block_table": torch.from_numpy(bt).to(device),
                         "seq_lens": torch.zeros(slots, dtype=torch.int32, device=device),
@@ -456,7 +462,10 @@ class StaticKV:
             self._len[slot] = n
         for req, n in grows:
             self._len[self._slot[req.key]] += n
-        self._tables["seq_lens"].copy_(torch.from_numpy(self._len))
+        up = torch.from_numpy(self._len)
+        if self.device.type == "cuda":      # pinned, so the upload never waits for the GPU
+            up = up.pin_memory()            # (the caching host allocator keeps the block
+        self._tables["seq_lens"].copy_(up, non_blocking=True)   # until the copy is done)
         return None
 
     def after_step(self, reqs) -> None:
