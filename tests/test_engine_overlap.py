@@ -123,6 +123,20 @@ def test_a_closed_loop_client_sends_after_its_last_token_is_collected(models):
         assert live <= conc, (r.rid, live)
 
 
+def test_a_closed_loop_on_the_modeled_clock_is_the_synchronous_one(models):
+    """The modeled clock has no overlap: a client sends its next request at the modeled time
+    of its last token's step under either engine, so arrivals, tokens and their modeled times
+    are the synchronous engine's."""
+    model = models[torch.float32]
+    runs = []
+    for overlap in (False, True):
+        eng = engine_for(model, "paged", torch.float32, pages=256, overlap=overlap)
+        reqs = [Request(i, 0.0, list(range(1 + i, 41 + i)), 6 + 3 * (i % 4)) for i in range(12)]
+        eng.replay(reqs, concurrency=3)
+        runs.append([(r.arrival, r.output, r.token_model, r.token_steps) for r in reqs])
+    assert runs[1] == runs[0]
+
+
 def test_overlap_is_checked():
     with pytest.raises(ValueError, match="overlap: expected a bool"):
         engine_for(random_llama(CFG, dtype=torch.float32), "paged", torch.float32, pages=64,

@@ -16,7 +16,9 @@ before the next launch, which reads them. Every queue on the device is the curre
 the next commit's table upload and copies run after the step that reads the old tables. Steps
 whose requests may stop on EOS (``ignore_eos=False``), where the end depends on the value,
 collect at once. Without ``overlap`` each step collects its own tokens (the order of a
-synchronous engine); the tokens are the same either way. ``StepRecord.control_exposed_s``
+synchronous engine); the tokens are the same either way, and so is every modeled and step
+time (a closed loop on the wall clock sends a client's next request once its last token is
+collected, one step later than a synchronous engine would). ``StepRecord.control_exposed_s``
 is the control plane's time on the critical path: all of it unless the previous step's device
 work was still running when the commit ended (then none).
 
@@ -165,9 +167,14 @@ class Engine:
                 req.finish_time = t
 
     def awaiting(self) -> int:
-        """Requests that have ended whose last token the host has not collected (overlap)."""
+        """Requests that have ended whose last token the host has not collected (overlap), on
+        the wall clock: a closed-loop client sends its next request once it has that token.
+        On the modeled clock the token's time is its step's, so a client may send then, as
+        it would from a synchronous engine (the modeled clock has no overlap)."""
         pend = self._pending
-        return 0 if pend is None else sum(r.status is Status.FINISHED for r, _ in pend.produced)
+        if pend is None or self.clock == "model":
+            return 0
+        return sum(r.status is Status.FINISHED for r, _ in pend.produced)
 
     def drain(self) -> None:
         """Collect the last step's tokens, end every cached prefix and commit, so the pool is
