@@ -20,7 +20,8 @@ synchronous engine); the tokens are the same either way, and so is every modeled
 time (a closed loop on the wall clock sends a client's next request once its last token is
 collected, one step later than a synchronous engine would). ``StepRecord.control_exposed_s``
 is the control plane's time on the critical path: all of it unless the previous step's device
-work was still running when the commit ended (then none).
+work was still running when the commit ended (then none); an upper bound, since the GPU may go
+idle partway through the control plane.
 
 The driving clock (``clock``) is wall time since the replay started (``"wall"``) or modeled
 time (``"model"``: the sum of :class:`~kvops.engine.clock.StepCost` over the steps so far,
