@@ -7,9 +7,12 @@ import pytest
 from bench.engine_steps import decode_groups, report
 
 
-def step(decodes, tokens, step_ms, commit_ms=0.1):
-    return dict(decodes=decodes, tokens=tokens, step_s=step_ms / 1e3, schedule_s=1e-5,
-                commit_s=commit_ms / 1e3)
+def step(decodes, tokens, step_ms, commit_ms=0.1, device_ms=None):
+    got = dict(decodes=decodes, tokens=tokens, step_s=step_ms / 1e3, schedule_s=1e-5,
+               commit_s=commit_ms / 1e3)
+    if device_ms is not None:       # records from CUDA replays time the device
+        got.update(device_s=device_ms / 1e3, idle_s=0.25e-3)
+    return got
 
 
 def test_groups_take_only_decode_steps_and_their_medians():
@@ -23,11 +26,11 @@ def test_groups_take_only_decode_steps_and_their_medians():
 
 def test_report_compares_against_the_reference_at_the_same_group():
     result = {"steps": {"paged": [step(4, 4, 10.0)],
-                        "kvrm": [step(4, 4, 11.0), step(40, 40, 20.0)]}}
+                        "kvrm": [step(4, 4, 11.0, device_ms=9.5), step(40, 40, 20.0)]}}
     rows = [[c.strip() for c in line.strip("|").split("|")]
             for line in report(result, "paged").splitlines() if line.startswith("|")]
     kvrm = {r[1]: r for r in rows if r[0] == "kvrm"}
-    assert kvrm["1-8"][6:] == ["1.000", "1.100"]      # 1 ms dearer than paged, 1.1x
-    assert kvrm["33-64"][6:] == ["", ""]               # paged has no step there
+    assert kvrm["1-8"][6:] == ["9.500", "0.250", "1.000", "1.100"]  # device, idle; 1 ms and
+    assert kvrm["33-64"][6:] == ["0.000", "0.000", "", ""]           # 1.1x paged; none there
     with pytest.raises(ValueError, match="--ref"):
         report(result, "static")

@@ -143,13 +143,22 @@ def test_overlap_is_checked():
                    overlap="yes")
 
 
+def spun(part):
+    """``part`` with about 10 ms of GPU time queued ahead of its own work."""
+    def slow(items):
+        torch.cuda._sleep(20_000_000)
+        return part(items)
+    return slow
+
+
 @requires_cuda
 @pytest.mark.parametrize("config", ["kvrm", "paged"])
 def test_cuda_overlap_decodes_as_the_synchronous_engine_and_hides_control(config):
     """On CUDA with captured decode steps: the same tokens as the synchronous engine, and,
     with each step's device work made longer than the host's (a spin kernel ahead of it),
-    the control plane of most steps runs while the previous step is still on the GPU; the
-    synchronous engine exposes all of it."""
+    the control plane of most steps runs while the previous step is still on the GPU (the
+    synchronous engine exposes all of it) and the device idles less between steps; every
+    step's device time is recorded."""
     dev = torch.device("cuda")
     model = random_llama(CFG, dtype=torch.float32, std=0.5, device=dev)
     rows = [TraceRow(0.002 * i, 560 + 40 * i, 320, (1, 2 + i % 2) if i % 3 else ())
@@ -159,18 +168,17 @@ def test_cuda_overlap_decodes_as_the_synchronous_engine_and_hides_control(config
         eng = engine_for(model, config, torch.float32, pages=256, overlap=overlap, device="cuda",
                          window=32, graphs=True)
         eng.runner.capture_transfers()
-        real = eng.runner.launch
-
-        def slow_launch(items, real=real):
-            torch.cuda._sleep(20_000_000)       # about 10 ms of GPU time ahead of the step
-            return real(items)
-
-        eng.runner.launch = slow_launch
+        runner = eng.runner
+        for name in ("_prefill", "_decode"):   # about 10 ms of GPU time inside each part
+            setattr(runner, name, spun(getattr(runner, name)))
         reqs = build_requests(rows, CFG.vocab_size, length_scale=0.125)
         m = eng.replay(reqs)
         outs.append([r.output for r in reqs])
-        shares.append((m["control_exposed_share"], m["control_share"]))
+        shares.append((m["control_exposed_share"], m["control_share"], m["device_idle_share"]))
         assert eng.kv.free_pages() == eng.kv.total_pages
+        # every step is timed on the device: the spin and the step's own work
+        assert m["device_ms"]["n"] == len(eng.steps) and m["device_ms"]["median"] > 5
     assert outs[1] == outs[0] and all(len(o) == 40 for o in outs[1])
     assert shares[0][0] == pytest.approx(shares[0][1])
     assert shares[1][0] < 0.5 * shares[1][1]
+    assert shares[1][2] < shares[0][2]          # the device waits less between steps

@@ -68,6 +68,7 @@ class Engine:
             raise ValueError(f"overlap: expected a bool or None, got {overlap!r}")
         self.overlap = overlap
         self._pending: _Pending | None = None
+        self._timed: list[tuple[StepRecord, object, object]] = []   # (record, start, end)
         self.steps: list[StepRecord] = []
         self._t0 = time.perf_counter()
         self._skip = 0.0
@@ -143,7 +144,25 @@ class Engine:
             moving_sessions=d["sessions"], train_bytes=d["bytes"], far_groups=d["far_groups"],
             preempted=len(plan.preempted), **el)
         self.steps.append(rec)
+        if launched is not None:
+            start, end = launched.events()
+            if start is not None:
+                self._timed.append((rec, start, end))
         return rec
+
+    def settle_timings(self) -> None:
+        """Fill ``device_s`` (the step's device work, first kernel to its tokens back) and
+        ``idle_s`` (the device's idle time before it, since the previous timed step) of the
+        steps timed so far, from their CUDA events; waits for the device. CPU steps keep 0."""
+        if not self._timed:
+            return
+        self._timed[-1][2].synchronize()
+        prev = None
+        for rec, start, end in self._timed:
+            rec.device_s = start.elapsed_time(end) / 1e3
+            rec.idle_s = max(prev.elapsed_time(start) / 1e3, 0.0) if prev is not None else 0.0
+            prev = end
+        self._timed = []
 
     def collect(self) -> None:
         """Read the launched step's tokens into its requests' outputs and stamp them (the
@@ -181,6 +200,7 @@ class Engine:
         """Collect the last step's tokens, end every cached prefix and commit, so the pool is
         as it started."""
         self.collect()
+        self.settle_timings()
         while self.kv.evict_cached() is not None:
             pass
         self.kv.quiesce()

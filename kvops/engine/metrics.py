@@ -55,6 +55,8 @@ class StepRecord:
     path: str = ""           # decode attention: native | span | general ("" without decodes)
     control_exposed_s: float = 0.0  # schedule + commit on the critical path (0 when the last
                                     # step's device work ran under them: engine overlap)
+    device_s: float = 0.0    # CUDA: the step's device work, first kernel to tokens back
+    idle_s: float = 0.0      # CUDA: the device's idle time before it (since the last step)
     # elastic: the fidelity policy after the step's commit
     base_blocks: int = 0     # BASE blocks mapped
     exposure: float = 0.0    # BASE blocks / live blocks
@@ -171,6 +173,8 @@ def summarize(requests: list[Request], steps: list[StepRecord], extra: dict | No
                          if step_s.sum() > 0 else 0.0),
         "control_exposed_share": (float(sum(s.control_exposed_s for s in steps) / step_s.sum())
                                   if step_s.sum() > 0 else 0.0),
+        "device_ms": _stats([s.device_s for s in steps if s.device_s]),
+        "device_idle_share": _idle_share(steps),
         "reserved_gib_mean": float(np.mean([s.reserved_bytes for s in steps]) / 2**30) if steps else 0.0,
         "reserved_gib_max": float(max((s.reserved_bytes for s in steps), default=0) / 2**30),
         "used_gib_mean": float(np.mean([s.used_bytes for s in steps]) / 2**30) if steps else 0.0,
@@ -190,6 +194,14 @@ def summarize(requests: list[Request], steps: list[StepRecord], extra: dict | No
     }
     res.update(extra or {})
     return res
+
+
+def _idle_share(steps: list[StepRecord]) -> float:
+    """The device's idle time between steps as a share of its busy and idle time (CUDA
+    steps; 0 without any)."""
+    busy = sum(s.device_s for s in steps)
+    idle = sum(s.idle_s for s in steps)
+    return idle / (busy + idle) if busy > 0 else 0.0
 
 
 def fidelity_metrics(steps: list[StepRecord]) -> dict:

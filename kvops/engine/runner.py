@@ -61,12 +61,14 @@ class Launched:
     tokens)``: the requests' rows of ``tokens``, or ``None`` for one a request in order) are
     copied into pinned host memory behind the step's work on CUDA, so :meth:`ready` asks
     without waiting, :meth:`collect` waits for this step only, and a captured graph's output
-    may be overwritten by the next replay."""
+    may be overwritten by the next replay. ``start`` is a timing event recorded before the
+    step's first device work (CUDA), so that :meth:`events` time the step."""
 
-    __slots__ = ("_parts", "_event", "_tokens")
+    __slots__ = ("_parts", "_event", "_tokens", "start")
 
-    def __init__(self, device: torch.device, parts: list):
+    def __init__(self, device: torch.device, parts: list, start=None):
         self._tokens = self._event = None
+        self.start = start
         if device.type == "cuda":
             kept = []
             for reqs, rows, toks in parts:
@@ -74,9 +76,14 @@ class Launched:
                 host.copy_(toks, non_blocking=True)
                 kept.append((reqs, rows, host))
             parts = kept
-            self._event = torch.cuda.Event()
+            self._event = torch.cuda.Event(enable_timing=start is not None)
             self._event.record()
         self._parts = parts
+
+    def events(self) -> tuple:
+        """``(start, end)``: timing events around the step's device work (CUDA; ``end`` after
+        its tokens are copied back), or ``(None, None)`` on the CPU."""
+        return (self.start, self._event) if self.start is not None else (None, None)
 
     def ready(self) -> bool:
         """Whether the step's device work is done (always, on the CPU)."""
@@ -164,6 +171,10 @@ class ModelRunner:
         ``rerank_every`` steps), which syncs. On the CPU the work is done when this returns."""
         kv = self.kv
         self.last_path = ""
+        start = None
+        if self.device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
         if self.write_arena and kv.trains_due():     # skipped when nothing moves
             self._transfer(self._gather_graph, self._gather)
         prefill = [it for it in items if it[2] > 1]
@@ -179,7 +190,7 @@ class ModelRunner:
             self.steps += 1
             if self.steps % kv.far_rerank == 0:    # the next commit re-ranks (a device sync)
                 kv.far.pull_scores()
-        return Launched(self.device, [p for p in parts if p[0]])
+        return Launched(self.device, [p for p in parts if p[0]], start)
 
     def run(self, items: list) -> dict:
         """Compute ``items`` ``(request, start, n)``; returns ``{request: next token}`` for
