@@ -311,6 +311,23 @@ def test_a_prefix_aliased_in_a_step_is_not_evicted_for_a_later_admission():
     assert kv.free_pages() == kv.total_pages
 
 
+def test_cached_prefixes_give_their_slots_to_one_steps_admissions(model):
+    """Four finished requests leave four cached prefixes in all four session slots; three new
+    requests arriving together take slots from the least recently used ones and are admitted
+    in one step (a slot a frame frees is reusable in that frame), not one a step; the first
+    of them aliases the least recently used prefix, which the evictions pass over."""
+    rows = ([TraceRow(0.0, 800, 24, (10 + i,)) for i in range(4)]
+            + [TraceRow(100.0, 800, 24, (10, 30))]
+            + [TraceRow(100.0, 800, 24, (20 + i,)) for i in range(2)])
+    sched = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=4, long_prefill_tokens=256)
+    reqs, kv, m, eng = serve(model, rows, max_seqs=4, sched=sched, clock="model", engine=True)
+    assert m["finished"] == 7 and kv.free_pages() == kv.total_pages
+    later = reqs[4:]
+    assert len({r.token_steps[0] for r in later}) == 1
+    assert all(r.token_steps[0] - r.arrival_step == 1 for r in later)
+    assert later[0].prefix_hit == later[0].hash_block > 0
+
+
 def test_a_request_that_can_never_fit_is_refused_and_the_rest_finish(model):
     rows = burst(4) + [TraceRow(0.002, 8000, 80)]           # 1000 + 10 tokens > context 192
     reqs, kv, m = serve(model, rows)

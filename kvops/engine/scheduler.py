@@ -6,7 +6,9 @@ last; no chunk is longer than ``long_prefill_tokens``. A running request whose g
 few free pages first ends cached prefixes, then preempts by the policy (recompute: its cache
 is dropped and it goes back to the head of the queue), and waits a step for the pages, which
 the pager returns at the commit; no waiting request is admitted in such a step. Admission
-stops at the first waiting request that does not fit (no overtaking). A request whose
+stops at the first waiting request that does not fit (no overtaking). When every session slot
+is taken, cached prefixes are ended, least recently used first, one for each admission: a slot
+a frame frees is reusable in that frame (their pages come back at the commit). A request whose
 context can never fit is refused when it arrives.
 
 KV managers change three things: ``reclaimable`` pages (``elastic``: pairs demotion can free
@@ -136,10 +138,14 @@ class Scheduler:
         while (self.waiting and not starved and budget > 0
                and len(self.running) < cfg.max_num_seqs):
             req = self.waiting[0]
-            if slots < 1:
-                kv.evict_cached()
-                break
             src, hit = kv.prefix_lookup(req)
+            if slots < 1:                          # a cached prefix gives its session slot
+                if hit:                            # back in this step's frame (its pages at
+                    kv.hold_prefix(src)            # the commit), not the one req aliases
+                if kv.evict_cached() is None:
+                    break
+                slots += 1
+                continue
             n = min(req.num_tokens - hit, budget, cfg.long_prefill_tokens)
             need = kv.pages_for(req, n, hit)
             own = kv.admission_margin([req], computed=hit + n)
