@@ -328,6 +328,27 @@ def test_cached_prefixes_give_their_slots_to_one_steps_admissions(model):
     assert later[0].prefix_hit == later[0].hash_block > 0
 
 
+def test_one_slot_held_by_the_prefix_an_admission_would_alias_gives_way(model):
+    """One session slot, held by the cached prefix the next request shares: the prefix is
+    ended (the request runs without its hit) rather than held forever with nothing running."""
+    rows = [TraceRow(0.0, 800, 24, (10,)), TraceRow(100.0, 800, 24, (10, 30))]
+    reqs = build_requests(rows, CFG.vocab_size, length_scale=0.125)
+    tok = 2 * CFG.n_layers * CFG.n_kv_heads * CFG.head_dim * 4
+    kv = make_kv("paged", KVBudget(bytes=4096 * tok, max_seqs=1, max_context=192), CFG,
+                 torch.float32, torch.device("cpu"))
+    eng = Engine(model, kv, "paged", SchedulerConfig(512, 1, 256), clock="model")
+    step = eng.step
+
+    def bounded():
+        assert len(eng.steps) < 200, "the replay does not end"
+        return step()
+
+    eng.step = bounded
+    m = eng.replay(reqs)
+    assert m["finished"] == 2 and reqs[1].prefix_hit == 0
+    assert kv.free_pages() == kv.total_pages
+
+
 def test_a_request_that_can_never_fit_is_refused_and_the_rest_finish(model):
     rows = burst(4) + [TraceRow(0.002, 8000, 80)]           # 1000 + 10 tokens > context 192
     reqs, kv, m = serve(model, rows)

@@ -39,7 +39,8 @@ class PagedKV:
     the utilities, which the host ranks at the next commit; 1 by default)."""
 
     kind = "paged"
-    tp_edits = ("hold_prefix",)      # editing calls beyond the engine's own (distributed.KVLog)
+    # editing calls beyond the engine's own (distributed.KVLog)
+    tp_edits = ("hold_prefix", "release_prefix")
 
     def __init__(self, *, num_pages: int, page_size: int, max_sessions: int, max_blocks: int,
                  layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -164,6 +165,10 @@ class PagedKV:
         aliases it, and the commit runs trims before aliases, so evicting it now would end the
         session the alias reads."""
         self._held.add(key)
+
+    def release_prefix(self, key: str) -> None:
+        """Undo :meth:`hold_prefix` for ``key`` (no admission of this step aliases it)."""
+        self._held.discard(key)
 
     def evict_cached(self) -> int | None:
         """End the least recently used cached prefix that no admission of this step aliases

@@ -8,7 +8,8 @@ is dropped and it goes back to the head of the queue), and waits a step for the 
 the pager returns at the commit; no waiting request is admitted in such a step. Admission
 stops at the first waiting request that does not fit (no overtaking). When every session slot
 is taken, cached prefixes are ended, least recently used first, one for each admission: a slot
-a frame frees is reusable in that frame (their pages come back at the commit). A request whose
+a frame frees is reusable in that frame (their pages come back at the commit). The prefix an
+admission would alias goes last (it then runs without the hit). A request whose
 context can never fit is refused when it arrives.
 
 KV managers change three things: ``reclaimable`` pages (``elastic``: pairs demotion can free
@@ -135,16 +136,23 @@ class Scheduler:
         # what every running request still needs at BASE cost (kv.admission_margin; zero for
         # the others), so that growth does not preempt later
         margin = kv.admission_margin(self.running)
+        aliased: set = set()                       # prefixes this step's admissions alias
         while (self.waiting and not starved and budget > 0
                and len(self.running) < cfg.max_num_seqs):
             req = self.waiting[0]
             src, hit = kv.prefix_lookup(req)
             if slots < 1:                          # a cached prefix gives its session slot
-                if hit:                            # back in this step's frame (its pages at
-                    kv.hold_prefix(src)            # the commit), not the one req aliases
-                if kv.evict_cached() is None:
+                mine = hit and src not in aliased  # back in this step's frame (its pages at
+                if mine:                           # the commit), not the one req aliases
+                    kv.hold_prefix(src)
+                got = kv.evict_cached()
+                if got is None and mine:           # unless that is the only one: req goes
+                    kv.release_prefix(src)         # without its hit
+                    got = kv.evict_cached()
+                if got is None:
                     break
                 slots += 1
+                coming += got
                 continue
             n = min(req.num_tokens - hit, budget, cfg.long_prefill_tokens)
             need = kv.pages_for(req, n, hit)
@@ -170,6 +178,7 @@ class Scheduler:
             plan.admits.append((req, src, hit, n))
             if hit:                                # a later admission must not evict it
                 kv.hold_prefix(src)
+                aliased.add(src)
         return plan
 
     def finish(self, req: Request) -> None:
