@@ -4,8 +4,8 @@ steps cost more than another's.
 Reads the ``replay.json`` that ``kvops replay`` writes and, for each configuration, takes the
 steps that only decode (every computed token a decode) and groups them by the number of
 decoding requests (1-8, 9-16, 17-32, 33-64, 65+): median wall time of the step, of its
-scheduling and of its frame commit, of its device work and of the device's idle time before
-it (CUDA replays; 0 elsewhere), and the steps' count; then the same medians against a
+scheduling and of its frame commit, of its device work and of the stream's gap before it
+(CUDA replays; 0 elsewhere), and the steps' count; then the same medians against a
 reference configuration's at the same group (``--ref``, default the first).
 
     python -m bench.engine_steps replay-out/replay.json
@@ -34,7 +34,7 @@ def decode_groups(steps: list[dict]) -> dict:
         if not sel:
             continue
         med = {f"{k}_ms": float(np.median([s.get(f"{k}_s", 0.0) for s in sel]) * 1e3)
-               for k in ("step", "schedule", "commit", "device", "idle")}
+               for k in ("step", "schedule", "commit", "device", "gap")}
         out[(lo, hi)] = {"n": len(sel), **med}
     return out
 
@@ -50,14 +50,15 @@ def report(result: dict, ref: str | None = None) -> str:
         for g, v in groups[c].items():
             base = groups[ref].get(g)
             rows.append([c, f"{g[0]}-{g[1] if g[1] < 1 << 20 else ''}", v["n"], v["step_ms"],
-                         v["schedule_ms"], v["commit_ms"], v["device_ms"], v["idle_ms"],
+                         v["schedule_ms"], v["commit_ms"], v["device_ms"], v["gap_ms"],
                          v["step_ms"] - base["step_ms"] if base else "",
                          v["step_ms"] / base["step_ms"] if base else ""])
     return (f"Decode-only steps by decoding requests, medians in ms; against `{ref}` at the "
-            "same group; device and idle ms: the step's GPU work and the GPU's idle time "
-            "before it (CUDA events; 0 on a CPU).\n\n"
+            "same group; device and gap ms: the stream from the step's first work to its "
+            "tokens back, and between the last step's end and its start (CUDA events; 0 on "
+            "a CPU).\n\n"
             + table(["config", "decodes", "steps", "step ms", "schedule ms", "commit ms",
-                     "device ms", "idle ms", f"step - {ref} ms", f"step / {ref}"], rows))
+                     "device ms", "gap ms", f"step - {ref} ms", f"step / {ref}"], rows))
 
 
 def main():

@@ -11,7 +11,7 @@ def step(decodes, tokens, step_ms, commit_ms=0.1, device_ms=None):
     got = dict(decodes=decodes, tokens=tokens, step_s=step_ms / 1e3, schedule_s=1e-5,
                commit_s=commit_ms / 1e3)
     if device_ms is not None:       # records from CUDA replays time the device
-        got.update(device_s=device_ms / 1e3, idle_s=0.25e-3)
+        got.update(device_s=device_ms / 1e3, gap_s=0.25e-3)
     return got
 
 
@@ -30,7 +30,7 @@ def test_report_compares_against_the_reference_at_the_same_group():
     rows = [[c.strip() for c in line.strip("|").split("|")]
             for line in report(result, "paged").splitlines() if line.startswith("|")]
     kvrm = {r[1]: r for r in rows if r[0] == "kvrm"}
-    assert kvrm["1-8"][6:] == ["9.500", "0.250", "1.000", "1.100"]  # device, idle; 1 ms and
+    assert kvrm["1-8"][6:] == ["9.500", "0.250", "1.000", "1.100"]  # device, gap; 1 ms and
     assert kvrm["33-64"][6:] == ["0.000", "0.000", "", ""]           # 1.1x paged; none there
     with pytest.raises(ValueError, match="--ref"):
         report(result, "static")

@@ -151,16 +151,19 @@ class Engine:
         return rec
 
     def settle_timings(self) -> None:
-        """Fill ``device_s`` (the step's device work, first kernel to its tokens back) and
-        ``idle_s`` (the device's idle time before it, since the previous timed step) of the
-        steps timed so far, from their CUDA events; waits for the device. CPU steps keep 0."""
+        """Fill ``device_s`` (the stream from the step's first queued work to its tokens
+        back, including any wait within the step for the host's launches) and ``gap_s`` (the
+        stream between the previous timed step's end and this step's start: the host's time
+        with nothing queued, and the commit's own copies: table uploads, copy-on-write,
+        demotion packs, swaps) of the steps timed so far, from their CUDA events; waits for
+        the device. CPU steps keep 0."""
         if not self._timed:
             return
         self._timed[-1][2].synchronize()
         prev = None
         for rec, start, end in self._timed:
             rec.device_s = start.elapsed_time(end) / 1e3
-            rec.idle_s = max(prev.elapsed_time(start) / 1e3, 0.0) if prev is not None else 0.0
+            rec.gap_s = max(prev.elapsed_time(start) / 1e3, 0.0) if prev is not None else 0.0
             prev = end
         self._timed = []
 

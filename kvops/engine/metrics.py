@@ -55,8 +55,9 @@ class StepRecord:
     path: str = ""           # decode attention: native | span | general ("" without decodes)
     control_exposed_s: float = 0.0  # schedule + commit on the critical path (0 when the last
                                     # step's device work ran under them: engine overlap)
-    device_s: float = 0.0    # CUDA: the step's device work, first kernel to tokens back
-    idle_s: float = 0.0      # CUDA: the device's idle time before it (since the last step)
+    device_s: float = 0.0    # CUDA: the stream from the step's first work to its tokens back
+    gap_s: float = 0.0       # CUDA: the stream between the last step's end and this one's start
+                             # (host time with nothing queued, and the commit's own copies)
     # elastic: the fidelity policy after the step's commit
     base_blocks: int = 0     # BASE blocks mapped
     exposure: float = 0.0    # BASE blocks / live blocks
@@ -174,7 +175,7 @@ def summarize(requests: list[Request], steps: list[StepRecord], extra: dict | No
         "control_exposed_share": (float(sum(s.control_exposed_s for s in steps) / step_s.sum())
                                   if step_s.sum() > 0 else 0.0),
         "device_ms": _stats([s.device_s for s in steps if s.device_s]),
-        "device_idle_share": _idle_share(steps),
+        "device_gap_share": _gap_share(steps),
         "reserved_gib_mean": float(np.mean([s.reserved_bytes for s in steps]) / 2**30) if steps else 0.0,
         "reserved_gib_max": float(max((s.reserved_bytes for s in steps), default=0) / 2**30),
         "used_gib_mean": float(np.mean([s.used_bytes for s in steps]) / 2**30) if steps else 0.0,
@@ -196,12 +197,12 @@ def summarize(requests: list[Request], steps: list[StepRecord], extra: dict | No
     return res
 
 
-def _idle_share(steps: list[StepRecord]) -> float:
-    """The device's idle time between steps as a share of its busy and idle time (CUDA
-    steps; 0 without any)."""
+def _gap_share(steps: list[StepRecord]) -> float:
+    """The stream's time between steps as a share of it and the steps' own (CUDA steps; 0
+    without any)."""
     busy = sum(s.device_s for s in steps)
-    idle = sum(s.idle_s for s in steps)
-    return idle / (busy + idle) if busy > 0 else 0.0
+    gap = sum(s.gap_s for s in steps)
+    return gap / (busy + gap) if busy > 0 else 0.0
 
 
 def fidelity_metrics(steps: list[StepRecord]) -> dict:

@@ -40,7 +40,7 @@ def markdown(result: dict) -> str:
             f"{s['max_num_batched_tokens']} tokens/step")
     cols = ["config", "done/refused", "out tok/s", "TTFT p50 / p99 ms", "TPOT p50 / p99 ms",
             "ITL p99 ms", "E2EL p50 ms", "reserved GiB (mean)", "DMA groups/step",
-            "groups/moving session", "train KiB", "commit ms p50", "control % (exposed)", "GPU idle %",
+            "groups/moving session", "train KiB", "commit ms p50", "control % (exposed)", "GPU gap %",
             "preempt", "prefix hit tok", "captures (re-)"]
     lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for name, r in result["results"].items():
@@ -53,7 +53,7 @@ def markdown(result: dict) -> str:
             _f(r["dma_groups_per_moving_session"], 2), _f(r["mean_train_kib"]),
             _f(r["commit_ms"]["median"], 3),
             f"{_f(100 * r['control_share'], 2)} ({_f(100 * _exposed(r), 2)})",
-            _f(100 * r["device_idle_share"], 2) if r.get("device_ms", {}).get("n") else "-",
+            _f(100 * r["device_gap_share"], 2) if r.get("device_ms", {}).get("n") else "-",
             str(r["preemptions"]), str(r["prefix_hit_tokens"]),
             f"{r['warmup_captures']} ({r['recaptures']})"]) + " |")
     return "\n".join(lines) + goals(result)
