@@ -13,6 +13,7 @@ import torch
 
 from kvops.engine import CONFIGS, Engine, KVBudget, Request, SchedulerConfig, make_kv
 from kvops.engine.configs import decode_kind, is_elastic
+from kvops.engine.metrics import StepRecord, summarize
 from kvops.engine.request import Status
 from kvops.engine.traces import TraceRow, build_requests, pressure_rows
 from kvops.models.config import LlamaConfig
@@ -135,6 +136,36 @@ def test_a_closed_loop_on_the_modeled_clock_is_the_synchronous_one(models):
         eng.replay(reqs, concurrency=3)
         runs.append([(r.arrival, r.output, r.token_model, r.token_steps) for r in reqs])
     assert runs[1] == runs[0]
+
+
+class FakeEvent:
+    """A timing event at a fixed stream time (ms), as CUDA's elapsed_time reads two."""
+
+    def __init__(self, at_ms):
+        self.at = at_ms
+
+    def elapsed_time(self, other):
+        return other.at - self.at
+
+    def synchronize(self):
+        pass
+
+
+def test_settled_timings_are_each_steps_span_and_the_gap_before_it(models):
+    """``settle_timings`` turns each step's (start, end) events into its stream span and the
+    gap since the previous step's end (the first step has none), then forgets them."""
+    eng = engine_for(models[torch.float32], "paged", torch.float32, pages=64, overlap=False)
+    recs = [StepRecord(t=0, step_s=0, schedule_s=0, commit_s=0, running=0, waiting=0, tokens=1,
+                       decodes=1, reserved_bytes=0, used_bytes=0, groups=0, moving_sessions=0,
+                       train_bytes=0, far_groups=0) for _ in range(3)]
+    spans = [(0.0, 10.0), (10.5, 20.5), (22.5, 30.0)]
+    eng._timed = [(r, FakeEvent(a), FakeEvent(b)) for r, (a, b) in zip(recs, spans)]
+    eng.settle_timings()
+    assert [r.device_s for r in recs] == pytest.approx([0.010, 0.010, 0.0075])
+    assert [r.gap_s for r in recs] == pytest.approx([0.0, 0.0005, 0.002])
+    assert eng._timed == []
+    share = summarize([], recs)["device_gap_share"]
+    assert share == pytest.approx(0.0025 / (0.0275 + 0.0025))
 
 
 def test_overlap_is_checked():
