@@ -20,6 +20,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from kvops._upload import upload
 from kvops.engine.request import Request, Status
 from kvops.runtime import FarView, Pager, Transport, apply_copies
 
@@ -467,10 +468,7 @@ class StaticKV:
             self._len[slot] = n
         for req, n in grows:
             self._len[self._slot[req.key]] += n
-        up = torch.from_numpy(self._len)
-        if self.device.type == "cuda":      # pinned, so the upload never waits for the GPU
-            up = up.pin_memory()            # (the caching host allocator keeps the block
-        self._tables["seq_lens"].copy_(up, non_blocking=True)   # until the copy is done)
+        self._tables["seq_lens"].copy_(upload(self._len, self.device))   # no wait for the GPU
         return None
 
     def after_step(self, reqs) -> None:

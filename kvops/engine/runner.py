@@ -31,11 +31,13 @@ position ``-1``: they write nothing and their logits are not read.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 
 import numpy as np
 import torch
 
+from kvops._upload import upload
 from kvops.layouts import arena_as_pages
 from kvops.models.paged import forward_packed, logits
 from kvops.ops.elastic_attention import span_modes
@@ -61,14 +63,14 @@ class Launched:
     tokens)``: the requests' rows of ``tokens``, or ``None`` for one a request in order) are
     copied into pinned host memory behind the step's work on CUDA, so :meth:`ready` asks
     without waiting, :meth:`collect` waits for this step only, and a captured graph's output
-    may be overwritten by the next replay. ``start`` is a timing event recorded before the
+    may be overwritten by the next replay. ``start``: a timing event recorded before the
     step's first device work (CUDA), so that :meth:`events` time the step."""
 
-    __slots__ = ("_parts", "_event", "_tokens", "start")
+    __slots__ = ("_parts", "_event", "_tokens", "_start")
 
     def __init__(self, device: torch.device, parts: list, start=None):
         self._tokens = self._event = None
-        self.start = start
+        self._start = start
         if device.type == "cuda":
             kept = []
             for reqs, rows, toks in parts:
@@ -83,7 +85,7 @@ class Launched:
     def events(self) -> tuple:
         """``(start, end)``: timing events around the step's device work (CUDA; ``end`` after
         its tokens are copied back), or ``(None, None)`` on the CPU."""
-        return (self.start, self._event) if self.start is not None else (None, None)
+        return (self._start, self._event) if self._start is not None else (None, None)
 
     def ready(self) -> bool:
         """Whether the step's device work is done (always, on the CPU)."""
@@ -153,15 +155,6 @@ class ModelRunner:
         return pos, pool, arena
 
     # -- the step ---------------------------------------------------------------------------------
-    def _to_device(self, a: np.ndarray) -> torch.Tensor:
-        """A host array on the device without a sync: on CUDA through pinned memory, copied
-        asynchronously (the caching host allocator keeps the pinned block until the copy
-        is done), so a step's launches never wait for the GPU."""
-        t = torch.from_numpy(np.ascontiguousarray(a))
-        if self.device.type != "cuda":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
-
     @torch.no_grad()
     def launch(self, items: list) -> Launched:
         """Queue the step's device work for ``items`` ``(request, start, n)``; returns the
@@ -219,7 +212,7 @@ class ModelRunner:
         done = [it[0] for it in items if it[1] + it[2] == it[0].num_tokens]
         last = [qs[j + 1] - 1 for j, (req, start, n) in enumerate(items)
                 if start + n == req.num_tokens]
-        up = self._to_device
+        up = functools.partial(upload, device=self.device)
         tokens = up(np.concatenate(toks).astype(np.int64, copy=False))
         positions = up(np.concatenate(poss))
         pool_map = up(np.concatenate(pools))
@@ -311,7 +304,7 @@ class ModelRunner:
         host[1] = -1
         host[0, slots] = [req.token(start) for req, start, _ in items]
         host[1, slots] = [start for _, start, _ in items]
-        dev = self._to_device(host)
+        dev = upload(host, self.device)
         self._tok[:bk].copy_(dev[0])
         self._pos[:bk].copy_(dev[1])
         nxt = self._replay(bk) if self.graphs else self._decode_forward(bk)

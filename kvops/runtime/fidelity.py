@@ -98,6 +98,7 @@ import numpy as np
 import torch
 
 from kvops._config import use_triton
+from kvops._upload import upload
 from kvops.layouts import codecs
 from kvops.runtime.allocator import SpanAllocator
 from kvops.runtime.frame import Frame, as_int
@@ -828,10 +829,7 @@ class Fidelity:
         if self._pool is not None:
             offs = np.arange(len(self.caches), dtype=np.int32) * np.int32(self.pager.num_pages)
             rows = (rows[:, None, :] + offs[None, :, None]).reshape(-1, 3)
-        rows = torch.from_numpy(rows)
-        if self._cuda:
-            return rows.pin_memory().to(self.device, non_blocking=True)
-        return rows.to(self.device)
+        return upload(rows, self.device)
 
     def _pack(self, triples) -> torch.Tensor:
         """``pack_base_pairs`` of rows ``(src_a, src_b, dst)`` on every cache: one call over the
