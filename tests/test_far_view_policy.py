@@ -792,3 +792,38 @@ def test_retrieval_with_sink_tokens_counts_each_key_once(monkeypatch):
                                atol=1e-6, rtol=1e-6)
     narrow = ev.attention_banded(q, k, v, "ret", 1, False, sink=4, page=8)
     assert not torch.allclose(narrow, ev.attention_banded(q, k, v, "ret", 1, False, page=8))
+
+
+def test_retrieval_rest_adds_each_unchosen_far_page_as_its_mean(monkeypatch):
+    """``ret<K>+rest@<S>`` (diagnostic): the retrieval far view's keys plus, per far page not
+    chosen, the page's mean key and value with bias ``log(S)``, against a loop oracle; with
+    every far page chosen there is nothing left and it is ``ret<K>`` itself."""
+    from kvops.evals import far_view as ev
+
+    assert ev.parse_config("ret4+rest@8") == ("ret", 4, False, 0)
+    assert ev.retrieval_rest("ret4+rest@8") and not ev.retrieval_rest("ret4@8")
+    monkeypatch.setattr(ev, "WINDOW", 32)
+    T, page, top = 120, 8, 2
+    q, k, v = _token_qkv(T, 11)
+    got = ev.attention_banded(q, k, v, "ret", top, False, page=page, rest=True)
+    first = torch.arange(T) - ev.window_geometry(T, "cpu", page)[1] + 1
+    n_pages = first // page
+    sel = ev.retrieval_pages(q, ev.page_bounds(k, page), torch.arange(T), n_pages, top)
+    scale = D ** -0.5
+    for t in (60, 77, 119):
+        keys = [j for j in range(t + 1) if j >= first[t] or sel[t, j // page]]
+        far = [p for p in range(int(n_pages[t])) if not sel[t, p]]
+        assert far and len(keys) > t + 1 - first[t]               # both kinds take part
+        for h in range(HKV * G):
+            kv = h // G
+            kk = torch.cat([k[keys, kv], torch.stack([k[p * page:(p + 1) * page, kv].mean(0)
+                                                      for p in far])])
+            vv = torch.cat([v[keys, kv], torch.stack([v[p * page:(p + 1) * page, kv].mean(0)
+                                                      for p in far])])
+            logit = kk @ q[t, h] * scale
+            logit[len(keys):] += math.log(page)
+            torch.testing.assert_close(got[t, h], torch.softmax(logit, 0) @ vv,
+                                       atol=1e-5, rtol=1e-5)
+    everything = ev.attention_banded(q, k, v, "ret", T, False, page=page, rest=True)
+    torch.testing.assert_close(everything, ev.attention_banded(q, k, v, "ret", T, False,
+                                                               page=page))

@@ -25,6 +25,9 @@ Configurations (near window ``WINDOW = 512`` tokens, ``PAGE = 16``-token pages, 
   view) plus the sequence's first ``n`` tokens exact (StreamingLLM's attention sink);
 - ``ret<K>+dense<n>[@<S>]`` (diagnostic): the retrieval far view in every layer but the first
   ``n``, which attend densely (:func:`dense_layers`; Quest leaves its first two layers dense).
+- ``ret<K>+rest[@<S>]`` (diagnostic, not a kvops path): the retrieval far view plus, for each
+  far page it does not choose, that page's mean key and value with the bias ``log(S)``
+  (:func:`retrieval_rest`): the far attention mass the chosen pages leave out, estimated.
 
 Block-parallel evaluation (:func:`attention_banded`, :func:`hidden_states`,
 :func:`perplexity`): every query position gets the attention a decode step with
@@ -65,8 +68,9 @@ def parse_config(name: str) -> tuple[str, int, bool, int]:
         retrieval_page(name)                  # a bad page size is refused here
         name = name.partition("@")[0]
         head, plus, extra = name.partition("+")
-        if extra.startswith("dense") and extra[5:].isdigit():
-            name = head                       # dense layers: dense_layers reads them
+        if extra.startswith("dense") and extra[5:].isdigit() or extra == "rest":
+            name = head                       # dense layers, rest: dense_layers and
+                                              # retrieval_rest read them
     base, plus, extra = name.partition("+")
     sink = int(extra[4:]) if extra.startswith("sink") and extra[4:].isdigit() else -1
     if base.startswith("sink") and base[4:].isdigit() and not plus:
@@ -96,6 +100,11 @@ def dense_layers(name: str) -> int:
     extra = name.partition("@")[0].partition("+")[2]
     tail = extra[5:]
     return int(tail) if name.startswith("ret") and extra.startswith("dense") and tail.isdigit() else 0
+
+
+def retrieval_rest(name: str) -> bool:
+    """``ret<K>+rest[@<S>]`` -> True: the unchosen far pages join as page means."""
+    return name.startswith("ret") and name.partition("@")[0].partition("+")[2] == "rest"
 
 
 def retrieval_every(name: str) -> int:
@@ -250,7 +259,7 @@ def far_summaries(k, v):
 
 @torch.no_grad()
 def attention_banded(q, k, v, mode: str, cap: int, bias: bool, sink: int = 0, q_block: int = 256,
-                     q0: int = 0, every: int = 1, page: int | None = None):
+                     q0: int = 0, every: int = 1, page: int | None = None, rest: bool = False):
     """The same attention as :func:`attention_far` in one SDPA call per block of queries: the
     block's keys are the contiguous band ``[t0 - W, t0 + n)`` (no per-query copies) plus the
     far summaries, with a mask (window bounds, far chunk counts) carrying the far bias. This is
@@ -260,7 +269,9 @@ def attention_banded(q, k, v, mode: str, cap: int, bias: bool, sink: int = 0, q_
     queries of positions ``[q0, T)`` (``k, v`` all ``T``); the output is theirs.
     ``mode="ret"``: the window plus the exact tokens of the ``cap`` far pages
     :func:`retrieval_pages` picks for each query (bias 0); with ``every > 1``, ``q0`` must be
-    a multiple of ``every``; ``page``: its page size (the window's too; default ``PAGE``)."""
+    a multiple of ``every``; ``page``: its page size (the window's too; default ``PAGE``);
+    ``rest``: each far page it does not choose joins as its mean key and value, bias
+    ``log(page)``."""
     page = page or PAGE
     T = k.shape[0]
     win_start, win_len, n_far = window_geometry(T, q.device, page)
@@ -277,6 +288,10 @@ def attention_banded(q, k, v, mode: str, cap: int, bias: bool, sink: int = 0, q_
         bounds = page_bounds(k, page)
         n_pages = first // page
         q_block = max(every, q_block - q_block % every)
+        if rest:
+            n_all = bounds[0].shape[1]
+            k_mean = k[: n_all * page].unflatten(0, (n_all, page)).mean(dim=1)
+            v_mean = v[: n_all * page].unflatten(0, (n_all, page)).mean(dim=1)
     out = torch.empty_like(q)
     for t0 in range(q0, T, q_block):
         n = min(q_block, T - t0)
@@ -288,6 +303,9 @@ def attention_banded(q, k, v, mode: str, cap: int, bias: bool, sink: int = 0, q_
             sel = retrieval_pages(q[t0 - q0:t0 - q0 + n], bounds, t, n_pages, cap, every)
             tok = sel.repeat_interleave(page, dim=1)                     # [n, pages * page]
             mask[:, : tok.shape[1]] |= tok[:, : mask.shape[1]]
+            if rest:
+                left = ~sel & (torch.arange(sel.shape[1], device=q.device)[None, :]
+                               < n_pages[t, None])
         if mode == "reth" and bounds[0].shape[1]:
             sel = head_pages(q[t0 - q0:t0 - q0 + n], bounds, n_pages[t], cap)  # [Hkv, n, N]
             tok = sel.repeat_interleave(page, dim=2)[..., : mask.shape[1]]
@@ -303,6 +321,9 @@ def attention_banded(q, k, v, mode: str, cap: int, bias: bool, sink: int = 0, q_
             seen = (head[None, :] < first[t, None]) & (head[None, :] <= t[:, None])
             bias_ = torch.cat([torch.where(seen, 0.0, float("-inf")), bias_], dim=1)
             kb, vb = torch.cat([k[head], kb]), torch.cat([v[head], vb])
+        if rest and mode == "ret" and bounds[0].shape[1]:
+            bias_ = torch.cat([bias_, torch.where(left, math.log(page), float("-inf"))], dim=1)
+            kb, vb = torch.cat([kb, k_mean]), torch.cat([vb, v_mean])
         if far is not None:
             c = torch.arange(far[0].shape[0], device=q.device)
             live = c[None, :] < n_far[t, None]
@@ -378,7 +399,7 @@ def hidden_states(model: Llama, ids: torch.Tensor, config: str) -> torch.Tensor:
             o = attention_dense(q, k, v, 0)
         else:
             o = attention_banded(q, k, v, mode, cap, bias, sink, every=retrieval_every(config),
-                                 page=retrieval_page(config))
+                                 page=retrieval_page(config), rest=retrieval_rest(config))
         x = x + att.wo(o.flatten(-2))
         x = x + block.feed_forward(block.ffn_norm(x))
     return model.norm(x)
@@ -394,12 +415,13 @@ def hidden_states_from(model: Llama, ids: torch.Tensor, config: str, start: int 
     are ``ids[:start]``; causal attention makes them independent of what follows)."""
     mode, cap, bias, sink = parse_config(config)
     every, page = retrieval_every(config), retrieval_page(config)
-    dense_below = dense_layers(config)
+    dense_below, rest = dense_layers(config), retrieval_rest(config)
 
     def attend(layer, q, k, v):
         if mode == "dense" or layer < dense_below:
             return attention_dense(q, k, v, start)
-        return attention_banded(q, k, v, mode, cap, bias, sink, q0=start, every=every, page=page)
+        return attention_banded(q, k, v, mode, cap, bias, sink, q0=start, every=every, page=page,
+                                rest=rest)
 
     return hidden_states_with(model, ids, attend, start, cache)
 
