@@ -164,8 +164,9 @@ def test_settled_timings_are_each_steps_span_and_the_gap_before_it(models):
     assert [r.device_s for r in recs] == pytest.approx([0.010, 0.010, 0.0075])
     assert [r.gap_s for r in recs] == pytest.approx([0.0, 0.0005, 0.002])
     assert eng._timed == []
-    share = summarize([], recs)["device_gap_share"]
-    assert share == pytest.approx(0.0025 / (0.0275 + 0.0025))
+    m = summarize([], recs)
+    assert m["device_gap_share"] == pytest.approx(0.0025 / (0.0275 + 0.0025))
+    assert m["gap_ms"]["n"] == 2 and m["gap_ms"]["median"] == pytest.approx(1.25)
 
 
 def test_overlap_is_checked():
@@ -205,11 +206,13 @@ def test_cuda_overlap_decodes_as_the_synchronous_engine_and_hides_control(config
         reqs = build_requests(rows, CFG.vocab_size, length_scale=0.125)
         m = eng.replay(reqs)
         outs.append([r.output for r in reqs])
-        shares.append((m["control_exposed_share"], m["control_share"], m["device_gap_share"]))
+        shares.append((m["control_exposed_share"], m["control_share"], m["gap_ms"]["median"]))
         assert eng.kv.free_pages() == eng.kv.total_pages
         # every step is timed on the device: the spin and the step's own work
         assert m["device_ms"]["n"] == len(eng.steps) and m["device_ms"]["median"] > 5
     assert outs[1] == outs[0] and all(len(o) == 40 for o in outs[1])
     assert shares[0][0] == pytest.approx(shares[0][1])
     assert shares[1][0] < 0.5 * shares[1][1]
-    assert shares[1][2] < shares[0][2]          # the stream waits less between steps
+    # the stream waits less between steps: per step, not as a share of the device time, which
+    # the first engine's Triton compiles and both engines' captures inflate unevenly
+    assert shares[1][2] < 0.75 * shares[0][2]

@@ -176,6 +176,7 @@ def summarize(requests: list[Request], steps: list[StepRecord], extra: dict | No
                                   if step_s.sum() > 0 else 0.0),
         "device_ms": _stats([s.device_s for s in steps if s.device_s]),
         "device_gap_share": _gap_share(steps),
+        "gap_ms": _stats([s.gap_s for s in [s for s in steps if s.device_s][1:]]),
         "reserved_gib_mean": float(np.mean([s.reserved_bytes for s in steps]) / 2**30) if steps else 0.0,
         "reserved_gib_max": float(max((s.reserved_bytes for s in steps), default=0) / 2**30),
         "used_gib_mean": float(np.mean([s.used_bytes for s in steps]) / 2**30) if steps else 0.0,
