@@ -827,3 +827,42 @@ def test_retrieval_rest_adds_each_unchosen_far_page_as_its_mean(monkeypatch):
     everything = ev.attention_banded(q, k, v, "ret", T, False, page=page, rest=True)
     torch.testing.assert_close(everything, ev.attention_banded(q, k, v, "ret", T, False,
                                                                page=page))
+
+
+def test_absorb_layers_and_views_equal_the_per_layer_calls():
+    """``absorb_layers`` (every layer from the stacked pools in one pass) leaves the stores and
+    utilities bit for bit as a per-layer ``absorb`` loop does, with utilities that differ by
+    layer (a new summary starts at its layer's best selected utility), and ``views`` gives
+    each layer's ``view``; pools that are not one stacked allocation are refused."""
+    twins = [setup(cap=2, max_leave=4, sessions=3, seed=5) for _ in range(2)]
+    gen = torch.Generator().manual_seed(9)
+    steps = [{"a": 8 * S, "b": 6 * S, "c": 8 * S}, {"a": 3 * S, "b": 4 * S}, {"c": 5 * S, "a": 2},
+             {"b": 9 * S}]
+    for grow in steps:
+        u = torch.rand(twins[0][1].scores.shape, generator=gen)
+        for one, (pager, far, k, v) in enumerate(twins):
+            far.scores.copy_(u)
+            with pager.frame() as f:
+                for key, n in grow.items():
+                    f.reserve(key, n)
+            if one:
+                far.absorb_layers(k, v)
+            else:
+                for layer in range(LAYERS):
+                    far.absorb(layer, k[layer], v[layer])
+        a, b = twins[0][1], twins[1][1]
+        assert torch.equal(a.k_store, b.k_store) and torch.equal(a.v_store, b.v_store)
+        assert torch.equal(a.scores, b.scores)
+        for rows in (2, 3):
+            fk, fv, fb = b.views(rows)
+            for layer in range(LAYERS):
+                for got, want in zip((fk[layer], fv[layer], fb[layer]), a.view(layer, rows)):
+                    assert torch.equal(got, want)
+    assert a.k_store.abs().sum(dim=(-1, -2)).count_nonzero() > 2 * LAYERS   # summaries landed
+    assert (a.scores[0] != a.scores[1]).any()
+    _, far, k, v = twins[1]
+    with pytest.raises(ValueError, match=r"k_pools, v_pools: expected \[layers=2"):
+        far.absorb_layers(k[0], v[0])
+    spread = torch.zeros(k.shape[1], LAYERS, *k.shape[2:]).transpose(0, 1)   # page-major
+    with pytest.raises(ValueError, match="k_pools: expected the layers' pools back to back"):
+        far.absorb_layers(spread, spread)

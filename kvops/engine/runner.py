@@ -255,8 +255,8 @@ class ModelRunner:
             arena_map = torch.where(valid, self._rows[:bk] * W + pos % W, none)
 
         far = None
-        if kv.far is not None and self.decode == "static":
-            far = kv.far.prepare(bk)             # every layer's far rows, once a step
+        if kv.far is not None and self.decode in ("static", "arena"):
+            far = kv.far.views(bk)               # every layer's far slots, one gather a step
         mixed = {}
         if self.decode == "elastic":
             # a captured step takes the BASE table always (one graph a bucket); eager steps
@@ -287,7 +287,7 @@ class ModelRunner:
             if kv.far is None:
                 o, _ = torch.ops.kvops.static_sliding_attention(q, ka, va, ws, wl)
                 return o
-            fk, fv, fb = kv.far.view(i, bk, far)
+            fk, fv, fb = far[0][i], far[1][i], far[2][i]
             o, lse = torch.ops.kvops.static_sliding_attention(q, ka, va, ws, wl, fk, fv, fb)
             kv.far.observe(i, q, fk, fb, lse, live=valid)
             return o
@@ -315,9 +315,7 @@ class ModelRunner:
         return [req for req, _, _ in items], slots, nxt
 
     def _absorb(self) -> None:
-        kv = self.kv
-        for i in range(kv.layers):
-            kv.far.absorb(i, kv.k_pool[i], kv.v_pool[i])
+        self.kv.far.absorb_layers(self.kv.k_pool, self.kv.v_pool)
 
     @staticmethod
     def _transfer(graph, launch) -> None:
@@ -341,8 +339,8 @@ class ModelRunner:
 
         - the transport's copy trains (``paged_gather_merged``, one launch a layer; steps whose
           commit moved blocks), where the configuration has window arenas;
-        - the far view's absorb (``kvrm``: about ten kernels a layer; steps in which chunks
-          leave the window).
+        - the far view's absorb (``kvrm``: ``FarView.absorb_layers``, about ten kernels for
+          all layers; steps in which chunks leave the window).
 
         Each runs first eagerly over emptied tables (no trains; leave tables that write only
         the sink column), restored after, so the call changes no session's state whenever it

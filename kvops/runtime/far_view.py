@@ -69,7 +69,9 @@ A decode step, for every layer ``l`` after the frame's commit::
     far.observe(l, q, far_k, far_bias, lse)
 
 and ``far.pull_scores()`` once after the step. Every device method is fixed-shape and
-host-sync free (compiles once, replays in a CUDA graph).
+host-sync free (compiles once, replays in a CUDA graph). With the layers' pools stacked in one
+allocation, :meth:`FarView.absorb_layers` and :meth:`FarView.views` do the absorb and the
+views of every layer at once, before the layers.
 """
 
 from __future__ import annotations
@@ -631,21 +633,48 @@ class FarView:
 
     def absorb(self, layer: int, k_cache: Tensor, v_cache: Tensor) -> None:
         """Summarize the chunks this commit made far (``far_leave_*``) into ``layer``'s store."""
+        self._absorb(slice(layer, layer + 1), k_cache[None], v_cache[None])
+
+    def absorb_layers(self, k_pools: Tensor, v_pools: Tensor) -> None:
+        """:meth:`absorb` for every layer at once from pools stacked ``[layers, P, S, Hkv,
+        D]`` (one allocation, as an engine keeps them): one ``far_view_summarize`` over the
+        layers' pages and one of each store and utility update, instead of about ten launches
+        a layer."""
+        if k_pools.dim() != 5 or k_pools.shape[0] != self.layers or v_pools.shape != k_pools.shape:
+            raise ValueError(f"k_pools, v_pools: expected [layers={self.layers}, P, S, Hkv, D] "
+                             f"each, got {list(k_pools.shape)} and {list(v_pools.shape)}")
+        for name, pools in (("k_pools", k_pools), ("v_pools", v_pools)):
+            if pools.stride(0) != pools.shape[1] * pools.stride(1):
+                raise ValueError(f"{name}: expected the layers' pools back to back (stride(0) "
+                                 f"== P * stride(1), so that they view as one pool of "
+                                 f"layers * P pages), got strides {pools.stride()}")
+        self._absorb(slice(None), k_pools, v_pools)
+
+    def _absorb(self, layers: slice, k_pools: Tensor, v_pools: Tensor) -> None:
+        """The absorb of the store layers ``layers`` from pools ``[n, P, S, Hkv, D]`` (pool
+        ``i`` for the ``i``-th layer of the slice): the layers' pages as rows of one
+        ``[n * P, S, Hkv, D]`` view."""
         t = self._tables()
-        B, n, J = self.B, self.max_leave, self.J
-        pages = t["far_leave_pages"].view(B, n, self.M)
-        ids = t["far_leave_ids"].view(B, n).long()
-        k_new, v_new = torch.ops.kvops.far_view_summarize(k_cache, v_cache, pages)
-        at = ids[..., None, None].expand_as(k_new)
-        self.k_store[layer].scatter_(1, at, k_new)
-        self.v_store[layer].scatter_(1, at, v_new)
+        B, m, J = self.B, self.max_leave, self.J
+        n, P = k_pools.shape[:2]
+        pages = t["far_leave_pages"].view(1, B, m, self.M)
+        if n > 1:                           # layer i's pages at rows i * P.. of the flat view
+            step = torch.arange(n, device=pages.device, dtype=pages.dtype).view(n, 1, 1, 1) * P
+            pages = torch.where(pages >= 0, pages + step, pages)
+        k_new, v_new = torch.ops.kvops.far_view_summarize(
+            k_pools.flatten(0, 1), v_pools.flatten(0, 1), pages.reshape(n * B, m, self.M))
+        ids = t["far_leave_ids"].view(1, B, m).long().expand(n, B, m)
+        at = ids[..., None, None].expand(n, B, m, *k_new.shape[-2:])
+        self.k_store[layers].scatter_(2, at, k_new.view(at.shape))
+        self.v_store[layers].scatter_(2, at, v_new.view(at.shape))
         # a new summary starts at the best utility among the session's other selected chunks
-        self.scores[layer].scatter_(1, ids, torch.zeros_like(ids, dtype=torch.float32))
-        sel = t["far_select"].view(self.layers, B, self.C)[layer].long()
-        live = self.scores[layer].gather(1, sel.clamp(min=0))
-        start = torch.where(sel >= 0, live, 0.0).amax(dim=1, keepdim=True)   # [B, 1]
-        self.scores[layer].scatter_(1, ids, start.expand(B, n))
-        self.scores[layer, :, J] = 0.0
+        scores = self.scores[layers]
+        scores.scatter_(2, ids, torch.zeros_like(ids, dtype=torch.float32))
+        sel = t["far_select"].view(self.layers, B, self.C)[layers].long()
+        live = scores.gather(2, sel.clamp(min=0))
+        start = torch.where(sel >= 0, live, 0.0).amax(dim=2, keepdim=True)      # [n, B, 1]
+        scores.scatter_(2, ids, start.expand(n, B, m))
+        scores[:, :, J] = 0.0
 
     def prepare(self, rows: int | None = None) -> tuple[Tensor, Tensor]:
         """Every layer's gather rows and far bias for the slots ``[0, R)``, from the committed
@@ -664,6 +693,20 @@ class FarView:
         flat = torch.where(has, sel, self.J) + self._store_row[:sel.shape[-2]]
         live = math.log(self.count) if self.log_count_bias else 0.0
         return flat, torch.where(has, live, float("-inf")).to(torch.float32)
+
+    def views(self, rows: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`view` for every layer at once: ``far_k, far_v [layers, R, C, Hkv, D]`` and
+        ``far_bias [layers, R, C]``, one gather a store instead of two a layer (a decode step
+        takes them before its layers and hands layer ``l`` its ``[l]``)."""
+        R = self._rows(rows)
+        flat, bias = self.prepare(R)
+        rows_per_layer = self.B * (self.J + 1)
+        flat = flat + torch.arange(self.layers, device=flat.device,
+                                   dtype=flat.dtype)[:, None] * rows_per_layer
+        shape = (self.layers, R, self.C, *self.k_store.shape[-2:])
+        far_k = self.k_store.flatten(0, 2).index_select(0, flat.view(-1)).view(shape)
+        far_v = self.v_store.flatten(0, 2).index_select(0, flat.view(-1)).view(shape)
+        return far_k, far_v, bias
 
     def view(self, layer: int, rows: int | None = None,
              prepared: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
