@@ -6,15 +6,19 @@ tokens and ``num_computed`` kept. Its re-admission reserves ``num_computed`` tok
 step's, copies the K/V back into the new pages after the commit (before the step's forwards)
 and continues where it stopped: the tokens are those of an unpreempted run.
 
-Copies run on the current stream (device to pinned host and back, ``non_blocking``), so the
-stream orders them against the forwards that overwrite the freed pages and read the restored
-ones; a swap-in's host buffer is kept until the copy is known done (the next swap-in's event).
+Copies run on the current stream (device to pinned host and back, ``non_blocking``; the page
+lists go up through pinned memory too), so the stream orders them against the forwards that
+overwrite the freed pages and read the restored ones, and a swap queued while the previous
+step runs (engine overlap) does not wait for it; a swap-in's host buffer is kept until the
+copy is known done (the next swap-in's event).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from kvops._upload import upload
 from kvops.engine.kv import PagedKV, _blocks
 from kvops.engine.request import Request
 
@@ -52,8 +56,8 @@ class OffloadKV(PagedKV):
         host = torch.empty((2, self.layers, nb, *self.k_pool.shape[2:]), dtype=self.k_pool.dtype,
                            pin_memory=pin)
         if nb:
-            pages = torch.tensor(self.pager.pages(req.key)[:nb], dtype=torch.int64,
-                                 device=self.device)
+            pages = upload(np.asarray(self.pager.pages(req.key)[:nb], dtype=np.int64),
+                           self.device)
             host[0].copy_(self.k_pool.index_select(1, pages), non_blocking=pin)
             host[1].copy_(self.v_pool.index_select(1, pages), non_blocking=pin)
         self.end(req)
@@ -90,8 +94,8 @@ class OffloadKV(PagedKV):
         for req, host in self._restore:
             nb = host.shape[2]
             if nb:
-                pages = torch.tensor(self.pager.pages(req.key)[:nb], dtype=torch.int64,
-                                     device=self.device)
+                pages = upload(np.asarray(self.pager.pages(req.key)[:nb], dtype=np.int64),
+                               self.device)
                 self.k_pool.index_copy_(1, pages, host[0].to(self.device, non_blocking=cuda))
                 self.v_pool.index_copy_(1, pages, host[1].to(self.device, non_blocking=cuda))
                 if cuda:
