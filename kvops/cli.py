@@ -1,5 +1,5 @@
 """The ``kvops`` command (and ``python -m kvops``): ``kvops replay`` (trace replay through the
-engine's configurations), ``kvops generate`` (greedy text from SmolLM2 through the engine) and
+engine's configurations), ``kvops generate`` (text from SmolLM2 through the engine) and
 ``kvops demo`` (the attention-stack demo). A bare ``kvops`` runs the main job: the replay of
 the shipped burst, then one ElasticKV pressure comparison at CPU scale (:data:`PRESSURE_POINT`)."""
 
@@ -281,9 +281,15 @@ def record(name: str, result: dict, table: str) -> str:
 
 def generate(args) -> int:
     from kvops.engine.generate import generate_texts
+    from kvops.engine.sampling import SamplingParams
 
-    for prompt, text in zip(args.prompt, generate_texts(args.prompt, args.max_new_tokens,
-                                                        device=args.device, chat=not args.raw)):
+    try:
+        sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    except ValueError as e:
+        raise SystemExit(f"kvops generate: {e}") from None
+    texts = generate_texts(args.prompt, args.max_new_tokens, device=args.device,
+                           chat=not args.raw, sampling=sampling)
+    for prompt, text in zip(args.prompt, texts):
         print(f"> {prompt}\n{text}\n")
     return 0
 
@@ -314,9 +320,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("demo", help="the attention-stack demo (python -m kvops demo --help)")
     _replay_parser(sub)
-    g = sub.add_parser("generate", help="greedy text from SmolLM2 through the engine")
+    g = sub.add_parser("generate", help="text from SmolLM2 through the engine (greedy unless "
+                       "--temperature)")
     g.add_argument("prompt", nargs="+")
     g.add_argument("--max-new-tokens", type=int, default=48)
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-k", type=int, default=0, help="0: every token")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0,
+                   help="sampling seed (prompt i draws with seed + i)")
     g.add_argument("--device", default=None)
     g.add_argument("--raw", action="store_true", help="no chat template")
     args = ap.parse_args(argv)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvops.engine.sampling import SamplingParams
+
 HASH_BLOCK = 512
 """Tokens per Mooncake ``hash_id`` block."""
 
@@ -30,7 +32,8 @@ class Status(enum.Enum):
 class Request:
     """One request. ``arrival`` in seconds from the start of the replay; ``output_len`` is the
     number of tokens to generate (replay forces it and ignores EOS); with ``ignore_eos=False``
-    generation also stops after ``eos_id``."""
+    generation also stops after ``eos_id``. ``sampling``: how its tokens are picked
+    (:class:`~kvops.engine.sampling.SamplingParams`; None: greedy)."""
 
     rid: int
     arrival: float
@@ -40,6 +43,7 @@ class Request:
     hash_block: int = HASH_BLOCK         # prompt tokens per hash id (scaled with the lengths)
     ignore_eos: bool = True
     eos_id: int | None = None
+    sampling: SamplingParams | None = None
     # state
     status: Status = Status.WAITING
     output: list[int] = field(default_factory=list)
@@ -64,6 +68,9 @@ class Request:
             raise ValueError(f"request {self.rid}: prompt: expected at least one token, got 0")
         if self.output_len < 1:
             raise ValueError(f"request {self.rid}: output_len: expected >= 1, got {self.output_len}")
+        if self.sampling is not None and not isinstance(self.sampling, SamplingParams):
+            raise ValueError(f"request {self.rid}: sampling: expected SamplingParams or None, got "
+                             f"{type(self.sampling).__name__}")
 
     @property
     def key(self) -> str:

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from kvops._upload import upload
+from kvops.engine.sampling import next_tokens
 from kvops.layouts import arena_as_pages
 from kvops.models.paged import forward_packed, logits
 from kvops.ops.elastic_attention import span_modes
@@ -235,13 +236,15 @@ class ModelRunner:
         hidden = forward_packed(self.model, tokens, positions, attend)
         if not done:
             return [], None, None
-        return done, None, logits(self.model, hidden[last_rows]).argmax(-1)
+        return done, None, next_tokens(logits(self.model, hidden[last_rows]),
+                                       [r.sampling for r in done], [len(r.output) for r in done])
 
     def _decode_forward(self, bk: int) -> torch.Tensor:
-        """The fixed-shape decode step over rows ``[0, bk)`` (row = KV slot): next tokens.
-        Inputs are the token and position buffers (position ``-1``: the row decodes nothing);
-        the pool and arena slots come from the device block table, so the host fills two
-        small buffers a step."""
+        """The fixed-shape decode step over rows ``[0, bk)`` (row = KV slot): the greedy next
+        tokens and the logits they come from (a row that samples draws from them after the
+        step; :mod:`kvops.engine.sampling`). Inputs are the token and position buffers
+        (position ``-1``: the row decodes nothing); the pool and arena slots come from the
+        device block table, so the host fills two small buffers a step."""
         kv, S = self.kv, self.S
         t = kv.tables()
         pos_in = self._pos[:bk]
@@ -293,7 +296,8 @@ class ModelRunner:
             return o
 
         hidden = forward_packed(self.model, self._tok[:bk], pos, attend)
-        return logits(self.model, hidden).argmax(-1)
+        lg = logits(self.model, hidden)
+        return lg.argmax(-1), lg
 
     def _decode(self, items: list) -> tuple[list, list, torch.Tensor]:
         kv = self.kv
@@ -307,7 +311,12 @@ class ModelRunner:
         dev = upload(host, self.device)
         self._tok[:bk].copy_(dev[0])
         self._pos[:bk].copy_(dev[1])
-        nxt = self._replay(bk) if self.graphs else self._decode_forward(bk)
+        nxt, lg = self._replay(bk) if self.graphs else self._decode_forward(bk)
+        if any(req.sampling is not None and not req.sampling.greedy for req, _, _ in items):
+            params, positions = [None] * bk, [0] * bk
+            for (req, _, _), slot in zip(items, slots):
+                params[slot], positions[slot] = req.sampling, len(req.output)
+            nxt = next_tokens(lg, params, positions, greedy=nxt)
         if self.graphs:                     # the captured path: BASE tables always
             self.last_path = "native" if self.decode != "elastic" else (
                 "general" if getattr(self.kv, "general", False) else "span")
