@@ -697,7 +697,9 @@ class FarView:
     def views(self, rows: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """:meth:`view` for every layer at once: ``far_k, far_v [layers, R, C, Hkv, D]`` and
         ``far_bias [layers, R, C]``, one gather a store instead of two a layer (a decode step
-        takes them before its layers and hands layer ``l`` its ``[l]``)."""
+        takes them before its layers and hands layer ``l`` its ``[l]``). They hold every layer's
+        far slots at once: ``2 * layers * R * C * Hkv * D`` elements, where :meth:`view` holds
+        one layer's."""
         R = self._rows(rows)
         flat, bias = self.prepare(R)
         rows_per_layer = self.B * (self.J + 1)
