@@ -165,3 +165,17 @@ def test_cuda_graph_decode_draws_what_the_cpu_does():
     assert agree >= 0.5, (want, got)      # float32 logits of two devices: rare near-ties
     again, _ = serve(cuda_model, rows_of(), hot, device="cuda", graphs=True, overlap=True)
     assert again == got
+
+
+def test_top_p_is_taken_over_the_top_k_renormalized():
+    """top-k first, then top-p over the kept tokens' renormalized mass (vLLM's and
+    transformers' order). Probabilities 0.3, 0.25, 0.2 (ids 4, 0, 3) are the top 3; renormalized
+    they are 0.4, 0.33, 0.27, so p 0.7 ends the nucleus before id 3 (0.4 + 0.33 >= 0.7), which
+    the whole vocabulary's mass (0.3 + 0.25 = 0.55 < 0.7) would have kept."""
+    logits = torch.log(torch.tensor([0.25, 0.15, 0.10, 0.2, 0.3]))
+    n = 3000
+    counts = draws(logits, SamplingParams(1.0, top_k=3, top_p=0.7, seed=7), n)
+    assert counts[1] == counts[2] == counts[3] == 0
+    p = torch.tensor([0.25, 0.3]).double() / 0.55                      # ids 0 and 4
+    got = counts[[0, 4]]
+    assert ((got - n * p).abs() <= 4 * (n * p * (1 - p)).sqrt()).all(), got

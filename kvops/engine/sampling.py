@@ -10,9 +10,11 @@ index), as vLLM's per-request seeds give, without a generator per request.
 The draw is Gumbel-max: the argmax over the kept tokens of ``logits / temperature + g``, with
 ``g = -log(-log(u))`` and ``u`` uniform in (0, 1) from the hash. That samples from
 ``softmax(logits / temperature)`` restricted to the kept tokens: the ``top_k`` of highest logit
-(0: all), then the smallest prefix of them, by falling probability, whose mass reaches
-``top_p`` (the first token always kept). The noise of a token is the noise of its id, so with
-nothing cut the sorted and the plain draws give the same token.
+(0: all), then the smallest prefix of them, by falling probability renormalized over them,
+whose mass reaches ``top_p`` (the first token always kept), as vLLM and transformers cut. When
+every row sets ``top_k`` the draw takes ``torch.topk`` of the largest ``top_k`` instead of
+sorting the vocabulary. The noise of a token is the noise of its id, so with nothing cut the
+cut and the plain draws give the same token.
 """
 
 from __future__ import annotations
@@ -121,15 +123,18 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     if not any(p.cuts for p in params):
         g = -torch.log(-torch.log(uniform(keys, torch.arange(V, device=dev))))
         return (x + g).argmax(-1)
-    vals, ids = x.sort(dim=-1, descending=True)
+    if all(p.top_k for p in params):    # the largest k only, in falling order
+        vals, ids = x.topk(min(max(p.top_k for p in params), V), dim=-1)
+    else:
+        vals, ids = x.sort(dim=-1, descending=True)
     k = upload(np.array([p.top_k or V for p in params], dtype=np.int64), dev)
     top_p = upload(np.array([p.top_p for p in params], dtype=np.float32), dev)
+    vals = vals.masked_fill(torch.arange(vals.shape[1], device=dev)[None, :] >= k[:, None],
+                            float("-inf"))
     probs = torch.softmax(vals, dim=-1)
-    keep = torch.arange(V, device=dev)[None, :] < k[:, None]
-    keep &= (probs.cumsum(dim=-1) - probs) < top_p[:, None]
+    vals = vals.masked_fill((probs.cumsum(dim=-1) - probs) >= top_p[:, None], float("-inf"))
     g = -torch.log(-torch.log(uniform(keys, ids)))
-    choice = (vals.masked_fill(~keep, float("-inf")) + g).argmax(-1, keepdim=True)
-    return ids.gather(1, choice)[:, 0]
+    return ids.gather(1, (vals + g).argmax(-1, keepdim=True))[:, 0]
 
 
 def next_tokens(logits: torch.Tensor, params: list[SamplingParams | None],
