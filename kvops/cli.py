@@ -327,8 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     g.add_argument("--top-k", type=int, default=0, help="0: every token")
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0,
-                   help="sampling seed (prompt i draws with seed + i)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="sampling seed (prompt i draws with seed + i; default: from the request "
+                        "ids, the same every run)")
     g.add_argument("--device", default=None)
     g.add_argument("--raw", action="store_true", help="no chat template")
     args = ap.parse_args(argv)

@@ -116,7 +116,7 @@ def serve(model, rows, sampling, *, budget_tokens=4096, overlap=False, device="c
     dev = torch.device(device)
     reqs = build_requests(rows, CFG.vocab_size, length_scale=0.125)
     for r in reqs:
-        r.sampling = dataclasses.replace(sampling, seed=sampling.seed + r.rid)
+        r.sampling = dataclasses.replace(sampling, seed=(sampling.seed or 0) + r.rid)
     if only is not None:
         reqs = [reqs[only]]
     tok = 2 * CFG.n_layers * CFG.n_kv_heads * CFG.head_dim * 4
@@ -179,3 +179,24 @@ def test_top_p_is_taken_over_the_top_k_renormalized():
     p = torch.tensor([0.25, 0.3]).double() / 0.55                      # ids 0 and 4
     got = counts[[0, 4]]
     assert ((got - n * p).abs() <= 4 * (n * p * (1 - p)).sqrt()).all(), got
+
+
+def test_requests_without_a_seed_draw_apart_and_the_same_every_run(model):
+    """``seed=None``: a Request takes a seed from its id, so two requests with one prompt draw
+    different tokens, and a second replay draws the same; ``sample`` itself needs seeds."""
+    from kvops.engine import Request
+
+    def run():
+        reqs = [Request(i, 0.0, list(range(3, 40)), 12, sampling=SamplingParams(1.5))
+                for i in range(2)]
+        tok = 2 * CFG.n_layers * CFG.n_kv_heads * CFG.head_dim * 4
+        kv = make_kv("paged", KVBudget(bytes=1024 * tok, max_seqs=4, max_context=128), CFG,
+                     torch.float32, torch.device("cpu"))
+        Engine(model, kv, decode_kind("paged"), SchedulerConfig(64, 4, 32),
+               clock="model").replay(reqs)
+        return [r.output for r in reqs], [r.sampling.seed for r in reqs]
+
+    (a, b), seeds = run()
+    assert a != b and seeds[0] != seeds[1] and run() == ([a, b], seeds)
+    with pytest.raises(ValueError, match="params: expected a seed"):
+        sample(torch.zeros(1, 8), [SamplingParams(1.0)], [0])

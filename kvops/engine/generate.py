@@ -21,7 +21,7 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, *, eos_id
                  sampling: SamplingParams | None = None) -> list[list[int]]:
     """Continuations of token-id ``prompts`` served together by the engine (stopping after
     ``eos_id`` when given): greedy, or drawn by ``sampling``, prompt ``i`` with seed
-    ``sampling.seed + i``."""
+    ``sampling.seed + i`` (a seed from its request id when ``sampling.seed`` is None)."""
     from kvops.engine.configs import decode_kind
 
     dev = model.output.weight.device
@@ -37,7 +37,7 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, *, eos_id
     kv = make_kv(config, budget, c, dtype, dev)
     engine = Engine(model, kv, decode_kind(config), sched or SchedulerConfig(max_num_seqs=n))
     reqs = [Request(i, 0.0, list(p), max_new_tokens, ignore_eos=eos_id is None, eos_id=eos_id,
-                    sampling=None if sampling is None else
+                    sampling=sampling if sampling is None or sampling.seed is None else
                     dataclasses.replace(sampling, seed=sampling.seed + i))
             for i, p in enumerate(prompts)]
     engine.replay(reqs)

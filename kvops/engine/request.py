@@ -12,10 +12,11 @@ so far, as vLLM does. Token times are kept on three clocks (wall, modeled, engin
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 
-from kvops.engine.sampling import SamplingParams
+from kvops.engine.sampling import SamplingParams, request_seed
 
 HASH_BLOCK = 512
 """Tokens per Mooncake ``hash_id`` block."""
@@ -71,6 +72,8 @@ class Request:
         if self.sampling is not None and not isinstance(self.sampling, SamplingParams):
             raise ValueError(f"request {self.rid}: sampling: expected SamplingParams or None, got "
                              f"{type(self.sampling).__name__}")
+        if self.sampling is not None and self.sampling.seed is None:
+            self.sampling = dataclasses.replace(self.sampling, seed=request_seed(self.rid))
 
     @property
     def key(self) -> str:

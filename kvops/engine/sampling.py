@@ -64,12 +64,13 @@ def splitmix64_tensor(x: torch.Tensor) -> torch.Tensor:
 class SamplingParams:
     """How a request picks its tokens: ``temperature`` 0 is greedy (the other fields unused);
     above 0 it samples, keeping the ``top_k`` most likely tokens (0: every token) and of those
-    the nucleus of mass ``top_p``; ``seed`` fixes the draws (module doc)."""
+    the nucleus of mass ``top_p``; ``seed`` fixes the draws (module doc; None: a
+    :class:`~kvops.engine.request.Request` takes one from its id, so requests draw apart)."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    seed: int = 0
+    seed: int | None = None
 
     def __post_init__(self):
         t = self.temperature
@@ -80,8 +81,8 @@ class SamplingParams:
         p = self.top_p
         if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 < p <= 1:
             raise ValueError(f"top_p: expected a number in (0, 1], got {p!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ValueError(f"seed: expected an int, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed: expected an int or None, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
@@ -93,8 +94,15 @@ class SamplingParams:
         return self.top_k > 0 or self.top_p < 1
 
 
+def request_seed(rid: int) -> int:
+    """The seed of a request that names none: a hash of its id."""
+    return _signed(splitmix64(rid ^ 0x5EED))
+
+
 def row_keys(params: list[SamplingParams], positions: list[int]) -> np.ndarray:
     """Each row's hash key: ``splitmix64(seed ^ splitmix64(position))`` as int64."""
+    if any(p.seed is None for p in params):
+        raise ValueError("params: expected a seed in each (a Request sets one from its id)")
     return np.array([_signed(splitmix64((p.seed & _MASK64) ^ splitmix64(pos)))
                      for p, pos in zip(params, positions)], dtype=np.int64)
 
