@@ -159,6 +159,7 @@ def summarize(requests: list[Request], steps: list[StepRecord], extra: dict | No
     control = np.array([s.schedule_s + s.commit_s for s in steps]) if steps else np.zeros(1)
     moving = [s for s in steps if s.moving_sessions]
     groups_all = sum(s.groups + s.far_groups for s in moving)
+    timed = [s for s in steps if s.device_s]        # CUDA steps with device timings
     res = {
         "requests": len(requests), "finished": len(done),
         "refused": sum(r.status is Status.REFUSED for r in requests),
@@ -174,9 +175,9 @@ def summarize(requests: list[Request], steps: list[StepRecord], extra: dict | No
                          if step_s.sum() > 0 else 0.0),
         "control_exposed_share": (float(sum(s.control_exposed_s for s in steps) / step_s.sum())
                                   if step_s.sum() > 0 else 0.0),
-        "device_ms": _stats([s.device_s for s in steps if s.device_s]),
-        "device_gap_share": _gap_share(steps),
-        "gap_ms": _stats([s.gap_s for s in [s for s in steps if s.device_s][1:]]),
+        "device_ms": _stats([s.device_s for s in timed]),
+        "device_gap_share": _gap_share(timed),
+        "gap_ms": _stats([s.gap_s for s in timed[1:]]),   # the first has no step before it
         "reserved_gib_mean": float(np.mean([s.reserved_bytes for s in steps]) / 2**30) if steps else 0.0,
         "reserved_gib_max": float(max((s.reserved_bytes for s in steps), default=0) / 2**30),
         "used_gib_mean": float(np.mean([s.used_bytes for s in steps]) / 2**30) if steps else 0.0,
@@ -199,8 +200,8 @@ def summarize(requests: list[Request], steps: list[StepRecord], extra: dict | No
 
 
 def _gap_share(steps: list[StepRecord]) -> float:
-    """The stream's time between steps as a share of it and the steps' own (CUDA steps; 0
-    without any)."""
+    """The stream's time between steps as a share of it and the steps' own (timed CUDA
+    steps; 0 without any)."""
     busy = sum(s.device_s for s in steps)
     gap = sum(s.gap_s for s in steps)
     return gap / (busy + gap) if busy > 0 else 0.0

@@ -56,8 +56,7 @@ class OffloadKV(PagedKV):
         host = torch.empty((2, self.layers, nb, *self.k_pool.shape[2:]), dtype=self.k_pool.dtype,
                            pin_memory=pin)
         if nb:
-            pages = upload(np.asarray(self.pager.pages(req.key)[:nb], dtype=np.int64),
-                           self.device)
+            pages = self._page_ids(req, nb)
             host[0].copy_(self.k_pool.index_select(1, pages), non_blocking=pin)
             host[1].copy_(self.v_pool.index_select(1, pages), non_blocking=pin)
         self.end(req)
@@ -65,6 +64,10 @@ class OffloadKV(PagedKV):
         self.swap_outs += 1
         self.swap_bytes += host.numel() * host.element_size()
         return freed
+
+    def _page_ids(self, req: Request, nb: int) -> torch.Tensor:
+        """``req``'s first ``nb`` pages as int64 on the device, without a wait for the GPU."""
+        return upload(np.asarray(self.pager.pages(req.key)[:nb], dtype=np.int64), self.device)
 
     def prefix_lookup(self, req: Request):
         if req.rid in self._swapped:
@@ -94,8 +97,7 @@ class OffloadKV(PagedKV):
         for req, host in self._restore:
             nb = host.shape[2]
             if nb:
-                pages = upload(np.asarray(self.pager.pages(req.key)[:nb], dtype=np.int64),
-                               self.device)
+                pages = self._page_ids(req, nb)
                 self.k_pool.index_copy_(1, pages, host[0].to(self.device, non_blocking=cuda))
                 self.v_pool.index_copy_(1, pages, host[1].to(self.device, non_blocking=cuda))
                 if cuda:

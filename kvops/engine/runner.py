@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from kvops._upload import upload
-from kvops.engine.sampling import next_tokens
+from kvops.engine.sampling import draws, next_tokens
 from kvops.layouts import arena_as_pages
 from kvops.models.paged import forward_packed, logits
 from kvops.ops.elastic_attention import span_modes
@@ -312,7 +312,7 @@ class ModelRunner:
         self._tok[:bk].copy_(dev[0])
         self._pos[:bk].copy_(dev[1])
         nxt, lg = self._replay(bk) if self.graphs else self._decode_forward(bk)
-        if any(req.sampling is not None and not req.sampling.greedy for req, _, _ in items):
+        if any(draws(req.sampling) for req, _, _ in items):
             params, positions = [None] * bk, [0] * bk
             for (req, _, _), slot in zip(items, slots):
                 params[slot], positions[slot] = req.sampling, len(req.output)

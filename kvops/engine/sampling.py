@@ -94,6 +94,11 @@ class SamplingParams:
         return self.top_k > 0 or self.top_p < 1
 
 
+def draws(params: SamplingParams | None) -> bool:
+    """Whether a row with ``params`` samples (None and temperature 0 are greedy)."""
+    return params is not None and not params.greedy
+
+
 def request_seed(rid: int) -> int:
     """The seed of a request that names none: a hash of its id."""
     return _signed(splitmix64(rid ^ 0x5EED))
@@ -150,7 +155,7 @@ def next_tokens(logits: torch.Tensor, params: list[SamplingParams | None],
     """Next tokens ``[R]`` of ``logits [R, V]``: the argmax (``greedy`` when given) where
     ``params[r]`` is None or greedy, :func:`sample` elsewhere."""
     out = logits.argmax(-1) if greedy is None else greedy
-    rows = [r for r, p in enumerate(params) if p is not None and not p.greedy]
+    rows = [r for r, p in enumerate(params) if draws(p)]
     if not rows:
         return out
     at = upload(np.asarray(rows, dtype=np.int64), logits.device)

@@ -303,9 +303,6 @@ def attention_banded(q, k, v, mode: str, cap: int, bias: bool, sink: int = 0, q_
             sel = retrieval_pages(q[t0 - q0:t0 - q0 + n], bounds, t, n_pages, cap, every)
             tok = sel.repeat_interleave(page, dim=1)                     # [n, pages * page]
             mask[:, : tok.shape[1]] |= tok[:, : mask.shape[1]]
-            if rest:
-                left = ~sel & (torch.arange(sel.shape[1], device=q.device)[None, :]
-                               < n_pages[t, None])
         if mode == "reth" and bounds[0].shape[1]:
             sel = head_pages(q[t0 - q0:t0 - q0 + n], bounds, n_pages[t], cap)  # [Hkv, n, N]
             tok = sel.repeat_interleave(page, dim=2)[..., : mask.shape[1]]
@@ -321,7 +318,9 @@ def attention_banded(q, k, v, mode: str, cap: int, bias: bool, sink: int = 0, q_
             seen = (head[None, :] < first[t, None]) & (head[None, :] <= t[:, None])
             bias_ = torch.cat([torch.where(seen, 0.0, float("-inf")), bias_], dim=1)
             kb, vb = torch.cat([k[head], kb]), torch.cat([v[head], vb])
-        if rest and mode == "ret" and bounds[0].shape[1]:
+        if rest and mode == "ret" and bounds[0].shape[1]:     # the far pages not chosen
+            left = ~sel & (torch.arange(sel.shape[1], device=q.device)[None, :]
+                           < n_pages[t, None])
             bias_ = torch.cat([bias_, torch.where(left, math.log(page), float("-inf"))], dim=1)
             kb, vb = torch.cat([kb, k_mean]), torch.cat([vb, v_mean])
         if far is not None:
