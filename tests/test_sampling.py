@@ -200,3 +200,14 @@ def test_requests_without_a_seed_draw_apart_and_the_same_every_run(model):
     assert a != b and seeds[0] != seeds[1] and run() == ([a, b], seeds)
     with pytest.raises(ValueError, match="params: expected a seed"):
         sample(torch.zeros(1, 8), [SamplingParams(1.0)], [0])
+
+
+def test_a_request_and_the_cli_refuse_bad_sampling():
+    from kvops.cli import main
+    from kvops.engine import Request
+
+    with pytest.raises(ValueError, match="request 3: sampling: expected SamplingParams or None, "
+                                         "got dict"):
+        Request(3, 0.0, [1, 2], 4, sampling={"temperature": 1.0})
+    with pytest.raises(SystemExit, match="kvops generate: top_p: expected a number in"):
+        main(["generate", "--top-p", "0", "hello"])          # refused before the model loads
