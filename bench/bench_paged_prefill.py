@@ -1,8 +1,9 @@
 """GPU benchmark: paged_prefill_attention against SDPA (flash, cuDNN) over the gathered dense K/V
 and compiled flex_attention with a paged block mask.
 
-One sequence prefills ``new`` tokens over a ``prefix`` already in the pool (bf16, S 16; its
-pages come in 128-token runs of 8 consecutive pages placed at random in the pool, as a pager
+One sequence prefills ``new`` tokens over a ``prefix`` already in the pool (bf16, pages of
+``--page`` tokens, 16 by default; pages of 64 or more take the op's descriptor (TMA) path on
+Hopper; its pages come in runs of 8 consecutive pages placed at random in the pool, as a pager
 preferring contiguous spans leaves them, so flex's 128-key blocks map to whole runs). The SDPA
 peers get the same K/V gathered into dense ``[1, Hkv, prefix + new, D]`` tensors (the gather
 not timed) with a bottom-right causal mask; flex reads the pool itself, through a block mask
@@ -14,6 +15,7 @@ bytes once, against the 4.65 TB/s read ceiling.
     python -m bench.bench_paged_prefill            # Llama-3-8B and Qwen2.5-7B heads, full sweep
     python -m bench.bench_paged_prefill --quick    # four shapes and the chunked 8k
     python -m bench.bench_paged_prefill --no-flex  # without flex (its compiles take a while)
+    python -m bench.bench_paged_prefill --quick --page 64   # pages of 64 tokens
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import kvops  # noqa: F401 - registers torch.ops.kvops
 from bench.common import READ_CEILING, eager_times, table, tbps, time_graph, write_result
-from kvops.kernels.paged_prefill_attention import prefill_tile
+from kvops.kernels.paged_prefill_attention import prefill_tile, prefill_tma
 
 HEADS = {"llama3-8b": (32, 8, 128), "qwen2.5-7b": (28, 4, 128)}
 S, RUN, DTYPE = 16, 8, torch.bfloat16
@@ -165,7 +167,10 @@ def sweep(models, news, prefixes, with_flex):
         host, wall = eager_times(ours, iters=20)
         flops = 4 * Hq * D * visible_pairs(prefix, new)
         nbytes = (2 * (prefix + new) * Hkv + 2 * new * Hq) * D * DTYPE.itemsize
-        line = [model, new, prefix, str(prefill_tile(new, 1, Hq // Hkv, D, DTYPE)[:2]), t_ours,
+        tma = prefill_tma(S, D, DTYPE, torch.cuda.get_device_capability(), True)
+        line = [model, new, prefix,
+                str(prefill_tile(new, 1, Hq // Hkv, D, DTYPE, tma)[:3]) + (" tma" if tma else ""),
+                t_ours,
                 flops / t_ours / 1e6, flops / (t_ours * 1e-6) / FLOP_CEILING,
                 tbps(nbytes, t_ours) * 1e12 / READ_CEILING, host, wall]
         q, k, v = dense(case)
@@ -198,7 +203,7 @@ def sweep(models, news, prefixes, with_flex):
               f"({time.perf_counter() - t_start:.1f} s)", flush=True)
         del case, q, k, v, peers
         torch.cuda.empty_cache()
-    headers = ["model", "new", "prefix", "tile (M, N)", "kvops us", "TFLOP/s", "of peak",
+    headers = ["model", "new", "prefix", "tile (M, N, warps)", "kvops us", "TFLOP/s", "of peak",
                "of read ceil", "host us", "wall us", "flash us", "flash host", "cudnn us",
                "cudnn host"] + (["flex us", "flex host"] if with_flex else []) + ["x best peer"]
     return table(headers, rows), ratios
@@ -249,7 +254,8 @@ def tune(shapes):
                 continue
             results.append((t, bm, bn, nw, ns))
         results.sort()
-        rule = prefill_tile(new, 1, Hq // Hkv, D, DTYPE)
+        rule = prefill_tile(new, 1, Hq // Hkv, D, DTYPE,
+                            prefill_tma(S, D, DTYPE, torch.cuda.get_device_capability(), True))
         for nsp in (1, 2, 4, 8):
             fn = lambda c=case, n=nsp: paged_prefill_attention_fwd(**c, num_splits=n)
             t = time_graph(fn, iters=10)[1]
@@ -277,7 +283,10 @@ def main():
                     help="tile sweep on model:new:prefix shapes, comma separated")
     ap.add_argument("--news", default=None, help="new-token counts, comma separated")
     ap.add_argument("--prefixes", default=None, help="prefix lengths, comma separated")
+    ap.add_argument("--page", type=int, default=16, help="tokens a page (S)")
     args = ap.parse_args()
+    global S
+    S = args.page
     if args.tune:
         shapes = [(m, int(n), int(p)) for m, n, p in (x.split(":") for x in args.tune.split(","))]
         body = tune(shapes)
@@ -310,7 +319,8 @@ def main():
     text = (f"bf16, S {S}, one sequence; pages in runs of {RUN}. us: median graph replay; host: "
             f"eager host us per call.\n\n" + body + "\n\nGoals:\n" + "\n".join(goals) + "\n")
     partial = args.quick or args.news or args.prefixes or args.no_flex
-    write_result("paged_prefill_attention" + ("-partial" if partial else ""), text)
+    write_result("paged_prefill_attention" + ("-partial" if partial else "")
+                 + (f"-S{S}" if S != 16 else ""), text)
     print(text)
 
 

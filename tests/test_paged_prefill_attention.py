@@ -12,10 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvops
+import kvops.kernels.paged_prefill_attention as prefill_kernel
 from kvops.kernels.paged_prefill_attention import (
     paged_prefill_attention_fwd,
     prefill_splits,
     prefill_tile,
+    prefill_tma,
 )
 from kvops.ops.paged_prefill_attention import paged_prefill_attention_ref
 from tests.conftest import capture_graph, counting_backend, requires_cuda
@@ -151,6 +153,71 @@ def test_split_key_ranges_match_oracle(kernel_device, poison, window, prefetch):
         out, lse = paged_prefill_attention_fwd(**case, window=window, num_splits=nsp,
                                                block_n=16, prefetch=prefetch)
         check_against_oracle(out, lse, case, f"splits{nsp}-win{window}-pf{prefetch}", window)
+
+
+@pytest.fixture
+def descriptors(monkeypatch):
+    """Counts the pool descriptors a call makes (two a TMA launch), so a test knows the
+    descriptor path ran."""
+    made = []
+    real = prefill_kernel._pool_descriptor
+
+    def spy(cache, block_n):
+        made.append(block_n)
+        return real(cache, block_n)
+
+    monkeypatch.setattr(prefill_kernel, "_pool_descriptor", spy)
+    return made
+
+
+@settings(max_examples=6)
+@given(S=st.sampled_from([64, 128]), G=st.sampled_from([1, 2, 3, 4, 7, 8]),
+       D=st.sampled_from([16, 64, 128]), dtype=st.sampled_from([torch.float16, torch.bfloat16]),
+       window=st.sampled_from([0, 1, 37, 150]), interleaved=st.booleans(),
+       hole=st.booleans(), num_splits=st.sampled_from([None, 1, 3]), prefetch=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_tma_tiles_match_oracle(kernel_device, poison, descriptors, S, G, D, dtype, window,
+                                interleaved, hole, num_splits, prefetch, seed):
+    """K/V tiles through pool descriptors (forced: the interpreter has no Hopper to pick them):
+    prefixes ending mid-page and on page boundaries, a shared prefix, holes (page -1 inside a
+    sequence: out of the descriptor's bounds, read as zeros and masked), a page's invisible
+    rows poisoned with NaN (read whole by the descriptor, zeroed before the PV product),
+    windows, splits and interleaved pools all give the oracle's rows."""
+    chunks = [(S + 3, 20), (S, 9), (0, 2 * S + 5)]
+    case = make_case(chunks, S, 2, G, D, dtype, kernel_device, seed=seed, window=window,
+                     interleaved=interleaved, pad=2, hole=hole)
+    descriptors.clear()
+    out, lse = paged_prefill_attention_fwd(**case, window=window, tma=True,
+                                           num_splits=num_splits, prefetch=prefetch,
+                                           block_m=max(32, 1 << (G - 1).bit_length()))
+    assert len(descriptors) == 2
+    check_against_oracle(out, lse, case, f"tma-S{S}-G{G}-D{D}-win{window}-{interleaved}-"
+                                         f"{hole}-splits{num_splits}-pf{prefetch}", window)
+
+
+def test_tma_refuses_tiles_that_cross_pages():
+    case = make_case([(5, 3)], 16, 1, 2, 64, torch.float16, "cpu", seed=0)
+    with pytest.raises(ValueError, match=r"tma: expected a key tile inside a page \(block_n 64"):
+        paged_prefill_attention_fwd(**case, tma=True)
+    case = make_case([(5, 3)], 64, 1, 2, 96, torch.float16, "cpu", seed=0)
+    with pytest.raises(ValueError, match="D a power of two, got D 96"):
+        paged_prefill_attention_fwd(**case, tma=True, block_n=32)
+
+
+@pytest.mark.parametrize("S,D,dtype,capability,aligned,want", [
+    (64, 128, torch.bfloat16, (9, 0), True, True),       # Hopper, pages of 64
+    (256, 256, torch.float16, (10, 0), True, True),      # Blackwell, D 256
+    (16, 128, torch.bfloat16, (9, 0), True, False),      # a 64-key tile spans 4 pages
+    (32, 128, torch.bfloat16, (9, 0), True, False),
+    (64, 128, torch.bfloat16, (8, 0), True, False),      # Ampere: no tensor copy engine
+    (64, 96, torch.bfloat16, (9, 0), True, False),       # a tile row is not a box of D
+    (64, 512, torch.bfloat16, (9, 0), True, False),      # a box is at most 256 wide
+    (64, 128, torch.float32, (9, 0), True, False),
+    (64, 128, torch.bfloat16, (9, 0), False, False),     # page stride not 16-byte aligned
+    (64, 128, torch.bfloat16, (0, 0), True, False),      # CPU
+])
+def test_prefill_tma_table(S, D, dtype, capability, aligned, want):
+    assert prefill_tma(S, D, dtype, capability, aligned) == want
 
 
 @pytest.mark.parametrize("programs,max_ctx,block_n,sms,want", [
@@ -340,6 +407,15 @@ def test_prefill_tile_table(N, B, G, D, dtype, want):
     assert prefill_tile(N, B, G, D, dtype) == want
 
 
+@pytest.mark.parametrize("N,B,G,D,dtype,want", [
+    (8192, 1, 4, 128, torch.bfloat16, (128, 64, 4, 3)),     # one warpgroup on 128 rows
+    (128, 128, 4, 128, torch.bfloat16, (16, 64, 4, 3)),
+    (4096, 2, 8, 256, torch.bfloat16, (64, 32, 4, 2)),
+])
+def test_prefill_tile_table_with_tma(N, B, G, D, dtype, want):
+    assert prefill_tile(N, B, G, D, dtype, tma=True) == want
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_padding_and_empty_calls(kernel_device, poison, backend):
     """Rows after query_start[B] get 0 / -inf; no sequences at all (B 0) and no rows (N 0)."""
@@ -428,13 +504,45 @@ def test_cuda_graph_replay_with_new_lengths(dtype):
 
 
 @requires_cuda
+@pytest.mark.parametrize("S", [16, 64], ids=["S16", "S64"])
 @pytest.mark.parametrize("D", [64, 128, 256])
-def test_long_prefill_on_cuda(D):
+def test_long_prefill_on_cuda(D, S, descriptors):
     """Default launch shapes on a real GPU: 400 new tokens over a 300-token prefix and a
-    second sequence sharing it, bf16."""
-    case = make_case([(300, 400), (300, 100)], 16, 2, 4, D, torch.bfloat16, "cuda", seed=D)
+    second sequence sharing it, bf16; pages of 64 take the descriptor path on Hopper."""
+    case = make_case([(300, 400), (300, 100)], S, 2, 4, D, torch.bfloat16, "cuda", seed=D)
     out, lse = torch.ops.kvops.paged_prefill_attention(**case)
-    check_against_oracle(out, lse, case, f"long-D{D}")
+    tma = prefill_tma(S, D, torch.bfloat16, torch.cuda.get_device_capability(), True)
+    assert len(descriptors) == (2 if tma else 0)
+    check_against_oracle(out, lse, case, f"long-D{D}-S{S}")
+
+
+@requires_cuda
+def test_tma_cuda_graph_replay_with_new_lengths():
+    """The descriptor path (pages of 64, where the GPU has a tensor copy engine) captured once
+    and replayed with new chunk lengths, prefixes and tables."""
+    S, pool = 64, 40
+
+    def fresh(seed):
+        gen = torch.Generator().manual_seed(seed)
+        chunks = [(int(torch.randint(0, 200, (1,), generator=gen)),
+                   int(torch.randint(1, 150, (1,), generator=gen))) for _ in range(3)]
+        L = max(-(-(p + n) // S) for p, n in chunks)
+        return make_case(chunks, S, 8, 4, 128, torch.bfloat16, "cuda", seed=seed, pad=2,
+                         pool_pages=pool, spare_blocks=8 - L)
+
+    static = fresh(1)
+    static["q"] = torch.zeros(3 * 150 + 2, 32, 128, dtype=torch.bfloat16, device="cuda")
+    graph, (out, lse) = capture_graph(lambda: torch.ops.kvops.paged_prefill_attention(**static))
+    for seed in (2, 3, 4):
+        case = fresh(seed)
+        n = case["q"].shape[0]
+        static["q"].zero_()
+        static["q"][:n].copy_(case["q"])
+        for name, t in case.items():
+            if name != "q":
+                static[name].copy_(t)
+        graph.replay()
+        check_against_oracle(out[:n], lse[:n], case, f"tma-graph{seed}")
 
 
 def _bad_inputs():

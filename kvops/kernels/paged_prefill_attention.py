@@ -19,6 +19,12 @@ tile (the ``B + 1`` starts are read a ``BLOCK_B`` chunk at a time) and exits if 
 past its sequence's queries. Tiles run last-first, so the longest (latest) tiles of a sequence
 start first.
 
+On Hopper and newer, with pages of at least 64 tokens (``prefill_tma``), a key tile lies inside
+one page and comes whole through a tensor descriptor over the pool viewed as
+``[P, S, Hkv * D]``: the tensor copy engine loads it, with no per-row addresses or masks in
+registers (one warpgroup then holds a 128-row tile; 1.5x the gathered loads' speed on the H100 in
+bench/results/2026-12-06-prefill-ceiling.md). Smaller pages keep the gathered loads.
+
 When the tiles are too few to fill the GPU (a short chunk over a long prefix), each tile's key
 range is cut into ``NUM_SPLITS`` BLOCK_N-aligned parts (grid dim 2, ``prefill_splits``), each
 writing a normalized float32 partial and its lse. In eager calls the last split of each (tile,
@@ -35,7 +41,7 @@ import triton.language as tl
 
 from kvops._checks import signature as sig
 from kvops.kernels._attention import LN2, LOG2E, dot
-from kvops.kernels._common import dot_precision, next_pow2, sm_count
+from kvops.kernels._common import cuda_capability, dot_precision, next_pow2, sm_count
 from kvops.kernels._launch import keep_plan
 from kvops.kernels._splitk import arrive, launch_split, merge_plan, merge_rows, split_outputs
 
@@ -46,15 +52,19 @@ MIN_SPLIT_TILES = 8
 MAX_SPLITS = 8
 
 
-def prefill_tile(N: int, B: int, G: int, D: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+def prefill_tile(N: int, B: int, G: int, D: int, dtype: torch.dtype,
+                 tma: bool = False) -> tuple[int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for a call with ``N`` query rows over ``B``
-    sequences, group ``G``, head dim ``D``.
+    sequences, group ``G``, head dim ``D``; ``tma``: K/V tiles through descriptors
+    (``prefill_tma``).
 
     BLOCK_M: 128 rows (64 at D > 128 or float32, whose tiles take twice the registers), fewer
     when the sequences' mean chunk times G is smaller (down to 16, the smallest ``tl.dot``), and
     at least G rounded up to a power of two so a tile holds a whole group. BLOCK_N 64 keys (32 at
     D > 128 or float32). Eight warps for 128-row tiles, four below; three stages at D <= 128,
-    two above (shared memory).
+    two above (shared memory). With TMA four warps at every size: the tiles need no address
+    registers, and one warpgroup on 128 rows ran 1.2x faster than two on the H100
+    (bench/results/2026-12-06-prefill-ceiling.md).
     """
     big = D <= 128 and dtype != torch.float32
     max_m = 128 if big else 64
@@ -62,7 +72,35 @@ def prefill_tile(N: int, B: int, G: int, D: int, dtype: torch.dtype) -> tuple[in
     block_m = min(max_m, max(16, next_pow2(per_seq * G)))
     block_m = max(block_m, next_pow2(G))
     block_n = 64 if big else 32
-    return block_m, block_n, 8 if block_m >= 128 else 4, 3 if big else 2
+    warps = 4 if tma or block_m < 128 else 8
+    return block_m, block_n, warps, 3 if big else 2
+
+
+# K/V tiles come through the tensor copy engine only where a key tile lies inside one page:
+# pages of at least this many tokens (the rule's BLOCK_N at D <= 128)
+TMA_MIN_PAGE = 64
+
+
+def prefill_tma(S: int, D: int, dtype: torch.dtype, capability: tuple[int, int],
+                aligned: bool) -> bool:
+    """Whether a call loads its K/V tiles through tensor descriptors (the tensor copy engine)
+    instead of gathered pointer loads: on NVIDIA Hopper or newer (``capability >= (9, 0)``),
+    16-bit caches, ``D`` a power of two in [16, 256] (a tile row is the head's ``D`` values and
+    a descriptor's box is at most 256 wide), pages of at least TMA_MIN_PAGE tokens (so a key
+    tile is one page's rows: the descriptor reads a box, not a gather), and ``aligned`` pools
+    (base and page stride multiples of 16 bytes)."""
+    return (capability >= (9, 0) and dtype in (torch.float16, torch.bfloat16)
+            and 16 <= D <= 256 and D & (D - 1) == 0 and S >= TMA_MIN_PAGE and aligned)
+
+
+def _pool_descriptor(cache: torch.Tensor, block_n: int):
+    """A descriptor over a pool ``[P, S, Hkv, D]`` as ``[P, S, Hkv * D]`` (any page stride),
+    loading ``[1, block_n, D]`` boxes: one KV head's ``block_n`` keys of one page."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    P, S, Hkv, D = cache.shape
+    return TensorDescriptor(cache, [P, S, Hkv * D], [cache.stride(0), Hkv * D, 1],
+                            [1, block_n, D])
 
 
 def prefill_splits(programs: int, max_ctx: int, block_n: int, sms: int) -> int:
@@ -89,10 +127,11 @@ def _tile_pages(p_bt, n, seq_len, lo_key, L, S: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
-def _key_tile(b_q, b_acc, b_m, b_l, KC, VC, b_page, n, P, i_h, stride_kp, stride_vp,
+def _key_tile(b_q, b_acc, b_m, b_l, KC, VC, KD, VD, b_page, n, P, i_h, stride_kp, stride_vp,
               b_pos, window, scale_log2, S: tl.constexpr, HKV: tl.constexpr,
               D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-              MASK: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr):
+              MASK: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+              TMA: tl.constexpr):
     """Fold keys ``[n, n + BLOCK_N)`` (pages ``b_page`` from ``_tile_pages``) into the running
     softmax of the tile's rows.
 
@@ -100,14 +139,24 @@ def _key_tile(b_q, b_acc, b_m, b_l, KC, VC, b_page, n, P, i_h, stride_kp, stride
     ``[lo_key, seq_len)``); any other is loaded as 0 and masked, so a NaN there changes nothing.
     MASK adds each row's causal (and, WINDOW, window) visibility; without it every read key is
     visible to all rows.
+
+    TMA: the tile (``BLOCK_N <= S``, BLOCK_N-aligned, so inside one page) comes whole from the
+    tensor copy engine through descriptors ``KD``, ``VD`` over the pools as ``[P, S, Hkv * D]``;
+    a page id outside ``[0, P)`` is out of the descriptor's bounds and reads zeros. The page's
+    rows past the visible keys are read too, so masked tiles zero their V rows (a NaN there
+    would otherwise reach the accumulator through ``0 * NaN``).
     """
     o_n = n + tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, BLOCK_D)
     m_n = (b_page >= 0) & (b_page < P)
-    o_row = ((o_n % S) * (HKV * D) + i_h * D).to(tl.int64)
-    m_kv = m_n[:, None] & (o_d < D)[None, :]
-    p_k = KC + (b_page.to(tl.int64) * stride_kp + o_row)[:, None] + o_d[None, :]
-    b_k = tl.load(p_k, mask=m_kv, other=0.0)
+    if TMA:
+        pg = tl.max(b_page, 0)          # the tile's page; -1 when no key of it is read
+        b_k = tl.reshape(KD.load([pg, n % S, i_h * D]), [BLOCK_N, BLOCK_D])
+    else:
+        o_row = ((o_n % S) * (HKV * D) + i_h * D).to(tl.int64)
+        m_kv = m_n[:, None] & (o_d < D)[None, :]
+        p_k = KC + (b_page.to(tl.int64) * stride_kp + o_row)[:, None] + o_d[None, :]
+        b_k = tl.load(p_k, mask=m_kv, other=0.0)
     b_s = dot(b_q, tl.trans(b_k), PRECISION) * scale_log2
     if MASK:
         m_vis = m_n[None, :] & (o_n[None, :] <= b_pos[:, None])
@@ -121,17 +170,23 @@ def _key_tile(b_q, b_acc, b_m, b_l, KC, VC, b_page, n, P, i_h, stride_kp, stride
     b_alpha = tl.exp2(b_m - b_ms)
     b_p = tl.exp2(b_s - b_ms[:, None])
     b_l = b_l * b_alpha + tl.sum(b_p, 1)
-    p_v = VC + (b_page.to(tl.int64) * stride_vp + o_row)[:, None] + o_d[None, :]
-    b_v = tl.load(p_v, mask=m_kv, other=0.0)
+    if TMA:
+        b_v = tl.reshape(VD.load([pg, n % S, i_h * D]), [BLOCK_N, BLOCK_D])
+        if MASK:
+            b_v = tl.where(m_n[:, None], b_v, 0.0)
+    else:
+        p_v = VC + (b_page.to(tl.int64) * stride_vp + o_row)[:, None] + o_d[None, :]
+        b_v = tl.load(p_v, mask=m_kv, other=0.0)
     b_acc = b_acc * b_alpha[:, None] + dot(b_p.to(b_v.dtype), b_v, PRECISION)
     return b_acc, b_mn, b_l
 
 
 @triton.jit
-def _key_run(b_q, b_acc, b_m, b_l, KC, VC, p_bt, lo, hi, seq_len, lo_key, P, L, i_h, stride_kp,
-             stride_vp, b_pos, window, scale_log2, S: tl.constexpr, HKV: tl.constexpr,
-             D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr,
-             WINDOW: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr):
+def _key_run(b_q, b_acc, b_m, b_l, KC, VC, KD, VD, p_bt, lo, hi, seq_len, lo_key, P, L, i_h,
+             stride_kp, stride_vp, b_pos, window, scale_log2, S: tl.constexpr,
+             HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+             MASK: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+             PREFETCH: tl.constexpr, TMA: tl.constexpr):
     """Key tiles ``[lo, hi)`` in BLOCK_N steps. PREFETCH loads each tile's page ids one tile
     ahead (a loop-carried value), so the K/V loads' addresses do not wait on a load of the same
     iteration; without it each tile loads its own page ids."""
@@ -140,15 +195,17 @@ def _key_run(b_q, b_acc, b_m, b_l, KC, VC, p_bt, lo, hi, seq_len, lo_key, P, L, 
         for n in range(lo, hi, BLOCK_N):
             b_next = _tile_pages(p_bt, n + BLOCK_N, seq_len, lo_key, L, S, BLOCK_N)
             b_acc, b_m, b_l = _key_tile(
-                b_q, b_acc, b_m, b_l, KC, VC, b_page, n, P, i_h, stride_kp, stride_vp, b_pos,
-                window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, MASK, WINDOW, PRECISION)
+                b_q, b_acc, b_m, b_l, KC, VC, KD, VD, b_page, n, P, i_h, stride_kp, stride_vp,
+                b_pos, window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, MASK, WINDOW, PRECISION,
+                TMA)
             b_page = b_next
     else:
         for n in range(lo, hi, BLOCK_N):
             b_page = _tile_pages(p_bt, n, seq_len, lo_key, L, S, BLOCK_N)
             b_acc, b_m, b_l = _key_tile(
-                b_q, b_acc, b_m, b_l, KC, VC, b_page, n, P, i_h, stride_kp, stride_vp, b_pos,
-                window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, MASK, WINDOW, PRECISION)
+                b_q, b_acc, b_m, b_l, KC, VC, KD, VD, b_page, n, P, i_h, stride_kp, stride_vp,
+                b_pos, window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, MASK, WINDOW, PRECISION,
+                TMA)
     return b_acc, b_m, b_l
 
 
@@ -161,7 +218,7 @@ SEQ_CHUNK = 128
 
 @triton.jit(do_not_specialize=["N", "B", "num_tiles", "window", "NUM_SPLITS"])
 def _paged_prefill_kernel(
-    Q, KC, VC, BT, QS, SL, O, LSE, Out, Lse, Counts,
+    Q, KC, VC, BT, QS, SL, O, LSE, Out, Lse, Counts, KD, VD,
     N, B, P, L, num_tiles, window, scale_log2, NUM_SPLITS,
     stride_qn, stride_qh, stride_kp, stride_vp, stride_bt, stride_on, stride_oh, stride_os,
     stride_ln, stride_lh, stride_ls,
@@ -169,7 +226,7 @@ def _paged_prefill_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, WINDOW: tl.constexpr,
     PRECISION: tl.constexpr, PREFETCH: tl.constexpr, FUSED_MERGE: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr, TMA: tl.constexpr,
 ):
     i_t = num_tiles - 1 - tl.program_id(0)
     i_h = tl.program_id(1)
@@ -235,17 +292,18 @@ def _paged_prefill_kernel(
         mid_lo = tl.minimum(tl.cdiv(tl.maximum(p_last - window + 1, 0), BLOCK_N) * BLOCK_N,
                             mid_hi)
         b_acc, b_m, b_l = _key_run(
-            b_q, b_acc, b_m, b_l, KC, VC, p_bt, tl.maximum(k_lo, s_lo), tl.minimum(mid_lo, s_hi),
-            seq_len, lo_key, P, L, i_h, stride_kp, stride_vp, b_pos, window, scale_log2, S, HKV,
-            D, BLOCK_N, BLOCK_D, True, True, PRECISION, PREFETCH)
+            b_q, b_acc, b_m, b_l, KC, VC, KD, VD, p_bt, tl.maximum(k_lo, s_lo),
+            tl.minimum(mid_lo, s_hi), seq_len, lo_key, P, L, i_h, stride_kp, stride_vp, b_pos,
+            window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, True, True, PRECISION, PREFETCH,
+            TMA)
     b_acc, b_m, b_l = _key_run(
-        b_q, b_acc, b_m, b_l, KC, VC, p_bt, tl.maximum(mid_lo, s_lo), tl.minimum(mid_hi, s_hi),
-        seq_len, lo_key, P, L, i_h, stride_kp, stride_vp, b_pos, window, scale_log2, S, HKV, D,
-        BLOCK_N, BLOCK_D, False, WINDOW, PRECISION, PREFETCH)
+        b_q, b_acc, b_m, b_l, KC, VC, KD, VD, p_bt, tl.maximum(mid_lo, s_lo),
+        tl.minimum(mid_hi, s_hi), seq_len, lo_key, P, L, i_h, stride_kp, stride_vp, b_pos, window,
+        scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, False, WINDOW, PRECISION, PREFETCH, TMA)
     b_acc, b_m, b_l = _key_run(
-        b_q, b_acc, b_m, b_l, KC, VC, p_bt, tl.maximum(mid_hi, s_lo), s_hi, seq_len, lo_key, P, L,
-        i_h, stride_kp, stride_vp, b_pos, window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, True,
-        WINDOW, PRECISION, PREFETCH)
+        b_q, b_acc, b_m, b_l, KC, VC, KD, VD, p_bt, tl.maximum(mid_hi, s_lo), s_hi, seq_len,
+        lo_key, P, L, i_h, stride_kp, stride_vp, b_pos, window, scale_log2, S, HKV, D, BLOCK_N,
+        BLOCK_D, True, WINDOW, PRECISION, PREFETCH, TMA)
     b_has = b_l > 0
     b_out = b_acc / tl.where(b_has, b_l, 1.0)[:, None]
     b_lse = tl.where(b_has, (b_m + tl.log2(tl.where(b_has, b_l, 1.0))) * LN2,
@@ -268,13 +326,15 @@ def paged_prefill_attention_fwd(
     query_start: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None,
     window: int = 0, *, block_m: int | None = None, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, num_splits: int | None = None,
-    prefetch: bool = True, signature=None,
+    prefetch: bool = True, tma: bool | None = None, signature=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate, pick the tile (``prefill_tile``) and the splits (``prefill_splits``), launch,
     and merge split partials (in the launch, or ``_splitk.merge_split_outputs`` under capture).
     Inputs are already checked by the op;
     the keyword knobs override the rules (tests, benches); ``prefetch`` (on unless a caller
-    turns it off) loads page ids a tile ahead (``_key_run``; docs/tuning.md). A launch's plan
+    turns it off) loads page ids a tile ahead (``_key_run``; docs/tuning.md); ``tma`` forces
+    K/V tiles through descriptors on (where the tile fits a page) or off, else
+    ``prefill_tma`` decides. A launch's plan
     (tile, splits, strides, binary key) is kept per argument signature (``signature``: the
     op's, of every tensor with scale and window, else one is computed here) and knobs.
     Returns ``(out, lse)``."""
@@ -284,15 +344,20 @@ def paged_prefill_attention_fwd(
     tensors = (q, k_cache, v_cache, block_table, query_start, seq_lens)
     if signature is None:
         signature = (*(sig(t) for t in tensors), scale, window)
-    knobs = (block_m, block_n, num_warps, num_stages, num_splits, prefetch)
+    knobs = (block_m, block_n, num_warps, num_stages, num_splits, prefetch, tma)
     key = (signature, knobs)
     plan = _PLANS.get(key) or keep_plan(_PLANS, key, _plan(*tensors, scale, window, knobs))
     grid, nsp, ints, meta, merge, fused, token, ready = plan
     # out [N, Hq, D] and lse [N, Hq] are a decode launch's outputs with N rows
     out, lse, part_o, part_l, count = split_outputs(N, Hq, D, nsp, q.dtype, q.device,
                                                     grid[0] * grid[1])
+    # the descriptors hold the pools' addresses, so they are made each call (without TMA the
+    # kernel never reads those two arguments)
+    descs = ((_pool_descriptor(k_cache, meta["BLOCK_N"]),
+              _pool_descriptor(v_cache, meta["BLOCK_N"])) if meta["TMA"] else
+             (k_cache, v_cache))
     launch_split(_paged_prefill_kernel, grid, (*tensors, part_o, part_l, out, lse), count,
-                 seq_lens, ints, (token, meta), fused, merge, ready)
+                 seq_lens, (*descs, *ints), (token, meta), fused, merge, ready)
     return out, lse
 
 
@@ -301,12 +366,19 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, scale, window
     P, S, Hkv, _ = k_cache.shape
     B, L = block_table.shape
     G = Hq // Hkv
-    block_m, block_n, num_warps, num_stages, num_splits, prefetch = knobs
-    bm, bn, nw, ns = prefill_tile(N, B, G, D, q.dtype)
+    block_m, block_n, num_warps, num_stages, num_splits, prefetch, tma = knobs
+    if tma is None:
+        aligned = all(c.data_ptr() % 16 == 0 and c.stride(0) * c.element_size() % 16 == 0
+                      for c in (k_cache, v_cache))
+        tma = prefill_tma(S, D, q.dtype, cuda_capability(q.device), aligned) and P > 0
+    bm, bn, nw, ns = prefill_tile(N, B, G, D, q.dtype, tma)
     bm, bn = block_m or bm, block_n or bn
     nw, ns = num_warps or nw, num_stages or ns
     if bm < G:
         raise ValueError(f"block_m: expected at least G={G} rows, got {bm}")
+    if tma and (bn > S or D != next_pow2(D)):
+        raise ValueError(f"tma: expected a key tile inside a page (block_n {bn} <= S {S}) and "
+                         f"D a power of two, got D {D}")
     block_q = bm // G
     num_tiles = N // block_q + B + 1
     nsp = num_splits or prefill_splits(N // block_q * Hkv, L * S, bn, sm_count(q.device))
@@ -320,7 +392,7 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, scale, window
     meta = dict(S=S, HKV=Hkv, G=G, D=D, BLOCK_Q=block_q, BLOCK_M=bm, BLOCK_N=bn,
                 BLOCK_D=next_pow2(max(D, 16)), BLOCK_B=SEQ_CHUNK,
                 WINDOW=window > 0, PRECISION=dot_precision(q.dtype), PREFETCH=prefetch,
-                FUSED_MERGE=False, BLOCK_S=1, num_warps=nw, num_stages=ns)
+                FUSED_MERGE=False, BLOCK_S=1, TMA=bool(tma), num_warps=nw, num_stages=ns)
     merge = merge_plan(N, Hq, nsp, D, q.dtype, False, q.device) if nsp > 1 else None
     # N, B, num_tiles and window are not specialized (one binary serves every value of them),
     # so they stay out of the binary's key; the rest of what the kernel specializes on is in
@@ -328,8 +400,12 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, scale, window
     token = ("prefill", P, L, nsp, strides, Hq, q.dtype, q.device, tuple(meta.values()),
              tuple(t.data_ptr() % 16 == 0 for t in (q, k_cache, v_cache, block_table,
                                                      query_start, seq_lens)))
+    if tma:
+        # descriptor arguments go through the JIT's launch path: triton's launchers expand
+        # them at fixed argument positions that the direct C entry (``_launch``) does not keep
+        token = None
     fused = None
     if nsp > 1:   # the one-launch form: its own constants, so its own binary key
         f_meta = dict(meta, FUSED_MERGE=True, BLOCK_S=next_pow2(nsp))
-        fused = (f_meta, ("fused", *token))
+        fused = (f_meta, None if token is None else ("fused", *token))
     return (num_tiles, Hkv, nsp), nsp, ints, meta, merge, fused, token, []
