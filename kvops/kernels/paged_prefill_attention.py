@@ -94,13 +94,17 @@ def prefill_tma(S: int, D: int, dtype: torch.dtype, capability: tuple[int, int],
 
 
 def _pool_descriptor(cache: torch.Tensor, block_n: int):
-    """A descriptor over a pool ``[P, S, Hkv, D]`` as ``[P, S, Hkv * D]`` (any page stride),
-    loading ``[1, block_n, D]`` boxes: one KV head's ``block_n`` keys of one page."""
+    """A descriptor over a pool ``[P, S, Hkv, D]`` as rows of ``Hkv * D`` values (page ``p``'s
+    rows start at row ``p * stride(0) / (Hkv * D)``, so one layer's slice of a bigger pool and
+    an interleaved K/V pool work without a copy), loading ``[block_n, D]`` boxes: one KV head's
+    ``block_n`` keys of one page. A 2-D box feeds the tensor cores straight from shared memory
+    (a 3-D ``[1, block_n, D]`` box reshaped to 2-D ran 1.4x slower on the H100)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     P, S, Hkv, D = cache.shape
-    return TensorDescriptor(cache, [P, S, Hkv * D], [cache.stride(0), Hkv * D, 1],
-                            [1, block_n, D])
+    F = Hkv * D
+    rows = (P - 1) * (cache.stride(0) // F) + S
+    return TensorDescriptor(cache, [rows, F], [F, 1], [block_n, D])
 
 
 def prefill_splits(programs: int, max_ctx: int, block_n: int, sms: int) -> int:
@@ -127,8 +131,8 @@ def _tile_pages(p_bt, n, seq_len, lo_key, L, S: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
-def _key_tile(b_q, b_acc, b_m, b_l, KC, VC, KD, VD, b_page, n, P, i_h, stride_kp, stride_vp,
-              b_pos, window, scale_log2, S: tl.constexpr, HKV: tl.constexpr,
+def _key_tile(b_q, b_acc, b_m, b_l, KC, VC, KD, VD, page_rows, b_page, n, P, i_h, stride_kp,
+              stride_vp, b_pos, window, scale_log2, S: tl.constexpr, HKV: tl.constexpr,
               D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
               MASK: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
               TMA: tl.constexpr):
@@ -141,17 +145,19 @@ def _key_tile(b_q, b_acc, b_m, b_l, KC, VC, KD, VD, b_page, n, P, i_h, stride_kp
     visible to all rows.
 
     TMA: the tile (``BLOCK_N <= S``, BLOCK_N-aligned, so inside one page) comes whole from the
-    tensor copy engine through descriptors ``KD``, ``VD`` over the pools as ``[P, S, Hkv * D]``;
-    a page id outside ``[0, P)`` is out of the descriptor's bounds and reads zeros. The page's
-    rows past the visible keys are read too, so masked tiles zero their V rows (a NaN there
-    would otherwise reach the accumulator through ``0 * NaN``).
+    tensor copy engine through descriptors ``KD``, ``VD`` over the pools' rows (``[rows, Hkv *
+    D]``, page ``p``'s first row ``p * page_rows``); a page id outside ``[0, P)`` becomes -1,
+    whose rows are negative, out of the descriptor's bounds, and read as zeros. The page's rows
+    past the visible keys are read too, so masked tiles zero their V rows (a NaN there would
+    otherwise reach the accumulator through ``0 * NaN``).
     """
     o_n = n + tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, BLOCK_D)
     m_n = (b_page >= 0) & (b_page < P)
     if TMA:
         pg = tl.max(b_page, 0)          # the tile's page; -1 when no key of it is read
-        b_k = tl.reshape(KD.load([pg, n % S, i_h * D]), [BLOCK_N, BLOCK_D])
+        row = tl.where((pg >= 0) & (pg < P), pg, -1) * page_rows + n % S
+        b_k = KD.load([row, i_h * D])
     else:
         o_row = ((o_n % S) * (HKV * D) + i_h * D).to(tl.int64)
         m_kv = m_n[:, None] & (o_d < D)[None, :]
@@ -171,7 +177,7 @@ def _key_tile(b_q, b_acc, b_m, b_l, KC, VC, KD, VD, b_page, n, P, i_h, stride_kp
     b_p = tl.exp2(b_s - b_ms[:, None])
     b_l = b_l * b_alpha + tl.sum(b_p, 1)
     if TMA:
-        b_v = tl.reshape(VD.load([pg, n % S, i_h * D]), [BLOCK_N, BLOCK_D])
+        b_v = VD.load([row, i_h * D])
         if MASK:
             b_v = tl.where(m_n[:, None], b_v, 0.0)
     else:
@@ -182,8 +188,8 @@ def _key_tile(b_q, b_acc, b_m, b_l, KC, VC, KD, VD, b_page, n, P, i_h, stride_kp
 
 
 @triton.jit
-def _key_run(b_q, b_acc, b_m, b_l, KC, VC, KD, VD, p_bt, lo, hi, seq_len, lo_key, P, L, i_h,
-             stride_kp, stride_vp, b_pos, window, scale_log2, S: tl.constexpr,
+def _key_run(b_q, b_acc, b_m, b_l, KC, VC, KD, VD, page_rows, p_bt, lo, hi, seq_len, lo_key, P,
+             L, i_h, stride_kp, stride_vp, b_pos, window, scale_log2, S: tl.constexpr,
              HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
              MASK: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
              PREFETCH: tl.constexpr, TMA: tl.constexpr):
@@ -195,17 +201,17 @@ def _key_run(b_q, b_acc, b_m, b_l, KC, VC, KD, VD, p_bt, lo, hi, seq_len, lo_key
         for n in range(lo, hi, BLOCK_N):
             b_next = _tile_pages(p_bt, n + BLOCK_N, seq_len, lo_key, L, S, BLOCK_N)
             b_acc, b_m, b_l = _key_tile(
-                b_q, b_acc, b_m, b_l, KC, VC, KD, VD, b_page, n, P, i_h, stride_kp, stride_vp,
-                b_pos, window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, MASK, WINDOW, PRECISION,
-                TMA)
+                b_q, b_acc, b_m, b_l, KC, VC, KD, VD, page_rows, b_page, n, P, i_h, stride_kp,
+                stride_vp, b_pos, window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, MASK, WINDOW,
+                PRECISION, TMA)
             b_page = b_next
     else:
         for n in range(lo, hi, BLOCK_N):
             b_page = _tile_pages(p_bt, n, seq_len, lo_key, L, S, BLOCK_N)
             b_acc, b_m, b_l = _key_tile(
-                b_q, b_acc, b_m, b_l, KC, VC, KD, VD, b_page, n, P, i_h, stride_kp, stride_vp,
-                b_pos, window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, MASK, WINDOW, PRECISION,
-                TMA)
+                b_q, b_acc, b_m, b_l, KC, VC, KD, VD, page_rows, b_page, n, P, i_h, stride_kp,
+                stride_vp, b_pos, window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, MASK, WINDOW,
+                PRECISION, TMA)
     return b_acc, b_m, b_l
 
 
@@ -219,7 +225,7 @@ SEQ_CHUNK = 128
 @triton.jit(do_not_specialize=["N", "B", "num_tiles", "window", "NUM_SPLITS"])
 def _paged_prefill_kernel(
     Q, KC, VC, BT, QS, SL, O, LSE, Out, Lse, Counts, KD, VD,
-    N, B, P, L, num_tiles, window, scale_log2, NUM_SPLITS,
+    N, B, P, L, page_rows, num_tiles, window, scale_log2, NUM_SPLITS,
     stride_qn, stride_qh, stride_kp, stride_vp, stride_bt, stride_on, stride_oh, stride_os,
     stride_ln, stride_lh, stride_ls,
     S: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
@@ -292,17 +298,17 @@ def _paged_prefill_kernel(
         mid_lo = tl.minimum(tl.cdiv(tl.maximum(p_last - window + 1, 0), BLOCK_N) * BLOCK_N,
                             mid_hi)
         b_acc, b_m, b_l = _key_run(
-            b_q, b_acc, b_m, b_l, KC, VC, KD, VD, p_bt, tl.maximum(k_lo, s_lo),
+            b_q, b_acc, b_m, b_l, KC, VC, KD, VD, page_rows, p_bt, tl.maximum(k_lo, s_lo),
             tl.minimum(mid_lo, s_hi), seq_len, lo_key, P, L, i_h, stride_kp, stride_vp, b_pos,
             window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, True, True, PRECISION, PREFETCH,
             TMA)
     b_acc, b_m, b_l = _key_run(
-        b_q, b_acc, b_m, b_l, KC, VC, KD, VD, p_bt, tl.maximum(mid_lo, s_lo),
+        b_q, b_acc, b_m, b_l, KC, VC, KD, VD, page_rows, p_bt, tl.maximum(mid_lo, s_lo),
         tl.minimum(mid_hi, s_hi), seq_len, lo_key, P, L, i_h, stride_kp, stride_vp, b_pos, window,
         scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, False, WINDOW, PRECISION, PREFETCH, TMA)
     b_acc, b_m, b_l = _key_run(
-        b_q, b_acc, b_m, b_l, KC, VC, KD, VD, p_bt, tl.maximum(mid_hi, s_lo), s_hi, seq_len,
-        lo_key, P, L, i_h, stride_kp, stride_vp, b_pos, window, scale_log2, S, HKV, D, BLOCK_N,
+        b_q, b_acc, b_m, b_l, KC, VC, KD, VD, page_rows, p_bt, tl.maximum(mid_hi, s_lo), s_hi,
+        seq_len, lo_key, P, L, i_h, stride_kp, stride_vp, b_pos, window, scale_log2, S, HKV, D, BLOCK_N,
         BLOCK_D, True, WINDOW, PRECISION, PREFETCH, TMA)
     b_has = b_l > 0
     b_out = b_acc / tl.where(b_has, b_l, 1.0)[:, None]
@@ -369,7 +375,8 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, scale, window
     block_m, block_n, num_warps, num_stages, num_splits, prefetch, tma = knobs
     if tma is None:
         aligned = all(c.data_ptr() % 16 == 0 and c.stride(0) * c.element_size() % 16 == 0
-                      for c in (k_cache, v_cache))
+                      and c.stride(0) % (Hkv * D) == 0 for c in (k_cache, v_cache))
+        aligned = aligned and k_cache.stride(0) == v_cache.stride(0)
         tma = prefill_tma(S, D, q.dtype, cuda_capability(q.device), aligned) and P > 0
     bm, bn, nw, ns = prefill_tile(N, B, G, D, q.dtype, tma)
     bm, bn = block_m or bm, block_n or bn
@@ -388,7 +395,14 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, scale, window
                    (Hq * D, D, 0, Hq, 1, 0))
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), v_cache.stride(0),
                block_table.stride(0), *out_strides)
-    ints = (N, B, P, L, num_tiles, window, scale * LOG2E.value, nsp, *strides)
+    if tma and any(c.stride(0) % (Hkv * D) for c in (k_cache, v_cache)):
+        raise ValueError(f"tma: expected page strides a multiple of Hkv * D = {Hkv * D}, got "
+                         f"{k_cache.stride(0)} and {v_cache.stride(0)}")
+    page_rows = k_cache.stride(0) // (Hkv * D)
+    if tma and v_cache.stride(0) != k_cache.stride(0):
+        raise ValueError(f"tma: expected k_cache and v_cache with one page stride, got "
+                         f"{k_cache.stride(0)} and {v_cache.stride(0)}")
+    ints = (N, B, P, L, page_rows, num_tiles, window, scale * LOG2E.value, nsp, *strides)
     meta = dict(S=S, HKV=Hkv, G=G, D=D, BLOCK_Q=block_q, BLOCK_M=bm, BLOCK_N=bn,
                 BLOCK_D=next_pow2(max(D, 16)), BLOCK_B=SEQ_CHUNK,
                 WINDOW=window > 0, PRECISION=dot_precision(q.dtype), PREFETCH=prefetch,
