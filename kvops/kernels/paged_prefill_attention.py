@@ -131,11 +131,10 @@ def _tile_pages(p_bt, n, seq_len, lo_key, L, S: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
-def _key_tile(b_q, b_acc, b_m, b_l, KC, VC, KD, VD, page_rows, b_page, n, P, i_h, stride_kp,
-              stride_vp, b_pos, window, scale_log2, S: tl.constexpr, HKV: tl.constexpr,
+def _key_tile(b_q, b_acc, b_m, b_l, KC, VC, b_page, n, P, i_h, stride_kp, stride_vp,
+              b_pos, window, scale_log2, S: tl.constexpr, HKV: tl.constexpr,
               D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-              MASK: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-              TMA: tl.constexpr):
+              MASK: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr):
     """Fold keys ``[n, n + BLOCK_N)`` (pages ``b_page`` from ``_tile_pages``) into the running
     softmax of the tile's rows.
 
@@ -143,26 +142,14 @@ def _key_tile(b_q, b_acc, b_m, b_l, KC, VC, KD, VD, page_rows, b_page, n, P, i_h
     ``[lo_key, seq_len)``); any other is loaded as 0 and masked, so a NaN there changes nothing.
     MASK adds each row's causal (and, WINDOW, window) visibility; without it every read key is
     visible to all rows.
-
-    TMA: the tile (``BLOCK_N <= S``, BLOCK_N-aligned, so inside one page) comes whole from the
-    tensor copy engine through descriptors ``KD``, ``VD`` over the pools' rows (``[rows, Hkv *
-    D]``, page ``p``'s first row ``p * page_rows``); a page id outside ``[0, P)`` becomes -1,
-    whose rows are negative, out of the descriptor's bounds, and read as zeros. The page's rows
-    past the visible keys are read too, so masked tiles zero their V rows (a NaN there would
-    otherwise reach the accumulator through ``0 * NaN``).
     """
     o_n = n + tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, BLOCK_D)
     m_n = (b_page >= 0) & (b_page < P)
-    if TMA:
-        pg = tl.max(b_page, 0)          # the tile's page; -1 when no key of it is read
-        row = tl.where((pg >= 0) & (pg < P), pg, -1) * page_rows + n % S
-        b_k = KD.load([row, i_h * D])
-    else:
-        o_row = ((o_n % S) * (HKV * D) + i_h * D).to(tl.int64)
-        m_kv = m_n[:, None] & (o_d < D)[None, :]
-        p_k = KC + (b_page.to(tl.int64) * stride_kp + o_row)[:, None] + o_d[None, :]
-        b_k = tl.load(p_k, mask=m_kv, other=0.0)
+    o_row = ((o_n % S) * (HKV * D) + i_h * D).to(tl.int64)
+    m_kv = m_n[:, None] & (o_d < D)[None, :]
+    p_k = KC + (b_page.to(tl.int64) * stride_kp + o_row)[:, None] + o_d[None, :]
+    b_k = tl.load(p_k, mask=m_kv, other=0.0)
     b_s = dot(b_q, tl.trans(b_k), PRECISION) * scale_log2
     if MASK:
         m_vis = m_n[None, :] & (o_n[None, :] <= b_pos[:, None])
@@ -171,20 +158,57 @@ def _key_tile(b_q, b_acc, b_m, b_l, KC, VC, KD, VD, page_rows, b_page, n, P, i_h
         b_s = tl.where(m_vis, b_s, float("-inf"))
     else:
         b_s = tl.where(m_n[None, :], b_s, float("-inf"))
+    b_p, b_alpha, b_m, b_l = _softmax_step(b_s, b_m, b_l)
+    p_v = VC + (b_page.to(tl.int64) * stride_vp + o_row)[:, None] + o_d[None, :]
+    b_v = tl.load(p_v, mask=m_kv, other=0.0)
+    b_acc = b_acc * b_alpha[:, None] + dot(b_p.to(b_v.dtype), b_v, PRECISION)
+    return b_acc, b_m, b_l
+
+
+@triton.jit
+def _softmax_step(b_s, b_m, b_l):
+    """One key tile's scores ``b_s`` (base 2) into the running max ``b_m`` and sum ``b_l``:
+    returns the tile's weights, the factor rescaling what came before, and the new max and
+    sum. A row with no visible key yet keeps max -inf and weights 0."""
     b_mn = tl.maximum(b_m, tl.max(b_s, 1))
     b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)
     b_alpha = tl.exp2(b_m - b_ms)
     b_p = tl.exp2(b_s - b_ms[:, None])
-    b_l = b_l * b_alpha + tl.sum(b_p, 1)
-    if TMA:
-        b_v = VD.load([row, i_h * D])
-        if MASK:
-            b_v = tl.where(m_n[:, None], b_v, 0.0)
+    return b_p, b_alpha, b_mn, b_l * b_alpha + tl.sum(b_p, 1)
+
+
+@triton.jit
+def _key_tile_tma(b_q, b_acc, b_m, b_l, KD, VD, page_rows, p_bt, n, seq_len, lo_key, P, L, i_h,
+                  b_pos, window, scale_log2, S: tl.constexpr, D: tl.constexpr,
+                  BLOCK_N: tl.constexpr, MASK: tl.constexpr, WINDOW: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """``_key_tile`` with the tile (``BLOCK_N <= S``, BLOCK_N-aligned, so inside one page)
+    loaded whole by the tensor copy engine through descriptors ``KD``, ``VD`` over the pools'
+    rows (page ``p``'s first row ``p * page_rows``). The page id is one scalar load, so the
+    pipeliner issues it and the tile's load stages ahead. A page id outside ``[0, P)`` becomes
+    -1, whose rows are negative: out of the descriptor's bounds, read as zeros, and masked. The
+    page's rows past the visible keys are read too, so masked tiles zero their V rows (a NaN
+    there would otherwise reach the accumulator through ``0 * NaN``)."""
+    o_n = n + tl.arange(0, BLOCK_N)
+    pg = tl.load(p_bt + n // S, mask=n // S < L, other=-1)
+    ok = (pg >= 0) & (pg < P)
+    row = tl.where(ok, pg, -1) * page_rows + n % S
+    b_k = KD.load([row, i_h * D])
+    b_s = dot(b_q, tl.trans(b_k), PRECISION) * scale_log2
+    if MASK:
+        m_n = ok & (o_n < seq_len) & (o_n >= lo_key)
+        m_vis = m_n[None, :] & (o_n[None, :] <= b_pos[:, None])
+        if WINDOW:
+            m_vis = m_vis & (o_n[None, :] > b_pos[:, None] - window)
+        b_s = tl.where(m_vis, b_s, float("-inf"))
     else:
-        p_v = VC + (b_page.to(tl.int64) * stride_vp + o_row)[:, None] + o_d[None, :]
-        b_v = tl.load(p_v, mask=m_kv, other=0.0)
+        b_s = tl.where(ok, b_s, float("-inf"))
+    b_p, b_alpha, b_m, b_l = _softmax_step(b_s, b_m, b_l)
+    b_v = VD.load([row, i_h * D])
+    if MASK:
+        b_v = tl.where(m_n[:, None], b_v, 0.0)
     b_acc = b_acc * b_alpha[:, None] + dot(b_p.to(b_v.dtype), b_v, PRECISION)
-    return b_acc, b_mn, b_l
+    return b_acc, b_m, b_l
 
 
 @triton.jit
@@ -193,25 +217,29 @@ def _key_run(b_q, b_acc, b_m, b_l, KC, VC, KD, VD, page_rows, p_bt, lo, hi, seq_
              HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
              MASK: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
              PREFETCH: tl.constexpr, TMA: tl.constexpr):
-    """Key tiles ``[lo, hi)`` in BLOCK_N steps. PREFETCH loads each tile's page ids one tile
-    ahead (a loop-carried value), so the K/V loads' addresses do not wait on a load of the same
+    """Key tiles ``[lo, hi)`` in BLOCK_N steps. TMA: each tile through the descriptors
+    (``_key_tile_tma``). Else PREFETCH loads each tile's page ids one tile ahead (a
+    loop-carried value), so the K/V loads' addresses do not wait on a load of the same
     iteration; without it each tile loads its own page ids."""
-    if PREFETCH:
+    if TMA:
+        for n in range(lo, hi, BLOCK_N):
+            b_acc, b_m, b_l = _key_tile_tma(
+                b_q, b_acc, b_m, b_l, KD, VD, page_rows, p_bt, n, seq_len, lo_key, P, L, i_h,
+                b_pos, window, scale_log2, S, D, BLOCK_N, MASK, WINDOW, PRECISION)
+    elif PREFETCH:
         b_page = _tile_pages(p_bt, lo, seq_len, lo_key, L, S, BLOCK_N)
         for n in range(lo, hi, BLOCK_N):
             b_next = _tile_pages(p_bt, n + BLOCK_N, seq_len, lo_key, L, S, BLOCK_N)
             b_acc, b_m, b_l = _key_tile(
-                b_q, b_acc, b_m, b_l, KC, VC, KD, VD, page_rows, b_page, n, P, i_h, stride_kp,
-                stride_vp, b_pos, window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, MASK, WINDOW,
-                PRECISION, TMA)
+                b_q, b_acc, b_m, b_l, KC, VC, b_page, n, P, i_h, stride_kp, stride_vp, b_pos,
+                window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, MASK, WINDOW, PRECISION)
             b_page = b_next
     else:
         for n in range(lo, hi, BLOCK_N):
             b_page = _tile_pages(p_bt, n, seq_len, lo_key, L, S, BLOCK_N)
             b_acc, b_m, b_l = _key_tile(
-                b_q, b_acc, b_m, b_l, KC, VC, KD, VD, page_rows, b_page, n, P, i_h, stride_kp,
-                stride_vp, b_pos, window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, MASK, WINDOW,
-                PRECISION, TMA)
+                b_q, b_acc, b_m, b_l, KC, VC, b_page, n, P, i_h, stride_kp, stride_vp, b_pos,
+                window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, MASK, WINDOW, PRECISION)
     return b_acc, b_m, b_l
 
 
