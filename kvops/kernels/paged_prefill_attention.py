@@ -62,12 +62,13 @@ def prefill_tile(N: int, B: int, G: int, D: int, dtype: torch.dtype,
     when the sequences' mean chunk times G is smaller (down to 16, the smallest ``tl.dot``), and
     at least G rounded up to a power of two so a tile holds a whole group. BLOCK_N 64 keys (32 at
     D > 128 or float32). Eight warps for 128-row tiles, four below; three stages at D <= 128,
-    two above (shared memory). With TMA four warps at every size: the tiles need no address
-    registers, and one warpgroup on 128 rows ran 1.2x faster than two on the H100
-    (bench/results/2026-12-06-prefill-ceiling.md).
+    two above (shared memory). With TMA 64-row tiles of four warps: the tiles need no address
+    registers, and on the H100 64/64/4/3 ran 1.15x faster than 128/64/4/3 and 1.09x faster
+    than 128/64/8/4 at an 8k prefill (1212, 1389, 1317 us), 1.09x / 1.03x at 512 over 16k
+    (bench/results/2026-12-06-1201-paged_prefill_attention-tune-S64.md).
     """
     big = D <= 128 and dtype != torch.float32
-    max_m = 128 if big else 64
+    max_m = 128 if big and not tma else 64
     per_seq = -(-max(N, 1) // max(B, 1))
     block_m = min(max_m, max(16, next_pow2(per_seq * G)))
     block_m = max(block_m, next_pow2(G))
