@@ -102,6 +102,9 @@ def launch(kernel, grid: tuple, key, args: tuple, meta: dict) -> None:
             compiled, tail, mode, _ = hit
             g = grid + (1,) * (3 - len(grid))
             stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+            if mode == "jit":      # no convention took this binary's arguments
+                kernel[grid](*args, **meta)
+                return
             if mode is not None:
                 if mode == "c":     # inlined: the hot path of every eager call
                     run = compiled.run
@@ -119,7 +122,11 @@ def launch(kernel, grid: tuple, key, args: tuple, meta: dict) -> None:
                 _BINS[(id(kernel), key)] = (compiled, tail, candidate, kernel)
                 _STATE["mode"] = candidate
                 return
-            _STATE["direct"] = False     # no convention: this triton keeps the JIT path
+            # no convention takes this binary's arguments (descriptor arguments on a triton
+            # whose C entry does not expand them, say): it keeps the JIT path, the rest do not
+            _BINS[(id(kernel), key)] = (compiled, tail, "jit", kernel)
+            kernel[grid](*args, **meta)
+            return
     compiled = kernel[grid](*args, **meta)
     if key is None or type(kernel) is not JITFunction or not _STATE["direct"] or compiled is None:
         return
