@@ -620,28 +620,3 @@ def test_the_step_varying_sizes_are_not_specialized():
     assert {"N", "B", "num_tiles", "NUM_SPLITS"} <= set(prefill)
     assert "N" in write
 
-
-@requires_cuda
-def test_descriptor_launches_match_the_jit_and_leave_other_kernels_direct():
-    """The descriptor path's second call goes through the compiled launcher (whichever calling
-    convention takes descriptor arguments; the JIT for this binary alone if none does), equals
-    the JIT launch bit for bit, and every other kernel keeps its direct launches."""
-    from kvops.kernels import _launch
-
-    if not prefill_tma(64, 128, torch.bfloat16, torch.cuda.get_device_capability(), True):
-        pytest.skip("no tensor copy engine on this GPU")
-    case = make_case([(100, 300), (0, 70)], 64, 2, 4, 128, torch.bfloat16, "cuda", seed=5)
-    torch.ops.kvops.paged_prefill_attention(**case)
-    fast = torch.ops.kvops.paged_prefill_attention(**case)
-    modes = {mode for (kid, _), (_, _, mode, _) in _launch._BINS.items()
-             if kid == id(prefill_kernel._paged_prefill_kernel)}
-    assert modes and modes <= {"c", "tail", "plain", "jit"}, modes
-    assert _launch._STATE["direct"]
-    saved = _launch._STATE["direct"]
-    _launch._STATE["direct"] = False
-    try:
-        slow = torch.ops.kvops.paged_prefill_attention(**case)
-    finally:
-        _launch._STATE["direct"] = saved
-    assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
-    print("descriptor launch modes:", sorted(modes))

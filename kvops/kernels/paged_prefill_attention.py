@@ -443,8 +443,13 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, scale, window
     token = ("prefill", P, L, nsp, strides, Hq, q.dtype, q.device, tuple(meta.values()),
              tuple(t.data_ptr() % 16 == 0 for t in (q, k_cache, v_cache, block_table,
                                                      query_start, seq_lens)))
+    if tma:
+        # descriptor arguments go through the JIT's launch path: whether the compiled
+        # launcher's C entry (``_launch``) expands them as the JIT does has not been checked on
+        # a GPU, and a launch that misplaced them would be silently wrong
+        token = None
     fused = None
     if nsp > 1:   # the one-launch form: its own constants, so its own binary key
         f_meta = dict(meta, FUSED_MERGE=True, BLOCK_S=next_pow2(nsp))
-        fused = (f_meta, ("fused", *token))
+        fused = (f_meta, None if token is None else ("fused", *token))
     return (num_tiles, Hkv, nsp), nsp, ints, meta, merge, fused, token, []
