@@ -201,6 +201,29 @@ def test_kvrm_far_trims_looked_at_only_when_the_summarized_lead_moved(model, mon
     assert 0 < len(looks) < len(eng.steps) / 2
 
 
+def test_dma_groups_count_each_moving_session_once(model):
+    """A step's moving sessions are the sessions with a near-window train or a far-view
+    summary (the paper's two trains are both a session's): a step whose only copies are far
+    summaries has as many moving sessions as summaries (one leave row a session), and no
+    session counts more than once however many trains it has."""
+    # prompts of 68-94 tokens aliasing one 64-token hash block (near trains at each session's
+    # first decode) and 50-token outputs past a 32-token window (far summaries)
+    rows = [TraceRow(0.02 * i, 544 + 40 * i, 400, (1, 2 + i)) for i in range(6)]
+    kw = dict(window=32, max_context=192, engine=True, clock="model")
+    _, kv, m, eng = serve(model, rows, "kvrm", **kw)
+    far_only = [s for s in eng.steps if s.far_groups and not s.groups]
+    assert far_only and any(s.groups for s in eng.steps)
+    assert all(s.moving_sessions == s.far_groups for s in far_only)
+    for s in eng.steps:
+        assert (s.moving_sessions > 0) == bool(s.groups or s.far_groups)
+        assert max(s.far_groups, 1 if s.groups else 0) <= s.moving_sessions
+        assert s.moving_sessions <= s.groups + s.far_groups
+    moving = [s for s in eng.steps if s.moving_sessions]
+    want = (sum(s.groups + s.far_groups for s in moving)
+            / sum(s.moving_sessions for s in moving))
+    assert m["dma_groups_per_moving_session"] == pytest.approx(want)
+
+
 @requires_cuda
 def test_kvrm_on_cuda_replays_captured_steps_and_absorbs_as_eager_does():
     """On CUDA the decode buckets, the copy trains and the far view's absorb run as captured

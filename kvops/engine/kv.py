@@ -363,22 +363,29 @@ class PagedKV:
         return self.transport is not None and bool(self.transport.last.get("groups", 0))
 
     def dma(self) -> dict:
-        """This commit's copy trains: groups, moving sessions, bytes (one of K or V, a layer)."""
+        """This commit's copy trains: groups (near-window trains), far groups (far-view
+        summaries: one read of a far chunk's pages each), moving sessions (those with a near
+        train or a far summary: the paper's near-window train plus far-view train are both a
+        session's), bytes (one of K or V, a layer, of the near trains)."""
         c = self.last_commit
         if c is None or self.transport is None:
             return {"groups": 0, "sessions": 0, "bytes": 0, "far_groups": 0}
         t = c.stats.get("transport", {})
         groups = int(t.get("groups", 0))
-        sessions = 0
+        moving = np.zeros(0, dtype=np.int64)
         if groups:
             tr = self.pager.host_tables["trains"][:groups]
             nw = self.window // self.S
             rows = np.repeat(tr[:, 1], tr[:, 2]) + np.concatenate(
                 [np.arange(n) for n in tr[:, 2]])
-            sessions = len(np.unique(rows // nw))
+            moving = rows // nw
         far = int(c.stats.get("far_view", {}).get("summaries", 0)) if self.far else 0
-        return {"groups": groups, "sessions": sessions, "bytes": int(t.get("bytes", 0)),
-                "far_groups": far}
+        if far:       # this commit's leave rows hold chunk ids; the others hold the sink
+            ids = self.pager.host_tables["far_leave_ids"]
+            moving = np.concatenate([moving, np.flatnonzero(ids != self.far.J)
+                                     // self.far.max_leave])
+        return {"groups": groups, "sessions": len(np.unique(moving)),
+                "bytes": int(t.get("bytes", 0)), "far_groups": far}
 
 
 class StaticKV:
