@@ -224,6 +224,27 @@ def test_dma_groups_count_each_moving_session_once(model):
     assert m["dma_groups_per_moving_session"] == pytest.approx(want)
 
 
+def test_dma_counts_a_session_with_near_trains_and_a_far_summary_once():
+    """``PagedKV.dma`` on a commit of known tables: slot 0 moves two near trains and has a far
+    summary, slot 1 one near train, slot 2 only a far summary: 3 near groups, 2 far groups,
+    3 moving sessions."""
+    from types import SimpleNamespace
+
+    tok = 2 * CFG.n_layers * CFG.n_kv_heads * CFG.head_dim * 4
+    kv = make_kv("kvrm", KVBudget(bytes=4096 * tok, max_seqs=4, max_context=192, window=32),
+                 CFG, torch.float32, torch.device("cpu"))
+    nw = kv.window // kv.S                                  # arena pages a slot
+    tables = kv.pager.host_tables
+    tables["trains"][:3] = [[7, 0, 1], [9, 1, 1], [11, nw, 2]]   # (source, arena page, pages)
+    ids = tables["far_leave_ids"]
+    ids[:] = kv.far.J
+    ids[0 * kv.far.max_leave] = 3
+    ids[2 * kv.far.max_leave] = 5
+    kv.last_commit = SimpleNamespace(stats={"transport": {"groups": 3, "bytes": 4096},
+                                            "far_view": {"summaries": 2}})
+    assert kv.dma() == {"groups": 3, "sessions": 3, "bytes": 4096, "far_groups": 2}
+
+
 @requires_cuda
 def test_kvrm_on_cuda_replays_captured_steps_and_absorbs_as_eager_does():
     """On CUDA the decode buckets, the copy trains and the far view's absorb run as captured

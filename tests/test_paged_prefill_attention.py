@@ -195,6 +195,17 @@ def test_tma_tiles_match_oracle(kernel_device, poison, descriptors, S, G, D, dty
                                          f"{hole}-splits{num_splits}-pf{prefetch}", window)
 
 
+@pytest.mark.parametrize("bad", [-1, 10**6], ids=["unmapped", "past-the-pool"])
+def test_tma_interior_tiles_leave_out_keys_on_bad_pages(kernel_device, bad):
+    """Keys on a page id outside ``[0, P)`` inside every row's causal range (an interior tile,
+    no position mask) are left out, as on the gathered path: the descriptor reads zeros there,
+    and the page test still masks their scores."""
+    case = make_case([(256, 40)], 64, 2, 4, 64, torch.float16, kernel_device, seed=2)
+    case["block_table"][0, 1] = bad
+    out, lse = paged_prefill_attention_fwd(**case, tma=True, block_m=32)
+    check_against_oracle(out, lse, case, f"tma-interior-{bad}")
+
+
 def test_tma_refuses_tiles_that_cross_pages():
     case = make_case([(5, 3)], 16, 1, 2, 64, torch.float16, "cpu", seed=0)
     with pytest.raises(ValueError, match=r"tma: expected a key tile inside a page \(block_n 64"):

@@ -43,7 +43,13 @@ import triton.language as tl
 
 from kvops._checks import signature as sig
 from kvops.kernels._attention import LN2, LOG2E, dot
-from kvops.kernels._common import cuda_capability, dot_precision, next_pow2, sm_count
+from kvops.kernels._common import (
+    cuda_capability,
+    dot_precision,
+    next_pow2,
+    nvidia_ptx,
+    sm_count,
+)
 from kvops.kernels._launch import keep_plan
 from kvops.kernels._splitk import arrive, launch_split, merge_plan, merge_rows, split_outputs
 
@@ -87,11 +93,13 @@ TMA_MIN_PAGE = 64
 def prefill_tma(S: int, D: int, dtype: torch.dtype, capability: tuple[int, int],
                 aligned: bool) -> bool:
     """Whether a call loads its K/V tiles through tensor descriptors (the tensor copy engine)
-    instead of gathered pointer loads: on NVIDIA Hopper or newer (``capability >= (9, 0)``),
+    instead of gathered pointer loads: on NVIDIA Hopper or newer (``capability >= (9, 0)`` of a
+    device the caller knows compiles NVIDIA code: ROCm's gfx9 parts report 9.x too),
     16-bit caches, ``D`` a power of two in [16, 256] (a tile row is the head's ``D`` values and
     a descriptor's box is at most 256 wide), pages of at least TMA_MIN_PAGE tokens (so a key
     tile is one page's rows: the descriptor reads a box, not a gather), and ``aligned`` pools
-    (base and page stride multiples of 16 bytes)."""
+    (base and page stride multiples of 16 bytes, every page's rows its own, fewer than
+    ``2**31`` rows)."""
     return (capability >= (9, 0) and dtype in (torch.float16, torch.bfloat16)
             and 16 <= D <= 256 and D & (D - 1) == 0 and S >= TMA_MIN_PAGE and aligned)
 
@@ -188,14 +196,14 @@ def _key_tile_tma(b_q, b_acc, b_m, b_l, KD, VD, page_rows, p_bt, n, seq_len, lo_
     """``_key_tile`` with the tile (``BLOCK_N <= S``, BLOCK_N-aligned, so inside one page)
     loaded whole by the tensor copy engine through descriptors ``KD``, ``VD`` over the pools'
     rows (page ``p``'s first row ``p * page_rows``). The page id is one scalar load, so the
-    pipeliner issues it and the tile's load stages ahead. A page id outside ``[0, P)`` becomes
-    -1, whose rows are negative: out of the descriptor's bounds, read as zeros, and masked. The
+    pipeliner issues it and the tile's load stages ahead. A page id outside ``[0, P)`` reads
+    rows ``-BLOCK_N .. -1``: out of the descriptor's bounds, so zeros, and masked. The
     page's rows past the visible keys are read too, so masked tiles zero their V rows (a NaN
     there would otherwise reach the accumulator through ``0 * NaN``)."""
     o_n = n + tl.arange(0, BLOCK_N)
     pg = tl.load(p_bt + n // S, mask=n // S < L, other=-1)
     ok = (pg >= 0) & (pg < P)
-    row = tl.where(ok, pg, -1) * page_rows + n % S
+    row = tl.where(ok, pg * page_rows + n % S, -BLOCK_N)     # rows -BLOCK_N..-1: all zeros
     b_k = KD.load([row, i_h * D])
     b_s = dot(b_q, tl.trans(b_k), PRECISION) * scale_log2
     if MASK:
@@ -405,10 +413,13 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, scale, window
     G = Hq // Hkv
     block_m, block_n, num_warps, num_stages, num_splits, prefetch, tma = knobs
     if tma is None:
+        # descriptor rows are int32 coordinates, and each page's rows must be its own
         aligned = all(c.data_ptr() % 16 == 0 and c.stride(0) * c.element_size() % 16 == 0
-                      and c.stride(0) % (Hkv * D) == 0 for c in (k_cache, v_cache))
+                      and c.stride(0) % (Hkv * D) == 0 and c.stride(0) >= S * Hkv * D
+                      and P * c.stride(0) // (Hkv * D) < 2**31 for c in (k_cache, v_cache))
         aligned = aligned and k_cache.stride(0) == v_cache.stride(0)
-        tma = prefill_tma(S, D, q.dtype, cuda_capability(q.device), aligned) and P > 0
+        tma = (nvidia_ptx(q.device) and P > 0
+               and prefill_tma(S, D, q.dtype, cuda_capability(q.device), aligned))
     bm, bn, nw, ns = prefill_tile(N, B, G, D, q.dtype, tma)
     bm, bn = block_m or bm, block_n or bn
     nw, ns = num_warps or nw, num_stages or ns
