@@ -69,6 +69,9 @@ def _replay_parser(sub) -> None:
     p.add_argument("--max-seqs", type=int, default=None)
     p.add_argument("--max-context", type=int, default=None)
     p.add_argument("--window", type=int, default=None)
+    p.add_argument("--page-size", type=int, default=None,
+                   help="tokens a KV page (16); 64 or more: the paged prefill loads its key "
+                        "tiles through tensor descriptors on Hopper")
     p.add_argument("--far-cap", type=int, default=None)
     p.add_argument("--far-chunk", type=int, default=None)
     p.add_argument("--far-rerank", type=int, default=None,
@@ -125,10 +128,14 @@ def _settings_kw(args, device) -> dict:
     kw = {k: getattr(args, k) for k in (
         "trace", "kind", "model", "dtype", "time_scale", "length_scale", "max_requests",
         "window_s", "rate",
-        "arrival", "cv", "budget_gib", "max_seqs", "max_context", "window", "far_cap",
+        "arrival", "cv", "budget_gib", "max_seqs", "max_context", "window", "page_size",
+        "far_cap",
         "far_chunk", "far_rerank", "max_num_batched_tokens", "long_prefill_tokens", "preemption",
         "concurrency", "budget_tokens", "input_len", "output_len", "output_scale", "clock",
         "thin")}
+    S = args.page_size
+    if S is not None and (S < 8 or S > 256 or S & (S - 1)):
+        raise SystemExit(f"--page-size: expected a power of two in [8, 256], got {S}")
     if args.configs:
         kw["configs"] = tuple(c.strip() for c in args.configs.split(",") if c.strip())
     if args.step_cost:

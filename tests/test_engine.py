@@ -41,11 +41,12 @@ def model():
 
 
 def serve(model, rows, config="paged", *, budget_tokens=4096, max_seqs=8, max_context=192,
-          window=192, length_scale=0.125, sched=None, prefix=True, clock="wall", engine=False):
+          window=192, length_scale=0.125, sched=None, prefix=True, clock="wall", engine=False,
+          page_size=16):
     reqs = build_requests(rows, CFG.vocab_size, length_scale=length_scale)
     tok = 2 * CFG.n_layers * CFG.n_kv_heads * CFG.head_dim * 4
     kv = make_kv(config, KVBudget(bytes=budget_tokens * tok, max_seqs=max_seqs,
-                                  max_context=max_context, window=window),
+                                  max_context=max_context, window=window, page_size=page_size),
                  CFG, torch.float32, torch.device("cpu"), prefix_sharing=prefix)
     eng = Engine(model, kv, decode_kind(config),
                  sched or SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=max_seqs,
@@ -98,10 +99,11 @@ def test_prefix_sharing_mid_page_copies_on_write(model):
     assert [r.output for r in reqs] == [r.output for r in plain]
 
 
-def test_static_paged_and_pager_merge_give_identical_tokens(model):
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_static_paged_and_pager_merge_give_identical_tokens(model, page_size):
     outs = {}
     for config in ("static", "paged", "pager+merge", "pager"):
-        reqs, _, _ = serve(model, burst(), config, prefix=False)
+        reqs, _, _ = serve(model, burst(), config, prefix=False, page_size=page_size)
         outs[config] = [r.output for r in reqs]
     assert outs["paged"] == outs["static"] == outs["pager+merge"] == outs["pager"]
 
@@ -494,6 +496,21 @@ def test_replay_cli_writes_table_json_and_figures(tmp_path, capsys):
     assert set(res["results"]) == {"static", "paged", "kvrm"}
     assert all(r["finished"] == 6 for r in res["results"].values())
     assert (tmp_path / "timeline.png").stat().st_size > 0 and (tmp_path / "cdf.png").is_file()
+
+
+def test_replay_cli_takes_a_page_size_and_refuses_a_bad_one(tmp_path, capsys):
+    from kvops.cli import main
+
+    args = ["replay", "--model", "tiny", "--configs", "paged,kvrm", "--max-requests", "4",
+            "--length-scale", "0.0625", "--budget-gib", "0.002", "--max-context", "256",
+            "--window", "64", "--far-chunk", "64", "--out", str(tmp_path), "--no-progress",
+            "--no-figures"]
+    assert main(args + ["--page-size", "64"]) == 0
+    res = json.loads((tmp_path / "replay.json").read_text())
+    assert all(r["finished"] == 4 for r in res["results"].values())
+    with pytest.raises(SystemExit, match=r"--page-size: expected a power of two in \[8, 256\], "
+                                         r"got 12"):
+        main(args + ["--page-size", "12"])
 
 
 def test_record_names_its_file_by_date_and_time_of_day(tmp_path, monkeypatch):
