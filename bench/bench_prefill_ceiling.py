@@ -51,6 +51,16 @@ def _tile(q, k, v, acc, m_i, l_i, scale_log2, o_m, n, BLOCK_N: tl.constexpr, MAS
 
 
 @triton.jit
+def _kv(desc_k, desc_v, BT, n, col, PAGED: tl.constexpr, S: tl.constexpr):
+    """The K and V tiles of keys from ``n``: rows ``n`` of contiguous K/V, or (PAGED) of the
+    page the block table maps key ``n`` to."""
+    row = n
+    if PAGED:
+        row = tl.load(BT + n // S) * S
+    return desc_k.load([row, col]), desc_v.load([row, col])
+
+
+@triton.jit
 def _fwd(desc_q, desc_k, desc_v, desc_o, BT, scale_log2, G: tl.constexpr, D: tl.constexpr,
          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, S: tl.constexpr,
          WS: tl.constexpr):
@@ -64,18 +74,10 @@ def _fwd(desc_q, desc_k, desc_v, desc_o, BT, scale_log2, G: tl.constexpr, D: tl.
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     for n in tl.range(0, m0, BLOCK_N, warp_specialize=WS):
-        row = n
-        if PAGED:
-            row = tl.load(BT + n // S) * S
-        k = desc_k.load([row, col])
-        v = desc_v.load([row, col])
+        k, v = _kv(desc_k, desc_v, BT, n, col, PAGED, S)
         acc, m_i, l_i = _tile(q, k, v, acc, m_i, l_i, scale_log2, o_m, n, BLOCK_N, False)
-    for n in tl.range(m0, m0 + BLOCK_M, BLOCK_N):
-        row = n
-        if PAGED:
-            row = tl.load(BT + n // S) * S
-        k = desc_k.load([row, col])
-        v = desc_v.load([row, col])
+    for n in tl.range(m0, m0 + BLOCK_M, BLOCK_N):       # the diagonal, masked
+        k, v = _kv(desc_k, desc_v, BT, n, col, PAGED, S)
         acc, m_i, l_i = _tile(q, k, v, acc, m_i, l_i, scale_log2, o_m, n, BLOCK_N, True)
     desc_o.store([m0, i_h * D], (acc / l_i[:, None]).to(desc_o.dtype))
 

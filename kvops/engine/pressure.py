@@ -182,7 +182,8 @@ def markdown(result: dict) -> str:
     head = (f"kvops replay --mode elastic: {result['model']}, {result['dtype']} on "
             f"{result['device_name']}; {work}; KV budget {result['budget_bytes'] / 2**30:.3f} GiB "
             f"({s['budget_tokens'] or '-'} tokens), {s['max_seqs']} sessions, pages of "
-            f"{s.get('page_size', 16)}, {s['max_num_batched_tokens']} tokens/step. Engine clock: {s['clock']}; modeled "
+            f"{s['page_size']}, {s['max_num_batched_tokens']} tokens/step. Engine clock: "
+            f"{s['clock']}; modeled "
             f"step cost {a * 1e3:g} ms + {b * 1e3:.4g} ms a token + {c * 1e6:.4g} us a KV token "
             f"(kvops/engine/clock.py); steps: engine steps"
             + ("; Eff@300 on the engine clock" if axis == "window" else ""))

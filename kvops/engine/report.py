@@ -37,7 +37,7 @@ def markdown(result: dict) -> str:
             f"lengths x{s['length_scale']}; KV budget "
             f"{result.get('budget_bytes', s['budget_gib'] * 2**30) / 2**30:.3f} GiB, "
             f"{s['max_seqs']} sessions, context {s['max_context']}, W {s['window']}, "
-            f"pages of {s.get('page_size', 16)}, {s['max_num_batched_tokens']} tokens/step")
+            f"pages of {s['page_size']}, {s['max_num_batched_tokens']} tokens/step")
     cols = ["config", "done/refused", "out tok/s", "TTFT p50 / p99 ms", "TPOT p50 / p99 ms",
             "ITL p99 ms", "E2EL p50 ms", "reserved GiB (mean)", "DMA groups/step",
             "groups/moving session", "train KiB", "commit ms p50", "control % (exposed)", "GPU gap %",

@@ -98,8 +98,7 @@ def prefill_tma(S: int, D: int, dtype: torch.dtype, capability: tuple[int, int],
     16-bit caches, ``D`` a power of two in [16, 256] (a tile row is the head's ``D`` values and
     a descriptor's box is at most 256 wide), pages of at least TMA_MIN_PAGE tokens (so a key
     tile is one page's rows: the descriptor reads a box, not a gather), and ``aligned`` pools
-    (base and page stride multiples of 16 bytes, every page's rows its own, fewer than
-    ``2**31`` rows)."""
+    (nothing ``_descriptor_misfit`` finds)."""
     return (capability >= (9, 0) and dtype in (torch.float16, torch.bfloat16)
             and 16 <= D <= 256 and D & (D - 1) == 0 and S >= TMA_MIN_PAGE and aligned)
 
@@ -161,19 +160,25 @@ def _key_tile(b_q, b_acc, b_m, b_l, KC, VC, b_page, n, P, i_h, stride_kp, stride
     m_kv = m_n[:, None] & (o_d < D)[None, :]
     p_k = KC + (b_page.to(tl.int64) * stride_kp + o_row)[:, None] + o_d[None, :]
     b_k = tl.load(p_k, mask=m_kv, other=0.0)
-    b_s = dot(b_q, tl.trans(b_k), PRECISION) * scale_log2
-    if MASK:
-        m_vis = m_n[None, :] & (o_n[None, :] <= b_pos[:, None])
-        if WINDOW:
-            m_vis = m_vis & (o_n[None, :] > b_pos[:, None] - window)
-        b_s = tl.where(m_vis, b_s, float("-inf"))
-    else:
-        b_s = tl.where(m_n[None, :], b_s, float("-inf"))
+    b_s = _visible(dot(b_q, tl.trans(b_k), PRECISION) * scale_log2, m_n, o_n, b_pos, window,
+                   MASK, WINDOW)
     b_p, b_alpha, b_m, b_l = _softmax_step(b_s, b_m, b_l)
     p_v = VC + (b_page.to(tl.int64) * stride_vp + o_row)[:, None] + o_d[None, :]
     b_v = tl.load(p_v, mask=m_kv, other=0.0)
     b_acc = b_acc * b_alpha[:, None] + dot(b_p.to(b_v.dtype), b_v, PRECISION)
     return b_acc, b_m, b_l
+
+
+@triton.jit
+def _visible(b_s, m_n, o_n, b_pos, window, MASK: tl.constexpr, WINDOW: tl.constexpr):
+    """Scores ``b_s`` with -inf where a key is not read (``m_n`` false) or, MASK, not visible to
+    the row at position ``b_pos`` (causal, and WINDOW, inside its window)."""
+    if MASK:
+        m_vis = m_n[None, :] & (o_n[None, :] <= b_pos[:, None])
+        if WINDOW:
+            m_vis = m_vis & (o_n[None, :] > b_pos[:, None] - window)
+        return tl.where(m_vis, b_s, float("-inf"))
+    return tl.where(m_n[None, :], b_s, float("-inf"))
 
 
 @triton.jit
@@ -205,15 +210,9 @@ def _key_tile_tma(b_q, b_acc, b_m, b_l, KD, VD, page_rows, p_bt, n, seq_len, lo_
     ok = (pg >= 0) & (pg < P)
     row = tl.where(ok, pg * page_rows + n % S, -BLOCK_N)     # rows -BLOCK_N..-1: all zeros
     b_k = KD.load([row, i_h * D])
-    b_s = dot(b_q, tl.trans(b_k), PRECISION) * scale_log2
-    if MASK:
-        m_n = ok & (o_n < seq_len) & (o_n >= lo_key)
-        m_vis = m_n[None, :] & (o_n[None, :] <= b_pos[:, None])
-        if WINDOW:
-            m_vis = m_vis & (o_n[None, :] > b_pos[:, None] - window)
-        b_s = tl.where(m_vis, b_s, float("-inf"))
-    else:
-        b_s = tl.where(ok, b_s, float("-inf"))
+    m_n = ok & (o_n < seq_len) & (o_n >= lo_key)
+    b_s = _visible(dot(b_q, tl.trans(b_k), PRECISION) * scale_log2, m_n, o_n, b_pos, window,
+                   MASK, WINDOW)
     b_p, b_alpha, b_m, b_l = _softmax_step(b_s, b_m, b_l)
     b_v = VD.load([row, i_h * D])
     if MASK:
@@ -406,20 +405,37 @@ def paged_prefill_attention_fwd(
     return out, lse
 
 
+def _descriptor_misfit(k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
+    """What pools ``[P, S, Hkv, D]`` lack for descriptors over their rows (``_pool_descriptor``),
+    or None: one page stride for K and V, a multiple of ``Hkv * D`` and at least a page (each
+    page's rows its own), 16-byte aligned bases and strides, at least one page, and fewer than
+    ``2**31`` rows (descriptor coordinates are int32)."""
+    P, S, Hkv, D = k_cache.shape
+    F, stride = Hkv * D, k_cache.stride(0)
+    if v_cache.stride(0) != stride:
+        return f"k_cache and v_cache with one page stride, got {stride} and {v_cache.stride(0)}"
+    if stride % F or stride < S * F:
+        return (f"a page stride that is a multiple of Hkv * D = {F} and at least S * Hkv * D, "
+                f"got {stride}")
+    if stride * k_cache.element_size() % 16 or any(c.data_ptr() % 16 for c in (k_cache, v_cache)):
+        return "16-byte aligned pools and page strides"
+    if not 0 < P * (stride // F) < 2**31:
+        return f"between 1 and 2**31 - 1 rows of Hkv * D, got {P * (stride // F)}"
+    return None
+
+
 def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, scale, window, knobs):
     N, Hq, D = q.shape
     P, S, Hkv, _ = k_cache.shape
     B, L = block_table.shape
     G = Hq // Hkv
     block_m, block_n, num_warps, num_stages, num_splits, prefetch, tma = knobs
+    misfit = _descriptor_misfit(k_cache, v_cache)
     if tma is None:
-        # descriptor rows are int32 coordinates, and each page's rows must be its own
-        aligned = all(c.data_ptr() % 16 == 0 and c.stride(0) * c.element_size() % 16 == 0
-                      and c.stride(0) % (Hkv * D) == 0 and c.stride(0) >= S * Hkv * D
-                      and P * c.stride(0) // (Hkv * D) < 2**31 for c in (k_cache, v_cache))
-        aligned = aligned and k_cache.stride(0) == v_cache.stride(0)
-        tma = (nvidia_ptx(q.device) and P > 0
-               and prefill_tma(S, D, q.dtype, cuda_capability(q.device), aligned))
+        tma = nvidia_ptx(q.device) and prefill_tma(S, D, q.dtype, cuda_capability(q.device),
+                                                   misfit is None)
+    elif tma and misfit:
+        raise ValueError(f"tma: expected {misfit}")
     bm, bn, nw, ns = prefill_tile(N, B, G, D, q.dtype, tma)
     bm, bn = block_m or bm, block_n or bn
     nw, ns = num_warps or nw, num_stages or ns
@@ -437,13 +453,7 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, scale, window
                    (Hq * D, D, 0, Hq, 1, 0))
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), v_cache.stride(0),
                block_table.stride(0), *out_strides)
-    if tma and any(c.stride(0) % (Hkv * D) for c in (k_cache, v_cache)):
-        raise ValueError(f"tma: expected page strides a multiple of Hkv * D = {Hkv * D}, got "
-                         f"{k_cache.stride(0)} and {v_cache.stride(0)}")
     page_rows = k_cache.stride(0) // (Hkv * D)
-    if tma and v_cache.stride(0) != k_cache.stride(0):
-        raise ValueError(f"tma: expected k_cache and v_cache with one page stride, got "
-                         f"{k_cache.stride(0)} and {v_cache.stride(0)}")
     ints = (N, B, P, L, page_rows, num_tiles, window, scale * LOG2E.value, nsp, *strides)
     meta = dict(S=S, HKV=Hkv, G=G, D=D, BLOCK_Q=block_q, BLOCK_M=bm, BLOCK_N=bn,
                 BLOCK_D=next_pow2(max(D, 16)), BLOCK_B=SEQ_CHUNK,
