@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import kvops  # noqa: F401 - registers torch.ops.kvops
+import kvops.kernels.paged_prefill_attention as prefill_kernel
 from bench.common import READ_CEILING, eager_times, table, tbps, time_graph, write_result
 from kvops.kernels.paged_prefill_attention import prefill_tile, prefill_tma
 
@@ -290,9 +291,12 @@ def main():
     ap.add_argument("--news", default=None, help="new-token counts, comma separated")
     ap.add_argument("--prefixes", default=None, help="prefix lengths, comma separated")
     ap.add_argument("--page", type=int, default=16, help="tokens a page (S)")
+    ap.add_argument("--tma-direct", action="store_true",
+                    help="descriptor plans launch through the compiled launcher, not the JIT")
     args = ap.parse_args()
     global S
     S = args.page
+    prefill_kernel.TMA_DIRECT = args.tma_direct
     if args.tune:
         shapes = [(m, int(n), int(p)) for m, n, p in (x.split(":") for x in args.tune.split(","))]
         body = tune(shapes)
@@ -322,11 +326,13 @@ def main():
              f"(goal >= 0.9x)",
              f"- 8k prefill in 512-token chunks: {t_parts:.1f} us against {t_whole:.1f} us "
              f"whole, {t_parts / t_whole:.2f}x (goal <= 1.15x)"]
-    text = (f"bf16, S {S}, one sequence; pages in runs of {RUN}. us: median graph replay; host: "
+    how = "; descriptor plans launched direct" if args.tma_direct else ""
+    text = (f"bf16, S {S}, one sequence{how}; pages in runs of {RUN}. us: median graph replay; host: "
             f"eager host us per call.\n\n" + body + "\n\nGoals:\n" + "\n".join(goals) + "\n")
     partial = args.quick or args.news or args.prefixes or args.no_flex
     write_result("paged_prefill_attention" + ("-partial" if partial else "")
-                 + (f"-S{S}" if S != 16 else ""), text)
+                 + (f"-S{S}" if S != 16 else "") + ("-tma-direct" if args.tma_direct else ""),
+                 text)
     print(text)
 
 

@@ -556,6 +556,34 @@ def test_tma_cuda_graph_replay_with_new_lengths():
         check_against_oracle(out[:n], lse[:n], case, f"tma-graph{seed}")
 
 
+@requires_cuda
+def test_tma_direct_launch_matches_the_jit(monkeypatch, descriptors):
+    """A descriptor plan launched through the compiled launcher (``_launch``: the JIT's first
+    call keeps the binary, the second goes direct) gives the JIT's rows bit for bit, with
+    fresh pools and tables between calls (the descriptors are made each call)."""
+    from kvops.kernels import _launch
+    S = 64
+    if not prefill_tma(S, 128, torch.bfloat16, torch.cuda.get_device_capability(), True):
+        pytest.skip("no tensor copy engine on this GPU")
+    monkeypatch.setattr(prefill_kernel, "_PLANS", {})
+    cases = [make_case([(130, 70), (0, 200), (64, 1)], S, 8, 4, 128, torch.bfloat16, "cuda",
+                       seed=seed, pool_pages=12) for seed in (1, 2, 3)]
+    monkeypatch.setattr(prefill_kernel, "TMA_DIRECT", False)
+    want = [torch.ops.kvops.paged_prefill_attention(**case) for case in cases]
+    monkeypatch.setattr(prefill_kernel, "TMA_DIRECT", True)
+    monkeypatch.setattr(prefill_kernel, "_PLANS", {})
+    descriptors.clear()
+    got = [torch.ops.kvops.paged_prefill_attention(**case) for case in cases]
+    torch.cuda.synchronize()
+    assert len(descriptors) == 6
+    if _launch._STATE["direct"]:
+        modes = {hit[2] for (kid, _), hit in _launch._BINS.items()
+                 if kid == id(prefill_kernel._paged_prefill_kernel)}
+        assert modes & {"c", "tail", "plain"}, modes
+    for (o, lse), (wo, wl) in zip(got, want):
+        assert torch.equal(o, wo) and torch.equal(lse, wl)
+
+
 def _bad_inputs():
     ok = make_case([(5, 3), (0, 4)], 8, 2, 2, 32, torch.float16, "cpu", seed=0)
     yield "q-rank", dict(ok, q=ok["q"][0]), ValueError, "q: expected rank 3"

@@ -86,6 +86,11 @@ def prefill_tile(N: int, B: int, G: int, D: int, dtype: torch.dtype,
 
 
 # K/V tiles come through the tensor copy engine only where a key tile lies inside one page:
+# whether descriptor plans launch through the compiled launcher's entry (``_launch``) like
+# every other plan; off, they go through the JIT's dispatch.
+# ``test_tma_direct_launch_matches_the_jit`` checks the direct launch bit for bit on a GPU
+TMA_DIRECT = False
+
 # pages of at least this many tokens (the rule's BLOCK_N at D <= 128)
 TMA_MIN_PAGE = 64
 
@@ -466,11 +471,8 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, scale, window
     token = ("prefill", P, L, nsp, strides, Hq, q.dtype, q.device, tuple(meta.values()),
              tuple(t.data_ptr() % 16 == 0 for t in (q, k_cache, v_cache, block_table,
                                                      query_start, seq_lens)))
-    if tma:
-        # descriptor arguments go through the JIT's launch path: whether the compiled
-        # launcher's C entry (``_launch``) expands them as the JIT does has not been checked on
-        # a GPU, and a launch that misplaced them would be silently wrong
-        token = None
+    if tma and not TMA_DIRECT:
+        token = None                # descriptor plans launch through the JIT
     fused = None
     if nsp > 1:   # the one-launch form: its own constants, so its own binary key
         f_meta = dict(meta, FUSED_MERGE=True, BLOCK_S=next_pow2(nsp))
