@@ -31,10 +31,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import kvops  # noqa: F401 - registers torch.ops.kvops
 import kvops.kernels.paged_prefill_attention as prefill_kernel
 from bench.common import READ_CEILING, eager_times, table, tbps, time_graph, write_result
-from kvops.kernels.paged_prefill_attention import prefill_tile, prefill_tma
+from kvops.kernels.paged_prefill_attention import prefill_tile, prefill_tma, prefill_tma_rows
 
 HEADS = {"llama3-8b": (32, 8, 128), "qwen2.5-7b": (28, 4, 128)}
 S, RUN, DTYPE = 16, 8, torch.bfloat16
+NEW_ROWS = False   # --new-rows: calls take the chunk's own K/V rows (k=, v=)
 FLOP_CEILING = 989e12
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) the --tune sweep forces, around the rule's
 # (128, 64, 8, 3) for D 128 bf16
@@ -57,8 +58,13 @@ def make_case(Hq, Hkv, D, prefix, new, seed=0):
     table = pages.int().cuda()[None, :]
     qs = torch.tensor([0, new], dtype=torch.int32, device="cuda")
     lens = torch.tensor([n_ctx], dtype=torch.int32, device="cuda")
-    return dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=table, query_start=qs,
+    case = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=table, query_start=qs,
                 seq_lens=lens)
+    if NEW_ROWS:       # the new tokens' rows the pool holds, as an engine passes them
+        at = table[0].long()
+        case["k"], case["v"] = (c[at].flatten(0, 1)[prefix:n_ctx].contiguous()
+                                for c in (k_cache, v_cache))
+    return case
 
 
 def dense(case):
@@ -168,9 +174,12 @@ def sweep(models, news, prefixes, with_flex):
         host, wall = eager_times(ours, iters=20)
         flops = 4 * Hq * D * visible_pairs(prefix, new)
         nbytes = (2 * (prefix + new) * Hkv + 2 * new * Hq) * D * DTYPE.itemsize
-        tma = prefill_tma(S, D, DTYPE, torch.cuda.get_device_capability(), True)
+        cap = torch.cuda.get_device_capability()
+        tma = prefill_tma(S, D, DTYPE, cap, True)
+        rows_tma = NEW_ROWS and prefill_tma_rows(D, DTYPE, cap, True)
         line = [model, new, prefix,
-                str(prefill_tile(new, 1, Hq // Hkv, D, DTYPE, tma)[:3]) + (" tma" if tma else ""),
+                str(prefill_tile(new, 1, Hq // Hkv, D, DTYPE, tma or rows_tma)[:3])
+                + (" tma" if tma else "") + (" rows-tma" if rows_tma else ""),
                 t_ours,
                 flops / t_ours / 1e6, flops / (t_ours * 1e-6) / FLOP_CEILING,
                 tbps(nbytes, t_ours) * 1e12 / READ_CEILING, host, wall]
@@ -221,6 +230,8 @@ def chunked(model="llama3-8b", total=8192, chunk=512):
         part = dict(case, q=case["q"][start:start + chunk].contiguous(),
                     query_start=torch.tensor([0, chunk], dtype=torch.int32, device="cuda"),
                     seq_lens=torch.tensor([start + chunk], dtype=torch.int32, device="cuda"))
+        if NEW_ROWS:
+            part["k"], part["v"] = (case[n][start:start + chunk] for n in ("k", "v"))
         parts.append(part)
     got = torch.cat([torch.ops.kvops.paged_prefill_attention(**p)[0] for p in parts])
     err = (got.float() - whole()[0].float()).abs().max().item()
@@ -293,9 +304,11 @@ def main():
     ap.add_argument("--page", type=int, default=16, help="tokens a page (S)")
     ap.add_argument("--tma-direct", action="store_true",
                     help="descriptor plans launch through the compiled launcher, not the JIT")
+    ap.add_argument("--new-rows", action="store_true",
+                    help="calls take the chunk's own K/V rows (k=, v=), as the engine's do")
     args = ap.parse_args()
-    global S
-    S = args.page
+    global S, NEW_ROWS
+    S, NEW_ROWS = args.page, args.new_rows
     prefill_kernel.TMA_DIRECT = args.tma_direct
     if args.tune:
         shapes = [(m, int(n), int(p)) for m, n, p in (x.split(":") for x in args.tune.split(","))]
@@ -326,12 +339,14 @@ def main():
              f"(goal >= 0.9x)",
              f"- 8k prefill in 512-token chunks: {t_parts:.1f} us against {t_whole:.1f} us "
              f"whole, {t_parts / t_whole:.2f}x (goal <= 1.15x)"]
-    how = "; descriptor plans launched direct" if args.tma_direct else ""
+    how = ("; descriptor plans launched direct" if args.tma_direct else "") + (
+        "; the chunk's own K/V rows given (k=, v=)" if args.new_rows else "")
     text = (f"bf16, S {S}, one sequence{how}; pages in runs of {RUN}. us: median graph replay; host: "
             f"eager host us per call.\n\n" + body + "\n\nGoals:\n" + "\n".join(goals) + "\n")
     partial = args.quick or args.news or args.prefixes or args.no_flex
     write_result("paged_prefill_attention" + ("-partial" if partial else "")
-                 + (f"-S{S}" if S != 16 else "") + ("-tma-direct" if args.tma_direct else ""),
+                 + (f"-S{S}" if S != 16 else "") + ("-tma-direct" if args.tma_direct else "")
+                 + ("-new-rows" if args.new_rows else ""),
                  text)
     print(text)
 

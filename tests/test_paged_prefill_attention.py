@@ -18,6 +18,7 @@ from kvops.kernels.paged_prefill_attention import (
     prefill_splits,
     prefill_tile,
     prefill_tma,
+    prefill_tma_rows,
 )
 from kvops.ops.paged_prefill_attention import paged_prefill_attention_ref
 from tests.conftest import capture_graph, counting_backend, requires_cuda
@@ -195,6 +196,99 @@ def test_tma_tiles_match_oracle(kernel_device, poison, descriptors, S, G, D, dty
                                          f"{hole}-splits{num_splits}-pf{prefetch}", window)
 
 
+def new_rows(case, garbage=float("nan")):
+    """``k, v [N, Hkv, D]``: the rows the case's pool holds at each chunk's positions (what
+    ``paged_kv_write`` put there), ``garbage`` on unmapped pages and padding rows."""
+    k_cache, v_cache = case["k_cache"], case["v_cache"]
+    P, S, Hkv, D = k_cache.shape
+    N = case["q"].shape[0]
+    starts = case["query_start"].tolist()
+    lens = case["seq_lens"].tolist()
+    k = torch.full((N, Hkv, D), garbage, dtype=k_cache.dtype, device=k_cache.device)
+    v = torch.full_like(k, garbage)
+    for b in range(len(lens)):
+        n = starts[b + 1] - starts[b]
+        pos = torch.arange(lens[b] - n, lens[b])
+        pages = case["block_table"][b, pos // S].long().cpu()
+        ok = (pages >= 0) & (pages < P)
+        rows = torch.arange(starts[b], starts[b + 1])[ok]
+        k[rows] = k_cache[pages[ok], pos[ok] % S]
+        v[rows] = v_cache[pages[ok], pos[ok] % S]
+    return k, v
+
+
+def poison_chunk_tiles(case, block_n):
+    """A copy of ``case`` whose pool holds NaN at every chunk position from the chunk's first
+    ``block_n``-aligned key on: the tiles a call given the new rows reads from them."""
+    poisoned = dict(case, k_cache=case["k_cache"].clone(), v_cache=case["v_cache"].clone())
+    S = case["k_cache"].shape[1]
+    starts = case["query_start"].tolist()
+    lens = case["seq_lens"].tolist()
+    for b in range(len(lens)):
+        pos0 = lens[b] - (starts[b + 1] - starts[b])
+        for p in range(-(-pos0 // block_n) * block_n, lens[b]):
+            page = int(case["block_table"][b, p // S])
+            if 0 <= page < case["k_cache"].shape[0]:
+                poisoned["k_cache"][page, p % S] = float("nan")
+                poisoned["v_cache"][page, p % S] = float("nan")
+    return poisoned
+
+
+@settings(max_examples=10)
+@given(drawn=cases(), new_tma=st.booleans(), tma=st.booleans(),
+       num_splits=st.sampled_from([None, 1, 3]), prefetch=st.booleans())
+def test_new_rows_match_oracle(kernel_device, poison, drawn, new_tma, tma, num_splits,
+                               prefetch):
+    """Given the new tokens' rows (``k``, ``v``), the chunks' own key tiles come from them, by
+    pointer loads or through descriptors over ``[N, Hkv * D]`` (forced), beside page tiles
+    gathered or through pool descriptors: the pool's chunk rows from the first aligned tile on
+    are NaN, rows on unmapped pages and padding rows of ``k``, ``v`` are NaN too, and the rows
+    are the oracle's (which reads the clean pool)."""
+    (chunks, S, Hkv, G, D, dtype), window, extra, seed = drawn
+    new_tma = new_tma and dtype != torch.float32 and D == 1 << (D - 1).bit_length()
+    tma = tma and new_tma and S >= 64 and not extra["interleaved"]
+    case = make_case(chunks, S, Hkv, G, D, dtype, kernel_device, seed=seed, window=window,
+                     **extra)
+    k, v = new_rows(case)
+    block_n = 64 if D <= 128 and dtype != torch.float32 else 32
+    block_m = max(16, 1 << (G - 1).bit_length())
+    out, lse = paged_prefill_attention_fwd(**poison_chunk_tiles(case, block_n), window=window,
+                                           k=k, v=v, new_tma=new_tma, tma=tma, block_m=block_m,
+                                           block_n=block_n, num_splits=num_splits,
+                                           prefetch=prefetch)
+    check_against_oracle(out, lse, case, "new-" + case_id(chunks, S, Hkv, G, D, dtype, window,
+                                                           extra) + f"-{new_tma}-{tma}", window)
+
+
+def test_new_rows_descriptor_needs_contiguous_heads():
+    case = make_case([(3, 20)], 16, 2, 2, 64, torch.float16, "cpu", seed=4)
+    k, v = new_rows(case)
+    wide = torch.zeros(k.shape[0], 2, 2 * 64, dtype=k.dtype)[:, :, :64]
+    with pytest.raises(ValueError, match=r"new_tma: expected k with each row's heads"):
+        paged_prefill_attention_fwd(**case, k=wide, v=v, new_tma=True)
+
+
+def test_op_reads_new_rows_and_validation_checks_them(kernel_device):
+    """Through the op (``k=``, ``v=``): the reference's rows; validation mode accepts the rows
+    the pool holds and refuses others by name."""
+    case = make_case([(21, 30), (0, 17)], 8, 2, 2, 32, torch.float16, "cpu", seed=6, pad=1)
+    k, v = new_rows(case, garbage=0.0)
+    dev = {n: t.to(kernel_device) for n, t in case.items()}
+    want, want_lse = paged_prefill_attention_ref(**case)
+    with kvops.backend("triton"), kvops.validate(True):
+        out, lse = torch.ops.kvops.paged_prefill_attention(**dev, k=k.to(kernel_device),
+                                                           v=v.to(kernel_device))
+    assert_close("out", out, want, *ATTN_TOL[torch.float16], "op-new")
+    assert_close("lse", lse, want_lse, LSE_TOL[torch.float16], LSE_TOL[torch.float16], "op-new")
+    bad = v.clone()
+    bad[3] += 1
+    with kvops.validate(True), pytest.raises(ValueError, match=r"v: expected the rows the pool"):
+        torch.ops.kvops.paged_prefill_attention(**case, k=k, v=bad)
+    torch.library.opcheck(torch.ops.kvops.paged_prefill_attention.default, (),
+                          dict({n: t.nan_to_num(0.0) if t.is_floating_point() else t
+                                for n, t in case.items()}, k=k, v=v))
+
+
 @pytest.mark.parametrize("bad", [-1, 10**6], ids=["unmapped", "past-the-pool"])
 def test_tma_interior_tiles_leave_out_keys_on_bad_pages(kernel_device, bad):
     """Keys on a page id outside ``[0, P)`` inside every row's causal range (an interior tile,
@@ -229,6 +323,18 @@ def test_tma_refuses_tiles_that_cross_pages():
 ])
 def test_prefill_tma_table(S, D, dtype, capability, aligned, want):
     assert prefill_tma(S, D, dtype, capability, aligned) == want
+
+
+@pytest.mark.parametrize("D,dtype,capability,aligned,want", [
+    (128, torch.bfloat16, (9, 0), True, True),       # Hopper: any page size
+    (64, torch.float16, (10, 0), True, True),
+    (96, torch.bfloat16, (9, 0), True, False),       # a tile row is not a box of D
+    (128, torch.float32, (9, 0), True, False),
+    (128, torch.bfloat16, (8, 0), True, False),      # Ampere
+    (128, torch.bfloat16, (9, 0), False, False),     # rows not 16-byte aligned
+])
+def test_prefill_tma_rows_table(D, dtype, capability, aligned, want):
+    assert prefill_tma_rows(D, dtype, capability, aligned) == want
 
 
 @pytest.mark.parametrize("programs,max_ctx,block_n,sms,want", [
@@ -528,6 +634,19 @@ def test_long_prefill_on_cuda(D, S, descriptors):
 
 
 @requires_cuda
+@pytest.mark.parametrize("S", [16, 64], ids=["S16", "S64"])
+def test_new_rows_on_cuda(S):
+    """Default launch shapes on a real GPU with the new tokens' rows: on Hopper the rule reads
+    the chunks' own tiles through descriptors at any page size; the pool's chunk rows from the
+    first aligned tile on are NaN."""
+    case = make_case([(300, 400), (300, 100), (0, 333)], S, 8, 4, 128, torch.bfloat16, "cuda",
+                     seed=S)
+    k, v = new_rows(case)
+    out, lse = torch.ops.kvops.paged_prefill_attention(**poison_chunk_tiles(case, 64), k=k, v=v)
+    check_against_oracle(out, lse, case, f"new-rows-S{S}")
+
+
+@requires_cuda
 def test_tma_cuda_graph_replay_with_new_lengths():
     """The descriptor path (pages of 64, where the GPU has a tensor copy engine) captured once
     and replayed with new chunk lengths, prefixes and tables."""
@@ -609,6 +728,12 @@ def _bad_inputs():
         ValueError, "k_cache: expected contiguous pages"
     yield "q-last-dim", dict(ok, q=torch.zeros(7, 4, 64).half()[:, :, ::2]), ValueError, \
         "q: expected the last dim"
+    k, v = new_rows(ok, garbage=0.0)
+    yield "k-alone", dict(ok, k=k), ValueError, "k, v: expected both"
+    yield "new-shape", dict(ok, k=k[:3], v=v[:3]), ValueError, r"k: expected shape \[N=7"
+    yield "new-dtype", dict(ok, k=k.float(), v=v.float()), TypeError, "k: expected dtype"
+    yield "new-heads", dict(ok, k=k, v=torch.zeros(7, 32, 2).half().transpose(1, 2)), \
+        ValueError, "v: expected each row's heads contiguous"
 
 
 @pytest.mark.parametrize("name,kwargs,exc,msg", list(_bad_inputs()),

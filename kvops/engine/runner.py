@@ -7,7 +7,8 @@ A step runs, in order:
    the configuration has arenas and the step's commit queued trains;
 2. the prefill chunks, packed: K/V written into the pool with ``paged_kv_write`` (and into the
    arena ring for tokens inside the window, write-through), attention with
-   ``paged_prefill_attention`` over each request's block table;
+   ``paged_prefill_attention`` over each request's block table, given the chunks' own K/V rows
+   (contiguous, so their tiles load without the page indirection);
 3. the far view's summaries of chunks this commit made far (``kvrm``; nothing when the commit
    queued none);
 4. the decode tokens, one row per KV slot up to a batch bucket (1, 2, 4, 8, then multiples of
@@ -230,7 +231,7 @@ class ModelRunner:
                 torch.ops.kvops.paged_kv_write(k, v, self.k_arena_pages[i], self.v_arena_pages[i],
                                                arena_map)
             o, _ = torch.ops.kvops.paged_prefill_attention(q, kv.k_pool[i], kv.v_pool[i], bt,
-                                                            q_start, seq_lens)
+                                                            q_start, seq_lens, k=k, v=v)
             return o
 
         hidden = forward_packed(self.model, tokens, positions, attend)

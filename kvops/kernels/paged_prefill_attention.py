@@ -85,12 +85,12 @@ def prefill_tile(N: int, B: int, G: int, D: int, dtype: torch.dtype,
     return block_m, block_n, warps, 3 if big else 2
 
 
-# K/V tiles come through the tensor copy engine only where a key tile lies inside one page:
 # whether descriptor plans launch through the compiled launcher's entry (``_launch``) like
 # every other plan; off, they go through the JIT's dispatch.
 # ``test_tma_direct_launch_matches_the_jit`` checks the direct launch bit for bit on a GPU
 TMA_DIRECT = False
 
+# K/V tiles come through the tensor copy engine only where a key tile lies inside one page:
 # pages of at least this many tokens (the rule's BLOCK_N at D <= 128)
 TMA_MIN_PAGE = 64
 
@@ -106,6 +106,15 @@ def prefill_tma(S: int, D: int, dtype: torch.dtype, capability: tuple[int, int],
     (nothing ``_descriptor_misfit`` finds)."""
     return (capability >= (9, 0) and dtype in (torch.float16, torch.bfloat16)
             and 16 <= D <= 256 and D & (D - 1) == 0 and S >= TMA_MIN_PAGE and aligned)
+
+
+def prefill_tma_rows(D: int, dtype: torch.dtype, capability: tuple[int, int],
+                     aligned: bool) -> bool:
+    """Whether a call given the new tokens' rows (``k``, ``v``) loads the chunks' own key
+    tiles from them through tensor descriptors: ``prefill_tma``'s rule without the page size
+    (the rows are contiguous whatever the pages), for ``aligned`` rows (nothing
+    ``_rows_misfit`` finds)."""
+    return prefill_tma(TMA_MIN_PAGE, D, dtype, capability, aligned)
 
 
 def _pool_descriptor(cache: torch.Tensor, block_n: int):
@@ -227,13 +236,77 @@ def _key_tile_tma(b_q, b_acc, b_m, b_l, KD, VD, page_rows, p_bt, n, seq_len, lo_
 
 
 @triton.jit
-def _key_run(b_q, b_acc, b_m, b_l, KC, VC, KD, VD, page_rows, p_bt, lo, hi, seq_len, lo_key, P,
-             L, i_h, stride_kp, stride_vp, b_pos, window, scale_log2, S: tl.constexpr,
-             HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-             MASK: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-             PREFETCH: tl.constexpr, TMA: tl.constexpr):
-    """Key tiles ``[lo, hi)`` in BLOCK_N steps. TMA: each tile through the descriptors
-    (``_key_tile_tma``). Else PREFETCH loads each tile's page ids one tile ahead (a
+def _key_tile_new(b_q, b_acc, b_m, b_l, KN, VN, p_bt, n, seq_len, lo_key, P, L, i_h, new_row0,
+                  stride_kn, stride_vn, b_pos, window, scale_log2, S: tl.constexpr,
+                  D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  MASK: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+                  NEW_TMA: tl.constexpr):
+    """``_key_tile`` for keys ``[n, n + BLOCK_N)`` of the chunk itself, read from the new
+    tokens' rows ``k, v [N, Hkv, D]`` (key position ``j`` is row ``new_row0 + j``) instead of
+    their pages: contiguous rows, through descriptors ``KN``, ``VN`` over ``[N, Hkv * D]``
+    (NEW_TMA) or pointer loads. A key still needs its page id in ``[0, P)`` to be read, as on
+    the pool path, so the output is the pool path's. Rows the tile reads past the chunk (the
+    next sequence's, or past ``N``: zeros) are masked, and their V rows zeroed."""
+    o_n = n + tl.arange(0, BLOCK_N)
+    o_d = tl.arange(0, BLOCK_D)
+    m_n = _tile_pages(p_bt, n, seq_len, lo_key, L, S, BLOCK_N)
+    m_n = (m_n >= 0) & (m_n < P)
+    o_row = (new_row0 + o_n).to(tl.int64)
+    m_kv = m_n[:, None] & (o_d < D)[None, :]
+    if NEW_TMA:
+        b_k = KN.load([new_row0 + n, i_h * D])
+    else:
+        b_k = tl.load(KN + (o_row * stride_kn + i_h * D)[:, None] + o_d[None, :], mask=m_kv,
+                      other=0.0)
+    b_s = _visible(dot(b_q, tl.trans(b_k), PRECISION) * scale_log2, m_n, o_n, b_pos, window,
+                   MASK, WINDOW)
+    b_p, b_alpha, b_m, b_l = _softmax_step(b_s, b_m, b_l)
+    if NEW_TMA:
+        b_v = tl.where(m_n[:, None], VN.load([new_row0 + n, i_h * D]), 0.0)
+    else:
+        b_v = tl.load(VN + (o_row * stride_vn + i_h * D)[:, None] + o_d[None, :], mask=m_kv,
+                      other=0.0)
+    b_acc = b_acc * b_alpha[:, None] + dot(b_p.to(b_v.dtype), b_v, PRECISION)
+    return b_acc, b_m, b_l
+
+
+@triton.jit
+def _key_run(b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, page_rows, p_bt, lo, hi, self_lo,
+             new_row0, seq_len, lo_key, P, L, i_h, stride_kp, stride_vp, stride_kn, stride_vn,
+             b_pos, window, scale_log2, S: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr,
+             WINDOW: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
+             TMA: tl.constexpr, NEW: tl.constexpr, NEW_TMA: tl.constexpr):
+    """Key tiles ``[lo, hi)`` in BLOCK_N steps: with NEW, the tiles from ``self_lo`` (the first
+    BLOCK_N-aligned key of the chunk itself) from the new tokens' rows (``_key_tile_new``),
+    the ones before from their pages (``_page_run``)."""
+    if NEW:
+        mid = tl.minimum(tl.maximum(self_lo, lo), tl.maximum(hi, lo))
+        b_acc, b_m, b_l = _page_run(
+            b_q, b_acc, b_m, b_l, KC, VC, KD, VD, page_rows, p_bt, lo, mid, seq_len, lo_key, P,
+            L, i_h, stride_kp, stride_vp, b_pos, window, scale_log2, S, HKV, D, BLOCK_N,
+            BLOCK_D, MASK, WINDOW, PRECISION, PREFETCH, TMA)
+        for n in range(mid, hi, BLOCK_N):
+            b_acc, b_m, b_l = _key_tile_new(
+                b_q, b_acc, b_m, b_l, KN, VN, p_bt, n, seq_len, lo_key, P, L, i_h, new_row0,
+                stride_kn, stride_vn, b_pos, window, scale_log2, S, D, BLOCK_N, BLOCK_D, MASK,
+                WINDOW, PRECISION, NEW_TMA)
+    else:
+        b_acc, b_m, b_l = _page_run(
+            b_q, b_acc, b_m, b_l, KC, VC, KD, VD, page_rows, p_bt, lo, hi, seq_len, lo_key, P,
+            L, i_h, stride_kp, stride_vp, b_pos, window, scale_log2, S, HKV, D, BLOCK_N,
+            BLOCK_D, MASK, WINDOW, PRECISION, PREFETCH, TMA)
+    return b_acc, b_m, b_l
+
+
+@triton.jit
+def _page_run(b_q, b_acc, b_m, b_l, KC, VC, KD, VD, page_rows, p_bt, lo, hi, seq_len, lo_key, P,
+              L, i_h, stride_kp, stride_vp, b_pos, window, scale_log2, S: tl.constexpr,
+              HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+              MASK: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+              PREFETCH: tl.constexpr, TMA: tl.constexpr):
+    """Key tiles ``[lo, hi)`` from their pages, in BLOCK_N steps. TMA: each tile through the
+    descriptors (``_key_tile_tma``). Else PREFETCH loads each tile's page ids one tile ahead (a
     loop-carried value), so the K/V loads' addresses do not wait on a load of the same
     iteration; without it each tile loads its own page ids."""
     if TMA:
@@ -267,15 +340,15 @@ SEQ_CHUNK = 128
 
 @triton.jit(do_not_specialize=["N", "B", "num_tiles", "window", "NUM_SPLITS"])
 def _paged_prefill_kernel(
-    Q, KC, VC, BT, QS, SL, O, LSE, Out, Lse, Counts, KD, VD,
+    Q, KC, VC, BT, QS, SL, O, LSE, Out, Lse, Counts, KD, VD, KN, VN,
     N, B, P, L, page_rows, num_tiles, window, scale_log2, NUM_SPLITS,
     stride_qn, stride_qh, stride_kp, stride_vp, stride_bt, stride_on, stride_oh, stride_os,
-    stride_ln, stride_lh, stride_ls,
+    stride_ln, stride_lh, stride_ls, stride_kn, stride_vn,
     S: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, WINDOW: tl.constexpr,
     PRECISION: tl.constexpr, PREFETCH: tl.constexpr, FUSED_MERGE: tl.constexpr,
-    BLOCK_S: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_S: tl.constexpr, TMA: tl.constexpr, NEW: tl.constexpr, NEW_TMA: tl.constexpr,
 ):
     i_t = num_tiles - 1 - tl.program_id(0)
     i_h = tl.program_id(1)
@@ -315,6 +388,10 @@ def _paged_prefill_kernel(
         return
     seq_len = tl.minimum(tl.maximum(tl.load(SL + i_b), 0), L * S)
     pos0 = seq_len - (q_hi - q_lo)                      # position of the sequence's first query
+    # NEW: keys from self_lo on lie in the chunk (positions >= pos0): key j is new row
+    # new_row0 + j
+    self_lo = tl.cdiv(tl.maximum(pos0, 0), BLOCK_N) * BLOCK_N
+    new_row0 = q_lo - pos0
     b_pos = pos0 + (o_tok - q_lo)
     p_first = pos0 + (t0 - q_lo)
     p_last = pos0 + tl.minimum(t0 + BLOCK_Q, q_hi) - 1 - q_lo
@@ -341,18 +418,21 @@ def _paged_prefill_kernel(
         mid_lo = tl.minimum(tl.cdiv(tl.maximum(p_last - window + 1, 0), BLOCK_N) * BLOCK_N,
                             mid_hi)
         b_acc, b_m, b_l = _key_run(
-            b_q, b_acc, b_m, b_l, KC, VC, KD, VD, page_rows, p_bt, tl.maximum(k_lo, s_lo),
-            tl.minimum(mid_lo, s_hi), seq_len, lo_key, P, L, i_h, stride_kp, stride_vp, b_pos,
-            window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, True, True, PRECISION, PREFETCH,
-            TMA)
+            b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, page_rows, p_bt,
+            tl.maximum(k_lo, s_lo), tl.minimum(mid_lo, s_hi), self_lo, new_row0, seq_len,
+            lo_key, P, L, i_h, stride_kp, stride_vp, stride_kn, stride_vn, b_pos, window,
+            scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, True, True, PRECISION, PREFETCH, TMA, NEW,
+            NEW_TMA)
     b_acc, b_m, b_l = _key_run(
-        b_q, b_acc, b_m, b_l, KC, VC, KD, VD, page_rows, p_bt, tl.maximum(mid_lo, s_lo),
-        tl.minimum(mid_hi, s_hi), seq_len, lo_key, P, L, i_h, stride_kp, stride_vp, b_pos, window,
-        scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, False, WINDOW, PRECISION, PREFETCH, TMA)
+        b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, page_rows, p_bt, tl.maximum(mid_lo, s_lo),
+        tl.minimum(mid_hi, s_hi), self_lo, new_row0, seq_len, lo_key, P, L, i_h, stride_kp,
+        stride_vp, stride_kn, stride_vn, b_pos, window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D,
+        False, WINDOW, PRECISION, PREFETCH, TMA, NEW, NEW_TMA)
     b_acc, b_m, b_l = _key_run(
-        b_q, b_acc, b_m, b_l, KC, VC, KD, VD, page_rows, p_bt, tl.maximum(mid_hi, s_lo), s_hi,
-        seq_len, lo_key, P, L, i_h, stride_kp, stride_vp, b_pos, window, scale_log2, S, HKV, D, BLOCK_N,
-        BLOCK_D, True, WINDOW, PRECISION, PREFETCH, TMA)
+        b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, page_rows, p_bt, tl.maximum(mid_hi, s_lo),
+        s_hi, self_lo, new_row0, seq_len, lo_key, P, L, i_h, stride_kp, stride_vp, stride_kn,
+        stride_vn, b_pos, window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, True, WINDOW,
+        PRECISION, PREFETCH, TMA, NEW, NEW_TMA)
     b_has = b_l > 0
     b_out = b_acc / tl.where(b_has, b_l, 1.0)[:, None]
     b_lse = tl.where(b_has, (b_m + tl.log2(tl.where(b_has, b_l, 1.0))) * LN2,
@@ -375,7 +455,8 @@ def paged_prefill_attention_fwd(
     query_start: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None,
     window: int = 0, *, block_m: int | None = None, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, num_splits: int | None = None,
-    prefetch: bool = True, tma: bool | None = None, signature=None,
+    prefetch: bool = True, tma: bool | None = None, k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None, new_tma: bool | None = None, signature=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate, pick the tile (``prefill_tile``) and the splits (``prefill_splits``), launch,
     and merge split partials (in the launch, or ``_splitk.merge_split_outputs`` under capture).
@@ -383,7 +464,10 @@ def paged_prefill_attention_fwd(
     the keyword knobs override the rules (tests, benches); ``prefetch`` (on unless a caller
     turns it off) loads page ids a tile ahead (``_key_run``; docs/tuning.md); ``tma`` forces
     K/V tiles through descriptors on (where the tile fits a page) or off, else
-    ``prefill_tma`` decides. A launch's plan
+    ``prefill_tma`` decides. ``k``, ``v`` ``[N, Hkv, D]``: the new tokens' rows the pool
+    holds at the chunks' positions; the chunks' own key tiles are read from them
+    (``_key_tile_new``), through descriptors where ``new_tma`` (or, None,
+    ``prefill_tma_rows``) says so. A launch's plan
     (tile, splits, strides, binary key) is kept per argument signature (``signature``: the
     op's, of every tensor with scale and window, else one is computed here) and knobs.
     Returns ``(out, lse)``."""
@@ -391,23 +475,54 @@ def paged_prefill_attention_fwd(
     if N == 0:
         return split_outputs(0, Hq, D, 1, q.dtype, q.device, 0)[:2]
     tensors = (q, k_cache, v_cache, block_table, query_start, seq_lens)
+    news = (k, v) if k is not None else None
     if signature is None:
-        signature = (*(sig(t) for t in tensors), scale, window)
-    knobs = (block_m, block_n, num_warps, num_stages, num_splits, prefetch, tma)
+        signature = (*(sig(t) for t in tensors), scale, window,
+                     *(sig(t) for t in news or ()))
+    knobs = (block_m, block_n, num_warps, num_stages, num_splits, prefetch, tma, new_tma)
     key = (signature, knobs)
-    plan = _PLANS.get(key) or keep_plan(_PLANS, key, _plan(*tensors, scale, window, knobs))
+    plan = _PLANS.get(key) or keep_plan(_PLANS, key,
+                                        _plan(*tensors, news, scale, window, knobs))
     grid, nsp, ints, meta, merge, fused, token, ready = plan
     # out [N, Hq, D] and lse [N, Hq] are a decode launch's outputs with N rows
     out, lse, part_o, part_l, count = split_outputs(N, Hq, D, nsp, q.dtype, q.device,
                                                     grid[0] * grid[1])
-    # the descriptors hold the pools' addresses, so they are made each call (without TMA the
-    # kernel never reads those two arguments)
+    # the descriptors hold the tensors' addresses, so they are made each call (without TMA
+    # the kernel never reads the first two arguments, without NEW the last two)
     descs = ((_pool_descriptor(k_cache, meta["BLOCK_N"]),
               _pool_descriptor(v_cache, meta["BLOCK_N"])) if meta["TMA"] else
              (k_cache, v_cache))
+    if news is None:
+        news = (k_cache, v_cache)
+    elif meta["NEW_TMA"]:
+        news = tuple(_rows_descriptor(t, meta["BLOCK_N"]) for t in news)
     launch_split(_paged_prefill_kernel, grid, (*tensors, part_o, part_l, out, lse), count,
-                 seq_lens, (*descs, *ints), (token, meta), fused, merge, ready)
+                 seq_lens, (*descs, *news, *ints), (token, meta), fused, merge, ready)
     return out, lse
+
+
+def _rows_descriptor(rows: torch.Tensor, block_n: int):
+    """A descriptor over new tokens' rows ``[N, Hkv, D]`` (heads contiguous in a row, any row
+    stride) as ``[N, Hkv * D]``, loading ``[block_n, D]`` boxes: one KV head's keys of
+    ``block_n`` consecutive tokens."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    N, Hkv, D = rows.shape
+    return TensorDescriptor(rows, [N, Hkv * D], [rows.stride(0), 1], [block_n, D])
+
+
+def _rows_misfit(k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """What new-token rows ``[N, Hkv, D]`` lack for ``_rows_descriptor``, or None: heads
+    contiguous in each row, 16-byte aligned bases and row strides, fewer than ``2**31`` rows."""
+    D = k.shape[2]
+    for name, t in (("k", k), ("v", v)):
+        if t.stride(2) != 1 or t.stride(1) != D:
+            return f"{name} with each row's heads contiguous (strides [*, {D}, 1]), got {t.stride()}"
+        if t.stride(0) * t.element_size() % 16 or t.data_ptr() % 16:
+            return f"{name} with a 16-byte aligned base and row stride, got stride {t.stride(0)}"
+    if k.shape[0] >= 2**31:
+        return f"fewer than 2**31 rows, got {k.shape[0]}"
+    return None
 
 
 def _descriptor_misfit(k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
@@ -429,19 +544,27 @@ def _descriptor_misfit(k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | No
     return None
 
 
-def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, scale, window, knobs):
+def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, news, scale, window, knobs):
     N, Hq, D = q.shape
     P, S, Hkv, _ = k_cache.shape
     B, L = block_table.shape
     G = Hq // Hkv
-    block_m, block_n, num_warps, num_stages, num_splits, prefetch, tma = knobs
+    block_m, block_n, num_warps, num_stages, num_splits, prefetch, tma, new_tma = knobs
     misfit = _descriptor_misfit(k_cache, v_cache)
     if tma is None:
         tma = nvidia_ptx(q.device) and prefill_tma(S, D, q.dtype, cuda_capability(q.device),
                                                    misfit is None)
     elif tma and misfit:
         raise ValueError(f"tma: expected {misfit}")
-    bm, bn, nw, ns = prefill_tile(N, B, G, D, q.dtype, tma)
+    rows_misfit = _rows_misfit(*news) if news is not None else "k and v"
+    if new_tma is None:
+        new_tma = news is not None and nvidia_ptx(q.device) and prefill_tma_rows(
+            D, q.dtype, cuda_capability(q.device), rows_misfit is None)
+    elif new_tma and rows_misfit:
+        raise ValueError(f"new_tma: expected {rows_misfit}")
+    if new_tma and D != next_pow2(D):
+        raise ValueError(f"new_tma: expected D a power of two, got D {D}")
+    bm, bn, nw, ns = prefill_tile(N, B, G, D, q.dtype, tma or new_tma)
     bm, bn = block_m or bm, block_n or bn
     nw, ns = num_warps or nw, num_stages or ns
     if bm < G:
@@ -457,21 +580,23 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, scale, window
     out_strides = ((Hq * nsp * D, nsp * D, D, Hq * nsp, nsp, 1) if nsp > 1 else
                    (Hq * D, D, 0, Hq, 1, 0))
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), v_cache.stride(0),
-               block_table.stride(0), *out_strides)
+               block_table.stride(0), *out_strides,
+               *((news[0].stride(0), news[1].stride(0)) if news is not None else (0, 0)))
     page_rows = k_cache.stride(0) // (Hkv * D)
     ints = (N, B, P, L, page_rows, num_tiles, window, scale * LOG2E.value, nsp, *strides)
     meta = dict(S=S, HKV=Hkv, G=G, D=D, BLOCK_Q=block_q, BLOCK_M=bm, BLOCK_N=bn,
                 BLOCK_D=next_pow2(max(D, 16)), BLOCK_B=SEQ_CHUNK,
                 WINDOW=window > 0, PRECISION=dot_precision(q.dtype), PREFETCH=prefetch,
-                FUSED_MERGE=False, BLOCK_S=1, TMA=bool(tma), num_warps=nw, num_stages=ns)
+                FUSED_MERGE=False, BLOCK_S=1, TMA=bool(tma), NEW=news is not None,
+                NEW_TMA=bool(new_tma), num_warps=nw, num_stages=ns)
     merge = merge_plan(N, Hq, nsp, D, q.dtype, False, q.device) if nsp > 1 else None
     # N, B, num_tiles and window are not specialized (one binary serves every value of them),
     # so they stay out of the binary's key; the rest of what the kernel specializes on is in
     # it, with the inputs' alignments (out, lse and the partials are always 16-byte aligned)
     token = ("prefill", P, L, nsp, strides, Hq, q.dtype, q.device, tuple(meta.values()),
              tuple(t.data_ptr() % 16 == 0 for t in (q, k_cache, v_cache, block_table,
-                                                     query_start, seq_lens)))
-    if tma and not TMA_DIRECT:
+                                                     query_start, seq_lens, *(news or ()))))
+    if (tma or new_tma) and not TMA_DIRECT:
         token = None                # descriptor plans launch through the JIT
     fused = None
     if nsp > 1:   # the one-launch form: its own constants, so its own binary key

@@ -19,7 +19,8 @@ PREFILL_MAX_HEAD_DIM = 256
 _REF_CHUNK = 1 << 22
 
 
-def _check(q, k_cache, v_cache, block_table, query_start, seq_lens, scale, window) -> None:
+def _check(q, k_cache, v_cache, block_table, query_start, seq_lens, scale, window, k=None,
+           v=None) -> None:
     _checks.tensor("q", q, rank=3, dtypes=_checks.KV_DTYPES)
     dev = q.device
     N, Hq, D = q.shape
@@ -51,9 +52,21 @@ def _check(q, k_cache, v_cache, block_table, query_start, seq_lens, scale, windo
         raise TypeError(f"window: expected an int, got {type(window).__name__}")
     if window < 0:
         raise ValueError(f"window: expected 0 (no window) or a positive token count, got {window}")
+    if (k is None) != (v is None):
+        raise ValueError(f"k, v: expected both (the new tokens' rows) or neither, got "
+                         f"{'k' if v is None else 'v'} alone")
+    if k is not None:
+        for name, t in (("k", k), ("v", v)):
+            _checks.tensor(name, t, rank=3, dtypes=_checks.KV_DTYPES, device=dev)
+            _checks.same_dtype(name, t, "q", q)
+            _checks.shape(name, t, (N, Hkv, D), "N Hkv D")
+            if t.numel() and (t.stride(2) != 1 or t.stride(1) != D):
+                raise ValueError(f"{name}: expected each row's heads contiguous (strides "
+                                 f"[*, {D}, 1]), got strides {t.stride()}")
 
 
-def _validate(q, k_cache, block_table, query_start, seq_lens) -> None:
+def _validate(q, k_cache, block_table, query_start, seq_lens, k=None, v=None,
+              v_cache=None) -> None:
     N = q.shape[0]
     P, S = k_cache.shape[:2]
     L = block_table.shape[1]
@@ -64,6 +77,27 @@ def _validate(q, k_cache, block_table, query_start, seq_lens) -> None:
                         0, L * S + 1)
     used = torch.arange(L, device=block_table.device)[None, :] * S < seq_lens.long()[:, None]
     _checks.index_range("block_table", block_table[used], 0, P)
+    if k is not None:
+        _check_new_rows(k, v, k_cache, v_cache, block_table, query_start, seq_lens)
+
+
+def _check_new_rows(k, v, k_cache, v_cache, block_table, query_start, seq_lens) -> None:
+    """Validation mode: ``k``, ``v`` must be what the pool holds at each chunk's positions
+    (the kernel may read either), on every mapped page."""
+    S = k_cache.shape[1]
+    starts, lens = query_start.tolist(), seq_lens.tolist()
+    for b in range(block_table.shape[0]):
+        n = starts[b + 1] - starts[b]
+        pos = torch.arange(lens[b] - n, lens[b], device=k.device)
+        pages = block_table[b, pos // S].long()
+        ok = pages >= 0
+        for name, rows, cache in (("k", k, k_cache), ("v", v, v_cache)):
+            got = rows[starts[b]:starts[b + 1]][ok]
+            held = cache[pages[ok], pos[ok] % S]
+            if not torch.equal(got, held):
+                raise ValueError(f"{name}: expected the rows the pool holds at sequence {b}'s "
+                                 f"chunk positions [{lens[b] - n}, {lens[b]}) (write them with "
+                                 f"paged_kv_write first), got other values")
 
 
 def paged_prefill_attention_ref(
@@ -118,21 +152,23 @@ def paged_prefill_attention_ref(
 _checked = CheckedSignatures(_check)
 
 
-def _impl(q, k_cache, v_cache, block_table, query_start, seq_lens, scale=None, window=0):
+def _impl(q, k_cache, v_cache, block_table, query_start, seq_lens, scale=None, window=0, k=None,
+          v=None):
     key = (sig(q), sig(k_cache), sig(v_cache), sig(block_table), sig(query_start),
-           sig(seq_lens), scale, window)
-    _checked(key, q, k_cache, v_cache, block_table, query_start, seq_lens, scale, window)
+           sig(seq_lens), scale, window, sig(k), sig(v))
+    _checked(key, q, k_cache, v_cache, block_table, query_start, seq_lens, scale, window, k, v)
     if validate():
-        _validate(q, k_cache, block_table, query_start, seq_lens)
+        _validate(q, k_cache, block_table, query_start, seq_lens, k, v, v_cache)
     if use_triton(q.device):
         return paged_prefill_attention_fwd(q, k_cache, v_cache, block_table, query_start,
-                                           seq_lens, scale, window, signature=key)
+                                           seq_lens, scale, window, k=k, v=v, signature=key)
     return paged_prefill_attention_ref(q, k_cache, v_cache, block_table, query_start, seq_lens,
                                        scale, window)
 
 
-def _fake(q, k_cache, v_cache, block_table, query_start, seq_lens, scale=None, window=0):
-    _check(q, k_cache, v_cache, block_table, query_start, seq_lens, scale, window)
+def _fake(q, k_cache, v_cache, block_table, query_start, seq_lens, scale=None, window=0, k=None,
+          v=None):
+    _check(q, k_cache, v_cache, block_table, query_start, seq_lens, scale, window, k, v)
     N, Hq, D = q.shape
     return q.new_empty((N, Hq, D)), q.new_empty((N, Hq), dtype=torch.float32)
 
@@ -140,13 +176,15 @@ def _fake(q, k_cache, v_cache, block_table, query_start, seq_lens, scale=None, w
 _op = register(
     "paged_prefill_attention",
     "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor query_start, "
-    "Tensor seq_lens, float? scale=None, int window=0) -> (Tensor, Tensor)",
+    "Tensor seq_lens, float? scale=None, int window=0, Tensor? k=None, Tensor? v=None) "
+    "-> (Tensor, Tensor)",
     _impl, _fake)
 
 
 def paged_prefill_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, query_start: Tensor,
-    seq_lens: Tensor, scale: float | None = None, window: int = 0,
+    seq_lens: Tensor, scale: float | None = None, window: int = 0, k: Tensor | None = None,
+    v: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Causal attention of packed query chunks of many sequences over their paged prefixes
     (``torch.ops.kvops.paged_prefill_attention``; chunked prefill).
@@ -172,6 +210,12 @@ def paged_prefill_attention(
       the scaled logits). A row with nothing visible, and rows ``>= query_start[B]`` (padding),
       get out 0 and lse -inf. GQA: query head h reads KV head ``h // (Hq // Hkv)``. Float32
       accumulation; scale defaults to ``D ** -0.5``.
+    - k, v [N, Hkv, D] (optional, both or neither; q's dtype; each row's heads contiguous, any
+      row stride): the new tokens' K/V, the rows ``paged_kv_write`` put into the pool at the
+      chunks' positions. Given, the kernel reads the chunks' own key tiles from these
+      contiguous rows instead of their pages (through tensor descriptors on Hopper whatever the
+      page size); the output is the same, since the values are. Keys on unmapped pages stay
+      left out. Validation mode checks that the pool holds these rows.
 
     BASE blocks: this op reads every block as TARGET. ElasticKV's fidelity policy demotes only
     blocks a session has already attended as TARGET, refuses to alias a prefix holding BASE blocks,
@@ -191,4 +235,4 @@ def paged_prefill_attention(
     tensors run :func:`paged_prefill_attention_ref` (or the interpreted kernel under backend
     "triton"). Output shapes depend on input shapes only.
     """
-    return _op(q, k_cache, v_cache, block_table, query_start, seq_lens, scale, window)
+    return _op(q, k_cache, v_cache, block_table, query_start, seq_lens, scale, window, k, v)
