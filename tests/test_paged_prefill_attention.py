@@ -85,12 +85,14 @@ def make_case(chunks, S, Hkv, G, D, dtype, device, seed, window=0, interleaved=F
     return {n: t.to(device) for n, t in case.items()}
 
 
-def check_against_oracle(out, lse, case, name, window=0, scale=None):
+def check_against_oracle(out, lse, case, name, window=0, scale=None, new=None):
+    """``new``: the ``(k, v)`` rows the call was given."""
     dtype = case["q"].dtype
     # the oracle loops over tokens and heads in Python: on host copies (on a GPU its per-element
     # indexing would sync the device thousands of times)
     host = {n: t.cpu() for n, t in case.items()}
-    want_out, want_lse = paged_prefill_oracle(**host, window=window, scale=scale)
+    k, v = new if new is not None else (None, None)
+    want_out, want_lse = paged_prefill_oracle(**host, window=window, scale=scale, k=k, v=v)
     out, lse = out.cpu(), lse.cpu()
     atol, rtol = ATTN_TOL[dtype]
     assert out.dtype == dtype and lse.dtype == torch.float32, name
@@ -198,7 +200,8 @@ def test_tma_tiles_match_oracle(kernel_device, poison, descriptors, S, G, D, dty
 
 def new_rows(case, garbage=float("nan")):
     """``k, v [N, Hkv, D]``: the rows the case's pool holds at each chunk's positions (what
-    ``paged_kv_write`` put there), ``garbage`` on unmapped pages and padding rows."""
+    ``paged_kv_write`` put there); fresh random rows where the page is unmapped (the chunk's
+    own keys are read from these rows whatever the pages), ``garbage`` in padding rows."""
     k_cache, v_cache = case["k_cache"], case["v_cache"]
     P, S, Hkv, D = k_cache.shape
     N = case["q"].shape[0]
@@ -206,27 +209,29 @@ def new_rows(case, garbage=float("nan")):
     lens = case["seq_lens"].tolist()
     k = torch.full((N, Hkv, D), garbage, dtype=k_cache.dtype, device=k_cache.device)
     v = torch.full_like(k, garbage)
+    gen = torch.Generator().manual_seed(N)
     for b in range(len(lens)):
         n = starts[b + 1] - starts[b]
         pos = torch.arange(lens[b] - n, lens[b])
         pages = case["block_table"][b, pos // S].long().cpu()
         ok = (pages >= 0) & (pages < P)
-        rows = torch.arange(starts[b], starts[b + 1])[ok]
-        k[rows] = k_cache[pages[ok], pos[ok] % S]
-        v[rows] = v_cache[pages[ok], pos[ok] % S]
+        rows = torch.arange(starts[b], starts[b + 1])
+        k[rows] = torch.randn(n, Hkv, D, generator=gen).to(k)
+        v[rows] = torch.randn(n, Hkv, D, generator=gen).to(v)
+        k[rows[ok]] = k_cache[pages[ok], pos[ok] % S]
+        v[rows[ok]] = v_cache[pages[ok], pos[ok] % S]
     return k, v
 
 
-def poison_chunk_tiles(case, block_n):
-    """A copy of ``case`` whose pool holds NaN at every chunk position from the chunk's first
-    ``block_n``-aligned key on: the tiles a call given the new rows reads from them."""
+def poison_chunk_tiles(case):
+    """A copy of ``case`` whose pool holds NaN at every chunk position: a call given the new
+    tokens' rows reads the chunk's keys from them."""
     poisoned = dict(case, k_cache=case["k_cache"].clone(), v_cache=case["v_cache"].clone())
     S = case["k_cache"].shape[1]
     starts = case["query_start"].tolist()
     lens = case["seq_lens"].tolist()
     for b in range(len(lens)):
-        pos0 = lens[b] - (starts[b + 1] - starts[b])
-        for p in range(-(-pos0 // block_n) * block_n, lens[b]):
+        for p in range(lens[b] - (starts[b + 1] - starts[b]), lens[b]):
             page = int(case["block_table"][b, p // S])
             if 0 <= page < case["k_cache"].shape[0]:
                 poisoned["k_cache"][page, p % S] = float("nan")
@@ -239,11 +244,12 @@ def poison_chunk_tiles(case, block_n):
        num_splits=st.sampled_from([None, 1, 3]), prefetch=st.booleans())
 def test_new_rows_match_oracle(kernel_device, poison, drawn, new_tma, tma, num_splits,
                                prefetch):
-    """Given the new tokens' rows (``k``, ``v``), the chunks' own key tiles come from them, by
-    pointer loads or through descriptors over ``[N, Hkv * D]`` (forced), beside page tiles
-    gathered or through pool descriptors: the pool's chunk rows from the first aligned tile on
-    are NaN, rows on unmapped pages and padding rows of ``k``, ``v`` are NaN too, and the rows
-    are the oracle's (which reads the clean pool)."""
+    """Given the new tokens' rows (``k``, ``v``), the chunks' own keys come from them (a tile
+    of them by pointer loads or through descriptors over ``[N, Hkv * D]``, forced; the tile
+    holding a chunk's first position mixed), beside prefix tiles gathered or through pool
+    descriptors: the pool's chunk rows are NaN, so are the padding rows of ``k``, ``v``, a
+    chunk key on an unmapped page is still read (from its row), and the rows are the
+    oracle's."""
     (chunks, S, Hkv, G, D, dtype), window, extra, seed = drawn
     new_tma = new_tma and dtype != torch.float32 and D == 1 << (D - 1).bit_length()
     tma = tma and new_tma and S >= 64 and not extra["interleaved"]
@@ -252,12 +258,15 @@ def test_new_rows_match_oracle(kernel_device, poison, drawn, new_tma, tma, num_s
     k, v = new_rows(case)
     block_n = 64 if D <= 128 and dtype != torch.float32 else 32
     block_m = max(16, 1 << (G - 1).bit_length())
-    out, lse = paged_prefill_attention_fwd(**poison_chunk_tiles(case, block_n), window=window,
-                                           k=k, v=v, new_tma=new_tma, tma=tma, block_m=block_m,
-                                           block_n=block_n, num_splits=num_splits,
-                                           prefetch=prefetch)
-    check_against_oracle(out, lse, case, "new-" + case_id(chunks, S, Hkv, G, D, dtype, window,
-                                                           extra) + f"-{new_tma}-{tma}", window)
+    poisoned = poison_chunk_tiles(case)
+    name = "new-" + case_id(chunks, S, Hkv, G, D, dtype, window, extra) + f"-{new_tma}-{tma}"
+    out, lse = paged_prefill_attention_fwd(**poisoned, window=window, k=k, v=v, new_tma=new_tma,
+                                           tma=tma, block_m=block_m, block_n=block_n,
+                                           num_splits=num_splits, prefetch=prefetch)
+    check_against_oracle(out, lse, case, name, window, new=(k, v))
+    ref = paged_prefill_attention_ref(**{n: t.cpu() for n, t in poisoned.items()},
+                                      window=window, k=k.cpu(), v=v.cpu())
+    check_against_oracle(*ref, case, "ref-" + name, window, new=(k, v))
 
 
 def test_new_rows_descriptor_needs_contiguous_heads():
@@ -637,13 +646,13 @@ def test_long_prefill_on_cuda(D, S, descriptors):
 @pytest.mark.parametrize("S", [16, 64], ids=["S16", "S64"])
 def test_new_rows_on_cuda(S):
     """Default launch shapes on a real GPU with the new tokens' rows: on Hopper the rule reads
-    the chunks' own tiles through descriptors at any page size; the pool's chunk rows from the
-    first aligned tile on are NaN."""
+    the chunks' own tiles through descriptors at any page size; the pool's chunk rows are
+    NaN."""
     case = make_case([(300, 400), (300, 100), (0, 333)], S, 8, 4, 128, torch.bfloat16, "cuda",
                      seed=S)
     k, v = new_rows(case)
-    out, lse = torch.ops.kvops.paged_prefill_attention(**poison_chunk_tiles(case, 64), k=k, v=v)
-    check_against_oracle(out, lse, case, f"new-rows-S{S}")
+    out, lse = torch.ops.kvops.paged_prefill_attention(**poison_chunk_tiles(case), k=k, v=v)
+    check_against_oracle(out, lse, case, f"new-rows-S{S}", new=(k, v))
 
 
 @requires_cuda

@@ -88,7 +88,7 @@ def prefill_tile(N: int, B: int, G: int, D: int, dtype: torch.dtype,
 # whether descriptor plans launch through the compiled launcher's entry (``_launch``) like
 # every other plan; off, they go through the JIT's dispatch.
 # ``test_tma_direct_launch_matches_the_jit`` checks the direct launch bit for bit on a GPU
-TMA_DIRECT = False
+TMA_DIRECT = True
 
 # K/V tiles come through the tensor copy engine only where a key tile lies inside one page:
 # pages of at least this many tokens (the rule's BLOCK_N at D <= 128)
@@ -236,33 +236,33 @@ def _key_tile_tma(b_q, b_acc, b_m, b_l, KD, VD, page_rows, p_bt, n, seq_len, lo_
 
 
 @triton.jit
-def _key_tile_new(b_q, b_acc, b_m, b_l, KN, VN, p_bt, n, seq_len, lo_key, P, L, i_h, new_row0,
-                  stride_kn, stride_vn, b_pos, window, scale_log2, S: tl.constexpr,
-                  D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  MASK: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-                  NEW_TMA: tl.constexpr):
-    """``_key_tile`` for keys ``[n, n + BLOCK_N)`` of the chunk itself, read from the new
-    tokens' rows ``k, v [N, Hkv, D]`` (key position ``j`` is row ``new_row0 + j``) instead of
-    their pages: contiguous rows, through descriptors ``KN``, ``VN`` over ``[N, Hkv * D]``
-    (NEW_TMA) or pointer loads. A key still needs its page id in ``[0, P)`` to be read, as on
-    the pool path, so the output is the pool path's. Rows the tile reads past the chunk (the
-    next sequence's, or past ``N``: zeros) are masked, and their V rows zeroed."""
+def _key_tile_rows(b_q, b_acc, b_m, b_l, KN, VN, n, seq_len, lo_key, i_h, new_row0, stride_kn,
+                   stride_vn, b_pos, window, scale_log2, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, MASK: tl.constexpr, WINDOW: tl.constexpr,
+                   PRECISION: tl.constexpr, NEW_TMA: tl.constexpr):
+    """``_key_tile`` for keys ``[n, n + BLOCK_N)`` of the chunk itself (all at or after its
+    first position), read from the new tokens' rows ``k, v [N, Hkv, D]`` (key position ``j``
+    is row ``new_row0 + j``) instead of their pages: contiguous rows, with no page ids, through
+    descriptors ``KN``, ``VN`` over ``[N, Hkv * D]`` (NEW_TMA) or pointer loads. Keys past
+    ``seq_len`` (the next sequence's rows, or past ``N``: zeros) are masked, and in masked
+    tiles their V rows zeroed (a NaN there would otherwise reach the accumulator)."""
     o_n = n + tl.arange(0, BLOCK_N)
-    o_d = tl.arange(0, BLOCK_D)
-    m_n = _tile_pages(p_bt, n, seq_len, lo_key, L, S, BLOCK_N)
-    m_n = (m_n >= 0) & (m_n < P)
-    o_row = (new_row0 + o_n).to(tl.int64)
-    m_kv = m_n[:, None] & (o_d < D)[None, :]
+    m_n = (o_n < seq_len) & (o_n >= lo_key)
     if NEW_TMA:
         b_k = KN.load([new_row0 + n, i_h * D])
     else:
+        o_d = tl.arange(0, BLOCK_D)
+        o_row = (new_row0 + o_n).to(tl.int64)
+        m_kv = m_n[:, None] & (o_d < D)[None, :]
         b_k = tl.load(KN + (o_row * stride_kn + i_h * D)[:, None] + o_d[None, :], mask=m_kv,
                       other=0.0)
     b_s = _visible(dot(b_q, tl.trans(b_k), PRECISION) * scale_log2, m_n, o_n, b_pos, window,
                    MASK, WINDOW)
     b_p, b_alpha, b_m, b_l = _softmax_step(b_s, b_m, b_l)
     if NEW_TMA:
-        b_v = tl.where(m_n[:, None], VN.load([new_row0 + n, i_h * D]), 0.0)
+        b_v = VN.load([new_row0 + n, i_h * D])
+        if MASK:
+            b_v = tl.where(m_n[:, None], b_v, 0.0)
     else:
         b_v = tl.load(VN + (o_row * stride_vn + i_h * D)[:, None] + o_d[None, :], mask=m_kv,
                       other=0.0)
@@ -271,26 +271,67 @@ def _key_tile_new(b_q, b_acc, b_m, b_l, KN, VN, p_bt, n, seq_len, lo_key, P, L, 
 
 
 @triton.jit
-def _key_run(b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, page_rows, p_bt, lo, hi, self_lo,
+def _key_tile_mixed(b_q, b_acc, b_m, b_l, KC, VC, KN, VN, p_bt, n, pos0, seq_len, lo_key, P, L,
+                    i_h, new_row0, stride_kp, stride_vp, stride_kn, stride_vn, b_pos, window,
+                    scale_log2, S: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr,
+                    WINDOW: tl.constexpr, PRECISION: tl.constexpr):
+    """The one tile holding the chunk's first position ``pos0`` past its start: keys before
+    ``pos0`` from their pages (ids in ``[0, P)`` only), the rest from the new tokens' rows, by
+    pointer loads with complementary masks."""
+    o_n = n + tl.arange(0, BLOCK_N)
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = (o_d < D)[None, :]
+    b_page = _tile_pages(p_bt, n, pos0, lo_key, L, S, BLOCK_N)
+    m_pg = (b_page >= 0) & (b_page < P)
+    m_rw = (o_n >= pos0) & (o_n < seq_len) & (o_n >= lo_key)
+    o_pg = (b_page.to(tl.int64) * stride_kp + ((o_n % S) * (HKV * D) + i_h * D).to(tl.int64))
+    o_rw = (new_row0 + o_n).to(tl.int64)
+    b_k = (tl.load(KC + o_pg[:, None] + o_d[None, :], mask=m_pg[:, None] & m_d, other=0.0)
+           + tl.load(KN + (o_rw * stride_kn + i_h * D)[:, None] + o_d[None, :],
+                     mask=m_rw[:, None] & m_d, other=0.0))
+    m_n = m_pg | m_rw
+    b_s = _visible(dot(b_q, tl.trans(b_k), PRECISION) * scale_log2, m_n, o_n, b_pos, window,
+                   MASK, WINDOW)
+    b_p, b_alpha, b_m, b_l = _softmax_step(b_s, b_m, b_l)
+    o_pv = (b_page.to(tl.int64) * stride_vp + ((o_n % S) * (HKV * D) + i_h * D).to(tl.int64))
+    b_v = (tl.load(VC + o_pv[:, None] + o_d[None, :], mask=m_pg[:, None] & m_d, other=0.0)
+           + tl.load(VN + (o_rw * stride_vn + i_h * D)[:, None] + o_d[None, :],
+                     mask=m_rw[:, None] & m_d, other=0.0))
+    b_acc = b_acc * b_alpha[:, None] + dot(b_p.to(b_v.dtype), b_v, PRECISION)
+    return b_acc, b_m, b_l
+
+
+@triton.jit
+def _key_run(b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, page_rows, p_bt, lo, hi, pos0,
              new_row0, seq_len, lo_key, P, L, i_h, stride_kp, stride_vp, stride_kn, stride_vn,
              b_pos, window, scale_log2, S: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr,
              WINDOW: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
              TMA: tl.constexpr, NEW: tl.constexpr, NEW_TMA: tl.constexpr):
-    """Key tiles ``[lo, hi)`` in BLOCK_N steps: with NEW, the tiles from ``self_lo`` (the first
-    BLOCK_N-aligned key of the chunk itself) from the new tokens' rows (``_key_tile_new``),
-    the ones before from their pages (``_page_run``)."""
+    """Key tiles ``[lo, hi)`` (BLOCK_N-aligned) in BLOCK_N steps. Without NEW, all from their
+    pages (``_page_run``). With NEW the chunk's own keys (positions from ``pos0``) come from
+    the new tokens' rows: tiles before the one holding ``pos0`` from pages, that one mixed when
+    ``pos0`` lies inside it (``_key_tile_mixed``), the rest from rows (``_key_tile_rows``)."""
     if NEW:
-        mid = tl.minimum(tl.maximum(self_lo, lo), tl.maximum(hi, lo))
+        first = tl.maximum(pos0, 0) // BLOCK_N * BLOCK_N     # the tile holding pos0
+        split = tl.minimum(tl.maximum(first, lo), tl.maximum(hi, lo))
         b_acc, b_m, b_l = _page_run(
-            b_q, b_acc, b_m, b_l, KC, VC, KD, VD, page_rows, p_bt, lo, mid, seq_len, lo_key, P,
-            L, i_h, stride_kp, stride_vp, b_pos, window, scale_log2, S, HKV, D, BLOCK_N,
+            b_q, b_acc, b_m, b_l, KC, VC, KD, VD, page_rows, p_bt, lo, split, seq_len, lo_key,
+            P, L, i_h, stride_kp, stride_vp, b_pos, window, scale_log2, S, HKV, D, BLOCK_N,
             BLOCK_D, MASK, WINDOW, PRECISION, PREFETCH, TMA)
-        for n in range(mid, hi, BLOCK_N):
-            b_acc, b_m, b_l = _key_tile_new(
-                b_q, b_acc, b_m, b_l, KN, VN, p_bt, n, seq_len, lo_key, P, L, i_h, new_row0,
-                stride_kn, stride_vn, b_pos, window, scale_log2, S, D, BLOCK_N, BLOCK_D, MASK,
-                WINDOW, PRECISION, NEW_TMA)
+        start = split
+        if (pos0 > first) & (first >= lo) & (first < hi):
+            b_acc, b_m, b_l = _key_tile_mixed(
+                b_q, b_acc, b_m, b_l, KC, VC, KN, VN, p_bt, first, pos0, seq_len, lo_key, P, L,
+                i_h, new_row0, stride_kp, stride_vp, stride_kn, stride_vn, b_pos, window,
+                scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, MASK, WINDOW, PRECISION)
+            start = first + BLOCK_N
+        for n in range(start, hi, BLOCK_N):
+            b_acc, b_m, b_l = _key_tile_rows(
+                b_q, b_acc, b_m, b_l, KN, VN, n, seq_len, lo_key, i_h, new_row0, stride_kn,
+                stride_vn, b_pos, window, scale_log2, D, BLOCK_N, BLOCK_D, MASK, WINDOW,
+                PRECISION, NEW_TMA)
     else:
         b_acc, b_m, b_l = _page_run(
             b_q, b_acc, b_m, b_l, KC, VC, KD, VD, page_rows, p_bt, lo, hi, seq_len, lo_key, P,
@@ -388,10 +429,7 @@ def _paged_prefill_kernel(
         return
     seq_len = tl.minimum(tl.maximum(tl.load(SL + i_b), 0), L * S)
     pos0 = seq_len - (q_hi - q_lo)                      # position of the sequence's first query
-    # NEW: keys from self_lo on lie in the chunk (positions >= pos0): key j is new row
-    # new_row0 + j
-    self_lo = tl.cdiv(tl.maximum(pos0, 0), BLOCK_N) * BLOCK_N
-    new_row0 = q_lo - pos0
+    new_row0 = q_lo - pos0                              # NEW: key j >= pos0 is k's row
     b_pos = pos0 + (o_tok - q_lo)
     p_first = pos0 + (t0 - q_lo)
     p_last = pos0 + tl.minimum(t0 + BLOCK_Q, q_hi) - 1 - q_lo
@@ -419,18 +457,18 @@ def _paged_prefill_kernel(
                             mid_hi)
         b_acc, b_m, b_l = _key_run(
             b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, page_rows, p_bt,
-            tl.maximum(k_lo, s_lo), tl.minimum(mid_lo, s_hi), self_lo, new_row0, seq_len,
+            tl.maximum(k_lo, s_lo), tl.minimum(mid_lo, s_hi), pos0, new_row0, seq_len,
             lo_key, P, L, i_h, stride_kp, stride_vp, stride_kn, stride_vn, b_pos, window,
             scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, True, True, PRECISION, PREFETCH, TMA, NEW,
             NEW_TMA)
     b_acc, b_m, b_l = _key_run(
         b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, page_rows, p_bt, tl.maximum(mid_lo, s_lo),
-        tl.minimum(mid_hi, s_hi), self_lo, new_row0, seq_len, lo_key, P, L, i_h, stride_kp,
+        tl.minimum(mid_hi, s_hi), pos0, new_row0, seq_len, lo_key, P, L, i_h, stride_kp,
         stride_vp, stride_kn, stride_vn, b_pos, window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D,
         False, WINDOW, PRECISION, PREFETCH, TMA, NEW, NEW_TMA)
     b_acc, b_m, b_l = _key_run(
         b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, page_rows, p_bt, tl.maximum(mid_hi, s_lo),
-        s_hi, self_lo, new_row0, seq_len, lo_key, P, L, i_h, stride_kp, stride_vp, stride_kn,
+        s_hi, pos0, new_row0, seq_len, lo_key, P, L, i_h, stride_kp, stride_vp, stride_kn,
         stride_vn, b_pos, window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, True, WINDOW,
         PRECISION, PREFETCH, TMA, NEW, NEW_TMA)
     b_has = b_l > 0
@@ -564,7 +602,7 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, news, scale, 
         raise ValueError(f"new_tma: expected {rows_misfit}")
     if new_tma and D != next_pow2(D):
         raise ValueError(f"new_tma: expected D a power of two, got D {D}")
-    bm, bn, nw, ns = prefill_tile(N, B, G, D, q.dtype, tma or new_tma)
+    bm, bn, nw, ns = prefill_tile(N, B, G, D, q.dtype, tma)
     bm, bn = block_m or bm, block_n or bn
     nw, ns = num_warps or nw, num_stages or ns
     if bm < G:

@@ -102,11 +102,14 @@ def _check_new_rows(k, v, k_cache, v_cache, block_table, query_start, seq_lens) 
 
 def paged_prefill_attention_ref(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, query_start: Tensor,
-    seq_lens: Tensor, scale: float | None = None, window: int = 0,
+    seq_lens: Tensor, scale: float | None = None, window: int = 0, k: Tensor | None = None,
+    v: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """PyTorch reference (float32 math); the CPU implementation. A loop over sequences (it reads
     query_start and seq_lens on the host), each attending its queries over its gathered prefix
-    in chunks of at most ``_REF_CHUNK`` logits a head. Shapes as in the module doc."""
+    in chunks of at most ``_REF_CHUNK`` logits a head (the chunk's own keys from ``k``, ``v``
+    when given). Shapes as in :func:`paged_prefill_attention`."""
+    k_new, v_new = k, v
     N, Hq, D = q.shape
     P, S, Hkv, _ = k_cache.shape
     B, L = block_table.shape
@@ -128,6 +131,12 @@ def paged_prefill_attention_ref(
         key_ok = mapped.repeat_interleave(S)[:n_ctx]
         k = k.masked_fill(~key_ok[:, None, None], 0.0)       # unread rows may hold inf/NaN
         v = v.masked_fill(~key_ok[:, None, None], 0.0)
+        if k_new is not None:                   # the chunk's own keys, whatever their pages
+            own = max(n_ctx - (hi - lo), 0)
+            k[own:] = k_new[hi - (n_ctx - own):hi].float()
+            v[own:] = v_new[hi - (n_ctx - own):hi].float()
+            key_ok = key_ok.clone()
+            key_ok[own:] = True
         j = torch.arange(n_ctx, device=q.device)
         step = max(1, _REF_CHUNK // (n_ctx * Hq))
         for r0 in range(lo, hi, step):
@@ -163,7 +172,7 @@ def _impl(q, k_cache, v_cache, block_table, query_start, seq_lens, scale=None, w
         return paged_prefill_attention_fwd(q, k_cache, v_cache, block_table, query_start,
                                            seq_lens, scale, window, k=k, v=v, signature=key)
     return paged_prefill_attention_ref(q, k_cache, v_cache, block_table, query_start, seq_lens,
-                                       scale, window)
+                                       scale, window, k, v)
 
 
 def _fake(q, k_cache, v_cache, block_table, query_start, seq_lens, scale=None, window=0, k=None,
@@ -212,10 +221,11 @@ def paged_prefill_attention(
       accumulation; scale defaults to ``D ** -0.5``.
     - k, v [N, Hkv, D] (optional, both or neither; q's dtype; each row's heads contiguous, any
       row stride): the new tokens' K/V, the rows ``paged_kv_write`` put into the pool at the
-      chunks' positions. Given, the kernel reads the chunks' own key tiles from these
-      contiguous rows instead of their pages (through tensor descriptors on Hopper whatever the
-      page size); the output is the same, since the values are. Keys on unmapped pages stay
-      left out. Validation mode checks that the pool holds these rows.
+      chunks' positions. Given, the chunks' own keys (positions from ``seq_lens[b] - n_b``)
+      are read from these contiguous rows instead of their pages (through tensor descriptors
+      on Hopper whatever the page size), and are visible whatever pages map their positions
+      (``paged_kv_write`` may have skipped some); elsewhere the output is the pool's, since
+      the values are. Validation mode checks that the pool holds these rows where it maps them.
 
     BASE blocks: this op reads every block as TARGET. ElasticKV's fidelity policy demotes only
     blocks a session has already attended as TARGET, refuses to alias a prefix holding BASE blocks,
