@@ -178,7 +178,7 @@ def sweep(models, news, prefixes, with_flex):
         tma = prefill_tma(S, D, DTYPE, cap, True)
         rows_tma = NEW_ROWS and prefill_tma_rows(D, DTYPE, cap, True)
         line = [model, new, prefix,
-                str(prefill_tile(new, 1, Hq // Hkv, D, DTYPE, tma or rows_tma)[:3])
+                str(prefill_tile(new, 1, Hq // Hkv, D, DTYPE, tma)[:3])
                 + (" tma" if tma else "") + (" rows-tma" if rows_tma else ""),
                 t_ours,
                 flops / t_ours / 1e6, flops / (t_ours * 1e-6) / FLOP_CEILING,
