@@ -271,14 +271,15 @@ def _key_tile_rows(b_q, b_acc, b_m, b_l, KN, VN, n, seq_len, lo_key, i_h, new_ro
 
 
 @triton.jit
-def _key_tile_mixed(b_q, b_acc, b_m, b_l, KC, VC, KN, VN, p_bt, n, pos0, seq_len, lo_key, P, L,
+def _key_tile_mixed(b_q, b_acc, b_m, b_l, KC, VC, KR, VR, p_bt, n, pos0, seq_len, lo_key, P, L,
                     i_h, new_row0, stride_kp, stride_vp, stride_kn, stride_vn, b_pos, window,
                     scale_log2, S: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr,
                     WINDOW: tl.constexpr, PRECISION: tl.constexpr):
     """The one tile holding the chunk's first position ``pos0`` past its start: keys before
-    ``pos0`` from their pages (ids in ``[0, P)`` only), the rest from the new tokens' rows, by
-    pointer loads with complementary masks."""
+    ``pos0`` from their pages (ids in ``[0, P)`` only), the rest from the new tokens' rows
+    (``KR``, ``VR``: pointers, whatever loads the other row tiles), by pointer loads with
+    complementary masks."""
     o_n = n + tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, BLOCK_D)
     m_d = (o_d < D)[None, :]
@@ -288,7 +289,7 @@ def _key_tile_mixed(b_q, b_acc, b_m, b_l, KC, VC, KN, VN, p_bt, n, pos0, seq_len
     o_pg = (b_page.to(tl.int64) * stride_kp + ((o_n % S) * (HKV * D) + i_h * D).to(tl.int64))
     o_rw = (new_row0 + o_n).to(tl.int64)
     b_k = (tl.load(KC + o_pg[:, None] + o_d[None, :], mask=m_pg[:, None] & m_d, other=0.0)
-           + tl.load(KN + (o_rw * stride_kn + i_h * D)[:, None] + o_d[None, :],
+           + tl.load(KR + (o_rw * stride_kn + i_h * D)[:, None] + o_d[None, :],
                      mask=m_rw[:, None] & m_d, other=0.0))
     m_n = m_pg | m_rw
     b_s = _visible(dot(b_q, tl.trans(b_k), PRECISION) * scale_log2, m_n, o_n, b_pos, window,
@@ -296,14 +297,14 @@ def _key_tile_mixed(b_q, b_acc, b_m, b_l, KC, VC, KN, VN, p_bt, n, pos0, seq_len
     b_p, b_alpha, b_m, b_l = _softmax_step(b_s, b_m, b_l)
     o_pv = (b_page.to(tl.int64) * stride_vp + ((o_n % S) * (HKV * D) + i_h * D).to(tl.int64))
     b_v = (tl.load(VC + o_pv[:, None] + o_d[None, :], mask=m_pg[:, None] & m_d, other=0.0)
-           + tl.load(VN + (o_rw * stride_vn + i_h * D)[:, None] + o_d[None, :],
+           + tl.load(VR + (o_rw * stride_vn + i_h * D)[:, None] + o_d[None, :],
                      mask=m_rw[:, None] & m_d, other=0.0))
     b_acc = b_acc * b_alpha[:, None] + dot(b_p.to(b_v.dtype), b_v, PRECISION)
     return b_acc, b_m, b_l
 
 
 @triton.jit
-def _key_run(b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, page_rows, p_bt, lo, hi, pos0,
+def _key_run(b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, KR, VR, page_rows, p_bt, lo, hi, pos0,
              new_row0, seq_len, lo_key, P, L, i_h, stride_kp, stride_vp, stride_kn, stride_vn,
              b_pos, window, scale_log2, S: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr,
@@ -323,7 +324,7 @@ def _key_run(b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, page_rows, p_bt, lo, 
         start = split
         if (pos0 > first) & (first >= lo) & (first < hi):
             b_acc, b_m, b_l = _key_tile_mixed(
-                b_q, b_acc, b_m, b_l, KC, VC, KN, VN, p_bt, first, pos0, seq_len, lo_key, P, L,
+                b_q, b_acc, b_m, b_l, KC, VC, KR, VR, p_bt, first, pos0, seq_len, lo_key, P, L,
                 i_h, new_row0, stride_kp, stride_vp, stride_kn, stride_vn, b_pos, window,
                 scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, MASK, WINDOW, PRECISION)
             start = first + BLOCK_N
@@ -381,7 +382,7 @@ SEQ_CHUNK = 128
 
 @triton.jit(do_not_specialize=["N", "B", "num_tiles", "window", "NUM_SPLITS"])
 def _paged_prefill_kernel(
-    Q, KC, VC, BT, QS, SL, O, LSE, Out, Lse, Counts, KD, VD, KN, VN,
+    Q, KC, VC, BT, QS, SL, O, LSE, Out, Lse, Counts, KD, VD, KN, VN, KR, VR,
     N, B, P, L, page_rows, num_tiles, window, scale_log2, NUM_SPLITS,
     stride_qn, stride_qh, stride_kp, stride_vp, stride_bt, stride_on, stride_oh, stride_os,
     stride_ln, stride_lh, stride_ls, stride_kn, stride_vn,
@@ -456,18 +457,18 @@ def _paged_prefill_kernel(
         mid_lo = tl.minimum(tl.cdiv(tl.maximum(p_last - window + 1, 0), BLOCK_N) * BLOCK_N,
                             mid_hi)
         b_acc, b_m, b_l = _key_run(
-            b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, page_rows, p_bt,
+            b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, KR, VR, page_rows, p_bt,
             tl.maximum(k_lo, s_lo), tl.minimum(mid_lo, s_hi), pos0, new_row0, seq_len,
             lo_key, P, L, i_h, stride_kp, stride_vp, stride_kn, stride_vn, b_pos, window,
             scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, True, True, PRECISION, PREFETCH, TMA, NEW,
             NEW_TMA)
     b_acc, b_m, b_l = _key_run(
-        b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, page_rows, p_bt, tl.maximum(mid_lo, s_lo),
+        b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, KR, VR, page_rows, p_bt, tl.maximum(mid_lo, s_lo),
         tl.minimum(mid_hi, s_hi), pos0, new_row0, seq_len, lo_key, P, L, i_h, stride_kp,
         stride_vp, stride_kn, stride_vn, b_pos, window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D,
         False, WINDOW, PRECISION, PREFETCH, TMA, NEW, NEW_TMA)
     b_acc, b_m, b_l = _key_run(
-        b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, page_rows, p_bt, tl.maximum(mid_hi, s_lo),
+        b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, KR, VR, page_rows, p_bt, tl.maximum(mid_hi, s_lo),
         s_hi, pos0, new_row0, seq_len, lo_key, P, L, i_h, stride_kp, stride_vp, stride_kn,
         stride_vn, b_pos, window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, True, WINDOW,
         PRECISION, PREFETCH, TMA, NEW, NEW_TMA)
@@ -530,12 +531,12 @@ def paged_prefill_attention_fwd(
     descs = ((_pool_descriptor(k_cache, meta["BLOCK_N"]),
               _pool_descriptor(v_cache, meta["BLOCK_N"])) if meta["TMA"] else
              (k_cache, v_cache))
-    if news is None:
-        news = (k_cache, v_cache)
-    elif meta["NEW_TMA"]:
+    rows = news if news is not None else (k_cache, v_cache)
+    if news is not None and meta["NEW_TMA"]:
         news = tuple(_rows_descriptor(t, meta["BLOCK_N"]) for t in news)
     launch_split(_paged_prefill_kernel, grid, (*tensors, part_o, part_l, out, lse), count,
-                 seq_lens, (*descs, *news, *ints), (token, meta), fused, merge, ready)
+                 seq_lens, (*descs, *(news or rows), *rows, *ints), (token, meta), fused, merge,
+                 ready)
     return out, lse
 
 
