@@ -249,14 +249,15 @@ class PagedLayer(KvopsLayer):
         if self.first:
             st.begin_chunk(mask, B, T)
         H, D = self.geo.num_kv_heads, self.geo.head_dim
-        torch.ops.kvops.paged_kv_write(key.transpose(1, 2).reshape(B * T, H, D),
-                                       value.transpose(1, 2).reshape(B * T, H, D),
-                                       self.keys, self.values, st.chunk_slots)
+        k = key.transpose(1, 2).reshape(B * T, H, D)
+        v = value.transpose(1, 2).reshape(B * T, H, D)
+        torch.ops.kvops.paged_kv_write(k, v, self.keys, self.values, st.chunk_slots)
         Hq = query.shape[1]
         q = query.transpose(1, 2).reshape(B * T, Hq, D)[st.chunk_order]
+        # the chunks' own rows, packed as q is: their tiles load without the page table
         out, _ = torch.ops.kvops.paged_prefill_attention(
             q, self.keys, self.values, st.block_table, st.chunk_starts, st.seq_lens,
-            scale=scaling)
+            scale=scaling, k=k[st.chunk_order], v=v[st.chunk_order])
         full = torch.zeros_like(out).index_copy_(0, st.chunk_order, out)
         return full.view(B, T, Hq, D), None
 
