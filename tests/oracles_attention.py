@@ -53,13 +53,11 @@ def sliding_window_oracle(q, k, v, win_start, win_len, far_k=None, far_v=None, f
 
 
 def paged_prefill_oracle(q, k_cache, v_cache, block_table, query_start, seq_lens, scale=None,
-                         window=0, k=None, v=None):
+                         window=0):
     """Chunked prefill from the contract, query by query: query i of sequence b sits at
     ``p = seq_lens[b] - n_b + i`` and sees positions ``j <= p`` (``j > p - window`` when
     window > 0) whose page ``block_table[b, j // S]`` lies in the pool; each visible key is
-    fetched from its page and row. Given the new tokens' rows ``k``, ``v``, the chunk's own
-    positions (``j >= seq_lens[b] - n_b``) are visible whatever their pages and read from
-    those rows. Rows outside every sequence get 0 and -inf.
+    fetched from its page and row. Rows outside every sequence get 0 and -inf.
     Returns out [N, Hq, D] and lse [N, Hq], float64."""
     N, Hq, D = q.shape
     P, S, Hkv = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
@@ -75,19 +73,14 @@ def paged_prefill_oracle(q, k_cache, v_cache, block_table, query_start, seq_lens
         for i in range(n_b):
             p = lens[b] - n_b + i
             first = max(0, p - window + 1) if window > 0 else 0
-            own = lens[b] - n_b if k is not None else p + 1     # the chunk's first position
-            where = [(table[b][j // S], j % S) for j in range(first, min(p + 1, own))]
+            where = [(table[b][j // S], j % S) for j in range(first, p + 1)]
             where = [(page, row) for page, row in where if 0 <= page < P]
-            mine = [starts[b] + j - own for j in range(max(first, own), p + 1)]
-            if not where and not mine:
+            if not where:
                 continue
             pages = [w[0] for w in where]
             rows = [w[1] for w in where]
             keys = k_cache[pages, rows].double()                # [n, Hkv, D]
             values = v_cache[pages, rows].double()
-            if mine:
-                keys = torch.cat([keys, k.cpu()[mine].double()])
-                values = torch.cat([values, v.cpu()[mine].double()])
             for h in range(Hq):
                 logits = (keys[:, h // G] @ q[starts[b] + i, h]) * scale
                 top = logits.max()

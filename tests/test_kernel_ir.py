@@ -46,7 +46,7 @@ def _prefill_signature(kernel, tma: bool, new_tma: bool) -> dict:
     desc = "tensordesc<bf16[64,128]>"
     sig = {}
     for n in kernel.arg_names:
-        if n in ("Q", "KC", "VC", "O", "Out", "KR", "VR"):
+        if n in ("Q", "KC", "VC", "O", "Out"):
             sig[n] = "*bf16"
         elif n in ("BT", "QS", "SL", "Counts"):
             sig[n] = "*i32"

@@ -85,14 +85,12 @@ def make_case(chunks, S, Hkv, G, D, dtype, device, seed, window=0, interleaved=F
     return {n: t.to(device) for n, t in case.items()}
 
 
-def check_against_oracle(out, lse, case, name, window=0, scale=None, new=None):
-    """``new``: the ``(k, v)`` rows the call was given."""
+def check_against_oracle(out, lse, case, name, window=0, scale=None):
     dtype = case["q"].dtype
     # the oracle loops over tokens and heads in Python: on host copies (on a GPU its per-element
     # indexing would sync the device thousands of times)
     host = {n: t.cpu() for n, t in case.items()}
-    k, v = new if new is not None else (None, None)
-    want_out, want_lse = paged_prefill_oracle(**host, window=window, scale=scale, k=k, v=v)
+    want_out, want_lse = paged_prefill_oracle(**host, window=window, scale=scale)
     out, lse = out.cpu(), lse.cpu()
     atol, rtol = ATTN_TOL[dtype]
     assert out.dtype == dtype and lse.dtype == torch.float32, name
@@ -200,8 +198,8 @@ def test_tma_tiles_match_oracle(kernel_device, poison, descriptors, S, G, D, dty
 
 def new_rows(case, garbage=float("nan")):
     """``k, v [N, Hkv, D]``: the rows the case's pool holds at each chunk's positions (what
-    ``paged_kv_write`` put there); fresh random rows where the page is unmapped (the chunk's
-    own keys are read from these rows whatever the pages), ``garbage`` in padding rows."""
+    ``paged_kv_write`` put there); fresh random rows where the page is unmapped (finite, as
+    the op asks: they are left out), ``garbage`` in padding rows."""
     k_cache, v_cache = case["k_cache"], case["v_cache"]
     P, S, Hkv, D = k_cache.shape
     N = case["q"].shape[0]
@@ -223,15 +221,16 @@ def new_rows(case, garbage=float("nan")):
     return k, v
 
 
-def poison_chunk_tiles(case):
-    """A copy of ``case`` whose pool holds NaN at every chunk position: a call given the new
-    tokens' rows reads the chunk's keys from them."""
+def poison_chunk_tiles(case, block_n):
+    """A copy of ``case`` whose pool holds NaN at every chunk position from the chunk's first
+    ``block_n``-aligned key on: the tiles a call given the new rows reads from them."""
     poisoned = dict(case, k_cache=case["k_cache"].clone(), v_cache=case["v_cache"].clone())
     S = case["k_cache"].shape[1]
     starts = case["query_start"].tolist()
     lens = case["seq_lens"].tolist()
     for b in range(len(lens)):
-        for p in range(lens[b] - (starts[b + 1] - starts[b]), lens[b]):
+        pos0 = lens[b] - (starts[b + 1] - starts[b])
+        for p in range(-(-pos0 // block_n) * block_n, lens[b]):
             page = int(case["block_table"][b, p // S])
             if 0 <= page < case["k_cache"].shape[0]:
                 poisoned["k_cache"][page, p % S] = float("nan")
@@ -244,12 +243,11 @@ def poison_chunk_tiles(case):
        num_splits=st.sampled_from([None, 1, 3]), prefetch=st.booleans())
 def test_new_rows_match_oracle(kernel_device, poison, drawn, new_tma, tma, num_splits,
                                prefetch):
-    """Given the new tokens' rows (``k``, ``v``), the chunks' own keys come from them (a tile
-    of them by pointer loads or through descriptors over ``[N, Hkv * D]``, forced; the tile
-    holding a chunk's first position mixed), beside prefix tiles gathered or through pool
-    descriptors: the pool's chunk rows are NaN, so are the padding rows of ``k``, ``v``, a
-    chunk key on an unmapped page is still read (from its row), and the rows are the
-    oracle's."""
+    """Given the new tokens' rows (``k``, ``v``), the tiles of the chunks' own keys come from
+    them, by pointer loads or through descriptors over ``[N, Hkv * D]`` (forced), beside prefix
+    tiles gathered or through pool descriptors: the pool's chunk rows in those tiles are NaN,
+    so are the padding rows of ``k``, ``v``, chunk keys on unmapped pages are left out (their
+    rows finite), and the rows are the oracle's over the clean pool."""
     (chunks, S, Hkv, G, D, dtype), window, extra, seed = drawn
     new_tma = new_tma and dtype != torch.float32 and D == 1 << (D - 1).bit_length()
     tma = tma and new_tma and S >= 64 and not extra["interleaved"]
@@ -258,15 +256,12 @@ def test_new_rows_match_oracle(kernel_device, poison, drawn, new_tma, tma, num_s
     k, v = new_rows(case)
     block_n = 64 if D <= 128 and dtype != torch.float32 else 32
     block_m = max(16, 1 << (G - 1).bit_length())
-    poisoned = poison_chunk_tiles(case)
-    name = "new-" + case_id(chunks, S, Hkv, G, D, dtype, window, extra) + f"-{new_tma}-{tma}"
-    out, lse = paged_prefill_attention_fwd(**poisoned, window=window, k=k, v=v, new_tma=new_tma,
-                                           tma=tma, block_m=block_m, block_n=block_n,
-                                           num_splits=num_splits, prefetch=prefetch)
-    check_against_oracle(out, lse, case, name, window, new=(k, v))
-    ref = paged_prefill_attention_ref(**{n: t.cpu() for n, t in poisoned.items()},
-                                      window=window, k=k.cpu(), v=v.cpu())
-    check_against_oracle(*ref, case, "ref-" + name, window, new=(k, v))
+    out, lse = paged_prefill_attention_fwd(**poison_chunk_tiles(case, block_n), window=window,
+                                           k=k, v=v, new_tma=new_tma, tma=tma, block_m=block_m,
+                                           block_n=block_n, num_splits=num_splits,
+                                           prefetch=prefetch)
+    check_against_oracle(out, lse, case, "new-" + case_id(chunks, S, Hkv, G, D, dtype, window,
+                                                           extra) + f"-{new_tma}-{tma}", window)
 
 
 def test_new_rows_descriptor_needs_contiguous_heads():
@@ -646,13 +641,13 @@ def test_long_prefill_on_cuda(D, S, descriptors):
 @pytest.mark.parametrize("S", [16, 64], ids=["S16", "S64"])
 def test_new_rows_on_cuda(S):
     """Default launch shapes on a real GPU with the new tokens' rows: on Hopper the rule reads
-    the chunks' own tiles through descriptors at any page size; the pool's chunk rows are
-    NaN."""
+    the chunks' own tiles through descriptors at any page size; the pool's chunk rows in those
+    tiles are NaN."""
     case = make_case([(300, 400), (300, 100), (0, 333)], S, 8, 4, 128, torch.bfloat16, "cuda",
                      seed=S)
     k, v = new_rows(case)
-    out, lse = torch.ops.kvops.paged_prefill_attention(**poison_chunk_tiles(case), k=k, v=v)
-    check_against_oracle(out, lse, case, f"new-rows-S{S}", new=(k, v))
+    out, lse = torch.ops.kvops.paged_prefill_attention(**poison_chunk_tiles(case, 64), k=k, v=v)
+    check_against_oracle(out, lse, case, f"new-rows-S{S}")
 
 
 @requires_cuda

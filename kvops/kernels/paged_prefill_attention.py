@@ -236,18 +236,20 @@ def _key_tile_tma(b_q, b_acc, b_m, b_l, KD, VD, page_rows, p_bt, n, seq_len, lo_
 
 
 @triton.jit
-def _key_tile_rows(b_q, b_acc, b_m, b_l, KN, VN, n, seq_len, lo_key, i_h, new_row0, stride_kn,
+def _key_tile_rows(b_q, b_acc, b_m, b_l, KN, VN, b_page, n, P, i_h, new_row0, stride_kn,
                    stride_vn, b_pos, window, scale_log2, D: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr, MASK: tl.constexpr, WINDOW: tl.constexpr,
                    PRECISION: tl.constexpr, NEW_TMA: tl.constexpr):
-    """``_key_tile`` for keys ``[n, n + BLOCK_N)`` of the chunk itself (all at or after its
-    first position), read from the new tokens' rows ``k, v [N, Hkv, D]`` (key position ``j``
-    is row ``new_row0 + j``) instead of their pages: contiguous rows, with no page ids, through
-    descriptors ``KN``, ``VN`` over ``[N, Hkv * D]`` (NEW_TMA) or pointer loads. Keys past
-    ``seq_len`` (the next sequence's rows, or past ``N``: zeros) are masked, and in masked
-    tiles their V rows zeroed (a NaN there would otherwise reach the accumulator)."""
+    """``_key_tile`` for keys ``[n, n + BLOCK_N)`` of the chunk itself, read from the new
+    tokens' rows ``k, v [N, Hkv, D]`` (key position ``j`` is row ``new_row0 + j``) instead of
+    their pages: contiguous rows, through descriptors ``KN``, ``VN`` over ``[N, Hkv * D]``
+    (NEW_TMA) or pointer loads. The pages decide which keys are read, as on the pool path
+    (``b_page`` from ``_tile_pages``, -1 past ``seq_len`` or on an unmapped page), so the
+    output is the pool path's. Masked tiles zero the V rows of keys not read (rows past the
+    chunk: the next sequence's, or zeros past ``N``); elsewhere such a row (a chunk token on
+    an unmapped page) is multiplied by 0, so the op asks those rows to be finite."""
     o_n = n + tl.arange(0, BLOCK_N)
-    m_n = (o_n < seq_len) & (o_n >= lo_key)
+    m_n = (b_page >= 0) & (b_page < P)
     if NEW_TMA:
         b_k = KN.load([new_row0 + n, i_h * D])
     else:
@@ -271,68 +273,31 @@ def _key_tile_rows(b_q, b_acc, b_m, b_l, KN, VN, n, seq_len, lo_key, i_h, new_ro
 
 
 @triton.jit
-def _key_tile_mixed(b_q, b_acc, b_m, b_l, KC, VC, KR, VR, p_bt, n, pos0, seq_len, lo_key, P, L,
-                    i_h, new_row0, stride_kp, stride_vp, stride_kn, stride_vn, b_pos, window,
-                    scale_log2, S: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr,
-                    WINDOW: tl.constexpr, PRECISION: tl.constexpr):
-    """The one tile holding the chunk's first position ``pos0`` past its start: keys before
-    ``pos0`` from their pages (ids in ``[0, P)`` only), the rest from the new tokens' rows
-    (``KR``, ``VR``: pointers, whatever loads the other row tiles), by pointer loads with
-    complementary masks."""
-    o_n = n + tl.arange(0, BLOCK_N)
-    o_d = tl.arange(0, BLOCK_D)
-    m_d = (o_d < D)[None, :]
-    b_page = _tile_pages(p_bt, n, pos0, lo_key, L, S, BLOCK_N)
-    m_pg = (b_page >= 0) & (b_page < P)
-    m_rw = (o_n >= pos0) & (o_n < seq_len) & (o_n >= lo_key)
-    o_pg = (b_page.to(tl.int64) * stride_kp + ((o_n % S) * (HKV * D) + i_h * D).to(tl.int64))
-    o_rw = (new_row0 + o_n).to(tl.int64)
-    b_k = (tl.load(KC + o_pg[:, None] + o_d[None, :], mask=m_pg[:, None] & m_d, other=0.0)
-           + tl.load(KR + (o_rw * stride_kn + i_h * D)[:, None] + o_d[None, :],
-                     mask=m_rw[:, None] & m_d, other=0.0))
-    m_n = m_pg | m_rw
-    b_s = _visible(dot(b_q, tl.trans(b_k), PRECISION) * scale_log2, m_n, o_n, b_pos, window,
-                   MASK, WINDOW)
-    b_p, b_alpha, b_m, b_l = _softmax_step(b_s, b_m, b_l)
-    o_pv = (b_page.to(tl.int64) * stride_vp + ((o_n % S) * (HKV * D) + i_h * D).to(tl.int64))
-    b_v = (tl.load(VC + o_pv[:, None] + o_d[None, :], mask=m_pg[:, None] & m_d, other=0.0)
-           + tl.load(VR + (o_rw * stride_vn + i_h * D)[:, None] + o_d[None, :],
-                     mask=m_rw[:, None] & m_d, other=0.0))
-    b_acc = b_acc * b_alpha[:, None] + dot(b_p.to(b_v.dtype), b_v, PRECISION)
-    return b_acc, b_m, b_l
-
-
-@triton.jit
-def _key_run(b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, KR, VR, page_rows, p_bt, lo, hi, pos0,
+def _key_run(b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, page_rows, p_bt, lo, hi, self_lo,
              new_row0, seq_len, lo_key, P, L, i_h, stride_kp, stride_vp, stride_kn, stride_vn,
              b_pos, window, scale_log2, S: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr,
              WINDOW: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
              TMA: tl.constexpr, NEW: tl.constexpr, NEW_TMA: tl.constexpr):
     """Key tiles ``[lo, hi)`` (BLOCK_N-aligned) in BLOCK_N steps. Without NEW, all from their
-    pages (``_page_run``). With NEW the chunk's own keys (positions from ``pos0``) come from
-    the new tokens' rows: tiles before the one holding ``pos0`` from pages, that one mixed when
-    ``pos0`` lies inside it (``_key_tile_mixed``), the rest from rows (``_key_tile_rows``)."""
+    pages (``_page_run``). With NEW the tiles from ``self_lo`` (the first BLOCK_N-aligned key
+    at or after the chunk's first position: tiles of the chunk's own keys only) come from the
+    new tokens' rows (``_key_tile_rows``, page ids a tile ahead), the ones before from their
+    pages, the tile holding the chunk's first position included."""
     if NEW:
-        first = tl.maximum(pos0, 0) // BLOCK_N * BLOCK_N     # the tile holding pos0
-        split = tl.minimum(tl.maximum(first, lo), tl.maximum(hi, lo))
+        mid = tl.minimum(tl.maximum(self_lo, lo), tl.maximum(hi, lo))
         b_acc, b_m, b_l = _page_run(
-            b_q, b_acc, b_m, b_l, KC, VC, KD, VD, page_rows, p_bt, lo, split, seq_len, lo_key,
+            b_q, b_acc, b_m, b_l, KC, VC, KD, VD, page_rows, p_bt, lo, mid, seq_len, lo_key,
             P, L, i_h, stride_kp, stride_vp, b_pos, window, scale_log2, S, HKV, D, BLOCK_N,
             BLOCK_D, MASK, WINDOW, PRECISION, PREFETCH, TMA)
-        start = split
-        if (pos0 > first) & (first >= lo) & (first < hi):
-            b_acc, b_m, b_l = _key_tile_mixed(
-                b_q, b_acc, b_m, b_l, KC, VC, KR, VR, p_bt, first, pos0, seq_len, lo_key, P, L,
-                i_h, new_row0, stride_kp, stride_vp, stride_kn, stride_vn, b_pos, window,
-                scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, MASK, WINDOW, PRECISION)
-            start = first + BLOCK_N
-        for n in range(start, hi, BLOCK_N):
+        b_page = _tile_pages(p_bt, mid, seq_len, lo_key, L, S, BLOCK_N)
+        for n in range(mid, hi, BLOCK_N):
+            b_next = _tile_pages(p_bt, n + BLOCK_N, seq_len, lo_key, L, S, BLOCK_N)
             b_acc, b_m, b_l = _key_tile_rows(
-                b_q, b_acc, b_m, b_l, KN, VN, n, seq_len, lo_key, i_h, new_row0, stride_kn,
+                b_q, b_acc, b_m, b_l, KN, VN, b_page, n, P, i_h, new_row0, stride_kn,
                 stride_vn, b_pos, window, scale_log2, D, BLOCK_N, BLOCK_D, MASK, WINDOW,
                 PRECISION, NEW_TMA)
+            b_page = b_next
     else:
         b_acc, b_m, b_l = _page_run(
             b_q, b_acc, b_m, b_l, KC, VC, KD, VD, page_rows, p_bt, lo, hi, seq_len, lo_key, P,
@@ -382,7 +347,7 @@ SEQ_CHUNK = 128
 
 @triton.jit(do_not_specialize=["N", "B", "num_tiles", "window", "NUM_SPLITS"])
 def _paged_prefill_kernel(
-    Q, KC, VC, BT, QS, SL, O, LSE, Out, Lse, Counts, KD, VD, KN, VN, KR, VR,
+    Q, KC, VC, BT, QS, SL, O, LSE, Out, Lse, Counts, KD, VD, KN, VN,
     N, B, P, L, page_rows, num_tiles, window, scale_log2, NUM_SPLITS,
     stride_qn, stride_qh, stride_kp, stride_vp, stride_bt, stride_on, stride_oh, stride_os,
     stride_ln, stride_lh, stride_ls, stride_kn, stride_vn,
@@ -430,7 +395,9 @@ def _paged_prefill_kernel(
         return
     seq_len = tl.minimum(tl.maximum(tl.load(SL + i_b), 0), L * S)
     pos0 = seq_len - (q_hi - q_lo)                      # position of the sequence's first query
-    new_row0 = q_lo - pos0                              # NEW: key j >= pos0 is k's row
+    # NEW: key j >= pos0 is row new_row0 + j of k, v; tiles from self_lo hold only such keys
+    new_row0 = q_lo - pos0
+    self_lo = tl.cdiv(tl.maximum(pos0, 0), BLOCK_N) * BLOCK_N
     b_pos = pos0 + (o_tok - q_lo)
     p_first = pos0 + (t0 - q_lo)
     p_last = pos0 + tl.minimum(t0 + BLOCK_Q, q_hi) - 1 - q_lo
@@ -457,19 +424,19 @@ def _paged_prefill_kernel(
         mid_lo = tl.minimum(tl.cdiv(tl.maximum(p_last - window + 1, 0), BLOCK_N) * BLOCK_N,
                             mid_hi)
         b_acc, b_m, b_l = _key_run(
-            b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, KR, VR, page_rows, p_bt,
-            tl.maximum(k_lo, s_lo), tl.minimum(mid_lo, s_hi), pos0, new_row0, seq_len,
+            b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, page_rows, p_bt,
+            tl.maximum(k_lo, s_lo), tl.minimum(mid_lo, s_hi), self_lo, new_row0, seq_len,
             lo_key, P, L, i_h, stride_kp, stride_vp, stride_kn, stride_vn, b_pos, window,
             scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, True, True, PRECISION, PREFETCH, TMA, NEW,
             NEW_TMA)
     b_acc, b_m, b_l = _key_run(
-        b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, KR, VR, page_rows, p_bt, tl.maximum(mid_lo, s_lo),
-        tl.minimum(mid_hi, s_hi), pos0, new_row0, seq_len, lo_key, P, L, i_h, stride_kp,
+        b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, page_rows, p_bt, tl.maximum(mid_lo, s_lo),
+        tl.minimum(mid_hi, s_hi), self_lo, new_row0, seq_len, lo_key, P, L, i_h, stride_kp,
         stride_vp, stride_kn, stride_vn, b_pos, window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D,
         False, WINDOW, PRECISION, PREFETCH, TMA, NEW, NEW_TMA)
     b_acc, b_m, b_l = _key_run(
-        b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, KR, VR, page_rows, p_bt, tl.maximum(mid_hi, s_lo),
-        s_hi, pos0, new_row0, seq_len, lo_key, P, L, i_h, stride_kp, stride_vp, stride_kn,
+        b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, page_rows, p_bt, tl.maximum(mid_hi, s_lo),
+        s_hi, self_lo, new_row0, seq_len, lo_key, P, L, i_h, stride_kp, stride_vp, stride_kn,
         stride_vn, b_pos, window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, True, WINDOW,
         PRECISION, PREFETCH, TMA, NEW, NEW_TMA)
     b_has = b_l > 0
@@ -531,12 +498,12 @@ def paged_prefill_attention_fwd(
     descs = ((_pool_descriptor(k_cache, meta["BLOCK_N"]),
               _pool_descriptor(v_cache, meta["BLOCK_N"])) if meta["TMA"] else
              (k_cache, v_cache))
-    rows = news if news is not None else (k_cache, v_cache)
-    if news is not None and meta["NEW_TMA"]:
+    if news is None:
+        news = (k_cache, v_cache)
+    elif meta["NEW_TMA"]:
         news = tuple(_rows_descriptor(t, meta["BLOCK_N"]) for t in news)
     launch_split(_paged_prefill_kernel, grid, (*tensors, part_o, part_l, out, lse), count,
-                 seq_lens, (*descs, *(news or rows), *rows, *ints), (token, meta), fused, merge,
-                 ready)
+                 seq_lens, (*descs, *news, *ints), (token, meta), fused, merge, ready)
     return out, lse
 
 

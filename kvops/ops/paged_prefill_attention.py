@@ -83,7 +83,7 @@ def _validate(q, k_cache, block_table, query_start, seq_lens, k=None, v=None,
 
 def _check_new_rows(k, v, k_cache, v_cache, block_table, query_start, seq_lens) -> None:
     """Validation mode: ``k``, ``v`` must be what the pool holds at each chunk's positions
-    (the kernel may read either), on every mapped page."""
+    (the kernel may read either)."""
     S = k_cache.shape[1]
     starts, lens = query_start.tolist(), seq_lens.tolist()
     for b in range(block_table.shape[0]):
@@ -92,9 +92,9 @@ def _check_new_rows(k, v, k_cache, v_cache, block_table, query_start, seq_lens) 
         pages = block_table[b, pos // S].long()
         ok = pages >= 0
         for name, rows, cache in (("k", k, k_cache), ("v", v, v_cache)):
-            got = rows[starts[b]:starts[b + 1]][ok]
+            got = rows[starts[b]:starts[b + 1]]
             held = cache[pages[ok], pos[ok] % S]
-            if not torch.equal(got, held):
+            if not torch.equal(got[ok], held):
                 raise ValueError(f"{name}: expected the rows the pool holds at sequence {b}'s "
                                  f"chunk positions [{lens[b] - n}, {lens[b]}) (write them with "
                                  f"paged_kv_write first), got other values")
@@ -107,9 +107,9 @@ def paged_prefill_attention_ref(
 ) -> tuple[Tensor, Tensor]:
     """PyTorch reference (float32 math); the CPU implementation. A loop over sequences (it reads
     query_start and seq_lens on the host), each attending its queries over its gathered prefix
-    in chunks of at most ``_REF_CHUNK`` logits a head (the chunk's own keys from ``k``, ``v``
-    when given). Shapes as in :func:`paged_prefill_attention`."""
-    k_new, v_new = k, v
+    in chunks of at most ``_REF_CHUNK`` logits a head. ``k``, ``v`` hold what the pool holds
+    (:func:`paged_prefill_attention`), so the reference reads the pool. Shapes as in
+    :func:`paged_prefill_attention`."""
     N, Hq, D = q.shape
     P, S, Hkv, _ = k_cache.shape
     B, L = block_table.shape
@@ -131,12 +131,6 @@ def paged_prefill_attention_ref(
         key_ok = mapped.repeat_interleave(S)[:n_ctx]
         k = k.masked_fill(~key_ok[:, None, None], 0.0)       # unread rows may hold inf/NaN
         v = v.masked_fill(~key_ok[:, None, None], 0.0)
-        if k_new is not None:                   # the chunk's own keys, whatever their pages
-            own = max(n_ctx - (hi - lo), 0)
-            k[own:] = k_new[hi - (n_ctx - own):hi].float()
-            v[own:] = v_new[hi - (n_ctx - own):hi].float()
-            key_ok = key_ok.clone()
-            key_ok[own:] = True
         j = torch.arange(n_ctx, device=q.device)
         step = max(1, _REF_CHUNK // (n_ctx * Hq))
         for r0 in range(lo, hi, step):
@@ -172,7 +166,7 @@ def _impl(q, k_cache, v_cache, block_table, query_start, seq_lens, scale=None, w
         return paged_prefill_attention_fwd(q, k_cache, v_cache, block_table, query_start,
                                            seq_lens, scale, window, k=k, v=v, signature=key)
     return paged_prefill_attention_ref(q, k_cache, v_cache, block_table, query_start, seq_lens,
-                                       scale, window, k, v)
+                                       scale, window)
 
 
 def _fake(q, k_cache, v_cache, block_table, query_start, seq_lens, scale=None, window=0, k=None,
@@ -221,11 +215,12 @@ def paged_prefill_attention(
       accumulation; scale defaults to ``D ** -0.5``.
     - k, v [N, Hkv, D] (optional, both or neither; q's dtype; each row's heads contiguous, any
       row stride): the new tokens' K/V, the rows ``paged_kv_write`` put into the pool at the
-      chunks' positions. Given, the chunks' own keys (positions from ``seq_lens[b] - n_b``)
-      are read from these contiguous rows instead of their pages (through tensor descriptors
-      on Hopper whatever the page size), and are visible whatever pages map their positions
-      (``paged_kv_write`` may have skipped some); elsewhere the output is the pool's, since
-      the values are. Validation mode checks that the pool holds these rows where it maps them.
+      chunks' positions. Given, the kernel may read the chunks' own keys from these contiguous
+      rows instead of their pages (through tensor descriptors on Hopper whatever the page
+      size); the output is the call's without them. Which keys are read is still the pages'
+      rule: a chunk token on an unmapped page is left out, and its row must be finite (it is
+      multiplied by 0). Validation mode checks that the pool holds these rows (it refuses
+      unmapped pages under a sequence's length).
 
     BASE blocks: this op reads every block as TARGET. ElasticKV's fidelity policy demotes only
     blocks a session has already attended as TARGET, refuses to alias a prefix holding BASE blocks,
