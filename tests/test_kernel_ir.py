@@ -22,60 +22,16 @@ import pytest
 PREFILL_PATHS = [c for c in itertools.product([False, True], repeat=4) if c[1] or not c[2]]
 
 
-def _build_ir(fn, signature: dict, constants: dict) -> None:
-    """The frontend's IR of ``fn`` for ``sm_90`` (raises the compiler's error)."""
-    from triton._C.libtriton import ir
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.compiler.compiler import make_backend
-
-    names = fn.arg_names
-    sig = dict(signature, **dict.fromkeys(constants, "constexpr"))
-    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in constants.items()})
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
-    options = backend.parse_options({"num_warps": 4, "num_stages": 3})
-    ctx = ir.context()
-    ir.load_dialects(ctx)
-    backend.load_dialects(ctx)
-    src.make_ir(target, options, backend.get_codegen_implementation(options),
-                backend.get_module_map(), ctx)
-
-
-def _prefill_signature(kernel, tma: bool, new_tma: bool) -> dict:
-    desc = "tensordesc<bf16[64,128]>"
-    sig = {}
-    for n in kernel.arg_names:
-        if n in ("Q", "KC", "VC", "O", "Out"):
-            sig[n] = "*bf16"
-        elif n in ("BT", "QS", "SL", "Counts"):
-            sig[n] = "*i32"
-        elif n in ("LSE", "Lse"):
-            sig[n] = "*fp32"
-        elif n in ("KD", "VD"):
-            sig[n] = desc if tma else "*bf16"
-        elif n in ("KN", "VN"):
-            sig[n] = desc if new_tma else "*bf16"
-        elif n == "scale_log2":
-            sig[n] = "fp32"
-        else:
-            sig[n] = "i32"
-    return sig
-
-
 def build_all() -> dict:
     """``{path: None or the error}`` for every prefill path (run without TRITON_INTERPRET)."""
-    import kvops.kernels.paged_prefill_attention as pk
+    from bench.kernel_build import build_ir, prefill_constants, prefill_signature
 
-    kernel = pk._paged_prefill_kernel
     got = {}
     for tma, new, new_tma, window in PREFILL_PATHS:
-        constants = dict(S=64 if tma else 16, HKV=8, G=4, D=128, BLOCK_Q=16, BLOCK_M=64,
-                         BLOCK_N=64, BLOCK_D=128, BLOCK_B=pk.SEQ_CHUNK, WINDOW=window,
-                         PRECISION="tf32", PREFETCH=True, FUSED_MERGE=False, BLOCK_S=1, TMA=tma,
-                         NEW=new, NEW_TMA=new_tma)
+        constants = prefill_constants(S=64 if tma else 16, block_m=64, window=window, tma=tma,
+                                      new=new, new_tma=new_tma)
         try:
-            _build_ir(kernel, _prefill_signature(kernel, tma, new_tma), constants)
+            build_ir(prefill_signature(tma, new_tma), constants)
             got[str((tma, new, new_tma, window))] = None
         except Exception as exc:  # noqa: BLE001 - reported to the test, which names it
             got[str((tma, new, new_tma, window))] = f"{type(exc).__name__}: {exc}"[:2000]

@@ -1,0 +1,126 @@
+"""The paged prefill kernel built for an NVIDIA Hopper target on a machine without a GPU: its
+Triton IR (the frontend, where code only a GPU compiler refuses fails: the interpreter passes
+tensor descriptors as tensors) and its binary's resources (registers, and the stack a thread
+spills to), for any tile. Compare Triton versions by putting another one first on the path
+(``PYTHONPATH=<unpacked wheel>``: the device runs triton 3.6).
+
+    python -m bench.kernel_build                  # resources of the rule's tiles and neighbours
+    python -m bench.kernel_build --tiles 128/64/8/3,64/64/4/3 --page 16 --new-rows
+
+Run without ``TRITON_INTERPRET`` (under it the kernels are interpreted functions, which build
+no IR). The resources need ``cuobjdump`` (Triton's NVIDIA backend ships one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import tempfile
+
+import kvops.kernels.paged_prefill_attention as prefill_kernel
+
+
+def prefill_signature(tma: bool, new_tma: bool) -> dict:
+    """The prefill kernel's argument types for bf16 pools and D 128: tensor descriptors where
+    ``tma`` (the pools) and ``new_tma`` (the new rows) say so."""
+    desc = "tensordesc<bf16[64,128]>"
+    sig = {}
+    for n in prefill_kernel._paged_prefill_kernel.arg_names:
+        if n in ("Q", "KC", "VC", "O", "Out"):
+            sig[n] = "*bf16"
+        elif n in ("BT", "QS", "SL", "Counts"):
+            sig[n] = "*i32"
+        elif n in ("LSE", "Lse"):
+            sig[n] = "*fp32"
+        elif n in ("KD", "VD"):
+            sig[n] = desc if tma else "*bf16"
+        elif n in ("KN", "VN"):
+            sig[n] = desc if new_tma else "*bf16"
+        elif n == "scale_log2":
+            sig[n] = "fp32"
+        else:
+            sig[n] = "i32"
+    return sig
+
+
+def prefill_constants(*, S=16, block_m=128, block_n=64, window=False, prefetch=True, tma=False,
+                      new=False, new_tma=False) -> dict:
+    """The constexprs of Llama-3-8B's heads (Hkv 8, G 4, D 128) at one tile."""
+    return dict(S=S, HKV=8, G=4, D=128, BLOCK_Q=block_m // 4, BLOCK_M=block_m, BLOCK_N=block_n,
+                BLOCK_D=128, BLOCK_B=prefill_kernel.SEQ_CHUNK, WINDOW=window, PRECISION="tf32",
+                PREFETCH=prefetch, FUSED_MERGE=False, BLOCK_S=1, TMA=tma, NEW=new,
+                NEW_TMA=new_tma)
+
+
+def _source(signature: dict, constants: dict):
+    from triton.compiler import ASTSource
+
+    fn = prefill_kernel._paged_prefill_kernel
+    names = fn.arg_names
+    sig = dict(signature, **dict.fromkeys(constants, "constexpr"))
+    return ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in constants.items()})
+
+
+def build_ir(signature: dict, constants: dict) -> None:
+    """The frontend's IR for ``sm_90`` (raises the compiler's error)."""
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    options = backend.parse_options({"num_warps": 4, "num_stages": 3})
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    backend.load_dialects(ctx)
+    _source(signature, constants).make_ir(target, options,
+                                          backend.get_codegen_implementation(options),
+                                          backend.get_module_map(), ctx)
+
+
+def resources(signature: dict, constants: dict, num_warps: int, num_stages: int) -> dict:
+    """Registers a thread and the stack it spills to, of the ``sm_90`` binary
+    (``cuobjdump -res-usage``)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    compiled = triton.compile(_source(signature, constants), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    fields = dict(tok.split(":") for line in out.splitlines() if "REG:" in line
+                  for tok in line.split() if ":" in tok)
+    return {"registers": int(fields["REG"]), "stack": int(fields["STACK"])}
+
+
+def main():
+    import triton
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiles", default="128/64/8/3,128/64/8/2,128/32/8/3,128/64/4/3,64/64/4/3",
+                    help="BLOCK_M/BLOCK_N/warps/stages, comma separated")
+    ap.add_argument("--page", type=int, default=16, help="S; 64 or more takes pool descriptors")
+    ap.add_argument("--new-rows", action="store_true", help="the chunk's own rows given")
+    args = ap.parse_args()
+    tma = args.page >= prefill_kernel.TMA_MIN_PAGE
+    print(f"triton {triton.__version__}, sm_90, Llama-3-8B heads, bf16, S {args.page}"
+          f"{', pool descriptors' if tma else ''}{', new rows through descriptors' if args.new_rows else ''}")
+    print("| tile | prefetch | registers | stack bytes |\n|---|---|---:|---:|")
+    for tile in args.tiles.split(","):
+        bm, bn, warps, stages = (int(x) for x in tile.split("/"))
+        for prefetch in (True, False):
+            r = resources(prefill_signature(tma, args.new_rows),
+                          prefill_constants(S=args.page, block_m=bm, block_n=bn, prefetch=prefetch,
+                                            tma=tma, new=args.new_rows, new_tma=args.new_rows),
+                          warps, stages)
+            print(f"| {tile} | {prefetch} | {r['registers']} | {r['stack']} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
