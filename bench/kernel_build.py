@@ -45,12 +45,12 @@ def prefill_signature(tma: bool, new_tma: bool) -> dict:
 
 
 def prefill_constants(*, S=16, block_m=128, block_n=64, window=False, prefetch=True, tma=False,
-                      new=False, new_tma=False) -> dict:
+                      new=False, new_tma=False, off64=False) -> dict:
     """The constexprs of Llama-3-8B's heads (Hkv 8, G 4, D 128) at one tile."""
     return dict(S=S, HKV=8, G=4, D=128, BLOCK_Q=block_m // 4, BLOCK_M=block_m, BLOCK_N=block_n,
                 BLOCK_D=128, BLOCK_B=prefill_kernel.SEQ_CHUNK, WINDOW=window, PRECISION="tf32",
                 PREFETCH=prefetch, FUSED_MERGE=False, BLOCK_S=1, TMA=tma, NEW=new,
-                NEW_TMA=new_tma)
+                NEW_TMA=new_tma, OFF64=off64)
 
 
 def _source(signature: dict, constants: dict):
@@ -107,17 +107,21 @@ def main():
                     help="BLOCK_M/BLOCK_N/warps/stages, comma separated")
     ap.add_argument("--page", type=int, default=16, help="S; 64 or more takes pool descriptors")
     ap.add_argument("--new-rows", action="store_true", help="the chunk's own rows given")
+    ap.add_argument("--off64", action="store_true", help="64-bit element offsets")
     args = ap.parse_args()
     tma = args.page >= prefill_kernel.TMA_MIN_PAGE
     print(f"triton {triton.__version__}, sm_90, Llama-3-8B heads, bf16, S {args.page}"
-          f"{', pool descriptors' if tma else ''}{', new rows through descriptors' if args.new_rows else ''}")
+          f"{', pool descriptors' if tma else ''}"
+          f"{', new rows through descriptors' if args.new_rows else ''}"
+          f"{', 64-bit offsets' if args.off64 else ''}")
     print("| tile | prefetch | registers | stack bytes |\n|---|---|---:|---:|")
     for tile in args.tiles.split(","):
         bm, bn, warps, stages = (int(x) for x in tile.split("/"))
         for prefetch in (True, False):
             r = resources(prefill_signature(tma, args.new_rows),
                           prefill_constants(S=args.page, block_m=bm, block_n=bn, prefetch=prefetch,
-                                            tma=tma, new=args.new_rows, new_tma=args.new_rows),
+                                            tma=tma, new=args.new_rows, new_tma=args.new_rows,
+                                            off64=args.off64),
                           warps, stages)
             print(f"| {tile} | {prefetch} | {r['registers']} | {r['stack']} |", flush=True)
 

@@ -17,9 +17,10 @@ import sys
 
 import pytest
 
-# (TMA, NEW, NEW_TMA, WINDOW) of the paged prefill kernel: page tiles gathered or through pool
-# descriptors, with or without the chunk's own rows, those by pointers or descriptors
-PREFILL_PATHS = [c for c in itertools.product([False, True], repeat=4) if c[1] or not c[2]]
+# (TMA, NEW, NEW_TMA, WINDOW, OFF64) of the paged prefill kernel: page tiles gathered or through
+# pool descriptors, with or without the chunk's own rows, those by pointers or descriptors,
+# 32- or 64-bit element offsets
+PREFILL_PATHS = [c for c in itertools.product([False, True], repeat=5) if c[1] or not c[2]]
 
 
 def build_all() -> dict:
@@ -27,14 +28,15 @@ def build_all() -> dict:
     from bench.kernel_build import build_ir, prefill_constants, prefill_signature
 
     got = {}
-    for tma, new, new_tma, window in PREFILL_PATHS:
+    for path in PREFILL_PATHS:
+        tma, new, new_tma, window, off64 = path
         constants = prefill_constants(S=64 if tma else 16, block_m=64, window=window, tma=tma,
-                                      new=new, new_tma=new_tma)
+                                      new=new, new_tma=new_tma, off64=off64)
         try:
             build_ir(prefill_signature(tma, new_tma), constants)
-            got[str((tma, new, new_tma, window))] = None
+            got[str(path)] = None
         except Exception as exc:  # noqa: BLE001 - reported to the test, which names it
-            got[str((tma, new, new_tma, window))] = f"{type(exc).__name__}: {exc}"[:2000]
+            got[str(path)] = f"{type(exc).__name__}: {exc}"[:2000]
     return got
 
 
@@ -52,7 +54,7 @@ def built() -> dict:
 
 
 @pytest.mark.parametrize("path", PREFILL_PATHS,
-                         ids=lambda p: "tma{}-new{}-newtma{}-win{}".format(*map(int, p)))
+                         ids=lambda p: "tma{}-new{}-newtma{}-win{}-off64{}".format(*map(int, p)))
 def test_paged_prefill_builds_for_hopper(built, path):
     err = built[str(path)]
     if err is not None and err.startswith(("ImportError", "ModuleNotFoundError")):

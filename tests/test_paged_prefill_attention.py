@@ -15,6 +15,7 @@ import kvops
 import kvops.kernels.paged_prefill_attention as prefill_kernel
 from kvops.kernels.paged_prefill_attention import (
     paged_prefill_attention_fwd,
+    prefill_off64,
     prefill_splits,
     prefill_tile,
     prefill_tma,
@@ -127,9 +128,12 @@ def case_id(chunks, S, Hkv, G, D, dtype, window, extra):
 
 @settings(max_examples=8)
 @given(drawn=cases(), block_m=st.sampled_from([None, 16, 32]), block_n=st.sampled_from([None, 16]),
-       num_splits=st.sampled_from([None, 1, 3]), prefetch=st.booleans())
+       num_splits=st.sampled_from([None, 1, 3]), prefetch=st.booleans(),
+       off64=st.sampled_from([None, True]))
 def test_kernel_matches_oracle(kernel_device, poison, drawn, block_m, block_n, num_splits,
-                               prefetch):
+                               prefetch, off64):
+    """Random cases at forced and ruled tiles, splits and page-id prefetch, with 32-bit element
+    offsets (the rule's at these sizes) or 64-bit ones (forced)."""
     dims, window, extra, seed = drawn
     G = dims[3]
     if block_m is not None and block_m < G:
@@ -137,9 +141,10 @@ def test_kernel_matches_oracle(kernel_device, poison, drawn, block_m, block_n, n
     case = make_case(*dims, device=kernel_device, seed=seed, window=window, **extra)
     out, lse = paged_prefill_attention_fwd(**case, window=window, block_m=block_m,
                                            block_n=block_n, num_splits=num_splits,
-                                           prefetch=prefetch)
+                                           prefetch=prefetch, off64=off64)
     check_against_oracle(out, lse, case, case_id(*dims, window, extra)
-                         + f"-bm{block_m}-bn{block_n}-splits{num_splits}-pf{prefetch}", window)
+                         + f"-bm{block_m}-bn{block_n}-splits{num_splits}-pf{prefetch}-off{off64}",
+                         window)
 
 
 @pytest.mark.parametrize("prefetch", [False, True], ids=["own-pages", "prefetch"])
@@ -240,9 +245,10 @@ def poison_chunk_tiles(case, block_n):
 
 @settings(max_examples=10)
 @given(drawn=cases(), new_tma=st.booleans(), tma=st.booleans(),
-       num_splits=st.sampled_from([None, 1, 3]), prefetch=st.booleans())
+       num_splits=st.sampled_from([None, 1, 3]), prefetch=st.booleans(),
+       off64=st.sampled_from([None, True]))
 def test_new_rows_match_oracle(kernel_device, poison, drawn, new_tma, tma, num_splits,
-                               prefetch):
+                               prefetch, off64):
     """Given the new tokens' rows (``k``, ``v``), the tiles of the chunks' own keys come from
     them, by pointer loads or through descriptors over ``[N, Hkv * D]`` (forced), beside prefix
     tiles gathered or through pool descriptors: the pool's chunk rows in those tiles are NaN,
@@ -259,9 +265,10 @@ def test_new_rows_match_oracle(kernel_device, poison, drawn, new_tma, tma, num_s
     out, lse = paged_prefill_attention_fwd(**poison_chunk_tiles(case, block_n), window=window,
                                            k=k, v=v, new_tma=new_tma, tma=tma, block_m=block_m,
                                            block_n=block_n, num_splits=num_splits,
-                                           prefetch=prefetch)
+                                           prefetch=prefetch, off64=off64)
     check_against_oracle(out, lse, case, "new-" + case_id(chunks, S, Hkv, G, D, dtype, window,
-                                                           extra) + f"-{new_tma}-{tma}", window)
+                                                           extra) + f"-{new_tma}-{tma}-{off64}",
+                         window)
 
 
 def test_new_rows_descriptor_needs_contiguous_heads():
@@ -339,6 +346,19 @@ def test_prefill_tma_table(S, D, dtype, capability, aligned, want):
 ])
 def test_prefill_tma_rows_table(D, dtype, capability, aligned, want):
     assert prefill_tma_rows(D, dtype, capability, aligned) == want
+
+
+@pytest.mark.parametrize("P,page_stride,S,F,N,row_stride,want", [
+    (8192, 16 * 1024, 16, 1024, 8192, 1024, False),           # Llama-3-8B, one layer's pool
+    (131073, 16 * 1024, 16, 1024, 8192, 1024, True),          # pages past 2**31 elements
+    (131072, 16 * 1024, 16, 1024, 0, 0, False),               # the last page ends at 2**31
+    (131072, 16 * 1024 + 1, 16, 1024, 0, 0, True),
+    (8192, 2 * 16 * 1024, 16, 1024, 0, 0, False),             # an interleaved pool
+    (8, 16 * 1024, 16, 1024, 2**21 + 1, 1024, True),          # new rows past 2**31 elements
+    (8, 16 * 1024, 16, 1024, 2**21, 1024, False),
+])
+def test_prefill_off64_table(P, page_stride, S, F, N, row_stride, want):
+    assert prefill_off64(P, page_stride, S, F, N, row_stride) == want
 
 
 @pytest.mark.parametrize("programs,max_ctx,block_n,sms,want", [
@@ -635,6 +655,30 @@ def test_long_prefill_on_cuda(D, S, descriptors):
     tma = prefill_tma(S, D, torch.bfloat16, torch.cuda.get_device_capability(), True)
     assert len(descriptors) == (2 if tma else 0)
     check_against_oracle(out, lse, case, f"long-D{D}-S{S}")
+
+
+@requires_cuda
+def test_pool_past_int32_offsets_on_cuda():
+    """A pool of more than 2**31 elements (8 GiB of K and V at pages of 16, Llama-3-8B's KV
+    heads): the rule takes 64-bit offsets, and pages at the pool's end read right."""
+    case = make_case([(300, 200), (40, 100)], 16, 8, 4, 128, torch.bfloat16, "cuda", seed=7)
+    P = 131073                                  # (P - 1) * 16 * 1024 + 16 * 1024 > 2**31
+    if torch.cuda.get_device_properties(0).total_memory < 3 * P * 16 * 1024 * 2:
+        pytest.skip("needs about 12 GiB of GPU memory")
+    small = case["k_cache"].shape[0]
+    big = {}
+    for name in ("k_cache", "v_cache"):
+        big[name] = torch.full((P, 16, 8, 128), float("nan"), dtype=torch.bfloat16,
+                               device="cuda")
+        big[name][P - small:] = case[name]      # the case's pages at the pool's end
+    table = case["block_table"].clone()
+    ok = (table >= 0) & (table < small)
+    table[ok] += P - small
+    table[~ok] = -1
+    moved = dict(case, block_table=table, **big)
+    assert prefill_off64(P, 16 * 1024, 16, 1024, 0, 0)
+    out, lse = torch.ops.kvops.paged_prefill_attention(**moved)
+    check_against_oracle(out, lse, case, "past-int32")
 
 
 @requires_cuda

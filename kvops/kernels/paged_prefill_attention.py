@@ -117,6 +117,18 @@ def prefill_tma_rows(D: int, dtype: torch.dtype, capability: tuple[int, int],
     return prefill_tma(TMA_MIN_PAGE, D, dtype, capability, aligned)
 
 
+def prefill_off64(P: int, page_stride: int, S: int, F: int, N: int, row_stride: int) -> bool:
+    """Whether the gathered and pointer loads need 64-bit element offsets: a pool of ``P``
+    pages ``page_stride`` elements apart, each ``S`` rows of ``F = Hkv * D``, or ``N`` new-token
+    rows ``row_stride`` apart (0 when none), spanning more than 2**31 elements (an offset past
+    int32's). Within it the offsets are 32-bit: with 64-bit ones the gathered tile (pages of 16, 128/64/8/3) spills 960 bytes a
+    thread on triton 3.6's sm_90 build, with 32-bit ones 544
+    (bench/results/2026-12-06-1450-paged_prefill-kernel-resources-cpu.md)."""
+    pool = (P - 1) * page_stride + S * F
+    rows = (N - 1) * row_stride + F if N and row_stride else 0
+    return max(pool, rows) > 2**31
+
+
 def _pool_descriptor(cache: torch.Tensor, block_n: int):
     """A descriptor over a pool ``[P, S, Hkv, D]`` as rows of ``Hkv * D`` values (page ``p``'s
     rows start at row ``p * stride(0) / (Hkv * D)``, so one layer's slice of a bigger pool and
@@ -158,9 +170,11 @@ def _tile_pages(p_bt, n, seq_len, lo_key, L, S: tl.constexpr, BLOCK_N: tl.conste
 def _key_tile(b_q, b_acc, b_m, b_l, KC, VC, b_page, n, P, i_h, stride_kp, stride_vp,
               b_pos, window, scale_log2, S: tl.constexpr, HKV: tl.constexpr,
               D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-              MASK: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr):
+              MASK: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+              OFF64: tl.constexpr):
     """Fold keys ``[n, n + BLOCK_N)`` (pages ``b_page`` from ``_tile_pages``) into the running
-    softmax of the tile's rows.
+    softmax of the tile's rows. Element offsets are 32-bit unless OFF64 (``prefill_off64``):
+    a tile's 64-bit offsets cost the kernel spilled registers.
 
     A key is read only if its page id lies in ``[0, P)`` (``_tile_pages`` gives -1 outside
     ``[lo_key, seq_len)``); any other is loaded as 0 and masked, so a NaN there changes nothing.
@@ -170,14 +184,18 @@ def _key_tile(b_q, b_acc, b_m, b_l, KC, VC, b_page, n, P, i_h, stride_kp, stride
     o_n = n + tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, BLOCK_D)
     m_n = (b_page >= 0) & (b_page < P)
-    o_row = ((o_n % S) * (HKV * D) + i_h * D).to(tl.int64)
+    o_row = (o_n % S) * (HKV * D) + i_h * D
+    b_base = b_page
+    if OFF64:
+        o_row = o_row.to(tl.int64)
+        b_base = b_page.to(tl.int64)
     m_kv = m_n[:, None] & (o_d < D)[None, :]
-    p_k = KC + (b_page.to(tl.int64) * stride_kp + o_row)[:, None] + o_d[None, :]
+    p_k = KC + (b_base * stride_kp + o_row)[:, None] + o_d[None, :]
     b_k = tl.load(p_k, mask=m_kv, other=0.0)
     b_s = _visible(dot(b_q, tl.trans(b_k), PRECISION) * scale_log2, m_n, o_n, b_pos, window,
                    MASK, WINDOW)
     b_p, b_alpha, b_m, b_l = _softmax_step(b_s, b_m, b_l)
-    p_v = VC + (b_page.to(tl.int64) * stride_vp + o_row)[:, None] + o_d[None, :]
+    p_v = VC + (b_base * stride_vp + o_row)[:, None] + o_d[None, :]
     b_v = tl.load(p_v, mask=m_kv, other=0.0)
     b_acc = b_acc * b_alpha[:, None] + dot(b_p.to(b_v.dtype), b_v, PRECISION)
     return b_acc, b_m, b_l
@@ -239,7 +257,7 @@ def _key_tile_tma(b_q, b_acc, b_m, b_l, KD, VD, page_rows, p_bt, n, seq_len, lo_
 def _key_tile_rows(b_q, b_acc, b_m, b_l, KN, VN, b_page, n, P, i_h, new_row0, stride_kn,
                    stride_vn, b_pos, window, scale_log2, D: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr, MASK: tl.constexpr, WINDOW: tl.constexpr,
-                   PRECISION: tl.constexpr, NEW_TMA: tl.constexpr):
+                   PRECISION: tl.constexpr, NEW_TMA: tl.constexpr, OFF64: tl.constexpr):
     """``_key_tile`` for keys ``[n, n + BLOCK_N)`` of the chunk itself, read from the new
     tokens' rows ``k, v [N, Hkv, D]`` (key position ``j`` is row ``new_row0 + j``) instead of
     their pages: contiguous rows, through descriptors ``KN``, ``VN`` over ``[N, Hkv * D]``
@@ -254,7 +272,9 @@ def _key_tile_rows(b_q, b_acc, b_m, b_l, KN, VN, b_page, n, P, i_h, new_row0, st
         b_k = KN.load([new_row0 + n, i_h * D])
     else:
         o_d = tl.arange(0, BLOCK_D)
-        o_row = (new_row0 + o_n).to(tl.int64)
+        o_row = new_row0 + o_n
+        if OFF64:
+            o_row = o_row.to(tl.int64)
         m_kv = m_n[:, None] & (o_d < D)[None, :]
         b_k = tl.load(KN + (o_row * stride_kn + i_h * D)[:, None] + o_d[None, :], mask=m_kv,
                       other=0.0)
@@ -278,7 +298,7 @@ def _key_run(b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, page_rows, p_bt, lo, 
              b_pos, window, scale_log2, S: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr,
              WINDOW: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
-             TMA: tl.constexpr, NEW: tl.constexpr, NEW_TMA: tl.constexpr):
+             TMA: tl.constexpr, NEW: tl.constexpr, NEW_TMA: tl.constexpr, OFF64: tl.constexpr):
     """Key tiles ``[lo, hi)`` (BLOCK_N-aligned) in BLOCK_N steps. Without NEW, all from their
     pages (``_page_run``). With NEW the tiles from ``self_lo`` (the first BLOCK_N-aligned key
     at or after the chunk's first position: tiles of the chunk's own keys only) come from the
@@ -289,20 +309,20 @@ def _key_run(b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, page_rows, p_bt, lo, 
         b_acc, b_m, b_l = _page_run(
             b_q, b_acc, b_m, b_l, KC, VC, KD, VD, page_rows, p_bt, lo, mid, seq_len, lo_key,
             P, L, i_h, stride_kp, stride_vp, b_pos, window, scale_log2, S, HKV, D, BLOCK_N,
-            BLOCK_D, MASK, WINDOW, PRECISION, PREFETCH, TMA)
+            BLOCK_D, MASK, WINDOW, PRECISION, PREFETCH, TMA, OFF64)
         b_page = _tile_pages(p_bt, mid, seq_len, lo_key, L, S, BLOCK_N)
         for n in range(mid, hi, BLOCK_N):
             b_next = _tile_pages(p_bt, n + BLOCK_N, seq_len, lo_key, L, S, BLOCK_N)
             b_acc, b_m, b_l = _key_tile_rows(
                 b_q, b_acc, b_m, b_l, KN, VN, b_page, n, P, i_h, new_row0, stride_kn,
                 stride_vn, b_pos, window, scale_log2, D, BLOCK_N, BLOCK_D, MASK, WINDOW,
-                PRECISION, NEW_TMA)
+                PRECISION, NEW_TMA, OFF64)
             b_page = b_next
     else:
         b_acc, b_m, b_l = _page_run(
             b_q, b_acc, b_m, b_l, KC, VC, KD, VD, page_rows, p_bt, lo, hi, seq_len, lo_key, P,
             L, i_h, stride_kp, stride_vp, b_pos, window, scale_log2, S, HKV, D, BLOCK_N,
-            BLOCK_D, MASK, WINDOW, PRECISION, PREFETCH, TMA)
+            BLOCK_D, MASK, WINDOW, PRECISION, PREFETCH, TMA, OFF64)
     return b_acc, b_m, b_l
 
 
@@ -311,7 +331,7 @@ def _page_run(b_q, b_acc, b_m, b_l, KC, VC, KD, VD, page_rows, p_bt, lo, hi, seq
               L, i_h, stride_kp, stride_vp, b_pos, window, scale_log2, S: tl.constexpr,
               HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
               MASK: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-              PREFETCH: tl.constexpr, TMA: tl.constexpr):
+              PREFETCH: tl.constexpr, TMA: tl.constexpr, OFF64: tl.constexpr):
     """Key tiles ``[lo, hi)`` from their pages, in BLOCK_N steps. TMA: each tile through the
     descriptors (``_key_tile_tma``). Else PREFETCH loads each tile's page ids one tile ahead (a
     loop-carried value), so the K/V loads' addresses do not wait on a load of the same
@@ -327,14 +347,14 @@ def _page_run(b_q, b_acc, b_m, b_l, KC, VC, KD, VD, page_rows, p_bt, lo, hi, seq
             b_next = _tile_pages(p_bt, n + BLOCK_N, seq_len, lo_key, L, S, BLOCK_N)
             b_acc, b_m, b_l = _key_tile(
                 b_q, b_acc, b_m, b_l, KC, VC, b_page, n, P, i_h, stride_kp, stride_vp, b_pos,
-                window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, MASK, WINDOW, PRECISION)
+                window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, MASK, WINDOW, PRECISION, OFF64)
             b_page = b_next
     else:
         for n in range(lo, hi, BLOCK_N):
             b_page = _tile_pages(p_bt, n, seq_len, lo_key, L, S, BLOCK_N)
             b_acc, b_m, b_l = _key_tile(
                 b_q, b_acc, b_m, b_l, KC, VC, b_page, n, P, i_h, stride_kp, stride_vp, b_pos,
-                window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, MASK, WINDOW, PRECISION)
+                window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, MASK, WINDOW, PRECISION, OFF64)
     return b_acc, b_m, b_l
 
 
@@ -356,6 +376,7 @@ def _paged_prefill_kernel(
     BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, WINDOW: tl.constexpr,
     PRECISION: tl.constexpr, PREFETCH: tl.constexpr, FUSED_MERGE: tl.constexpr,
     BLOCK_S: tl.constexpr, TMA: tl.constexpr, NEW: tl.constexpr, NEW_TMA: tl.constexpr,
+    OFF64: tl.constexpr,
 ):
     i_t = num_tiles - 1 - tl.program_id(0)
     i_h = tl.program_id(1)
@@ -428,17 +449,17 @@ def _paged_prefill_kernel(
             tl.maximum(k_lo, s_lo), tl.minimum(mid_lo, s_hi), self_lo, new_row0, seq_len,
             lo_key, P, L, i_h, stride_kp, stride_vp, stride_kn, stride_vn, b_pos, window,
             scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, True, True, PRECISION, PREFETCH, TMA, NEW,
-            NEW_TMA)
+            NEW_TMA, OFF64)
     b_acc, b_m, b_l = _key_run(
         b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, page_rows, p_bt, tl.maximum(mid_lo, s_lo),
         tl.minimum(mid_hi, s_hi), self_lo, new_row0, seq_len, lo_key, P, L, i_h, stride_kp,
         stride_vp, stride_kn, stride_vn, b_pos, window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D,
-        False, WINDOW, PRECISION, PREFETCH, TMA, NEW, NEW_TMA)
+        False, WINDOW, PRECISION, PREFETCH, TMA, NEW, NEW_TMA, OFF64)
     b_acc, b_m, b_l = _key_run(
         b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, page_rows, p_bt, tl.maximum(mid_hi, s_lo),
         s_hi, self_lo, new_row0, seq_len, lo_key, P, L, i_h, stride_kp, stride_vp, stride_kn,
         stride_vn, b_pos, window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, True, WINDOW,
-        PRECISION, PREFETCH, TMA, NEW, NEW_TMA)
+        PRECISION, PREFETCH, TMA, NEW, NEW_TMA, OFF64)
     b_has = b_l > 0
     b_out = b_acc / tl.where(b_has, b_l, 1.0)[:, None]
     b_lse = tl.where(b_has, (b_m + tl.log2(tl.where(b_has, b_l, 1.0))) * LN2,
@@ -462,7 +483,8 @@ def paged_prefill_attention_fwd(
     window: int = 0, *, block_m: int | None = None, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, num_splits: int | None = None,
     prefetch: bool = True, tma: bool | None = None, k: torch.Tensor | None = None,
-    v: torch.Tensor | None = None, new_tma: bool | None = None, signature=None,
+    v: torch.Tensor | None = None, new_tma: bool | None = None, off64: bool | None = None,
+    signature=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate, pick the tile (``prefill_tile``) and the splits (``prefill_splits``), launch,
     and merge split partials (in the launch, or ``_splitk.merge_split_outputs`` under capture).
@@ -473,7 +495,8 @@ def paged_prefill_attention_fwd(
     ``prefill_tma`` decides. ``k``, ``v`` ``[N, Hkv, D]``: the new tokens' rows the pool
     holds at the chunks' positions; the chunks' own key tiles are read from them
     (``_key_tile_new``), through descriptors where ``new_tma`` (or, None,
-    ``prefill_tma_rows``) says so. A launch's plan
+    ``prefill_tma_rows``) says so; ``off64`` forces 64-bit element offsets on or off, else
+    ``prefill_off64`` decides. A launch's plan
     (tile, splits, strides, binary key) is kept per argument signature (``signature``: the
     op's, of every tensor with scale and window, else one is computed here) and knobs.
     Returns ``(out, lse)``."""
@@ -485,7 +508,7 @@ def paged_prefill_attention_fwd(
     if signature is None:
         signature = (*(sig(t) for t in tensors), scale, window,
                      *(sig(t) for t in news or ()))
-    knobs = (block_m, block_n, num_warps, num_stages, num_splits, prefetch, tma, new_tma)
+    knobs = (block_m, block_n, num_warps, num_stages, num_splits, prefetch, tma, new_tma, off64)
     key = (signature, knobs)
     plan = _PLANS.get(key) or keep_plan(_PLANS, key,
                                         _plan(*tensors, news, scale, window, knobs))
@@ -555,7 +578,7 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, news, scale, 
     P, S, Hkv, _ = k_cache.shape
     B, L = block_table.shape
     G = Hq // Hkv
-    block_m, block_n, num_warps, num_stages, num_splits, prefetch, tma, new_tma = knobs
+    block_m, block_n, num_warps, num_stages, num_splits, prefetch, tma, new_tma, off64 = knobs
     misfit = _descriptor_misfit(k_cache, v_cache)
     if tma is None:
         tma = nvidia_ptx(q.device) and prefill_tma(S, D, q.dtype, cuda_capability(q.device),
@@ -589,12 +612,15 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, news, scale, 
                block_table.stride(0), *out_strides,
                *((news[0].stride(0), news[1].stride(0)) if news is not None else (0, 0)))
     page_rows = k_cache.stride(0) // (Hkv * D)
+    if off64 is None:
+        off64 = prefill_off64(P, max(k_cache.stride(0), v_cache.stride(0)), S, Hkv * D, N,
+                              0 if news is None else max(t.stride(0) for t in news))
     ints = (N, B, P, L, page_rows, num_tiles, window, scale * LOG2E.value, nsp, *strides)
     meta = dict(S=S, HKV=Hkv, G=G, D=D, BLOCK_Q=block_q, BLOCK_M=bm, BLOCK_N=bn,
                 BLOCK_D=next_pow2(max(D, 16)), BLOCK_B=SEQ_CHUNK,
                 WINDOW=window > 0, PRECISION=dot_precision(q.dtype), PREFETCH=prefetch,
                 FUSED_MERGE=False, BLOCK_S=1, TMA=bool(tma), NEW=news is not None,
-                NEW_TMA=bool(new_tma), num_warps=nw, num_stages=ns)
+                NEW_TMA=bool(new_tma), OFF64=bool(off64), num_warps=nw, num_stages=ns)
     merge = merge_plan(N, Hq, nsp, D, q.dtype, False, q.device) if nsp > 1 else None
     # N, B, num_tiles and window are not specialized (one binary serves every value of them),
     # so they stay out of the binary's key; the rest of what the kernel specializes on is in
