@@ -695,10 +695,13 @@ def test_new_rows_on_cuda(S):
 
 
 @requires_cuda
-def test_tma_cuda_graph_replay_with_new_lengths():
-    """The descriptor path (pages of 64, where the GPU has a tensor copy engine) captured once
-    and replayed with new chunk lengths, prefixes and tables."""
-    S, pool = 64, 40
+@pytest.mark.parametrize("S,rows", [(64, False), (16, True), (64, True)],
+                         ids=["S64", "S16-rows", "S64-rows"])
+def test_tma_cuda_graph_replay_with_new_lengths(S, rows):
+    """The descriptor paths (pool descriptors at pages of 64, the chunk's own rows at any page
+    size, where the GPU has a tensor copy engine) captured once and replayed with new chunk
+    lengths, prefixes, tables and rows."""
+    pool = 40 if S == 64 else 160
 
     def fresh(seed):
         gen = torch.Generator().manual_seed(seed)
@@ -706,21 +709,30 @@ def test_tma_cuda_graph_replay_with_new_lengths():
                    int(torch.randint(1, 150, (1,), generator=gen))) for _ in range(3)]
         L = max(-(-(p + n) // S) for p, n in chunks)
         return make_case(chunks, S, 8, 4, 128, torch.bfloat16, "cuda", seed=seed, pad=2,
-                         pool_pages=pool, spare_blocks=8 - L)
+                         pool_pages=pool, spare_blocks=(8 if S == 64 else 24) - L)
 
-    static = fresh(1)
-    static["q"] = torch.zeros(3 * 150 + 2, 32, 128, dtype=torch.bfloat16, device="cuda")
+    def with_rows(case):
+        return dict(case, **dict(zip(("k", "v"), new_rows(case, garbage=0.0)))) if rows else case
+
+    static = with_rows(fresh(1))
+    N = 3 * 150 + 2
+    for name in ("q", "k", "v") if rows else ("q",):
+        static[name] = torch.zeros(N, *static[name].shape[1:], dtype=torch.bfloat16,
+                                   device="cuda")
     graph, (out, lse) = capture_graph(lambda: torch.ops.kvops.paged_prefill_attention(**static))
     for seed in (2, 3, 4):
-        case = fresh(seed)
+        case = with_rows(fresh(seed))
         n = case["q"].shape[0]
-        static["q"].zero_()
-        static["q"][:n].copy_(case["q"])
         for name, t in case.items():
-            if name != "q":
+            if name in ("q", "k", "v"):
+                static[name].zero_()
+                static[name][:n].copy_(t)
+            else:
                 static[name].copy_(t)
         graph.replay()
-        check_against_oracle(out[:n], lse[:n], case, f"tma-graph{seed}")
+        check_against_oracle(out[:n], lse[:n],
+                             {name: t for name, t in case.items() if name not in ("k", "v")},
+                             f"tma-graph{seed}-S{S}-rows{rows}")
 
 
 @requires_cuda
