@@ -302,14 +302,14 @@ def main():
     ap.add_argument("--news", default=None, help="new-token counts, comma separated")
     ap.add_argument("--prefixes", default=None, help="prefix lengths, comma separated")
     ap.add_argument("--page", type=int, default=16, help="tokens a page (S)")
-    ap.add_argument("--tma-direct", action="store_true",
-                    help="descriptor plans launch through the compiled launcher, not the JIT")
+    ap.add_argument("--jit-descriptors", action="store_true",
+                    help="descriptor plans launch through the JIT, not the compiled launcher")
     ap.add_argument("--new-rows", action="store_true",
                     help="calls take the chunk's own K/V rows (k=, v=), as the engine's do")
     args = ap.parse_args()
     global S, NEW_ROWS
     S, NEW_ROWS = args.page, args.new_rows
-    prefill_kernel.TMA_DIRECT = args.tma_direct
+    prefill_kernel.TMA_DIRECT = not args.jit_descriptors
     if args.tune:
         shapes = [(m, int(n), int(p)) for m, n, p in (x.split(":") for x in args.tune.split(","))]
         body = tune(shapes)
@@ -339,13 +339,13 @@ def main():
              f"(goal >= 0.9x)",
              f"- 8k prefill in 512-token chunks: {t_parts:.1f} us against {t_whole:.1f} us "
              f"whole, {t_parts / t_whole:.2f}x (goal <= 1.15x)"]
-    how = ("; descriptor plans launched direct" if args.tma_direct else "") + (
+    how = ("; descriptor plans launched through the JIT" if args.jit_descriptors else "") + (
         "; the chunk's own K/V rows given (k=, v=)" if args.new_rows else "")
     text = (f"bf16, S {S}, one sequence{how}; pages in runs of {RUN}. us: median graph replay; host: "
             f"eager host us per call.\n\n" + body + "\n\nGoals:\n" + "\n".join(goals) + "\n")
     partial = args.quick or args.news or args.prefixes or args.no_flex
     write_result("paged_prefill_attention" + ("-partial" if partial else "")
-                 + (f"-S{S}" if S != 16 else "") + ("-tma-direct" if args.tma_direct else "")
+                 + (f"-S{S}" if S != 16 else "") + ("-jit-descriptors" if args.jit_descriptors else "")
                  + ("-new-rows" if args.new_rows else ""),
                  text)
     print(text)

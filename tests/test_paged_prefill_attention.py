@@ -271,12 +271,31 @@ def test_new_rows_match_oracle(kernel_device, poison, drawn, new_tma, tma, num_s
                          window)
 
 
-def test_new_rows_descriptor_needs_contiguous_heads():
+@pytest.mark.parametrize("new_tma", [False, True], ids=["pointers", "descriptors"])
+@pytest.mark.parametrize("window,num_splits", [(0, None), (0, 3), (5, 2), (37, None)])
+def test_new_rows_around_the_first_chunk_tile(kernel_device, poison, new_tma, window,
+                                              num_splits):
+    """Chunks starting mid-tile (63, 100), on a tile boundary (128) and from nothing, with a
+    hole and padding: the tile holding a chunk's first position from the pages, the row tiles
+    after it (split boundaries among them), the oracle's rows."""
+    case = make_case([(100, 150), (63, 70), (128, 40), (0, 5)], 16, 2, 4, 64, torch.float16,
+                     kernel_device, seed=11, window=window, hole=True, pad=2)
+    k, v = new_rows(case)
+    out, lse = paged_prefill_attention_fwd(**poison_chunk_tiles(case, 64), window=window, k=k,
+                                           v=v, new_tma=new_tma, block_m=16, block_n=64,
+                                           num_splits=num_splits)
+    check_against_oracle(out, lse, case, f"first-tile-{new_tma}-{window}-{num_splits}", window)
+
+
+@pytest.mark.parametrize("new_tma", [None, False, True])
+def test_fwd_refuses_rows_whose_heads_are_not_contiguous(new_tma):
+    """The kernel reads a row's heads ``D`` apart, so the launcher refuses other rows whatever
+    loads them (the op's checks refuse them first)."""
     case = make_case([(3, 20)], 16, 2, 2, 64, torch.float16, "cpu", seed=4)
     k, v = new_rows(case)
     wide = torch.zeros(k.shape[0], 2, 2 * 64, dtype=k.dtype)[:, :, :64]
-    with pytest.raises(ValueError, match=r"new_tma: expected k with each row's heads"):
-        paged_prefill_attention_fwd(**case, k=wide, v=v, new_tma=True)
+    with pytest.raises(ValueError, match=r"k, v: expected each row's heads contiguous"):
+        paged_prefill_attention_fwd(**case, k=wide, v=v, new_tma=new_tma)
 
 
 def test_op_reads_new_rows_and_validation_checks_them(kernel_device):
@@ -660,12 +679,13 @@ def test_long_prefill_on_cuda(D, S, descriptors):
 @requires_cuda
 def test_pool_past_int32_offsets_on_cuda():
     """A pool of more than 2**31 elements (8 GiB of K and V at pages of 16, Llama-3-8B's KV
-    heads): the rule takes 64-bit offsets, and pages at the pool's end read right."""
+    heads): the plan takes 64-bit offsets, and pages whose offsets are all past 2**31 read
+    right."""
     case = make_case([(300, 200), (40, 100)], 16, 8, 4, 128, torch.bfloat16, "cuda", seed=7)
-    P = 131073                                  # (P - 1) * 16 * 1024 + 16 * 1024 > 2**31
+    small = case["k_cache"].shape[0]
+    P = 2**31 // (16 * 1024) + small             # every case page at an offset past 2**31
     if torch.cuda.get_device_properties(0).total_memory < 3 * P * 16 * 1024 * 2:
         pytest.skip("needs about 12 GiB of GPU memory")
-    small = case["k_cache"].shape[0]
     big = {}
     for name in ("k_cache", "v_cache"):
         big[name] = torch.full((P, 16, 8, 128), float("nan"), dtype=torch.bfloat16,
@@ -676,8 +696,9 @@ def test_pool_past_int32_offsets_on_cuda():
     table[ok] += P - small
     table[~ok] = -1
     moved = dict(case, block_table=table, **big)
-    assert prefill_off64(P, 16 * 1024, 16, 1024, 0, 0)
+    prefill_kernel._PLANS.clear()
     out, lse = torch.ops.kvops.paged_prefill_attention(**moved)
+    assert [p[3]["OFF64"] for p in prefill_kernel._PLANS.values()] == [True]
     check_against_oracle(out, lse, case, "past-int32")
 
 
@@ -736,17 +757,22 @@ def test_tma_cuda_graph_replay_with_new_lengths(S, rows):
 
 
 @requires_cuda
-def test_tma_direct_launch_matches_the_jit(monkeypatch, descriptors):
-    """A descriptor plan launched through the compiled launcher (``_launch``: the JIT's first
-    call keeps the binary, the second goes direct) gives the JIT's rows bit for bit, with
-    fresh pools and tables between calls (the descriptors are made each call)."""
+@pytest.mark.parametrize("S,rows", [(64, False), (16, True), (64, True)],
+                         ids=["pool", "rows-S16", "pool-and-rows"])
+def test_tma_direct_launch_matches_the_jit(monkeypatch, descriptors, S, rows):
+    """A descriptor plan (pool descriptors at pages of 64, the chunk's own rows at any page
+    size) launched through the compiled launcher (``_launch``: the JIT's first call keeps the
+    binary, the second goes direct, and this test's plans are the ones that must) gives the
+    JIT's rows bit for bit, with fresh pools, tables and rows between calls (the descriptors
+    are made each call)."""
     from kvops.kernels import _launch
-    S = 64
-    if not prefill_tma(S, 128, torch.bfloat16, torch.cuda.get_device_capability(), True):
+    if not prefill_tma(64, 128, torch.bfloat16, torch.cuda.get_device_capability(), True):
         pytest.skip("no tensor copy engine on this GPU")
     monkeypatch.setattr(prefill_kernel, "_PLANS", {})
     cases = [make_case([(130, 70), (0, 200), (64, 1)], S, 8, 4, 128, torch.bfloat16, "cuda",
-                       seed=seed, pool_pages=12) for seed in (1, 2, 3)]
+                       seed=seed, pool_pages=12 if S == 64 else 40) for seed in (1, 2, 3)]
+    if rows:
+        cases = [dict(c, **dict(zip(("k", "v"), new_rows(c, garbage=0.0)))) for c in cases]
     monkeypatch.setattr(prefill_kernel, "TMA_DIRECT", False)
     want = [torch.ops.kvops.paged_prefill_attention(**case) for case in cases]
     monkeypatch.setattr(prefill_kernel, "TMA_DIRECT", True)
@@ -754,11 +780,15 @@ def test_tma_direct_launch_matches_the_jit(monkeypatch, descriptors):
     descriptors.clear()
     got = [torch.ops.kvops.paged_prefill_attention(**case) for case in cases]
     torch.cuda.synchronize()
-    assert len(descriptors) == 6
+    assert len(descriptors) == (6 if S == 64 else 0)
+    plans = list(prefill_kernel._PLANS.values())
+    assert plans and all(p[3]["NEW"] == rows and p[3]["NEW_TMA"] == rows for p in plans)
     if _launch._STATE["direct"]:
-        modes = {hit[2] for (kid, _), hit in _launch._BINS.items()
-                 if kid == id(prefill_kernel._paged_prefill_kernel)}
-        assert modes & {"c", "tail", "plain"}, modes
+        kernel = id(prefill_kernel._paged_prefill_kernel)
+        for plan in plans:
+            token = plan[6]
+            assert token is not None
+            assert _launch._BINS[(kernel, token)][2] in ("c", "tail", "plain")
     for (o, lse), (wo, wl) in zip(got, want):
         assert torch.equal(o, wo) and torch.equal(lse, wl)
 

@@ -494,7 +494,7 @@ def paged_prefill_attention_fwd(
     K/V tiles through descriptors on (where the tile fits a page) or off, else
     ``prefill_tma`` decides. ``k``, ``v`` ``[N, Hkv, D]``: the new tokens' rows the pool
     holds at the chunks' positions; the chunks' own key tiles are read from them
-    (``_key_tile_new``), through descriptors where ``new_tma`` (or, None,
+    (``_key_tile_rows``), through descriptors where ``new_tma`` (or, None,
     ``prefill_tma_rows``) says so; ``off64`` forces 64-bit element offsets on or off, else
     ``prefill_off64`` decides. A launch's plan
     (tile, splits, strides, binary key) is kept per argument signature (``signature``: the
@@ -585,6 +585,9 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, news, scale, 
                                                    misfit is None)
     elif tma and misfit:
         raise ValueError(f"tma: expected {misfit}")
+    if news is not None and any(t.stride(2) != 1 or t.stride(1) != D for t in news):
+        raise ValueError(f"k, v: expected each row's heads contiguous (strides [*, {D}, 1]), "
+                         f"got {news[0].stride()} and {news[1].stride()}")
     rows_misfit = _rows_misfit(*news) if news is not None else "k and v"
     if new_tma is None:
         new_tma = news is not None and nvidia_ptx(q.device) and prefill_tma_rows(
