@@ -133,9 +133,12 @@ def _settings_kw(args, device) -> dict:
         "far_chunk", "far_rerank", "max_num_batched_tokens", "long_prefill_tokens", "preemption",
         "concurrency", "budget_tokens", "input_len", "output_len", "output_scale", "clock",
         "thin")}
-    S = args.page_size
-    if S is not None and (S < 8 or S > 256 or S & (S - 1)):
-        raise SystemExit(f"--page-size: expected a power of two in [8, 256], got {S}")
+    if args.page_size is not None:
+        from kvops._checks import page_size
+        try:
+            page_size("--page-size", args.page_size)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
     if args.configs:
         kw["configs"] = tuple(c.strip() for c in args.configs.split(",") if c.strip())
     if args.step_cost:

@@ -508,8 +508,8 @@ def test_replay_cli_takes_a_page_size_and_refuses_a_bad_one(tmp_path, capsys):
     assert main(args + ["--page-size", "64"]) == 0
     res = json.loads((tmp_path / "replay.json").read_text())
     assert all(r["finished"] == 4 for r in res["results"].values())
-    with pytest.raises(SystemExit, match=r"--page-size: expected a power of two in \[8, 256\], "
-                                         r"got 12"):
+    with pytest.raises(SystemExit, match=r"--page-size: page size S must be a power of two in "
+                                         r"\[8, 256\], got S=12"):
         main(args + ["--page-size", "12"])
 
 

@@ -521,12 +521,11 @@ def paged_prefill_attention_fwd(
     descs = ((_pool_descriptor(k_cache, meta["BLOCK_N"]),
               _pool_descriptor(v_cache, meta["BLOCK_N"])) if meta["TMA"] else
              (k_cache, v_cache))
-    if news is None:
-        news = (k_cache, v_cache)
-    elif meta["NEW_TMA"]:
-        news = tuple(_rows_descriptor(t, meta["BLOCK_N"]) for t in news)
+    rows = ((k_cache, v_cache) if news is None else
+            tuple(_rows_descriptor(t, meta["BLOCK_N"]) for t in news) if meta["NEW_TMA"] else
+            news)
     launch_split(_paged_prefill_kernel, grid, (*tensors, part_o, part_l, out, lse), count,
-                 seq_lens, (*descs, *news, *ints), (token, meta), fused, merge, ready)
+                 seq_lens, (*descs, *rows, *ints), (token, meta), fused, merge, ready)
     return out, lse
 
 
@@ -540,17 +539,25 @@ def _rows_descriptor(rows: torch.Tensor, block_n: int):
     return TensorDescriptor(rows, [N, Hkv * D], [rows.stride(0), 1], [block_n, D])
 
 
+def _aligned16(tensors, stride: int) -> bool:
+    """Whether ``tensors`` start on 16-byte boundaries and rows ``stride`` elements apart do
+    too (what a descriptor's base and strides need)."""
+    return (stride * tensors[0].element_size() % 16 == 0
+            and all(t.data_ptr() % 16 == 0 for t in tensors))
+
+
 def _rows_misfit(k: torch.Tensor, v: torch.Tensor) -> str | None:
-    """What new-token rows ``[N, Hkv, D]`` lack for ``_rows_descriptor``, or None: heads
-    contiguous in each row, 16-byte aligned bases and row strides, fewer than ``2**31`` rows."""
-    D = k.shape[2]
+    """What new-token rows ``[N, Hkv, D]`` (heads contiguous in a row: ``_plan`` checks) lack
+    for ``_rows_descriptor``, or None: D a power of two (a box of D values), 16-byte aligned
+    bases and row strides, fewer than ``2**31`` rows."""
+    N, _, D = k.shape
+    if D != next_pow2(D):
+        return f"D a power of two, got D {D}"
     for name, t in (("k", k), ("v", v)):
-        if t.stride(2) != 1 or t.stride(1) != D:
-            return f"{name} with each row's heads contiguous (strides [*, {D}, 1]), got {t.stride()}"
-        if t.stride(0) * t.element_size() % 16 or t.data_ptr() % 16:
+        if not _aligned16((t,), t.stride(0)):
             return f"{name} with a 16-byte aligned base and row stride, got stride {t.stride(0)}"
-    if k.shape[0] >= 2**31:
-        return f"fewer than 2**31 rows, got {k.shape[0]}"
+    if N >= 2**31:
+        return f"fewer than 2**31 rows, got {N}"
     return None
 
 
@@ -566,7 +573,7 @@ def _descriptor_misfit(k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | No
     if stride % F or stride < S * F:
         return (f"a page stride that is a multiple of Hkv * D = {F} and at least S * Hkv * D, "
                 f"got {stride}")
-    if stride * k_cache.element_size() % 16 or any(c.data_ptr() % 16 for c in (k_cache, v_cache)):
+    if not _aligned16((k_cache, v_cache), stride):
         return "16-byte aligned pools and page strides"
     if not 0 < P * (stride // F) < 2**31:
         return f"between 1 and 2**31 - 1 rows of Hkv * D, got {P * (stride // F)}"
@@ -594,8 +601,6 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, news, scale, 
             D, q.dtype, cuda_capability(q.device), rows_misfit is None)
     elif new_tma and rows_misfit:
         raise ValueError(f"new_tma: expected {rows_misfit}")
-    if new_tma and D != next_pow2(D):
-        raise ValueError(f"new_tma: expected D a power of two, got D {D}")
     bm, bn, nw, ns = prefill_tile(N, B, G, D, q.dtype, tma)
     bm, bn = block_m or bm, block_n or bn
     nw, ns = num_warps or nw, num_stages or ns
