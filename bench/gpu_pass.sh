@@ -3,7 +3,7 @@
 # own time cap, its log in $OUT/<part>.log, every results file it records copied to $OUT, and a
 # short table of the parts last. Parts are named on the command line (default: all, in order):
 #   bench/gpu_pass.sh suite tests fidelity farret elastic elastic_steady engine tp tp_more transformers elastic_ablations
-#   (and prefill; mooncake_a, mooncake_a_paged, mooncake_b, ...: one Mooncake window's managers a call)
+#   (and prefill, sharegpt; mooncake_a, mooncake_a_paged, mooncake_b, ...: one Mooncake window's managers a call)
 # and everything under $OUT is packed into $OUT/gpu-pass.tgz at the end.
 # The device machine's copied .git can lag the tree it runs, so a call names the tree's commit:
 #   KVOPS_COMMIT=<sha> bash bench/gpu_pass.sh ...   (results headers print it; see records.commit_id)
@@ -74,6 +74,14 @@ mooncake_window() {   # mooncake_window W CONFIGS: one 37.5 s Mooncake window (W
         --sweep "$1" --thin 8 \
         --time-scale 0.125 --budget-tokens 16384 --max-context 16384 --configs "$2" \
         --record "elastic-mooncake-window-$1-${2//,/-}-8b" --out "$OUT/mooncake-$1" --no-progress
+}
+sharegpt() {   # ShareGPT lengths at rate 32 (150 requests, a 20,480-token budget): the target-only baselines
+    # beside bench/results/2026-12-06-0937-elastic-sharegpt-8b.md's elastic and paged rows
+    part sharegpt-offload-reserve 560 python3 -m kvops replay --mode elastic \
+        --trace "${KVOPS_TRACES:-../shared/data/traces}/sharegpt_8k_filtered_stats_llama2_tokenizer.csv" \
+        --sweep 32 --configs offload,reserve --budget-tokens 20480 --max-requests 150 --max-seqs 64 \
+        --max-context 8192 --max-num-batched-tokens 4096 --long-prefill-tokens 2048 --no-figures \
+        --no-progress --out "$OUT/sharegpt" --record elastic-sharegpt-8b-offload-reserve
 }
 mooncake_a() { mooncake_window 0 elastic,offload,reserve; }
 mooncake_a_paged() { mooncake_window 0 paged; }
