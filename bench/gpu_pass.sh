@@ -3,7 +3,7 @@
 # own time cap, its log in $OUT/<part>.log, every results file it records copied to $OUT, and a
 # short table of the parts last. Parts are named on the command line (default: all, in order):
 #   bench/gpu_pass.sh suite tests fidelity farret elastic elastic_steady engine tp tp_more transformers elastic_ablations
-#   (and prefill, sharegpt; mooncake_a, mooncake_a_paged, mooncake_b, ...: one Mooncake window's managers a call)
+#   (and prefill, prefill_s64, sharegpt; mooncake_a, mooncake_a_paged, mooncake_b, ...: one Mooncake window's managers a call)
 # and everything under $OUT is packed into $OUT/gpu-pass.tgz at the end.
 # The device machine's copied .git can lag the tree it runs, so a call names the tree's commit:
 #   KVOPS_COMMIT=<sha> bash bench/gpu_pass.sh ...   (results headers print it; see records.commit_id)
@@ -35,10 +35,12 @@ tests() {
 suite() {      # the whole suite (issue 18's "passes on the device"); about 7 minutes on 16 workers
     part suite 560 python3 -m pytest -q -n 16 --timeout 500 -rfE -p no:cacheprovider
 }
-prefill() {    # the prefill op's whole test file, then its quick bench with the chunk's rows at pages of 16 and 64
+prefill() {    # the prefill op's whole test file, then its quick bench with the chunk's rows at pages of 16 (prefill_s64: of 64)
     part prefill-tests 230 python3 -m pytest -q -n 8 --timeout 220 -rfE -p no:cacheprovider \
         tests/test_paged_prefill_attention.py
     part prefill-s16 150 python3 -m bench.bench_paged_prefill --quick --no-flex --page 16 --new-rows
+}
+prefill_s64() {
     part prefill-s64 150 python3 -m bench.bench_paged_prefill --quick --no-flex --page 64 --new-rows
 }
 fidelity() {
