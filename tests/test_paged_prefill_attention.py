@@ -203,8 +203,8 @@ def test_tma_tiles_match_oracle(kernel_device, poison, descriptors, S, G, D, dty
 
 def new_rows(case, garbage=float("nan")):
     """``k, v [N, Hkv, D]``: the rows the case's pool holds at each chunk's positions (what
-    ``paged_kv_write`` put there); fresh random rows where the page is unmapped (finite, as
-    the op asks: they are left out), ``garbage`` in padding rows."""
+    ``paged_kv_write`` put there); ``garbage`` where the page is unmapped (never read: such a
+    sequence reads its chunk from its pages) and in padding rows."""
     k_cache, v_cache = case["k_cache"], case["v_cache"]
     P, S, Hkv, D = k_cache.shape
     N = case["q"].shape[0]
@@ -219,8 +219,6 @@ def new_rows(case, garbage=float("nan")):
         pages = case["block_table"][b, pos // S].long().cpu()
         ok = (pages >= 0) & (pages < P)
         rows = torch.arange(starts[b], starts[b + 1])
-        k[rows] = torch.randn(n, Hkv, D, generator=gen).to(k)
-        v[rows] = torch.randn(n, Hkv, D, generator=gen).to(v)
         k[rows[ok]] = k_cache[pages[ok], pos[ok] % S]
         v[rows[ok]] = v_cache[pages[ok], pos[ok] % S]
     return k, v
@@ -228,19 +226,25 @@ def new_rows(case, garbage=float("nan")):
 
 def poison_chunk_tiles(case, block_n):
     """A copy of ``case`` whose pool holds NaN at every chunk position from the chunk's first
-    ``block_n``-aligned key on: the tiles a call given the new rows reads from them."""
+    ``block_n``-aligned key on, the tiles a call given the new rows reads from them, in the
+    sequences whose pages there are all mapped (the others read those keys from their pages),
+    and the number of sequences poisoned."""
     poisoned = dict(case, k_cache=case["k_cache"].clone(), v_cache=case["v_cache"].clone())
-    S = case["k_cache"].shape[1]
+    P, S = case["k_cache"].shape[:2]
     starts = case["query_start"].tolist()
     lens = case["seq_lens"].tolist()
+    count = 0
     for b in range(len(lens)):
         pos0 = lens[b] - (starts[b + 1] - starts[b])
-        for p in range(-(-pos0 // block_n) * block_n, lens[b]):
-            page = int(case["block_table"][b, p // S])
-            if 0 <= page < case["k_cache"].shape[0]:
-                poisoned["k_cache"][page, p % S] = float("nan")
-                poisoned["v_cache"][page, p % S] = float("nan")
-    return poisoned
+        run = range(-(-pos0 // block_n) * block_n, lens[b])
+        pages = [int(case["block_table"][b, p // S]) for p in run]
+        if not all(0 <= page < P for page in pages):
+            continue
+        count += bool(pages)
+        for p, page in zip(run, pages):
+            poisoned["k_cache"][page, p % S] = float("nan")
+            poisoned["v_cache"][page, p % S] = float("nan")
+    return poisoned, count
 
 
 @settings(max_examples=10)
@@ -262,7 +266,7 @@ def test_new_rows_match_oracle(kernel_device, poison, drawn, new_tma, tma, num_s
     k, v = new_rows(case)
     block_n = 64 if D <= 128 and dtype != torch.float32 else 32
     block_m = max(16, 1 << (G - 1).bit_length())
-    out, lse = paged_prefill_attention_fwd(**poison_chunk_tiles(case, block_n), window=window,
+    out, lse = paged_prefill_attention_fwd(**poison_chunk_tiles(case, block_n)[0], window=window,
                                            k=k, v=v, new_tma=new_tma, tma=tma, block_m=block_m,
                                            block_n=block_n, num_splits=num_splits,
                                            prefetch=prefetch, off64=off64)
@@ -276,12 +280,18 @@ def test_new_rows_match_oracle(kernel_device, poison, drawn, new_tma, tma, num_s
 def test_new_rows_around_the_first_chunk_tile(kernel_device, poison, new_tma, window,
                                               num_splits):
     """Chunks starting mid-tile (63, 100), on a tile boundary (128) and from nothing, with a
-    hole and padding: the tile holding a chunk's first position from the pages, the row tiles
-    after it (split boundaries among them), the oracle's rows."""
+    hole among one chunk's own keys and padding: the tile holding a chunk's first position from
+    the pages, the row tiles after it (split boundaries among them), the chunk with the hole
+    from its pages alone, the oracle's rows."""
     case = make_case([(100, 150), (63, 70), (128, 40), (0, 5)], 16, 2, 4, 64, torch.float16,
                      kernel_device, seed=11, window=window, hole=True, pad=2)
     k, v = new_rows(case)
-    out, lse = paged_prefill_attention_fwd(**poison_chunk_tiles(case, 64), window=window, k=k,
+    # the hole lies among (100, 150)'s own keys: that sequence reads them from its pages, so
+    # its rows are never read (NaN here) and its pool is not poisoned
+    poisoned, count = poison_chunk_tiles(case, 64)
+    assert count == 3 and int((case["block_table"][0, 8:16] < 0).sum()) == 1
+    k[:150], v[:150] = float("nan"), float("nan")
+    out, lse = paged_prefill_attention_fwd(**poisoned, window=window, k=k,
                                            v=v, new_tma=new_tma, block_m=16, block_n=64,
                                            num_splits=num_splits)
     check_against_oracle(out, lse, case, f"first-tile-{new_tma}-{window}-{num_splits}", window)
@@ -711,7 +721,7 @@ def test_new_rows_on_cuda(S):
     case = make_case([(300, 400), (300, 100), (0, 333)], S, 8, 4, 128, torch.bfloat16, "cuda",
                      seed=S)
     k, v = new_rows(case)
-    out, lse = torch.ops.kvops.paged_prefill_attention(**poison_chunk_tiles(case, 64), k=k, v=v)
+    out, lse = torch.ops.kvops.paged_prefill_attention(**poison_chunk_tiles(case, 64)[0], k=k, v=v)
     check_against_oracle(out, lse, case, f"new-rows-S{S}")
 
 

@@ -167,6 +167,20 @@ def _tile_pages(p_bt, n, seq_len, lo_key, L, S: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
+def _pages_mapped(p_bt, lo, hi, P, S: tl.constexpr):
+    """Whether every page holding keys ``[lo, hi)`` has an id in ``[0, P)`` (read 128 table
+    entries at a time; true for an empty range)."""
+    end = tl.cdiv(hi, S)
+    bad = tl.zeros([], tl.int32)
+    for j in range(lo // S, end, 128):
+        o_j = j + tl.arange(0, 128)
+        m_j = o_j < end
+        b_pg = tl.load(p_bt + o_j, mask=m_j, other=0)
+        bad += tl.sum((m_j & ((b_pg < 0) | (b_pg >= P))).to(tl.int32), axis=0)
+    return bad == 0
+
+
+@triton.jit
 def _key_tile(b_q, b_acc, b_m, b_l, KC, VC, b_page, n, P, i_h, stride_kp, stride_vp,
               b_pos, window, scale_log2, S: tl.constexpr, HKV: tl.constexpr,
               D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -254,20 +268,19 @@ def _key_tile_tma(b_q, b_acc, b_m, b_l, KD, VD, page_rows, p_bt, n, seq_len, lo_
 
 
 @triton.jit
-def _key_tile_rows(b_q, b_acc, b_m, b_l, KN, VN, b_page, n, P, i_h, new_row0, stride_kn,
+def _key_tile_rows(b_q, b_acc, b_m, b_l, KN, VN, n, seq_len, lo_key, i_h, new_row0, stride_kn,
                    stride_vn, b_pos, window, scale_log2, D: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr, MASK: tl.constexpr, WINDOW: tl.constexpr,
                    PRECISION: tl.constexpr, NEW_TMA: tl.constexpr, OFF64: tl.constexpr):
     """``_key_tile`` for keys ``[n, n + BLOCK_N)`` of the chunk itself, read from the new
     tokens' rows ``k, v [N, Hkv, D]`` (key position ``j`` is row ``new_row0 + j``) instead of
-    their pages: contiguous rows, through descriptors ``KN``, ``VN`` over ``[N, Hkv * D]``
-    (NEW_TMA) or pointer loads. The pages decide which keys are read, as on the pool path
-    (``b_page`` from ``_tile_pages``, -1 past ``seq_len`` or on an unmapped page), so the
-    output is the pool path's. Masked tiles zero the V rows of keys not read (rows past the
-    chunk: the next sequence's, or zeros past ``N``); elsewhere such a row (a chunk token on
-    an unmapped page) is multiplied by 0, so the op asks those rows to be finite."""
+    their pages: contiguous rows, with no page ids (the caller reads rows only where every
+    page of them is mapped, ``_pages_mapped``), through descriptors ``KN``, ``VN`` over
+    ``[N, Hkv * D]`` (NEW_TMA) or pointer loads. Keys outside ``[lo_key, seq_len)`` (past it:
+    the next sequence's rows, or zeros past ``N``) are masked, and in masked tiles their V rows
+    zeroed (a NaN there would otherwise reach the accumulator)."""
     o_n = n + tl.arange(0, BLOCK_N)
-    m_n = (b_page >= 0) & (b_page < P)
+    m_n = (o_n < seq_len) & (o_n >= lo_key)
     if NEW_TMA:
         b_k = KN.load([new_row0 + n, i_h * D])
     else:
@@ -301,23 +314,21 @@ def _key_run(b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, page_rows, p_bt, lo, 
              TMA: tl.constexpr, NEW: tl.constexpr, NEW_TMA: tl.constexpr, OFF64: tl.constexpr):
     """Key tiles ``[lo, hi)`` (BLOCK_N-aligned) in BLOCK_N steps. Without NEW, all from their
     pages (``_page_run``). With NEW the tiles from ``self_lo`` (the first BLOCK_N-aligned key
-    at or after the chunk's first position: tiles of the chunk's own keys only) come from the
-    new tokens' rows (``_key_tile_rows``, page ids a tile ahead), the ones before from their
-    pages, the tile holding the chunk's first position included."""
+    at or after the chunk's first position: tiles of the chunk's own keys only; the kernel
+    moves it past the sequence where a page of those keys is unmapped) come from the new
+    tokens' rows (``_key_tile_rows``), the ones before from their pages, the tile holding the
+    chunk's first position included."""
     if NEW:
         mid = tl.minimum(tl.maximum(self_lo, lo), tl.maximum(hi, lo))
         b_acc, b_m, b_l = _page_run(
             b_q, b_acc, b_m, b_l, KC, VC, KD, VD, page_rows, p_bt, lo, mid, seq_len, lo_key,
             P, L, i_h, stride_kp, stride_vp, b_pos, window, scale_log2, S, HKV, D, BLOCK_N,
             BLOCK_D, MASK, WINDOW, PRECISION, PREFETCH, TMA, OFF64)
-        b_page = _tile_pages(p_bt, mid, seq_len, lo_key, L, S, BLOCK_N)
         for n in range(mid, hi, BLOCK_N):
-            b_next = _tile_pages(p_bt, n + BLOCK_N, seq_len, lo_key, L, S, BLOCK_N)
             b_acc, b_m, b_l = _key_tile_rows(
-                b_q, b_acc, b_m, b_l, KN, VN, b_page, n, P, i_h, new_row0, stride_kn,
+                b_q, b_acc, b_m, b_l, KN, VN, n, seq_len, lo_key, i_h, new_row0, stride_kn,
                 stride_vn, b_pos, window, scale_log2, D, BLOCK_N, BLOCK_D, MASK, WINDOW,
                 PRECISION, NEW_TMA, OFF64)
-            b_page = b_next
     else:
         b_acc, b_m, b_l = _page_run(
             b_q, b_acc, b_m, b_l, KC, VC, KD, VD, page_rows, p_bt, lo, hi, seq_len, lo_key, P,
@@ -432,6 +443,9 @@ def _paged_prefill_kernel(
     b_l = tl.zeros([BLOCK_M], tl.float32)
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     p_bt = BT + i_b.to(tl.int64) * stride_bt
+    if NEW:   # rows only where the pages of the chunk's own keys are all mapped: else pages
+        # alone decide (an unmapped one is left out), as without the rows
+        self_lo = tl.where(_pages_mapped(p_bt, self_lo, seq_len, P, S), self_lo, seq_len)
     # split i_s of NUM_SPLITS takes BLOCK_N-aligned keys [s_lo, s_hi) of the tile's range
     k_lo = lo_key // BLOCK_N * BLOCK_N
     chunk = tl.cdiv(tl.cdiv(tl.maximum(hi - k_lo, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N

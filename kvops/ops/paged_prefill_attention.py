@@ -218,9 +218,9 @@ def paged_prefill_attention(
       chunks' positions. Given, the kernel may read the chunks' own keys from these contiguous
       rows instead of their pages (through tensor descriptors on Hopper whatever the page
       size); the output is the call's without them. Which keys are read is still the pages'
-      rule: a chunk token on an unmapped page is left out, and its row must be finite (it is
-      multiplied by 0). Validation mode checks that the pool holds these rows (it refuses
-      unmapped pages under a sequence's length).
+      rule: a sequence with an unmapped page among its chunk's keys is read from its pages
+      alone (that page's keys left out; its rows never read). Validation mode checks that the
+      pool holds these rows (it refuses unmapped pages under a sequence's length).
 
     BASE blocks: this op reads every block as TARGET. ElasticKV's fidelity policy demotes only
     blocks a session has already attended as TARGET, refuses to alias a prefix holding BASE blocks,
