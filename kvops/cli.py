@@ -46,6 +46,11 @@ def _replay_parser(sub) -> None:
                    help="modeled step cost in seconds: A a step + B a token + C a KV token")
     p.add_argument("--thin", type=int, default=None,
                    help="--mode elastic Mooncake windows: every THIN-th request")
+    p.add_argument("--eff-bar", default=None, metavar="EFF|elastic",
+                   help="--mode elastic Mooncake windows: stop a target-only configuration's "
+                        "replay once its Eff@300 cannot reach EFF (a share, 0-1), or 'elastic': "
+                        "the elastic run's own (elastic first in --configs); the row gives the "
+                        "bound it stopped under")
     p.add_argument("--fidelity", default=None, metavar="K=V,...",
                    help="elastic: Fidelity's settings, e.g. reserve_decay=0 (eager promotion), "
                         "max_promote=0 (no promotion), min_batch=32, protect_recent=4, "
@@ -133,6 +138,12 @@ def _settings_kw(args, device) -> dict:
         "far_chunk", "far_rerank", "max_num_batched_tokens", "long_prefill_tokens", "preemption",
         "concurrency", "budget_tokens", "input_len", "output_len", "output_scale", "clock",
         "thin")}
+    if args.eff_bar is not None:
+        try:
+            kw["eff_bar"] = args.eff_bar if args.eff_bar == "elastic" else float(args.eff_bar)
+        except ValueError:
+            raise SystemExit(f"--eff-bar: expected a share in [0, 1] or 'elastic', got "
+                             f"{args.eff_bar!r}") from None
     if args.page_size is not None:
         from kvops._checks import page_size
         try:

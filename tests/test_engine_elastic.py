@@ -219,6 +219,8 @@ def test_replay_mode_elastic_writes_table_json_and_figure(tmp_path, capsys):
     assert (out / "pressure.md").is_file() and (out / "pressure_ttft.png").is_file()
     with pytest.raises(SystemExit, match="--sweep: expected comma-separated numbers"):
         main(["replay", "--mode", "elastic", "--sweep", "a,b", "--out", str(out)])
+    with pytest.raises(SystemExit, match="--eff-bar: expected a share in \\[0, 1\\] or 'elastic'"):
+        main(["replay", "--mode", "elastic", "--eff-bar", "most", "--out", str(out)])
 
 
 def test_fidelity_settings_parse():

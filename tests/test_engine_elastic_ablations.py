@@ -5,6 +5,7 @@ defines it, and the Mooncake windows are picked and replayed from a small hand-m
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -205,6 +206,37 @@ def test_windows_are_picked_temporally_separated():
         trace_windows(rows[::-1], 2, 10.0)
 
 
+def test_eff_bar_stops_a_replay_that_can_no_longer_reach_it(model):
+    """A replay with an Eff@300 bar stops once failed requests (here TTFT over 0.25 s of the
+    modeled clock) put the bar out of reach: the bound it reports is at least the Eff@300 of
+    the same replay run to its end (the modeled clock replays it step for step) and below the
+    bar, fewer requests finish, no page is lost, and a bar outside [0, 1] is refused."""
+    from kvops.engine.configs import decode_kind
+    from kvops.engine.metrics import eff_upper
+
+    def go(bar):
+        reqs = build_requests(pressure_rows(12, input_len=192, output_len=48), CFG.vocab_size)
+        kv = make_kv("paged", KVBudget(bytes=96 * S * TOKEN_BYTES, max_seqs=8, max_context=256),
+                     CFG, DT, torch.device("cpu"))
+        engine = Engine(model, kv, decode_kind("paged"), SchedulerConfig(128, 8, 64),
+                        clock="model")
+        engine.eff = (0.25, 0.3)
+        return reqs, kv, engine, engine.replay(reqs, eff_bar=bar)
+
+    reqs, _, _, full = go(None)
+    assert full["finished"] == 12 and full["stopped_s"] is None and full["eff_upper"] is None
+    assert 0.0 < full["eff"] < 1.0
+    assert eff_upper(reqs, 1e9, 0.25, 0.3) == pytest.approx(full["eff"])
+    reqs, kv, engine, cut = go(1.0)
+    assert cut["stopped_s"] is not None and cut["finished"] < 12
+    assert full["eff"] <= cut["eff_upper"] < 1.0
+    assert cut["eff_upper"] == pytest.approx(eff_upper(reqs, cut["stopped_s"], 0.25, 0.3))
+    assert kv.free_pages() == kv.total_pages and not engine.scheduler.running
+    with pytest.raises(ValueError, match=r"eff_bar: expected a share in \[0, 1\]"):
+        engine.replay(build_requests(pressure_rows(1, input_len=16, output_len=4),
+                                     CFG.vocab_size), eff_bar=1.5)
+
+
 def test_mooncake_window_sweep_scores_eff300_and_draws_figure6(tmp_path):
     from kvops.engine.pressure import markdown, run_sweep, sweep_settings, write
 
@@ -231,3 +263,15 @@ def test_mooncake_window_sweep_scores_eff300_and_draws_figure6(tmp_path):
     assert markdown(result) == table
     with pytest.raises(ValueError, match="points: expected window indices in 0..2"):
         run_sweep(settings, axis, [3], progress=False)
+    # a baseline stopped under a bar shows the bound it stopped under, and the goal compares
+    # elastic with that bound
+    paged = result["points"][0]["results"]["paged"]
+    elastic = result["points"][0]["results"]["elastic"]["eff"]
+    paged.update(stopped_s=12.34, eff_upper=elastic / 2, eff=0.0)
+    table = markdown(result)
+    assert "| C | paged (stopped at 12.3 s) |" in table
+    assert f"<= {100 * elastic / 2:.1f} |" in table and "a stopped replay" in table.lower()
+    assert f"vs paged <= {100 * elastic / 2:.1f} % | higher | higher in A, B, C | yes |" in table
+    with pytest.raises(ValueError, match="eff_bar: 'elastic' needs the elastic configuration"):
+        run_sweep(dataclasses.replace(settings, configs=("paged", "elastic"), eff_bar="elastic"),
+                  axis, [2], progress=False)

@@ -35,10 +35,13 @@ from __future__ import annotations
 import time
 
 from kvops.engine.clock import H200_8B, StepCost, check_clock
-from kvops.engine.metrics import EFF_TBT_S, EFF_TTFT_S, StepRecord, summarize
+from kvops.engine.metrics import EFF_TBT_S, EFF_TTFT_S, StepRecord, eff_upper, summarize
 from kvops.engine.request import Request, Status
 from kvops.engine.runner import Launched, ModelRunner
 from kvops.engine.scheduler import Scheduler, SchedulerConfig
+
+# steps between two looks at whether a replay with an Eff@300 bar can still reach it
+EFF_CHECK_STEPS = 8
 
 
 class _Pending:
@@ -209,13 +212,21 @@ class Engine:
         self.kv.quiesce()
         self.kv.commit_step([], [])
 
-    def replay(self, requests: list[Request], progress=None, concurrency: int | None = None) -> dict:
+    def replay(self, requests: list[Request], progress=None, concurrency: int | None = None,
+               eff_bar: float | None = None) -> dict:
         """Serve ``requests`` at their arrival times; returns :func:`summarize`'s metrics.
         ``concurrency``: a closed loop of that many clients (vLLM ``bench serve
         --max-concurrency``): a request is sent, and its arrival set to the clock, once it has
-        arrived and fewer than ``concurrency`` are in flight."""
+        arrived and fewer than ``concurrency`` are in flight. ``eff_bar``: stop, every
+        ``EFF_CHECK_STEPS`` steps, once the requests' Eff@300 can no longer reach it
+        (:func:`~kvops.engine.metrics.eff_upper` below it): the unfinished requests end
+        unserved, and the metrics give ``stopped_s`` (the engine clock then) and
+        ``eff_upper`` (the bound; both None without a stop)."""
         if concurrency is not None and (not isinstance(concurrency, int) or concurrency < 1):
             raise ValueError(f"concurrency: expected an int >= 1 or None, got {concurrency!r}")
+        if eff_bar is not None and not 0.0 <= eff_bar <= 1.0:
+            raise ValueError(f"eff_bar: expected a share in [0, 1] or None, got {eff_bar!r}")
+        stopped = None
         pending = sorted(requests, key=lambda r: (r.arrival, r.rid))
         sched, i = self.scheduler, 0
         self._t0, self._skip, self.model_t = time.perf_counter(), 0.0, 0.0
@@ -239,6 +250,15 @@ class Engine:
             self.step()
             if progress is not None:
                 progress.update(self.produced)
+            if (eff_bar is not None and len(self.steps) % EFF_CHECK_STEPS == 0
+                    and eff_upper(requests, self.now(), *self.eff) < eff_bar):
+                stopped = self.now()
+                break
+        if stopped is not None:     # the requests left end unserved, their pages given back
+            self.collect()
+            for req in list(sched.running):
+                sched.finish(req)
+            sched.waiting.clear()
         self.drain()
         extra = {"prefix_hit_tokens": self.kv.prefix_hit_tokens,
                  "cow_copies": self.kv.cow_copies,
@@ -248,7 +268,9 @@ class Engine:
                  "decode_buckets": sorted(self.runner.buckets_used),
                  "decode_paths": dict(self.runner.paths), "clock": self.clock,
                  "kv_free_pages_end": self.kv.free_pages() if self.kv.kind == "paged" else None,
-                 "cached_prefix_sessions_end": self.kv.cached_sessions()}
+                 "cached_prefix_sessions_end": self.kv.cached_sessions(),
+                 "stopped_s": stopped,
+                 "eff_upper": None if stopped is None else eff_upper(requests, stopped, *self.eff)}
         if getattr(self.kv, "swaps", False):
             extra.update(swap_outs=self.kv.swap_outs, swap_ins=self.kv.swap_ins,
                          swap_gib=self.kv.swap_bytes / 2**30)

@@ -98,6 +98,24 @@ def effective(arrival: float, times, ttft_s: float = EFF_TTFT_S, tbt_s: float = 
     return len(times) > 0 and times[0] - arrival < ttft_s and tbt(times) < tbt_s
 
 
+def eff_upper(requests: list[Request], now: float, ttft_s: float = EFF_TTFT_S,
+              tbt_s: float = EFF_TBT_S) -> float:
+    """The highest Eff@300 ``requests`` can still reach at ``now`` on the engine clock: one less
+    the share already failed (refused; finished and not :func:`effective`; or arrived without a
+    first token for ``ttft_s``). A failure is final, so this bound only falls."""
+    if not requests:
+        return float("nan")
+    failed = 0
+    for r in requests:
+        if r.status is Status.REFUSED:
+            failed += 1
+        elif r.status is Status.FINISHED:
+            failed += not effective(r.arrival, r.token_times, ttft_s, tbt_s)
+        elif not r.token_times and r.arrival <= now and now - r.arrival >= ttft_s:
+            failed += 1
+    return (len(requests) - failed) / len(requests)
+
+
 def eff_ratio(requests: list[Request], clock: str = "engine", ttft_s: float = EFF_TTFT_S,
               tbt_s: float = EFF_TBT_S) -> float:
     """Eff@300 of ``requests`` (effective / all) on ``clock``: ``"engine"`` (the driving

@@ -193,18 +193,26 @@ def markdown(result: dict) -> str:
     cols += ["BASE exposure mean / max %", "demotion batches (pairs/batch)", "demotion steps %",
              "promotions", "decode paths (native/span/general)", "control ms/step",
              "fidelity ms/step (P90)", "policy ms/step: control / demotion / promotion / metadata"]
-    lines = [head, "", "TTFT and TPOT as mean / P90.", "",
+    stopped = any(r.get("stopped_s") is not None for p in result["points"]
+                  for r in p["results"].values())
+    lines = [head, "", "TTFT and TPOT as mean / P90." + (
+        " A stopped replay (`--eff-bar`) ended once its Eff@300 could no longer reach the bar: "
+        "its Eff@300 is the bound it stopped under (<=), its other columns cover the requests "
+        "served by then." if stopped else ""), "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for p in result["points"]:
         for name, r in p["results"].items():
             el = is_elastic(name)
             ck = r["clocks"]
             paths = r.get("decode_paths", {})
-            row = [_label(axis, p["x"]), name, f"{r['finished']}/{r['requests']}",
+            stop = r.get("stopped_s")
+            row = [_label(axis, p["x"]),
+                   name if stop is None else f"{name} (stopped at {_f(stop)} s)",
+                   f"{r['finished']}/{r['requests']}",
                    str(r["preemptions"]), _mp(ck["wall"]["ttft"]), _mp(ck["model"]["ttft"]),
                    _mp(ck["steps"]["ttft"]), _mp(ck["wall"]["tpot"], 2),
                    _mp(ck["model"]["tpot"], 2), _mp(ck["steps"]["tpot"], 2)]
-            row += ([_f(100 * r["eff"]), _f(r["waiting_mean"])] if axis == "window"
+            row += ([_eff_cell(r), _f(r["waiting_mean"])] if axis == "window"
                     else [_f(r["output_tok_s"])])
             row += [f"{_f(100 * r['base_exposure_mean'])} / {_f(100 * r['base_exposure_max'])}"
                     if el else "-",
@@ -220,6 +228,15 @@ def markdown(result: dict) -> str:
                     if el else "-"]
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + goals(result)
+
+
+def _eff(r: dict) -> float:
+    """A configuration's Eff@300, or for a replay stopped under a bar the bound it can reach."""
+    return r["eff"] if r.get("stopped_s") is None else r["eff_upper"]
+
+
+def _eff_cell(r: dict) -> str:
+    return _f(100 * r["eff"]) if r.get("stopped_s") is None else f"<= {_f(100 * r['eff_upper'])}"
 
 
 def goals(result: dict) -> str:
@@ -272,11 +289,11 @@ def _window_goals(result: dict) -> str:
         base = {n: r for n, r in res.items() if not is_elastic(n)}
         if e is None or not base:
             continue
-        best = max(base, key=lambda n: base[n]["eff"])
+        best = max(base, key=lambda n: _eff(base[n]))
         w = _label("window", p["x"])
         rows.append((f"window {w}: elastic Eff@300 above every baseline",
-                     f"{_f(100 * e['eff'])} % vs {best} {_f(100 * base[best]['eff'])} %",
-                     "higher", "higher in A, B, C", e["eff"] > base[best]["eff"]))
+                     f"{_f(100 * e['eff'])} % vs {best} {_eff_cell(base[best])} %",
+                     "higher", "higher in A, B, C", e["eff"] > _eff(base[best])))
         rows.append((f"window {w}: elastic preemptions", str(e["preemptions"]), "0", "0",
                      e["preemptions"] == 0))
     return _goal_table("Mooncake windows (Eff@300 on the engine clock):", rows) if rows else ""

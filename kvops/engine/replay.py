@@ -108,6 +108,8 @@ class ReplaySettings:
     thin: int = 1                        #   every thin-th request of the window
     eff_ttft_s: float = 30.0             # Eff@300: TTFT under this
     eff_tbt_s: float = 0.3               #   and the slowest-10 % gap mean under this
+    eff_bar: float | str | None = None   # stop a target-only configuration's replay once its
+    #   Eff@300 cannot reach this (Engine.replay); "elastic": the elastic run's own Eff@300
 
     @classmethod
     def for_device(cls, dev: torch.device, **kw) -> ReplaySettings:
@@ -212,6 +214,16 @@ def run(settings: ReplaySettings, progress: bool = True, tp=None, model=None) ->
         if c not in CONFIGS:
             raise ValueError(f"configs: expected names from {', '.join(CONFIGS)}, got {c!r}")
     check_clock(settings.clock)
+    want = settings.eff_bar
+    if want == "elastic" and list(settings.configs[:1]) != ["elastic"]:
+        raise ValueError(f"eff_bar: 'elastic' needs the elastic configuration first, got "
+                         f"configs {list(settings.configs)}")
+    if want is not None and tp is not None:
+        raise ValueError("eff_bar: a replay under tensor parallelism runs to its end (the "
+                         "ranks step in lockstep); leave eff_bar None with tp")
+    if want not in (None, "elastic") and not (isinstance(want, (int, float))
+                                              and 0.0 <= want <= 1.0):
+        raise ValueError(f"eff_bar: expected a share in [0, 1], 'elastic' or None, got {want!r}")
     step_cost = StepCost.parse(settings.step_cost) if settings.step_cost is not None else None
     device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if tp is not None:
@@ -268,7 +280,9 @@ def run(settings: ReplaySettings, progress: bool = True, tp=None, model=None) ->
             bar = tqdm(total=sum(r.output_len for r in reqs), desc=f"{name:12s}", unit="tok",
                        leave=False)
         t0 = time.perf_counter()
-        res = engine.replay(reqs, progress=bar, concurrency=settings.concurrency)
+        eff_bar = None if is_elastic(name) else (
+            out["results"]["elastic"]["eff"] if settings.eff_bar == "elastic" else settings.eff_bar)
+        res = engine.replay(reqs, progress=bar, concurrency=settings.concurrency, eff_bar=eff_bar)
         if bar is not None:
             bar.close()
         res["wall_s"] = time.perf_counter() - t0
@@ -281,7 +295,10 @@ def run(settings: ReplaySettings, progress: bool = True, tp=None, model=None) ->
         say(f"{name}: {res['finished']}/{len(reqs)} done, {res['output_tok_s']:.1f} out tok/s, "
               f"TTFT p99 {res['ttft_ms']['p99']:.1f} ms, TPOT p50/p99 "
               f"{res['tpot_ms']['median']:.2f}/{res['tpot_ms']['p99']:.2f} ms, reserved "
-              f"{res['reserved_gib_mean']:.3f} GiB, {res['wall_s']:.1f} s", flush=True)
+              f"{res['reserved_gib_mean']:.3f} GiB, {res['wall_s']:.1f} s"
+              + ("" if res.get("stopped_s") is None else
+                 f"; stopped at {res['stopped_s']:.1f} s: Eff@300 <= "
+                 f"{100 * res['eff_upper']:.1f} % < the bar {100 * eff_bar:.1f} %"), flush=True)
         out["results"][name] = res
         out["steps"][name] = steps_as_dict(engine.steps)
         out["tokens"][name] = [r.output for r in reqs]
