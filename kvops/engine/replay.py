@@ -282,7 +282,8 @@ def run(settings: ReplaySettings, progress: bool = True, tp=None, model=None) ->
         t0 = time.perf_counter()
         eff_bar = None if is_elastic(name) else (
             out["results"]["elastic"]["eff"] if settings.eff_bar == "elastic" else settings.eff_bar)
-        res = engine.replay(reqs, progress=bar, concurrency=settings.concurrency, eff_bar=eff_bar)
+        res = engine.replay(reqs, progress=bar, concurrency=settings.concurrency,
+                            **({} if eff_bar is None else {"eff_bar": eff_bar}))
         if bar is not None:
             bar.close()
         res["wall_s"] = time.perf_counter() - t0
