@@ -3,7 +3,7 @@
 # own time cap, its log in $OUT/<part>.log, every results file it records copied to $OUT, and a
 # short table of the parts last. Parts are named on the command line (default: all, in order):
 #   bench/gpu_pass.sh suite tests fidelity farret elastic elastic_steady engine tp tp_more transformers elastic_ablations
-#   (and prefill, prefill_s64, sharegpt; mooncake_a, mooncake_a_paged, mooncake_b, ...: one Mooncake window's managers a call)
+#   (and prefill, prefill_s64, sharegpt; mooncake_a, mooncake_b, mooncake_c: one Mooncake window a call)
 # and everything under $OUT is packed into $OUT/gpu-pass.tgz at the end.
 # The device machine's copied .git can lag the tree it runs, so a call names the tree's commit:
 #   KVOPS_COMMIT=<sha> bash bench/gpu_pass.sh ...   (results headers print it; see records.commit_id)
@@ -66,31 +66,20 @@ elastic_ablations() {
         --configs elastic,elastic-watermark,elastic-eager-promote,elastic-no-promote,elastic-general \
         --record elastic-ablations-8b --out "$OUT/elastic-ablations" --no-progress
 }
-mooncake_window() {   # mooncake_window W CONFIGS: one 37.5 s Mooncake window (W 0, 1, 2 = A, B, C) at a
-    # 16,384-token budget, where Eff@300 separates the managers (about 600 s of GPU for the four,
-    # paged half of it: run paged in a call of its own; docs/elastickv.md). The trace is read
-    # from $KVOPS_TRACES (the device gets no ../shared: copy the traces into an ignored folder
-    # of the checkout, carry it and name it there)
-    part "mooncake-$1-${2//,/-}" 560 python3 -m kvops replay --mode elastic \
+mooncake_window() {   # mooncake_window W: one 37.5 s Mooncake window (W 0, 1, 2 = A, B, C) at a
+    # 16,384-token budget, where Eff@300 separates the managers (docs/elastickv.md); each
+    # target-only manager stops once its Eff@300 cannot reach elastic's (--eff-bar elastic).
+    # The trace is read from $KVOPS_TRACES (the device gets no ../shared: copy the traces into
+    # an ignored folder of the checkout, carry it and name it there)
+    part "mooncake-$1" 560 python3 -m kvops replay --mode elastic \
         --trace "${KVOPS_TRACES:-../shared/data/traces}/mooncake_conversation_trace.jsonl" \
-        --sweep "$1" --thin 8 \
-        --time-scale 0.125 --budget-tokens 16384 --max-context 16384 --configs "$2" \
-        --record "elastic-mooncake-window-$1-${2//,/-}-8b" --out "$OUT/mooncake-$1" --no-progress
+        --sweep "$1" --thin 8 --time-scale 0.125 --budget-tokens 16384 --max-context 16384 \
+        --configs elastic,offload,reserve,paged --eff-bar elastic \
+        --record "elastic-mooncake-window-$1-8b" --out "$OUT/mooncake-$1" --no-progress
 }
-sharegpt() {   # ShareGPT lengths at rate 32 (150 requests, a 20,480-token budget): the target-only baselines
-    # beside bench/results/2026-12-06-0937-elastic-sharegpt-8b.md's elastic and paged rows
-    part sharegpt-offload-reserve 560 python3 -m kvops replay --mode elastic \
-        --trace "${KVOPS_TRACES:-../shared/data/traces}/sharegpt_8k_filtered_stats_llama2_tokenizer.csv" \
-        --sweep 32 --configs offload,reserve --budget-tokens 20480 --max-requests 150 --max-seqs 64 \
-        --max-context 8192 --max-num-batched-tokens 4096 --long-prefill-tokens 2048 --no-figures \
-        --no-progress --out "$OUT/sharegpt" --record elastic-sharegpt-8b-offload-reserve
-}
-mooncake_a() { mooncake_window 0 elastic,offload,reserve; }
-mooncake_a_paged() { mooncake_window 0 paged; }
-mooncake_b() { mooncake_window 1 elastic,offload,reserve; }
-mooncake_b_paged() { mooncake_window 1 paged; }
-mooncake_c() { mooncake_window 2 elastic,offload,reserve; }
-mooncake_c_paged() { mooncake_window 2 paged; }
+mooncake_a() { mooncake_window 0; }
+mooncake_b() { mooncake_window 1; }
+mooncake_c() { mooncake_window 2; }
 tp() {
     part tp 80 python3 -m bench.bench_tp --configs static,pager+merge,paged
 }

@@ -270,7 +270,7 @@ def test_mooncake_window_sweep_scores_eff300_and_draws_figure6(tmp_path):
     paged.update(stopped_s=12.34, eff_upper=elastic / 2, eff=0.0)
     table = markdown(result)
     assert "| C | paged (stopped at 12.3 s) |" in table
-    assert f"<= {100 * elastic / 2:.1f} |" in table and "a stopped replay" in table.lower()
+    assert f"| 0.0-{100 * elastic / 2:.1f} |" in table and "a stopped replay" in table.lower()
     assert f"vs paged <= {100 * elastic / 2:.1f} % | higher | higher in A, B, C | yes |" in table
     with pytest.raises(ValueError, match="eff_bar: 'elastic' needs the elastic configuration"):
         run_sweep(dataclasses.replace(settings, configs=("paged", "elastic"), eff_bar="elastic"),

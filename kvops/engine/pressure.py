@@ -197,8 +197,9 @@ def markdown(result: dict) -> str:
                   for r in p["results"].values())
     lines = [head, "", "TTFT and TPOT as mean / P90." + (
         " A stopped replay (`--eff-bar`) ended once its Eff@300 could no longer reach the bar: "
-        "its Eff@300 is the bound it stopped under (<=), its other columns cover the requests "
-        "served by then." if stopped else ""), "",
+        "its Eff@300 lies between what it had served (every request left counted ineffective) "
+        "and the bound it stopped under, and its other columns cover the requests served by "
+        "then." if stopped else ""), "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for p in result["points"]:
         for name, r in p["results"].items():
@@ -236,6 +237,14 @@ def _eff(r: dict) -> float:
 
 
 def _eff_cell(r: dict) -> str:
+    """Eff@300 in %; a stopped replay's between what it had served by then (every request left
+    counted ineffective) and the bound it stopped under."""
+    if r.get("stopped_s") is None:
+        return _f(100 * r["eff"])
+    return f"{_f(100 * r['eff'])}-{_f(100 * r['eff_upper'])}"
+
+
+def _goal_eff(r: dict) -> str:
     return _f(100 * r["eff"]) if r.get("stopped_s") is None else f"<= {_f(100 * r['eff_upper'])}"
 
 
@@ -292,7 +301,7 @@ def _window_goals(result: dict) -> str:
         best = max(base, key=lambda n: _eff(base[n]))
         w = _label("window", p["x"])
         rows.append((f"window {w}: elastic Eff@300 above every baseline",
-                     f"{_f(100 * e['eff'])} % vs {best} {_eff_cell(base[best])} %",
+                     f"{_f(100 * e['eff'])} % vs {best} {_goal_eff(base[best])} %",
                      "higher", "higher in A, B, C", e["eff"] > _eff(base[best])))
         rows.append((f"window {w}: elastic preemptions", str(e["preemptions"]), "0", "0",
                      e["preemptions"] == 0))
