@@ -142,8 +142,10 @@ def _settings_kw(args, device) -> dict:
         try:
             kw["eff_bar"] = args.eff_bar if args.eff_bar == "elastic" else float(args.eff_bar)
         except ValueError:
+            kw["eff_bar"] = None
+        if kw["eff_bar"] is None or kw["eff_bar"] != "elastic" and not 0 <= kw["eff_bar"] <= 1:
             raise SystemExit(f"--eff-bar: expected a share in [0, 1] or 'elastic', got "
-                             f"{args.eff_bar!r}") from None
+                             f"{args.eff_bar!r}")
     if args.page_size is not None:
         from kvops._checks import page_size
         try:

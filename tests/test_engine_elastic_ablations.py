@@ -206,35 +206,133 @@ def test_windows_are_picked_temporally_separated():
         trace_windows(rows[::-1], 2, 10.0)
 
 
-def test_eff_bar_stops_a_replay_that_can_no_longer_reach_it(model):
-    """A replay with an Eff@300 bar stops once failed requests (here TTFT over 0.25 s of the
-    modeled clock) put the bar out of reach: the bound it reports is at least the Eff@300 of
-    the same replay run to its end (the modeled clock replays it step for step) and below the
-    bar, fewer requests finish, no page is lost, and a bar outside [0, 1] is refused."""
-    from kvops.engine.configs import decode_kind
+def test_eff_upper_counts_only_final_failures():
+    """A request has failed for good once it is refused, finishes with every token stamped and
+    ineffective, or has been sent and waited the TTFT bound without a first token; a finished
+    request whose token is not collected yet, one not sent yet, or one still inside the bound
+    has not."""
     from kvops.engine.metrics import eff_upper
 
-    def go(bar):
-        reqs = build_requests(pressure_rows(12, input_len=192, output_len=48), CFG.vocab_size)
-        kv = make_kv("paged", KVBudget(bytes=96 * S * TOKEN_BYTES, max_seqs=8, max_context=256),
-                     CFG, DT, torch.device("cpu"))
-        engine = Engine(model, kv, decode_kind("paged"), SchedulerConfig(128, 8, 64),
-                        clock="model")
-        engine.eff = (0.25, 0.3)
-        return reqs, kv, engine, engine.replay(reqs, eff_bar=bar)
+    reqs = build_requests(pressure_rows(6, input_len=16, output_len=1), CFG.vocab_size)
+    refused, uncollected, unsent, waited, fresh, slow = reqs
+    refused.status = Status.REFUSED
+    uncollected.status, uncollected.output = Status.FINISHED, [None]     # overlap: a step late
+    slow.status, slow.output, slow.token_times = Status.FINISHED, [7], [1.0]   # TTFT 1 s
+    fresh.arrival = 9.9
+    for r in (unsent, waited, fresh):
+        r.status = Status.WAITING
+    assert eff_upper(reqs, 10.0, 0.25, 0.3, unsent=[unsent]) == pytest.approx(3 / 6)
+    assert eff_upper(reqs, 10.0, 0.25, 0.3) == pytest.approx(2 / 6)
+    assert eff_upper([], 10.0) != eff_upper([], 10.0)                    # NaN
 
-    reqs, _, _, full = go(None)
+
+def _bar_replay(model, config, bar, *, overlap=False, concurrency=None, ttft_s=0.25, n=12,
+                output_len=48):
+    """``n`` pressure requests (192 + ``output_len`` tokens, arriving at once) through
+    ``config`` on the modeled clock, Eff@300's TTFT bound at ``ttft_s`` of it."""
+    from kvops.engine.configs import decode_kind
+
+    reqs = build_requests(pressure_rows(n, input_len=192, output_len=output_len),
+                          CFG.vocab_size)
+    kv = make_kv(config, KVBudget(bytes=96 * S * TOKEN_BYTES, max_seqs=8, max_context=256),
+                 CFG, DT, torch.device("cpu"))
+    engine = Engine(model, kv, decode_kind(config), SchedulerConfig(128, 8, 64), clock="model",
+                    overlap=overlap)
+    engine.eff = (ttft_s, 0.3)
+    return reqs, kv, engine, engine.replay(reqs, concurrency=concurrency, eff_bar=bar)
+
+
+def _failed_by_hand(reqs, now, ttft_s=0.25):
+    """Requests failed for good at ``now``: finished ineffective, or without a first token
+    ``ttft_s`` after arrival."""
+    return sum(effective(r.arrival, r.token_times, ttft_s, 0.3) is False
+               if r.status is Status.FINISHED else
+               (not r.token_times and now - r.arrival >= ttft_s) for r in reqs)
+
+
+@pytest.mark.parametrize("overlap,concurrency,ttft_s,output_len",
+                         [(False, None, 0.25, 48), (True, None, 0.25, 48), (True, None, 0.25, 1),
+                          (False, 3, 0.05, 48)],
+                         ids=["sync", "overlap", "overlap-one-token", "closed-loop"])
+def test_a_bar_at_a_replays_own_eff300_never_stops_it(model, overlap, concurrency, ttft_s,
+                                                     output_len):
+    """The bound is an upper bound in every mode: a bar equal to the replay's own Eff@300
+    (reached only at its end) never stops it, and it gives the metrics of no bar. The queue
+    (12 requests at once, 8 sessions; a closed loop of 3 clients, whose requests arrive when
+    sent, at a bound of 0.05 s) and a TTFT bound of 0.25 s make the no-first-token rule the
+    one that could fire; with overlap, finished requests' last tokens come a step late (a
+    one-token request finishes with no token stamped)."""
+    kw = dict(overlap=overlap, concurrency=concurrency, ttft_s=ttft_s, output_len=output_len)
+    *_, free = _bar_replay(model, "paged", None, **kw)
+    assert 0.0 < free["eff"] < 1.0
+    *_, barred = _bar_replay(model, "paged", free["eff"], **kw)
+    assert barred["stopped_s"] is None and barred["eff_upper"] is None
+    for key in ("eff", "finished", "ttft_ms", "tpot_ms", "steps", "preemptions"):
+        assert repr(barred[key]) == repr(free[key]), key     # NaN TPOT of one-token outputs
+
+
+@pytest.mark.parametrize("config,ttft_s", [("paged", 0.05), ("offload", 0.25)])
+def test_eff_bar_stops_a_replay_that_can_no_longer_reach_it(model, config, ttft_s):
+    """A bar above what the replay can reach stops it: the bound it reports is the share of
+    requests not failed for good then (counted by hand), at least the Eff@300 of the same
+    replay run to its end (the modeled clock replays it step for step) and below the bar;
+    fewer requests finish, and no page or swapped-out host copy is left. At a TTFT bound of
+    0.05 s the stop comes before any request finishes (waiting without a first token alone);
+    at 0.25 s ``offload`` has swapped requests out by then. A bar outside [0, 1] is refused."""
+    reqs, _, _, full = _bar_replay(model, config, None, ttft_s=ttft_s)
     assert full["finished"] == 12 and full["stopped_s"] is None and full["eff_upper"] is None
-    assert 0.0 < full["eff"] < 1.0
-    assert eff_upper(reqs, 1e9, 0.25, 0.3) == pytest.approx(full["eff"])
-    reqs, kv, engine, cut = go(1.0)
+    reqs, kv, engine, cut = _bar_replay(model, config, 1.0, ttft_s=ttft_s)
     assert cut["stopped_s"] is not None and cut["finished"] < 12
+    if ttft_s == 0.05:
+        assert cut["finished"] == 0
+    assert cut["eff_upper"] == pytest.approx(
+        1 - _failed_by_hand(reqs, cut["stopped_s"], ttft_s) / 12)
+    if config == "offload":
+        assert kv.swap_outs > 0
     assert full["eff"] <= cut["eff_upper"] < 1.0
-    assert cut["eff_upper"] == pytest.approx(eff_upper(reqs, cut["stopped_s"], 0.25, 0.3))
+    assert cut["eff"] <= full["eff"]               # what it had served: a lower bound
     assert kv.free_pages() == kv.total_pages and not engine.scheduler.running
+    assert not engine.scheduler.waiting and kv.held_host_bytes() == 0 if config == "offload" \
+        else True
     with pytest.raises(ValueError, match=r"eff_bar: expected a share in \[0, 1\]"):
         engine.replay(build_requests(pressure_rows(1, input_len=16, output_len=4),
                                      CFG.vocab_size), eff_bar=1.5)
+
+
+def test_the_elastic_bar_goes_to_each_baseline_and_only_there(monkeypatch, tmp_path):
+    """``eff_bar="elastic"``: the elastic replay runs without a bar, each later configuration
+    with elastic's Eff@300; a bar outside Mooncake windows, or before elastic has run, is
+    refused."""
+    from kvops.engine import replay as replay_mod
+    from kvops.engine.pressure import run_sweep, sweep_settings
+
+    trace = tmp_path / "mooncake_small.jsonl"
+    with open(trace, "w") as f:
+        for i in range(92):
+            f.write(json.dumps({"timestamp": 10000 * i, "input_length": 3000,
+                                "output_length": 100, "hash_ids": []}) + "\n")
+    seen = []
+    real = Engine.replay
+
+    def spy(self, requests, progress=None, concurrency=None, eff_bar=None):
+        seen.append((len(requests), eff_bar))      # warm-ups replay a few requests of their own
+        return real(self, requests, progress, concurrency, eff_bar)
+
+    monkeypatch.setattr(Engine, "replay", spy)
+    settings, axis = sweep_settings(torch.device("cpu"), str(trace),
+                                    configs=("elastic", "paged", "offload"), thin=5,
+                                    eff_bar="elastic")
+    result = run_sweep(settings, axis, [0], progress=False)
+    res = result["points"][0]["results"]
+    n = res["elastic"]["requests"]
+    assert [b for k, b in seen if k == n] == [None, res["elastic"]["eff"], res["elastic"]["eff"]]
+    assert res["elastic"]["stopped_s"] is None
+    assert all("eff_upper" in r and "stopped_s" in r for r in res.values())
+    with pytest.raises(ValueError, match="eff_bar: 'elastic' needs the elastic configuration"):
+        run_sweep(dataclasses.replace(settings, configs=("paged", "elastic")), axis, [0],
+                  progress=False)
+    with pytest.raises(ValueError, match="eff_bar: Eff@300 scores Mooncake windows"):
+        replay_mod.run(dataclasses.replace(settings, trace_window=None), progress=False)
 
 
 def test_mooncake_window_sweep_scores_eff300_and_draws_figure6(tmp_path):
@@ -272,6 +370,4 @@ def test_mooncake_window_sweep_scores_eff300_and_draws_figure6(tmp_path):
     assert "| C | paged (stopped at 12.3 s) |" in table
     assert f"| 0.0-{100 * elastic / 2:.1f} |" in table and "a stopped replay" in table.lower()
     assert f"vs paged <= {100 * elastic / 2:.1f} % | higher | higher in A, B, C | yes |" in table
-    with pytest.raises(ValueError, match="eff_bar: 'elastic' needs the elastic configuration"):
-        run_sweep(dataclasses.replace(settings, configs=("paged", "elastic"), eff_bar="elastic"),
-                  axis, [2], progress=False)
+

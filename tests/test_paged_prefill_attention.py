@@ -212,7 +212,6 @@ def new_rows(case, garbage=float("nan")):
     lens = case["seq_lens"].tolist()
     k = torch.full((N, Hkv, D), garbage, dtype=k_cache.dtype, device=k_cache.device)
     v = torch.full_like(k, garbage)
-    gen = torch.Generator().manual_seed(N)
     for b in range(len(lens)):
         n = starts[b + 1] - starts[b]
         pos = torch.arange(lens[b] - n, lens[b])

@@ -251,13 +251,16 @@ class Engine:
             if progress is not None:
                 progress.update(self.produced)
             if (eff_bar is not None and len(self.steps) % EFF_CHECK_STEPS == 0
-                    and eff_upper(requests, self.now(), *self.eff) < eff_bar):
+                    and eff_upper(requests, self.now(), *self.eff, unsent=pending[i:]) < eff_bar):
                 stopped = self.now()
                 break
         if stopped is not None:     # the requests left end unserved, their pages given back
             self.collect()
             for req in list(sched.running):
                 sched.finish(req)
+            for req in sched.waiting:
+                if self.kv.swaps:
+                    self.kv.forget(req)
             sched.waiting.clear()
         self.drain()
         extra = {"prefix_hit_tokens": self.kv.prefix_hit_tokens,
@@ -270,7 +273,8 @@ class Engine:
                  "kv_free_pages_end": self.kv.free_pages() if self.kv.kind == "paged" else None,
                  "cached_prefix_sessions_end": self.kv.cached_sessions(),
                  "stopped_s": stopped,
-                 "eff_upper": None if stopped is None else eff_upper(requests, stopped, *self.eff)}
+                 "eff_upper": None if stopped is None else eff_upper(requests, stopped, *self.eff,
+                                                                     unsent=pending[i:])}
         if getattr(self.kv, "swaps", False):
             extra.update(swap_outs=self.kv.swap_outs, swap_ins=self.kv.swap_ins,
                          swap_gib=self.kv.swap_bytes / 2**30)

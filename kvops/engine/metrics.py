@@ -99,19 +99,25 @@ def effective(arrival: float, times, ttft_s: float = EFF_TTFT_S, tbt_s: float = 
 
 
 def eff_upper(requests: list[Request], now: float, ttft_s: float = EFF_TTFT_S,
-              tbt_s: float = EFF_TBT_S) -> float:
-    """The highest Eff@300 ``requests`` can still reach at ``now`` on the engine clock: one less
-    the share already failed (refused; finished and not :func:`effective`; or arrived without a
-    first token for ``ttft_s``). A failure is final, so this bound only falls."""
+              tbt_s: float = EFF_TBT_S, unsent=()) -> float:
+    """The highest Eff@300 ``requests`` can still reach at ``now`` on the engine clock: the
+    share not yet failed for good. Failed: refused; finished with every token stamped and not
+    :func:`effective`; or sent without a first token for ``ttft_s``. ``unsent``: requests a
+    closed loop has not sent yet (their arrival is reset when sent), never failed here; a
+    finished request whose last tokens are not collected yet (overlap) is not judged. A
+    failure is final, so this bound only falls."""
     if not requests:
         return float("nan")
+    skip = {id(r) for r in unsent}
     failed = 0
     for r in requests:
         if r.status is Status.REFUSED:
             failed += 1
         elif r.status is Status.FINISHED:
-            failed += not effective(r.arrival, r.token_times, ttft_s, tbt_s)
-        elif not r.token_times and r.arrival <= now and now - r.arrival >= ttft_s:
+            failed += (len(r.token_times) == len(r.output)
+                       and not effective(r.arrival, r.token_times, ttft_s, tbt_s))
+        elif (not r.token_times and id(r) not in skip and r.arrival <= now
+              and now - r.arrival >= ttft_s):
             failed += 1
     return (len(requests) - failed) / len(requests)
 

@@ -46,6 +46,11 @@ class OffloadKV(PagedKV):
     def is_swapped(self, req: Request) -> bool:
         return req.rid in self._swapped
 
+    def forget(self, req: Request) -> None:
+        """Drop ``req``'s host copy: a request that ends unserved while swapped out (a replay
+        stopped under an Eff@300 bar)."""
+        self._swapped.pop(req.rid, None)
+
     def swap_out(self, req: Request) -> int:
         """Copy ``req``'s computed K/V to the host and end its session; returns the pages that
         gives back (freed at the next commit)."""

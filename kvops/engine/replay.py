@@ -221,8 +221,11 @@ def run(settings: ReplaySettings, progress: bool = True, tp=None, model=None) ->
     if want is not None and tp is not None:
         raise ValueError("eff_bar: a replay under tensor parallelism runs to its end (the "
                          "ranks step in lockstep); leave eff_bar None with tp")
-    if want not in (None, "elastic") and not (isinstance(want, (int, float))
-                                              and 0.0 <= want <= 1.0):
+    if want is not None and settings.trace_window is None:
+        raise ValueError("eff_bar: Eff@300 scores Mooncake windows; expected a trace_window "
+                         "(kvops replay --mode elastic --trace <mooncake JSONL>), got none")
+    if want not in (None, "elastic") and (isinstance(want, bool) or not (
+            isinstance(want, (int, float)) and 0.0 <= want <= 1.0)):
         raise ValueError(f"eff_bar: expected a share in [0, 1], 'elastic' or None, got {want!r}")
     step_cost = StepCost.parse(settings.step_cost) if settings.step_cost is not None else None
     device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
