@@ -139,13 +139,17 @@ def _settings_kw(args, device) -> dict:
         "concurrency", "budget_tokens", "input_len", "output_len", "output_scale", "clock",
         "thin")}
     if args.eff_bar is not None:
+        from kvops.engine.replay import check_eff_bar
+        bar = args.eff_bar
         try:
-            kw["eff_bar"] = args.eff_bar if args.eff_bar == "elastic" else float(args.eff_bar)
+            bar = float(bar)
         except ValueError:
-            kw["eff_bar"] = None
-        if kw["eff_bar"] is None or kw["eff_bar"] != "elastic" and not 0 <= kw["eff_bar"] <= 1:
-            raise SystemExit(f"--eff-bar: expected a share in [0, 1] or 'elastic', got "
-                             f"{args.eff_bar!r}")
+            pass                        # "elastic", or what check_eff_bar refuses
+        try:
+            check_eff_bar("--eff-bar", bar)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+        kw["eff_bar"] = bar
     if args.page_size is not None:
         from kvops._checks import page_size
         try:

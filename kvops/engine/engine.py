@@ -258,8 +258,8 @@ class Engine:
             self.collect()
             for req in list(sched.running):
                 sched.finish(req)
-            for req in sched.waiting:
-                if self.kv.swaps:
+            if self.kv.swaps:       # a swapped-out request's host copy goes with it
+                for req in sched.waiting:
                     self.kv.forget(req)
             sched.waiting.clear()
         self.drain()

@@ -203,6 +203,13 @@ def replay_dtype(settings: ReplaySettings, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def check_eff_bar(name: str, bar) -> None:
+    """``bar``: None, ``"elastic"`` or a share in [0, 1]; else ValueError naming ``name``."""
+    if bar not in (None, "elastic") and (isinstance(bar, bool) or not (
+            isinstance(bar, (int, float)) and 0.0 <= bar <= 1.0)):
+        raise ValueError(f"{name}: expected a share in [0, 1] or 'elastic', got {bar!r}")
+
+
 def run(settings: ReplaySettings, progress: bool = True, tp=None, model=None) -> dict:
     """Replay ``settings.trace`` through each configuration; returns ``{"settings", "model",
     "device", "results": {config: metrics}, "steps": {config: [step records]}, "tokens":
@@ -224,9 +231,7 @@ def run(settings: ReplaySettings, progress: bool = True, tp=None, model=None) ->
     if want is not None and settings.trace_window is None:
         raise ValueError("eff_bar: Eff@300 scores Mooncake windows; expected a trace_window "
                          "(kvops replay --mode elastic --trace <mooncake JSONL>), got none")
-    if want not in (None, "elastic") and (isinstance(want, bool) or not (
-            isinstance(want, (int, float)) and 0.0 <= want <= 1.0)):
-        raise ValueError(f"eff_bar: expected a share in [0, 1], 'elastic' or None, got {want!r}")
+    check_eff_bar("eff_bar", want)
     step_cost = StepCost.parse(settings.step_cost) if settings.step_cost is not None else None
     device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if tp is not None:
