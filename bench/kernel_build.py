@@ -27,7 +27,7 @@ def prefill_signature(tma: bool, new_tma: bool) -> dict:
     desc = "tensordesc<bf16[64,128]>"
     sig = {}
     for n in prefill_kernel._paged_prefill_kernel.arg_names:
-        if n in ("Q", "KC", "VC", "O", "Out"):
+        if n in ("Q", "KC", "VC", "O", "Out", "KR", "VR"):
             sig[n] = "*bf16"
         elif n in ("BT", "QS", "SL", "Counts"):
             sig[n] = "*i32"

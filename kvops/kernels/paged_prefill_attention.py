@@ -308,25 +308,70 @@ def _key_tile_rows(b_q, b_acc, b_m, b_l, KN, VN, n, seq_len, lo_key, i_h, new_ro
 
 
 @triton.jit
-def _key_run(b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, page_rows, p_bt, lo, hi, self_lo,
+def _key_tile_mixed(b_q, b_acc, b_m, b_l, KC, VC, KR, VR, p_bt, n, pos0, seq_len, lo_key, P, L,
+                    i_h, new_row0, stride_kp, stride_vp, stride_kn, stride_vn, b_pos, window,
+                    scale_log2, S: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr,
+                    WINDOW: tl.constexpr, PRECISION: tl.constexpr, OFF64: tl.constexpr):
+    """The one tile holding the chunk's first position ``pos0`` past its start: keys before
+    ``pos0`` from their pages (ids in ``[0, P)`` only), the rest from the new tokens' rows
+    (``KR``, ``VR``: pointers, whatever loads the other row tiles), by pointer loads with
+    complementary masks."""
+    o_n = n + tl.arange(0, BLOCK_N)
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = (o_d < D)[None, :]
+    b_page = _tile_pages(p_bt, n, pos0, lo_key, L, S, BLOCK_N)
+    m_pg = (b_page >= 0) & (b_page < P)
+    m_rw = (o_n >= pos0) & (o_n < seq_len) & (o_n >= lo_key)
+    o_row = (o_n % S) * (HKV * D) + i_h * D
+    b_base = b_page
+    o_rw = new_row0 + o_n
+    if OFF64:
+        o_row = o_row.to(tl.int64)
+        b_base = b_page.to(tl.int64)
+        o_rw = o_rw.to(tl.int64)
+    b_k = (tl.load(KC + (b_base * stride_kp + o_row)[:, None] + o_d[None, :],
+                   mask=m_pg[:, None] & m_d, other=0.0)
+           + tl.load(KR + (o_rw * stride_kn + i_h * D)[:, None] + o_d[None, :],
+                     mask=m_rw[:, None] & m_d, other=0.0))
+    m_n = m_pg | m_rw
+    b_s = _visible(dot(b_q, tl.trans(b_k), PRECISION) * scale_log2, m_n, o_n, b_pos, window,
+                   MASK, WINDOW)
+    b_p, b_alpha, b_m, b_l = _softmax_step(b_s, b_m, b_l)
+    b_v = (tl.load(VC + (b_base * stride_vp + o_row)[:, None] + o_d[None, :],
+                   mask=m_pg[:, None] & m_d, other=0.0)
+           + tl.load(VR + (o_rw * stride_vn + i_h * D)[:, None] + o_d[None, :],
+                     mask=m_rw[:, None] & m_d, other=0.0))
+    b_acc = b_acc * b_alpha[:, None] + dot(b_p.to(b_v.dtype), b_v, PRECISION)
+    return b_acc, b_m, b_l
+
+
+@triton.jit
+def _key_run(b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, KR, VR, page_rows, p_bt, lo, hi, pos0,
              new_row0, seq_len, lo_key, P, L, i_h, stride_kp, stride_vp, stride_kn, stride_vn,
              b_pos, window, scale_log2, S: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr,
              WINDOW: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
              TMA: tl.constexpr, NEW: tl.constexpr, NEW_TMA: tl.constexpr, OFF64: tl.constexpr):
     """Key tiles ``[lo, hi)`` (BLOCK_N-aligned) in BLOCK_N steps. Without NEW, all from their
-    pages (``_page_run``). With NEW the tiles from ``self_lo`` (the first BLOCK_N-aligned key
-    at or after the chunk's first position: tiles of the chunk's own keys only; the kernel
-    moves it past the sequence where a page of those keys is unmapped) come from the new
-    tokens' rows (``_key_tile_rows``), the ones before from their pages, the tile holding the
-    chunk's first position included."""
+    pages (``_page_run``). With NEW the chunk's own keys (positions from ``pos0``) come from
+    the new tokens' rows: tiles before the one holding ``pos0`` from pages, that one mixed when
+    ``pos0`` lies inside it (``_key_tile_mixed``), the rest from rows (``_key_tile_rows``)."""
     if NEW:
-        mid = tl.minimum(tl.maximum(self_lo, lo), tl.maximum(hi, lo))
+        first = tl.maximum(pos0, 0) // BLOCK_N * BLOCK_N     # the tile holding pos0
+        split = tl.minimum(tl.maximum(first, lo), tl.maximum(hi, lo))
         b_acc, b_m, b_l = _page_run(
-            b_q, b_acc, b_m, b_l, KC, VC, KD, VD, page_rows, p_bt, lo, mid, seq_len, lo_key,
+            b_q, b_acc, b_m, b_l, KC, VC, KD, VD, page_rows, p_bt, lo, split, seq_len, lo_key,
             P, L, i_h, stride_kp, stride_vp, b_pos, window, scale_log2, S, HKV, D, BLOCK_N,
             BLOCK_D, MASK, WINDOW, PRECISION, PREFETCH, TMA, OFF64)
-        for n in range(mid, hi, BLOCK_N):
+        start = split
+        if (pos0 > first) & (first >= lo) & (first < hi):
+            b_acc, b_m, b_l = _key_tile_mixed(
+                b_q, b_acc, b_m, b_l, KC, VC, KR, VR, p_bt, first, pos0, seq_len, lo_key, P, L,
+                i_h, new_row0, stride_kp, stride_vp, stride_kn, stride_vn, b_pos, window,
+                scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, MASK, WINDOW, PRECISION, OFF64)
+            start = first + BLOCK_N
+        for n in range(start, hi, BLOCK_N):
             b_acc, b_m, b_l = _key_tile_rows(
                 b_q, b_acc, b_m, b_l, KN, VN, n, seq_len, lo_key, i_h, new_row0, stride_kn,
                 stride_vn, b_pos, window, scale_log2, D, BLOCK_N, BLOCK_D, MASK, WINDOW,
@@ -380,7 +425,7 @@ SEQ_CHUNK = 128
 
 @triton.jit(do_not_specialize=["N", "B", "num_tiles", "window", "NUM_SPLITS"])
 def _paged_prefill_kernel(
-    Q, KC, VC, BT, QS, SL, O, LSE, Out, Lse, Counts, KD, VD, KN, VN,
+    Q, KC, VC, BT, QS, SL, O, LSE, Out, Lse, Counts, KD, VD, KN, VN, KR, VR,
     N, B, P, L, page_rows, num_tiles, window, scale_log2, NUM_SPLITS,
     stride_qn, stride_qh, stride_kp, stride_vp, stride_bt, stride_on, stride_oh, stride_os,
     stride_ln, stride_lh, stride_ls, stride_kn, stride_vn,
@@ -429,9 +474,7 @@ def _paged_prefill_kernel(
         return
     seq_len = tl.minimum(tl.maximum(tl.load(SL + i_b), 0), L * S)
     pos0 = seq_len - (q_hi - q_lo)                      # position of the sequence's first query
-    # NEW: key j >= pos0 is row new_row0 + j of k, v; tiles from self_lo hold only such keys
-    new_row0 = q_lo - pos0
-    self_lo = tl.cdiv(tl.maximum(pos0, 0), BLOCK_N) * BLOCK_N
+    new_row0 = q_lo - pos0                              # NEW: key j >= pos0 is k's row
     b_pos = pos0 + (o_tok - q_lo)
     p_first = pos0 + (t0 - q_lo)
     p_last = pos0 + tl.minimum(t0 + BLOCK_Q, q_hi) - 1 - q_lo
@@ -445,9 +488,10 @@ def _paged_prefill_kernel(
     b_l = tl.zeros([BLOCK_M], tl.float32)
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     p_bt = BT + i_b.to(tl.int64) * stride_bt
-    if NEW:   # rows only where the pages of the chunk's own keys are all mapped: else pages
+    rows0 = pos0
+    if NEW:   # rows only where the pages of the chunk's keys are all mapped: else pages
         # alone decide (an unmapped one is left out), as without the rows
-        self_lo = tl.where(_pages_mapped(p_bt, self_lo, seq_len, P, S), self_lo, seq_len)
+        rows0 = tl.where(_pages_mapped(p_bt, pos0, seq_len, P, S), pos0, seq_len)
     # split i_s of NUM_SPLITS takes BLOCK_N-aligned keys [s_lo, s_hi) of the tile's range
     k_lo = lo_key // BLOCK_N * BLOCK_N
     chunk = tl.cdiv(tl.cdiv(tl.maximum(hi - k_lo, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -461,19 +505,19 @@ def _paged_prefill_kernel(
         mid_lo = tl.minimum(tl.cdiv(tl.maximum(p_last - window + 1, 0), BLOCK_N) * BLOCK_N,
                             mid_hi)
         b_acc, b_m, b_l = _key_run(
-            b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, page_rows, p_bt,
-            tl.maximum(k_lo, s_lo), tl.minimum(mid_lo, s_hi), self_lo, new_row0, seq_len,
+            b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, KR, VR, page_rows, p_bt,
+            tl.maximum(k_lo, s_lo), tl.minimum(mid_lo, s_hi), rows0, new_row0, seq_len,
             lo_key, P, L, i_h, stride_kp, stride_vp, stride_kn, stride_vn, b_pos, window,
             scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, True, True, PRECISION, PREFETCH, TMA, NEW,
             NEW_TMA, OFF64)
     b_acc, b_m, b_l = _key_run(
-        b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, page_rows, p_bt, tl.maximum(mid_lo, s_lo),
-        tl.minimum(mid_hi, s_hi), self_lo, new_row0, seq_len, lo_key, P, L, i_h, stride_kp,
+        b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, KR, VR, page_rows, p_bt, tl.maximum(mid_lo, s_lo),
+        tl.minimum(mid_hi, s_hi), rows0, new_row0, seq_len, lo_key, P, L, i_h, stride_kp,
         stride_vp, stride_kn, stride_vn, b_pos, window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D,
         False, WINDOW, PRECISION, PREFETCH, TMA, NEW, NEW_TMA, OFF64)
     b_acc, b_m, b_l = _key_run(
-        b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, page_rows, p_bt, tl.maximum(mid_hi, s_lo),
-        s_hi, self_lo, new_row0, seq_len, lo_key, P, L, i_h, stride_kp, stride_vp, stride_kn,
+        b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, KR, VR, page_rows, p_bt, tl.maximum(mid_hi, s_lo),
+        s_hi, rows0, new_row0, seq_len, lo_key, P, L, i_h, stride_kp, stride_vp, stride_kn,
         stride_vn, b_pos, window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, True, WINDOW,
         PRECISION, PREFETCH, TMA, NEW, NEW_TMA, OFF64)
     b_has = b_l > 0
@@ -541,7 +585,8 @@ def paged_prefill_attention_fwd(
             tuple(_rows_descriptor(t, meta["BLOCK_N"]) for t in news) if meta["NEW_TMA"] else
             news)
     launch_split(_paged_prefill_kernel, grid, (*tensors, part_o, part_l, out, lse), count,
-                 seq_lens, (*descs, *rows, *ints), (token, meta), fused, merge, ready)
+                 seq_lens, (*descs, *rows, *(news or (k_cache, v_cache)), *ints), (token, meta),
+                 fused, merge, ready)
     return out, lse
 
 
