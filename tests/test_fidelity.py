@@ -327,6 +327,31 @@ def test_session_end_with_promotion_in_flight_leaks_nothing():
     assert w.fid.stats["in_flight"] == 0 and w.fid.stats["base_blocks"] == 0
 
 
+def test_a_shortage_waits_for_promotions_in_flight_and_demotes_their_pairs():
+    """A promotion still running when a step is short settles first, so the session's pairs
+    are demotable as ``demotable`` counted them while it ran (the scheduler plans on that)."""
+    torch.manual_seed(7)
+    w = World(P=24, min_batch=2, protect_recent=1, reserve_decay=0.0, slow=True)
+    start(w, {"a": 12 * w.S})
+    before = w.fid.demotable("a")
+    with w.pager.frame() as f:
+        assert w.fid.step(f, need=w.pager.free_pages + 2)["demoted"] == 2
+    with w.pager.frame() as f:
+        assert w.fid.step(f, need=0)["promoted"] == 2
+    flag = w.fid._flight["a"][0].done
+    assert not flag.query() and w.fid.demotable("a") == before     # counted as settled
+    with w.pager.frame() as f:                                     # no shortage: no wait
+        assert w.fid.step(f, need=0) == {"demoted": 0, "promoted": 0, "settled": 0}
+    assert not flag.query() and w.fid.stats["in_flight"] == 2
+    free = w.pager.free_pages
+    with w.pager.frame() as f:
+        got = w.fid.step(f, need=free + 3)
+        assert f.free_pages >= free + 3                            # the shortage is met
+    assert flag.query() and got["settled"] == 2 and got["demoted"] >= 1
+    assert w.fid.stats["in_flight"] == 0
+    w.check_all()
+
+
 def test_host_pairs_bound_demotion_and_slots_come_back():
     torch.manual_seed(8)
     w = World(P=48, min_batch=8, protect_recent=1, host_pairs=3)

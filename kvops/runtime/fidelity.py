@@ -28,7 +28,10 @@ Promotion (asynchronous, on a side stream)
     promotion copies the pair's backing to the device and runs ``refine_base_pairs`` out of
     place into two held pages; the BASE page stays mapped (and retained), so attention keeps
     reading BASE meanwhile. A later ``step`` whose frame sees the side stream's event done
-    remaps the two blocks onto the refined pages and lets the BASE page go. The reserve is
+    remaps the two blocks onto the refined pages and lets the BASE page go; a step whose
+    ``need`` exceeds the free pages first waits for the promotions still running, so on a
+    shortage every pair is demotable again (as :meth:`Fidelity.demotable` counts it) and the
+    pages they hold come back. The reserve is
     ``pages freed by demotion``, decaying by ``reserve_decay`` a step: promotion does not take
     back capacity a demotion just freed (the paper's decaying reserve; ``reserve_decay = 0``
     is its "eager promotion" ablation).
@@ -548,17 +551,16 @@ class Fidelity:
 
     def demotable(self, key: Hashable) -> int:
         """Pairs the next :meth:`step` can demote from ``key``, from the committed state: exact
-        for a session whose pages are unshared. Promotions of it whose work is done settle at
-        the step's start (their pairs are demotable again); while one is still running the
-        session gives none. A caller that plans reserves on demotion sums this over its
+        for a session whose pages are unshared. Its promotions settle at the step's start
+        (their pairs are demotable again): those done at once, and on a shortage (``need``
+        above the free pages) the step first waits for those still running, so the count
+        holds whatever the side stream's progress. A caller that plans reserves on demotion sums this over its
         sessions (and caps it by :attr:`host_free`)."""
         if key not in self.pager.committed.sessions:
             return 0
         first, end = self.span(key)
         flying = self._flight.get(key)
         if flying:
-            if not all(pr.done is None or pr.done.query() for pr in flying):
-                return 0
             end = flying[-1].j                  # the span once they settle
         S = self.pager.page_size
         n = self.pager.length(key)
@@ -597,8 +599,9 @@ class Fidelity:
 
     def step(self, frame: Frame, need: int = 0, plan: FidelityPlan | None = None,
              exclude=()) -> dict:
-        """Settle finished promotions, then demote on shortage or promote with spare pages;
-        once a frame. ``need``: pages the caller takes before the next step (blocks reserved
+        """Settle finished promotions (on a shortage, ``need`` above the free pages, every
+        one, waiting for those still running), then demote on shortage or promote with spare
+        pages; once a frame. ``need``: pages the caller takes before the next step (blocks reserved
         in this frame are never demoted in it). Returns this step's counts; its decisions
         are ``last_plan``. ``plan``: apply those decisions (settle exactly those promotions,
         waiting for their side-stream work; demote and promote exactly those pairs) instead
@@ -619,6 +622,8 @@ class Fidelity:
         times = self.last_times = dict.fromkeys(PHASES, 0.0)
         self._reap_d2h()
         t0 = time.perf_counter()
+        if plan is None and need > frame.free_pages:
+            self._wait_promotions()         # a shortage: every promotion settles first
         settled = self._settle(frame, pend, plan)
         times["settle_s"] = time.perf_counter() - t0
         free = frame.free_pages
@@ -1045,6 +1050,10 @@ class Fidelity:
         """Wait for every promotion in flight (the caller then settles them with ``step``) and
         for the host backing chunks being pinned ahead (``host_ahead``)."""
         self._host.wait()
+        self._wait_promotions()
+
+    def _wait_promotions(self) -> None:
+        """Wait for the side-stream work of every promotion in flight and every orphan."""
         for pr in [*self._orphans, *(p for s in self._flight.values() for p in s)]:
             if pr.done is not None:
                 pr.done.synchronize()
