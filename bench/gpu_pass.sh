@@ -67,13 +67,14 @@ elastic_ablations() {
         --record elastic-ablations-8b --out "$OUT/elastic-ablations" --no-progress
 }
 mooncake_window() {   # mooncake_window W: one 37.5 s Mooncake window (W 0, 1, 2 = A, B, C) at a
-    # 16,384-token budget, where Eff@300 separates the managers (docs/elastickv.md); each
-    # target-only manager stops once its Eff@300 cannot reach elastic's (--eff-bar elastic).
+    # 16,384-token budget, prompts clipped to fit Llama-3-8B's 8,192 positions, where Eff@300
+    # separates the managers (docs/elastickv.md); each target-only manager stops once its
+    # Eff@300 cannot reach elastic's (--eff-bar elastic).
     # The trace is read from $KVOPS_TRACES (the device gets no ../shared: copy the traces into
     # an ignored folder of the checkout, carry it and name it there)
     part "mooncake-$1" 560 python3 -m kvops replay --mode elastic \
         --trace "${KVOPS_TRACES:-../shared/data/traces}/mooncake_conversation_trace.jsonl" \
-        --sweep "$1" --thin 8 --time-scale 0.125 --budget-tokens 16384 --max-context 16384 \
+        --sweep "$1" --thin 8 --time-scale 0.125 --budget-tokens 16384 --max-context 8192 \
         --configs elastic,offload,reserve,paged --eff-bar elastic \
         --record "elastic-mooncake-window-$1-8b" --out "$OUT/mooncake-$1" --no-progress
 }

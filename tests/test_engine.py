@@ -513,6 +513,17 @@ def test_replay_cli_takes_a_page_size_and_refuses_a_bad_one(tmp_path, capsys):
         main(args + ["--page-size", "12"])
 
 
+def test_replay_refuses_a_context_past_the_models_positions():
+    """Prompts are clipped to max_context: a clip past the model's positions is refused, not
+    silently taken at the positions."""
+    from kvops.engine.replay import ReplaySettings, run
+
+    s = ReplaySettings(model="tiny", max_context=16385, device="cpu", max_requests=2)
+    with pytest.raises(ValueError, match=r"max_context: expected at most the tiny model's "
+                                         r"16384 positions, got 16385"):
+        run(s, progress=False)
+
+
 def test_record_names_its_file_by_date_and_time_of_day(tmp_path, monkeypatch):
     import re
 

@@ -76,13 +76,13 @@ def _cost(length_scale: float) -> tuple[float, float, float]:
 
 def window_settings(device: torch.device, trace: str, **kw) -> ReplaySettings:
     """Mooncake windows (module doc): on CUDA every 32nd request of each 300 s window at full
-    length (prompts clipped to 16,384 tokens), time x 0.1, a 4 GiB budget (32,768 tokens,
-    about 2.7 of the trace's mean requests, where about 6 would be in flight), on the wall
+    length (prompts clipped so that prompt and output fit Llama-3-8B's 8,192 positions), time
+    x 0.1, a 4 GiB budget (32,768 tokens, 5.6-5.9 of the windows' mean requests), on the wall
     clock; on a CPU every 64th request, prompts x 1/32 and outputs x 1/8, time x 0.02, on the
     modeled clock with :data:`~kvops.engine.clock.H200_8B` scaled to the lengths (a prompt
     costs what the full-length prompt would)."""
     if device.type == "cuda":
-        base = dict(model="llama3-8b", budget_tokens=32768, max_seqs=64, max_context=16384,
+        base = dict(model="llama3-8b", budget_tokens=32768, max_seqs=64, max_context=8192,
                     max_num_batched_tokens=4096, long_prefill_tokens=2048, length_scale=1.0,
                     output_scale=1.0, time_scale=0.1, thin=32, clock="wall")
     else:

@@ -37,7 +37,7 @@ def model_config(name: str):
         return LLAMA3_8B
     if name == "tiny":
         return LlamaConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                           head_dim=16, hidden_dim=128, max_seq_len=4096)
+                           head_dim=16, hidden_dim=128, max_seq_len=16384)
     raise ValueError(f"model: expected one of {', '.join(MODELS)}, got {name!r}")
 
 
@@ -147,7 +147,7 @@ def _requests(s: ReplaySettings, vocab: int, max_seq_len: int) -> list[Request]:
         # long prompts are clipped to the replay's context rather than refused
         return build_requests(rows, vocab, time_scale=s.time_scale, length_scale=s.length_scale,
                               output_scale=s.output_scale, max_requests=s.max_requests,
-                              max_context=min(s.max_context, max_seq_len), seed=s.seed)
+                              max_context=s.max_context, seed=s.seed)
     else:
         rows = load_rows(s.trace, kind=s.kind, window_s=s.window_s,
                          num_requests=s.max_requests or 64, rate=s.rate, arrival=s.arrival,
@@ -247,6 +247,10 @@ def run(settings: ReplaySettings, progress: bool = True, tp=None, model=None) ->
     say = print if tp is None or tp.leader else (lambda *a, **k: None)
     progress = progress and (tp is None or tp.leader)
     dtype = replay_dtype(settings, device)
+    positions = (model[0].cfg if model is not None else model_config(settings.model)).max_seq_len
+    if settings.max_context > positions:        # prompts are clipped to max_context
+        raise ValueError(f"max_context: expected at most the {settings.model} model's "
+                         f"{positions} positions, got {settings.max_context}")
     model, note = model if model is not None else load_model(settings.model, device, dtype)
     whole = model.cfg                   # budgets count tokens of the whole model's heads
     if tp is not None:
@@ -259,7 +263,7 @@ def run(settings: ReplaySettings, progress: bool = True, tp=None, model=None) ->
     budget_bytes = (settings.budget_tokens * tok if settings.budget_tokens
                     else int(settings.budget_gib * 2**30))
     budget = KVBudget(bytes=budget_bytes, max_seqs=settings.max_seqs,
-                      max_context=min(settings.max_context, cfg.max_seq_len),
+                      max_context=settings.max_context,
                       window=settings.window, page_size=settings.page_size,
                       far_chunk=settings.far_chunk, far_cap=settings.far_cap,
                       far_rerank=settings.far_rerank)
