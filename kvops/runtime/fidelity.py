@@ -554,8 +554,8 @@ class Fidelity:
         for a session whose pages are unshared. Its promotions settle at the step's start
         (their pairs are demotable again): those done at once, and on a shortage (``need``
         above the free pages) the step first waits for those still running, so the count
-        holds whatever the side stream's progress. A caller that plans reserves on demotion sums this over its
-        sessions (and caps it by :attr:`host_free`)."""
+        holds whatever the side stream's progress. A caller that plans reserves on demotion
+        sums this over its sessions (and caps it by :attr:`host_free`)."""
         if key not in self.pager.committed.sessions:
             return 0
         first, end = self.span(key)
@@ -601,8 +601,8 @@ class Fidelity:
              exclude=()) -> dict:
         """Settle finished promotions (on a shortage, ``need`` above the free pages, every
         one, waiting for those still running), then demote on shortage or promote with spare
-        pages; once a frame. ``need``: pages the caller takes before the next step (blocks reserved
-        in this frame are never demoted in it). Returns this step's counts; its decisions
+        pages; once a frame. ``need``: pages the caller takes before the next step (blocks
+        reserved in this frame are never demoted in it). Returns this step's counts; its decisions
         are ``last_plan``. ``plan``: apply those decisions (settle exactly those promotions,
         waiting for their side-stream work; demote and promote exactly those pairs) instead
         of deciding; a pair the plan names that is not eligible here raises ``ValueError``.
