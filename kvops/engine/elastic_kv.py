@@ -8,7 +8,8 @@ the step's reserves take, then the reserves. On a shortage the step demotes pair
 same frame; with spare pages beyond the decaying reserve it issues promotions (on CUDA on a
 side stream; on the CPU they finish at once) that map back a later step. The scheduler plans
 on demotion through :meth:`ElasticKV.reclaimable` (``Fidelity.demotable`` summed over decoding
-requests, capped by the host backing), so demotion comes before any preemption.
+requests, capped by the host backing; a promoting request counts as settled, since a short step
+waits for its promotions), so demotion comes before any preemption.
 
 Which blocks may be BASE
     Decode reads every block through ``elastic_attention``'s structured path (the span table,
