@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from kvops.engine import Engine, KVBudget, SchedulerConfig, make_kv
+from kvops.engine import Engine, KVBudget, SchedulerConfig, elastic_kv, make_kv
 from kvops.engine.configs import decode_kind
 from kvops.engine.elastic_kv import ElasticKV
 from kvops.engine.traces import TraceRow, build_requests, pressure_rows
 from kvops.models.config import LlamaConfig
 from kvops.models.paged import random_llama
-from kvops.runtime.fidelity import TARGET, Fidelity
-from tests.test_fidelity import _Flag
+from kvops.runtime.fidelity import TARGET
+from tests.test_fidelity import _SlowFidelity
 
 CFG = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                   hidden_dim=128, max_seq_len=1024)
@@ -142,27 +142,18 @@ def test_promotions_running_at_the_next_schedule_change_nothing(model, monkeypat
     step for step and token for token, without a preemption."""
     rows = pressure_rows(16, input_len=192, output_len=48)
     plain = serve(model, "elastic", rows, clock="model")
-    running = []
-    issue, before_reserves = Fidelity._issue, ElasticKV._before_reserves
-
-    def side_stream_issue(self, frame, pend, picks):
-        had = {k: len(v) for k, v in pend.issued.items()}
-        issue(self, frame, pend, picks)
-        event = _Flag()
-        running.append(event)
-        for key, prs in pend.issued.items():
-            for pr in prs[had.get(key, 0):]:
-                pr.done = event
+    before_reserves = ElasticKV._before_reserves
 
     def done_by_the_commit(self, f, reserves):
-        for event in running:
-            event.done = True
-        running.clear()
+        fid = self.fidelity
+        for pr in [*fid._orphans, *(pr for prs in fid._flight.values() for pr in prs)]:
+            pr.done.synchronize()
         return before_reserves(self, f, reserves)
 
-    monkeypatch.setattr(Fidelity, "_issue", side_stream_issue)
+    monkeypatch.setattr(elastic_kv, "Fidelity", _SlowFidelity)   # done only when flagged
     monkeypatch.setattr(ElasticKV, "_before_reserves", done_by_the_commit)
     lagged = serve(model, "elastic", rows, clock="model")
+    assert isinstance(lagged[1].fidelity, _SlowFidelity)
     assert lagged[3]["promotions"] == plain[3]["promotions"] > 0
     assert lagged[3]["preemptions"] == plain[3]["preemptions"] == 0
     assert len(lagged[2].steps) == len(plain[2].steps)

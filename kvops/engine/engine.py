@@ -226,7 +226,7 @@ class Engine:
             raise ValueError(f"concurrency: expected an int >= 1 or None, got {concurrency!r}")
         if eff_bar is not None and not 0.0 <= eff_bar <= 1.0:
             raise ValueError(f"eff_bar: expected a share in [0, 1] or None, got {eff_bar!r}")
-        stopped = None
+        stopped = bound = None
         pending = sorted(requests, key=lambda r: (r.arrival, r.rid))
         sched, i = self.scheduler, 0
         self._t0, self._skip, self.model_t = time.perf_counter(), 0.0, 0.0
@@ -250,10 +250,12 @@ class Engine:
             self.step()
             if progress is not None:
                 progress.update(self.produced)
-            if (eff_bar is not None and len(self.steps) % EFF_CHECK_STEPS == 0
-                    and eff_upper(requests, self.now(), *self.eff, unsent=pending[i:]) < eff_bar):
-                stopped = self.now()
-                break
+            if eff_bar is not None and len(self.steps) % EFF_CHECK_STEPS == 0:
+                now = self.now()
+                bound = eff_upper(requests, now, *self.eff, unsent=pending[i:])
+                if bound < eff_bar:
+                    stopped = now
+                    break
         if stopped is not None:     # the requests left end unserved, their pages given back
             self.collect()
             for req in list(sched.running):
@@ -272,9 +274,7 @@ class Engine:
                  "decode_paths": dict(self.runner.paths), "clock": self.clock,
                  "kv_free_pages_end": self.kv.free_pages() if self.kv.kind == "paged" else None,
                  "cached_prefix_sessions_end": self.kv.cached_sessions(),
-                 "stopped_s": stopped,
-                 "eff_upper": None if stopped is None else eff_upper(requests, stopped, *self.eff,
-                                                                     unsent=pending[i:])}
+                 "stopped_s": stopped, "eff_upper": None if stopped is None else bound}
         if getattr(self.kv, "swaps", False):
             extra.update(swap_outs=self.kv.swap_outs, swap_ins=self.kv.swap_ins,
                          swap_gib=self.kv.swap_bytes / 2**30)
