@@ -18,6 +18,10 @@ Configurations (near window W = 512 tokens, 16-token pages, sv_chunk = 128):
   stay in chunk 0's summary).
 - ``ret<K>+dense<n>[@<S>]`` (diagnostic): the retrieval far view with the first ``n`` layers
   dense, to tell whether the early layers' choice is what a retrieval misses.
+- ``ret<K>[-every<N>]+decode[@<S>]`` (passkey only): the retrieval far view as a serving
+  engine runs it: the prompt prefilled densely, the answer decoded with the far view (the
+  first decode step selecting). Every other config attends its way at every position, the
+  prompt's included.
 
 How the far view is evaluated. By default, block-parallel: every query position gets the
 attention a decode step with :class:`kvops.runtime.FarView` gives it (its window plus the
@@ -100,6 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     for c in args.configs:
         ev.parse_config(c)
+        if ev.decode_only(c) and args.task != "passkey":
+            ap.error(f"--configs {c}: a +decode config decodes a prompt's answer; it runs on "
+                     f"--task passkey only")
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok = Llama.from_gguf(device=args.device), Tokenizer.from_gguf()
@@ -208,7 +215,9 @@ def main(argv: list[str] | None = None) -> None:
         "-nobias); near = window only; ret<K> = window + the K far pages (of 16 tokens) "
         "far_page_select chooses for each query (half by the best key bound over the heads, "
         "half by the bounds summed over them), exact, bias 0 (-every<N>: selection every N "
-        "positions; @<S>: window, bounds and pages of S tokens instead). See "
+        "positions; @<S>: window, bounds and pages of S tokens instead; +decode: the prompt "
+        "prefilled densely and only the answer decoded with the far view, as an engine serves "
+        "it). See "
         "examples/far_view_eval.py for the method.",
         f"Banded evaluation vs the kvops-op path (layer 0, 1100 tokens): max abs diff {worst:.2e}.",
         "",

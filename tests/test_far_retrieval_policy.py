@@ -113,6 +113,40 @@ def test_prefill_drains_max_leave_pages_per_step():
     assert got == [2, 4, 6, 8, 8]                      # the first +1 token adds block 10
 
 
+def test_a_draining_step_summarizes_every_far_page_at_once():
+    """``begin_step(drain=True)`` after a prefill: every far page's bounds in one step (the
+    oracle's, bit for bit), so the next step's selection chooses among all of them as the
+    oracle does; a step that drains nothing new leaves the tables alone, and the steps after it
+    go on at ``max_leave`` a step."""
+    pager, ret, k, v = setup(max_leave=1)
+    with pager.frame() as f:
+        f.reserve("a", 13 * S)                             # 13 blocks: 11 far at once
+        f.reserve("b", 3 * S)                              # 1 far
+    ret.begin_step(drain=True)
+    for layer in range(LAYERS):
+        ret.absorb(layer, k[layer])
+    for key, nf in (("a", 11), ("b", 1)):
+        b = pager.slot(key)
+        assert int(ret.done[b]) == far_count(pager, key) == nf
+        blocks = torch.tensor([pager.pages(key)[:nf]], dtype=torch.int32)
+        lo, hi = far_page_summarize_oracle(k[1], blocks)
+        torch.testing.assert_close(ret.k_min[1, b, :nf].double(), lo[0], rtol=0, atol=0)
+        torch.testing.assert_close(ret.k_max[1, b, :nf].double(), hi[0], rtol=0, atol=0)
+    before = ret.k_min.clone()
+    ret.begin_step(drain=True)                             # nothing new is far
+    for layer in range(LAYERS):
+        ret.absorb(layer, k[layer])
+    assert torch.equal(ret.k_min, before)
+    q = queries(3)
+    step(pager, ret, k, v, {"a": 1, "b": 2 * S}, q=q)      # b: 2 more far, 1 summarized
+    b = pager.slot("b")
+    assert int(ret.done[b]) == 2 and far_count(pager, "b") == 3
+    a = pager.slot("a")
+    for layer in range(LAYERS):
+        assert sorted(ret.index[layer, a].tolist()) == expected_pages(
+            pager, ret, k, "a", layer, q[layer, a], 11, 3)
+
+
 def test_selection_is_the_top_k_by_bound_and_gathers_exact_pages():
     pager, ret, k, v = setup(top_k=3)
     step(pager, ret, k, v, {"a": 8 * S, "b": 4 * S}, select=False)

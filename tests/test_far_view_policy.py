@@ -707,6 +707,47 @@ def test_retrieval_decode_through_the_runtime_matches_the_banded_evaluation(monk
     assert abs(float(banded) - float(near)) > 1e-3          # the far pages change the result
 
 
+@pytest.mark.parametrize("config,every", [("ret2+decode@8", 1), ("ret2-every8+decode@8", 8)])
+def test_served_retrieval_prefills_densely_and_decodes_through_the_runtime(monkeypatch, config,
+                                                                           every):
+    """``ret<K>[-every<N>]+decode@<S>``: positions before the prompt's end are dense's, and
+    the answer's positions give the NLL a runtime gives that prefills the prompt densely, drains
+    every far page's bounds in the first decode step (``begin_step(drain=True)``) and decodes
+    through Pager + FarRetrieval + static_sliding_attention; with ``-every8`` the first decode
+    step's choice serves the next seven. The far view changes the answer's positions, so the
+    check can fail."""
+    from kvops.evals import far_view as ev
+    from kvops.evals.perplexity import nll_sum
+    from kvops.models import Llama, LlamaConfig
+
+    assert ev.parse_config(config) == ("ret", 2, False, 0)
+    assert ev.decode_only(config) and not ev.decode_only("ret2@8")
+    assert (ev.retrieval_page(config), ev.retrieval_every(config)) == (8, every)
+    monkeypatch.setattr(ev, "WINDOW", 32)
+    cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=HKV * G, n_kv_heads=HKV,
+                      head_dim=D, hidden_dim=64, max_seq_len=256)
+    model = Llama.random(cfg, seed=3, std=0.2)
+    ids = torch.randint(0, 64, (100,), generator=torch.Generator().manual_seed(4))
+    P = 91                                                  # 7 far pages of 8 at the prompt's end
+    dense, kvs = ev.hidden_states_from(model, ids, "dense")
+    served = ev.hidden_states_served(model, ids, config, P, (dense, kvs))
+    torch.testing.assert_close(served[:P], dense[:P], rtol=0, atol=0)
+    assert not torch.allclose(served[P:], dense[P:], atol=1e-4)
+    if every == 1:
+        got = ev.sequential_nll_retrieval(model, ids, 2, page=8, prefill=P)
+        want = nll_sum(model, served[:-1], ids[1:])
+        assert got == pytest.approx(float(want), rel=1e-5)
+    else:                      # one choice for positions P..P+7: the first one's pages
+        once = ev.hidden_states_served(model, ids[:P + 1], "ret2+decode@8", P)
+        torch.testing.assert_close(served[P], once[P], rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(served[P + 1:], ev.hidden_states_served(
+            model, ids, "ret2+decode@8", P)[P + 1:], atol=1e-4)
+    with pytest.raises(ValueError, match="decodes after a prompt"):
+        ev.hidden_states(model, ids, config)
+    with pytest.raises(ValueError, match="prompt_len: expected 1..99"):
+        ev.hidden_states_served(model, ids, config, 100)
+
+
 def test_per_head_retrieval_diagnostic_attends_to_each_heads_own_pages(monkeypatch):
     """``reth<K>@<S>`` (diagnostic): each KV head attends to its window plus the K far pages of
     best bound for its own query group; equal to a per-head brute force, and equal to ``ret``

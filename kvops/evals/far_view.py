@@ -28,6 +28,13 @@ Configurations (near window ``WINDOW = 512`` tokens, ``PAGE = 16``-token pages, 
 - ``ret<K>+rest[@<S>]`` (diagnostic, not a kvops path): the retrieval far view plus, for each
   far page it does not choose, that page's mean key and value with the bias ``log(S)``
   (:func:`retrieval_rest`): the far attention mass the chosen pages leave out, estimated.
+- ``ret<K>[-every<N>]+decode[@<S>]``: the retrieval far view as a serving engine runs it
+  (:func:`decode_only`, :func:`hidden_states_served`): the prompt prefilled with dense causal
+  attention (the engine's ``paged_prefill_attention`` reads the whole paged prefix), its far
+  pages summarized at once (``FarRetrieval.begin_step(drain=True)``), and the answer's
+  positions decoded with the far view, the first decode step selecting (with ``-every<N>``
+  every ``N``-th from it). Every other config applies its attention at every position, as if
+  the prompt were decoded token by token too.
 
 Block-parallel evaluation (:func:`attention_banded`, :func:`hidden_states`,
 :func:`perplexity`): every query position gets the attention a decode step with
@@ -68,9 +75,9 @@ def parse_config(name: str) -> tuple[str, int, bool, int]:
         retrieval_page(name)                  # a bad page size is refused here
         name = name.partition("@")[0]
         head, plus, extra = name.partition("+")
-        if extra.startswith("dense") and extra[5:].isdigit() or extra == "rest":
-            name = head                       # dense layers, rest: dense_layers and
-                                              # retrieval_rest read them
+        if extra.startswith("dense") and extra[5:].isdigit() or extra in ("rest", "decode"):
+            name = head                       # dense layers, rest, decode: dense_layers,
+                                              # retrieval_rest and decode_only read them
     base, plus, extra = name.partition("+")
     sink = int(extra[4:]) if extra.startswith("sink") and extra[4:].isdigit() else -1
     if base.startswith("sink") and base[4:].isdigit() and not plus:
@@ -107,9 +114,15 @@ def retrieval_rest(name: str) -> bool:
     return name.startswith("ret") and name.partition("@")[0].partition("+")[2] == "rest"
 
 
+def decode_only(name: str) -> bool:
+    """``ret<K>[-every<N>]+decode[@<S>]`` -> True: the far view at the answer's (decode)
+    positions only, the prompt prefilled densely (:func:`hidden_states_served`)."""
+    return name.startswith("ret") and name.partition("@")[0].partition("+")[2] == "decode"
+
+
 def retrieval_every(name: str) -> int:
     """``ret<K>-every<N>`` -> N (selection every N positions); 1 for any other config."""
-    _, _, suffix = name.partition("@")[0].partition("-every")
+    _, _, suffix = name.partition("@")[0].partition("+")[0].partition("-every")
     return int(suffix) if name.startswith("ret") and suffix else 1
 
 
@@ -137,15 +150,16 @@ def page_bounds(k, page: int | None = None):
     return torch.ops.kvops.far_page_summarize(k[: n * page].reshape(n, page, Hkv, D), pages)
 
 
-def retrieval_pages(q, bounds, t, n_pages, top_k: int, every: int = 1):
+def retrieval_pages(q, bounds, t, n_pages, top_k: int, every: int = 1, anchor: int = 0):
     """Far pages each query position ``t`` attends to under the retrieval far view: the
     ``top_k`` pages ``torch.ops.kvops.far_page_select`` chooses by key bound among its
-    far pages ``[0, n_pages[t])``, chosen with the query of position ``t - t % every`` (and its
-    far pages: selection every ``every`` steps). ``q`` holds the queries of positions ``t``
-    (``t - t % every`` must be among them). Returns a bool mask ``[len(t), pages]``."""
+    far pages ``[0, n_pages[t])``, chosen with the query of position ``t - (t - anchor) %
+    every`` (and its far pages: selection every ``every`` steps from position ``anchor``).
+    ``q`` holds the queries of positions ``t`` (those selecting positions must be among them).
+    Returns a bool mask ``[len(t), pages]``."""
     lo, hi = bounds
     N = lo.shape[1]
-    at = t - t % every
+    at = t - (t - anchor) % every
     row = torch.searchsorted(t, at)
     qs, nf = q[row], n_pages[at].to(torch.int32)
     idx, _ = torch.ops.kvops.far_page_select(qs, lo.expand(len(t), -1, -1, -1),
@@ -259,7 +273,8 @@ def far_summaries(k, v):
 
 @torch.no_grad()
 def attention_banded(q, k, v, mode: str, cap: int, bias: bool, sink: int = 0, q_block: int = 256,
-                     q0: int = 0, every: int = 1, page: int | None = None, rest: bool = False):
+                     q0: int = 0, every: int = 1, page: int | None = None, rest: bool = False,
+                     anchor: int = 0):
     """The same attention as :func:`attention_far` in one SDPA call per block of queries: the
     block's keys are the contiguous band ``[t0 - W, t0 + n)`` (no per-query copies) plus the
     far summaries, with a mask (window bounds, far chunk counts) carrying the far bias. This is
@@ -268,8 +283,9 @@ def attention_banded(q, k, v, mode: str, cap: int, bias: bool, sink: int = 0, q_
     ``mode="dense"``: causal attention over every earlier key. ``q0``: ``q`` holds only the
     queries of positions ``[q0, T)`` (``k, v`` all ``T``); the output is theirs.
     ``mode="ret"``: the window plus the exact tokens of the ``cap`` far pages
-    :func:`retrieval_pages` picks for each query (bias 0); with ``every > 1``, ``q0`` must be
-    a multiple of ``every``; ``page``: its page size (the window's too; default ``PAGE``);
+    :func:`retrieval_pages` picks for each query (bias 0); with ``every > 1`` the selecting
+    positions are ``anchor, anchor + every, ...`` and ``q0 - anchor`` must be a multiple of
+    ``every``; ``page``: its page size (the window's too; default ``PAGE``);
     ``rest``: each far page it does not choose joins as its mean key and value, bias
     ``log(page)``."""
     page = page or PAGE
@@ -283,8 +299,9 @@ def attention_banded(q, k, v, mode: str, cap: int, bias: bool, sink: int = 0, q_
                          f"the block-parallel evaluation needs every chunk to fit")
     far = far_summaries(k, v) if mode == "far" and T >= CHUNK else None
     if mode in ("ret", "reth"):
-        if q0 % every:
-            raise ValueError(f"attention_banded: q0={q0} is not a multiple of every={every}")
+        if (q0 - anchor) % every:
+            raise ValueError(f"attention_banded: q0={q0} is not anchor={anchor} plus a "
+                             f"multiple of every={every}")
         bounds = page_bounds(k, page)
         n_pages = first // page
         q_block = max(every, q_block - q_block % every)
@@ -300,7 +317,8 @@ def attention_banded(q, k, v, mode: str, cap: int, bias: bool, sink: int = 0, q_
         t = torch.arange(t0, t0 + n, device=q.device)
         mask = (keys[None, :] >= first[t, None]) & (keys[None, :] <= t[:, None])
         if mode == "ret" and bounds[0].shape[1]:
-            sel = retrieval_pages(q[t0 - q0:t0 - q0 + n], bounds, t, n_pages, cap, every)
+            sel = retrieval_pages(q[t0 - q0:t0 - q0 + n], bounds, t, n_pages, cap, every,
+                                  anchor)
             tok = sel.repeat_interleave(page, dim=1)                     # [n, pages * page]
             mask[:, : tok.shape[1]] |= tok[:, : mask.shape[1]]
         if mode == "reth" and bounds[0].shape[1]:
@@ -385,6 +403,9 @@ def check_paths(model: Llama, ids: torch.Tensor, configs: list[str]) -> float:
 def hidden_states(model: Llama, ids: torch.Tensor, config: str) -> torch.Tensor:
     """Final-norm hidden states [T, dim] of ``ids [T]`` under one configuration."""
     mode, cap, bias, sink = parse_config(config)
+    if decode_only(config):
+        raise ValueError(f"config: {config!r} decodes after a prompt; every position of a text "
+                         f"is not a decode step (hidden_states_served takes the prompt length)")
     if mode == "dense":
         return model.hidden_states(ids[None])[0]
     T = ids.shape[0]
@@ -415,14 +436,34 @@ def hidden_states_from(model: Llama, ids: torch.Tensor, config: str, start: int 
     mode, cap, bias, sink = parse_config(config)
     every, page = retrieval_every(config), retrieval_page(config)
     dense_below, rest = dense_layers(config), retrieval_rest(config)
+    anchor = start if decode_only(config) else 0
 
     def attend(layer, q, k, v):
         if mode == "dense" or layer < dense_below:
             return attention_dense(q, k, v, start)
         return attention_banded(q, k, v, mode, cap, bias, sink, q0=start, every=every, page=page,
-                                rest=rest)
+                                rest=rest, anchor=anchor)
 
     return hidden_states_with(model, ids, attend, start, cache)
+
+
+@torch.no_grad()
+def hidden_states_served(model: Llama, ids: torch.Tensor, config: str, prompt_len: int,
+                         dense: tuple[torch.Tensor, list] | None = None) -> torch.Tensor:
+    """Final-norm hidden states ``[T, dim]`` of ``ids [T]`` served as an engine serves a
+    ``+decode`` config (:func:`decode_only`): positions ``[0, prompt_len)`` prefilled with
+    dense causal attention, positions ``[prompt_len, T)`` decoded with the config's far view
+    over the prompt's K/V (every far page summarized; the first decode step selects).
+    ``dense``: ``hidden_states_from(model, ids, "dense")``'s result, when already at hand (its
+    K/V of the prompt's positions are the prefill's)."""
+    if not decode_only(config):
+        raise ValueError(f"config: expected ret<K>[-every<N>]+decode[@<S>], got {config!r}")
+    if not 0 < prompt_len < ids.shape[0]:
+        raise ValueError(f"prompt_len: expected 1..{ids.shape[0] - 1} (a prompt and at least "
+                         f"one decoded token), got {prompt_len}")
+    hidden, kvs = dense if dense is not None else hidden_states_from(model, ids, "dense")
+    tail, _ = hidden_states_from(model, ids, config, prompt_len, kvs)
+    return torch.cat([hidden[:prompt_len], tail])
 
 
 @torch.no_grad()
@@ -511,7 +552,7 @@ class _MeanSteps:
     def __init__(self, far):
         self.far = far
 
-    def begin(self) -> None:
+    def begin(self, drain: bool = False) -> None:
         pass
 
     def view(self, layer, q, kc, vc):
@@ -533,8 +574,8 @@ class _RetrievalSteps:
     def __init__(self, ret):
         self.ret = ret
 
-    def begin(self) -> None:
-        self.ret.begin_step()
+    def begin(self, drain: bool = False) -> None:
+        self.ret.begin_step(drain)
 
     def view(self, layer, q, kc, vc):
         self.ret.absorb(layer, kc)
@@ -548,12 +589,14 @@ class _RetrievalSteps:
         pass
 
 
-def _runtime_nll(model: Llama, ids: torch.Tensor, page: int, attach) -> float:
+def _runtime_nll(model: Llama, ids: torch.Tensor, page: int, attach, prefill: int = 0) -> float:
     """Summed next-token NLL of ``ids`` decoded one token at a time through the runtime: a
     :class:`kvops.runtime.Pager` of ``page``-token pages maps the sequence, ``attach(pager)``
     gives the far-view policy's step parts (``_MeanSteps``, ``_RetrievalSteps``), and every
     layer attends through ``torch.ops.kvops.static_sliding_attention`` over its window pages
-    plus the policy's far slots."""
+    plus the policy's far slots. The first ``prefill`` positions attend densely over all their
+    pages without the policy (a prefill, token by token), and the first step after them
+    drains the policy's summaries (``begin(drain=True)``)."""
     from kvops.runtime import Pager
 
     T, cfg = ids.shape[0], model.cfg
@@ -566,9 +609,12 @@ def _runtime_nll(model: Llama, ids: torch.Tensor, page: int, attach) -> float:
     for t in range(T - 1):
         with pager.frame() as f:
             f.reserve("s", 1)
-        policy.begin()
+        decode = t >= prefill
+        if decode:
+            policy.begin(drain=t == prefill)
         table_ = pager.pages("s")
-        here, first = table_[t // page], max(0, len(table_) - nw)
+        here = table_[t // page]
+        first = max(0, len(table_) - nw) if decode else 0   # a prefill step sees every page
         win = torch.tensor(table_[first:])
         ws = torch.zeros(1, dtype=torch.int32)
         wl = torch.tensor([t + 1 - first * page], dtype=torch.int32)
@@ -579,14 +625,16 @@ def _runtime_nll(model: Llama, ids: torch.Tensor, page: int, attach) -> float:
             q, k, v = att._qkv(block.attention_norm(x), cos, sin)
             kc, vc = pool[layer, 0], pool[layer, 1]
             kc[here, t % page], vc[here, t % page] = k[0], v[0]
-            view = policy.view(layer, q, kc, vc)
+            view = policy.view(layer, q, kc, vc) if decode else ()
             kw = kc[win].reshape(1, -1, cfg.n_kv_heads, cfg.head_dim)
             vw = vc[win].reshape(1, -1, cfg.n_kv_heads, cfg.head_dim)
             out, lse = torch.ops.kvops.static_sliding_attention(q, kw, vw, ws, wl, *view)
-            policy.after(layer, q, view, lse)
+            if decode:
+                policy.after(layer, q, view, lse)
             x = x + att.wo(out.flatten(-2))
             x = x + block.feed_forward(block.ffn_norm(x))
-        policy.end()
+        if decode:
+            policy.end()
         logits = model.output(model.norm(x)).float()
         nll += F.cross_entropy(logits, ids[t + 1:t + 2], reduction="sum").item()
     return nll
@@ -594,7 +642,7 @@ def _runtime_nll(model: Llama, ids: torch.Tensor, page: int, attach) -> float:
 
 @torch.no_grad()
 def sequential_nll_retrieval(model: Llama, ids: torch.Tensor, top_k: int,
-                             page: int | None = None) -> float:
+                             page: int | None = None, prefill: int = 0) -> float:
     """Summed next-token NLL of ``ids`` decoded one token at a time through the retrieval far
     view of the runtime: a :class:`kvops.runtime.Pager` maps the sequence's pages of ``page``
     tokens (default ``PAGE``), :class:`kvops.runtime.FarRetrieval` summarizes each page as it
@@ -602,7 +650,9 @@ def sequential_nll_retrieval(model: Llama, ids: torch.Tensor, top_k: int,
     ``far_page_select`` chooses for the step's query exact into its far slots (``select``), and
     every layer attends through ``torch.ops.kvops.static_sliding_attention`` over its window
     pages plus those slots. The same selection as ``ret<top_k>[@<page>]`` in
-    :func:`attention_banded`, one decode step per token."""
+    :func:`attention_banded`, one decode step per token. ``prefill``: the first positions
+    attend densely, and the step after them summarizes every far page at once (what
+    ``ret<top_k>+decode[@<page>]`` evaluates, :func:`hidden_states_served`)."""
     from kvops.runtime import FarRetrieval
 
     page, cfg = page or PAGE, model.cfg
@@ -613,7 +663,7 @@ def sequential_nll_retrieval(model: Llama, ids: torch.Tensor, top_k: int,
             num_layers=cfg.n_layers, num_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
             dtype=torch.float32, max_leave=1))
 
-    return _runtime_nll(model, ids, page, attach)
+    return _runtime_nll(model, ids, page, attach, prefill)
 
 
 @torch.no_grad()

@@ -23,7 +23,8 @@ import time
 
 import torch
 
-from kvops.evals.far_view import hidden_states_from, parse_config, retrieval_every, window_geometry
+from kvops.evals.far_view import (decode_only, hidden_states_from, parse_config, retrieval_every,
+                                  window_geometry)
 from kvops.models import Tokenizer
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -99,16 +100,24 @@ def passkey_hits(model, tok, n_tokens, configs, prompts, seed=0) -> tuple[dict, 
     so per config the deepest prompt runs in full and keeps every layer's K/V; each other prompt
     computes only its positions from where it leaves that prompt, attending to the kept K/V for
     the positions before (exact: causal attention; float rounding may differ from one full
-    forward at the 1e-6 level)."""
+    forward at the 1e-6 level).
+
+    A ``+decode`` config (:func:`kvops.evals.far_view.decode_only`) is served as an engine
+    serves it: each prompt's dense forward is its prefill (computed for ``dense``, which runs
+    whether asked for or not), so the first digit is dense's, and the answer's positions are
+    decoded with the far view over the prompt's K/V; its seconds are those of the answer's
+    positions alone."""
     cases = passkey_cases(tok, n_tokens, prompts, seed)
     alias = same_slots(configs, max(len(p) + len(a) for _, p, a in cases))
-    hits, seconds = {}, {}
-    for c in configs:
-        if alias[c] != c:
-            continue
+    served = [c for c in configs if decode_only(c)]
+    runs = [c for c in configs if alias[c] == c and c not in served]
+    if served and "dense" not in runs:
+        runs.insert(0, "dense")
+    hits, seconds = {c: [] for c in runs + served}, {c: 0.0 for c in runs + served}
+    for c in runs:
         t = time.perf_counter()
         order = sorted(range(prompts), key=lambda i: -cases[i][0])   # deepest first
-        cache, base, hits[c] = None, None, []
+        cache, base = None, None
         for i in order:
             depth, prompt, answer = cases[i]
             ids = torch.tensor(prompt + answer, device=model.rope_cos.device)
@@ -124,10 +133,19 @@ def passkey_hits(model, tok, n_tokens, configs, prompts, seed=0) -> tuple[dict, 
             print(f"{c} prompt {i} depth {depth:.2f} from {start}/{len(ids)}: "
                   f"{'hit' if got == answer else 'miss'} (total {len(hits[c])}, "
                   f"{time.perf_counter() - t:.0f} s)", flush=True)
-        hits[c].sort()
+            for d in served if c == "dense" else ():  # decode the answer over the prefill
+                t_d = time.perf_counter()
+                tail, _ = hidden_states_from(model, ids, d, len(prompt), kvs)
+                got_d = got[:1] + model.output(tail[:-1]).argmax(-1).tolist()
+                if got_d == answer:
+                    hits[d].append(i)
+                seconds[d] += time.perf_counter() - t_d
+                t += time.perf_counter() - t_d
+                print(f"  {d}: {'hit' if got_d == answer else 'miss'} (total {len(hits[d])})",
+                      flush=True)
         seconds[c] = time.perf_counter() - t
     for c in configs:
-        hits[c], seconds[c] = hits[alias[c]], seconds[alias[c]]
+        hits[c], seconds[c] = sorted(hits[alias[c]]), seconds[alias[c]]
     return hits, seconds, alias
 
 
@@ -178,6 +196,8 @@ def multikey_hits(model, tok, n_tokens, configs, trials, needles, seed=0) -> tup
     and the seconds it took. Each question reuses the K/V of the previous one's common prefix
     (a trial's questions share the whole context; trials share the filler before their first
     key)."""
+    if any(decode_only(c) for c in configs):
+        raise ValueError(f"configs: +decode configs run on the passkey task only, got {configs}")
     cases = multikey_cases(tok, n_tokens, trials, needles, seed)
     hits, seconds = {}, {}
     for c in configs:

@@ -19,8 +19,11 @@ Summaries, once per page, on the device
     not summarized yet (a device counter ``done [B]``); :meth:`absorb` (per layer) runs
     ``far_page_summarize_into`` on them: one launch stores the per-channel key min and max into
     the layer's summary table ``[B, L + 1, Hkv, D]`` at the blocks' rows (row ``L`` a sink).
-    A prefill that makes many blocks far at once drains ``max_leave`` per step. The summary
-    tables cost ``2 / S`` of the K pool of a full-length session.
+    A prefill that makes many blocks far at once drains ``max_leave`` per step, or all of them
+    in one step with ``begin_step(drain=True)`` (an eager step: the shapes follow the table's
+    width), which an engine calls after a prompt's prefill so that its first decode step can
+    choose among every far page. The summary tables cost ``2 / S`` of the K pool of a
+    full-length session.
 
 Selection, on the device, no host sync
     :meth:`select` (per layer, with the layer's query) runs ``far_page_select`` over blocks
@@ -84,7 +87,8 @@ class FarRetrieval:
     dtype, device
         Of the KV pools (summaries and far buffers are kept in the pool dtype).
     max_leave : int
-        Far pages per session summarized per step (a prefill drains at this rate).
+        Far pages per session summarized per step (a prefill drains at this rate, or at once
+        in a step whose ``begin_step`` drains).
     """
 
     def __init__(self, pager: Pager, *, window_tokens: int, top_k: int, num_layers: int,
@@ -122,6 +126,7 @@ class FarRetrieval:
         self.leave_pages = torch.full((B, max_leave), -1, dtype=torch.int32, device=dev)
         self.leave_ids = torch.full((B, max_leave), L, dtype=torch.int64, device=dev)
         self._offsets = torch.arange(max_leave, dtype=torch.int32, device=dev)
+        self._leave = (self.leave_pages, self.leave_ids)      # what absorb summarizes
         pager.attach(self)
 
     # -- pager hook ---------------------------------------------------------------------------
@@ -149,8 +154,11 @@ class FarRetrieval:
         blocks = (lens + self.S - 1) // self.S
         return (blocks - self.window_pages).clamp(min=0).to(torch.int32)
 
-    def begin_step(self) -> None:
-        """Once per step after the commit: reset reopened slots, pick the pages to summarize."""
+    def begin_step(self, drain: bool = False) -> None:
+        """Once per step after the commit: reset reopened slots, pick the pages to summarize:
+        per session the next ``max_leave`` far blocks not summarized yet, or with ``drain``
+        every one of them (``far_width`` entries a session, in buffers made for the step: a
+        step that drains is not captured)."""
         t = self._tables()
         gen = t["far_ret_gen"]
         reset = gen != self.gen
@@ -158,17 +166,24 @@ class FarRetrieval:
         self.done.copy_(torch.where(reset, 0, self.done))
         self.far_bias.copy_(torch.where(reset[None, :, None], float("-inf"), self.far_bias))
         self.index.copy_(torch.where(reset[None, :, None], -1, self.index))
-        j = self.done[:, None] + self._offsets[None, :]                          # [B, n]
+        offsets = self._offsets if not drain else torch.arange(
+            self.far_width, dtype=torch.int32, device=self.done.device)
+        j = self.done[:, None] + offsets[None, :]                                # [B, n]
         take = j < self.far_pages()[:, None]
         page = t["block_table"].gather(1, j.clamp(max=self.L - 1).long())
-        self.leave_pages.copy_(torch.where(take, page, -1))
-        self.leave_ids.copy_(torch.where(take, j, self.L).long())
+        page, ids = torch.where(take, page, -1), torch.where(take, j, self.L).long()
+        if drain:
+            self._leave = (page, ids)
+        else:
+            self.leave_pages.copy_(page)
+            self.leave_ids.copy_(ids)
+            self._leave = (self.leave_pages, self.leave_ids)
         self.done.add_(take.sum(dim=1, dtype=torch.int32))
 
     def absorb(self, layer: int, k_cache: Tensor) -> None:
         """Key bounds of the pages :meth:`begin_step` picked, into ``layer``'s summary table."""
-        torch.ops.kvops.far_page_summarize_into(k_cache, self.leave_pages, self.leave_ids,
-                                                self.k_min[layer], self.k_max[layer])
+        torch.ops.kvops.far_page_summarize_into(k_cache, *self._leave, self.k_min[layer],
+                                                self.k_max[layer])
 
     def select(self, layer: int, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         """Pick ``layer``'s top-K far pages for ``q [B, Hq, D]`` and bring them exact into its
