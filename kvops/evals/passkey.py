@@ -23,8 +23,13 @@ import time
 
 import torch
 
-from kvops.evals.far_view import (decode_only, hidden_states_from, parse_config, retrieval_every,
-                                  window_geometry)
+from kvops.evals.far_view import (
+    decode_only,
+    hidden_states_from,
+    parse_config,
+    retrieval_every,
+    window_geometry,
+)
 from kvops.models import Tokenizer
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
