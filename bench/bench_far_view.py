@@ -358,7 +358,7 @@ def retrieval(batches, T, smoke=False):
         without = times["step without selection"]
         for tag in ("", ", unfused"):
             worst, typical = times[f"step with selection, pages changing{tag}"], times[churn + tag]
-            for every in (1, 2, 4, 8, 16):
+            for every in (1, 2, 4, 8, 16, 32):
                 step = (typical + (every - 1) * without) / every
                 step_worst = (worst + (every - 1) * without) / every
                 notes.append([B, T, tag.strip(", ") or "fused", every, step, step / wide,
