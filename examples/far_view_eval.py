@@ -20,8 +20,8 @@ Configurations (near window W = 512 tokens, 16-token pages, sv_chunk = 128):
   dense, to tell whether the early layers' choice is what a retrieval misses.
 - ``ret<K>[-every<N>]+decode[@<S>]`` (passkey only): the retrieval far view as a serving
   engine runs it: the prompt prefilled densely, the answer decoded with the far view (the
-  first decode step selecting). Every other config attends its way at every position, the
-  prompt's included.
+  first decode step selecting); ``near+decode``, its control, decodes the answer over the
+  window alone. Every other config attends its way at every position, the prompt's included.
 
 How the far view is evaluated. By default, block-parallel: every query position gets the
 attention a decode step with :class:`kvops.runtime.FarView` gives it (its window plus the

@@ -733,6 +733,9 @@ def test_served_retrieval_prefills_densely_and_decodes_through_the_runtime(monke
     served = ev.hidden_states_served(model, ids, config, P, (dense, kvs))
     torch.testing.assert_close(served[:P], dense[:P], rtol=0, atol=0)
     assert not torch.allclose(served[P:], dense[P:], atol=1e-4)
+    near = ev.hidden_states_served(model, ids, "near+decode", P, (dense, kvs))  # the control
+    torch.testing.assert_close(near[:P], dense[:P], rtol=0, atol=0)
+    assert not torch.allclose(near[P:], served[P:], atol=1e-4)
     if every == 1:
         got = ev.sequential_nll_retrieval(model, ids, 2, page=8, prefill=P)
         want = nll_sum(model, served[:-1], ids[1:])

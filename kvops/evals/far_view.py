@@ -33,8 +33,9 @@ Configurations (near window ``WINDOW = 512`` tokens, ``PAGE = 16``-token pages, 
   attention (the engine's ``paged_prefill_attention`` reads the whole paged prefix), its far
   pages summarized at once (``FarRetrieval.begin_step(drain=True)``), and the answer's
   positions decoded with the far view, the first decode step selecting (with ``-every<N>``
-  every ``N``-th from it). Every other config applies its attention at every position, as if
-  the prompt were decoded token by token too.
+  every ``N``-th from it); ``near+decode``, its control, decodes the answer over the window
+  alone. Every other config applies its attention at every position, as if the prompt were
+  decoded token by token too.
 
 Block-parallel evaluation (:func:`attention_banded`, :func:`hidden_states`,
 :func:`perplexity`): every query position gets the attention a decode step with
@@ -78,6 +79,8 @@ def parse_config(name: str) -> tuple[str, int, bool, int]:
         if extra.startswith("dense") and extra[5:].isdigit() or extra in ("rest", "decode"):
             name = head                       # dense layers, rest, decode: dense_layers,
                                               # retrieval_rest and decode_only read them
+    if name == "near+decode":                  # the served control: decode_only reads it
+        name = "near"
     base, plus, extra = name.partition("+")
     sink = int(extra[4:]) if extra.startswith("sink") and extra[4:].isdigit() else -1
     if base.startswith("sink") and base[4:].isdigit() and not plus:
@@ -115,9 +118,11 @@ def retrieval_rest(name: str) -> bool:
 
 
 def decode_only(name: str) -> bool:
-    """``ret<K>[-every<N>]+decode[@<S>]`` -> True: the far view at the answer's (decode)
-    positions only, the prompt prefilled densely (:func:`hidden_states_served`)."""
-    return name.startswith("ret") and name.partition("@")[0].partition("+")[2] == "decode"
+    """``ret<K>[-every<N>]+decode[@<S>]`` and ``near+decode`` -> True: the far view (or the
+    window alone) at the answer's (decode) positions only, the prompt prefilled densely
+    (:func:`hidden_states_served`)."""
+    return name == "near+decode" or (name.startswith("ret") and
+                                     name.partition("@")[0].partition("+")[2] == "decode")
 
 
 def retrieval_every(name: str) -> int:
@@ -457,7 +462,8 @@ def hidden_states_served(model: Llama, ids: torch.Tensor, config: str, prompt_le
     ``dense``: ``hidden_states_from(model, ids, "dense")``'s result, when already at hand (its
     K/V of the prompt's positions are the prefill's)."""
     if not decode_only(config):
-        raise ValueError(f"config: expected ret<K>[-every<N>]+decode[@<S>], got {config!r}")
+        raise ValueError(f"config: expected ret<K>[-every<N>]+decode[@<S>] or near+decode, "
+                         f"got {config!r}")
     if not 0 < prompt_len < ids.shape[0]:
         raise ValueError(f"prompt_len: expected 1..{ids.shape[0] - 1} (a prompt and at least "
                          f"one decoded token), got {prompt_len}")
