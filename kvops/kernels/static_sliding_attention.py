@@ -114,16 +114,12 @@ def _sliding_window_kernel(
                 + i_h * stride_fkh + o_d[None, :]
             p_v = FarV + i_b * stride_fvb + (start + o_c)[:, None] * stride_fvc \
                 + i_h * stride_fvh + o_d[None, :]
-            m_kv = m_n[:, None] & m_d[None, :]
-            b_k = tl.load(p_k, mask=m_kv, other=0.0)
-            b_v = tl.load(p_v, mask=m_kv, other=0.0)
             b_bias = tl.load(FarBias + i_b * stride_fbb + start + o_c, mask=m_n,
                              other=float("-inf")) * LOG2E
-            # an empty slot (bias -inf) is read but zeroed, so NaN or inf there never reaches
-            # the output; masking the loads by the bias instead makes them wait for it
-            m_live = (b_bias > float("-inf"))[:, None]
-            b_k = tl.where(m_live, b_k, 0.0)
-            b_v = tl.where(m_live, b_v, 0.0)
+            # an empty slot (bias -inf) is not read: NaN or inf there must not reach the output
+            m_live = (m_n & (b_bias > float("-inf")))[:, None] & m_d[None, :]
+            b_k = tl.load(p_k, mask=m_live, other=0.0)
+            b_v = tl.load(p_v, mask=m_live, other=0.0)
             b_m, b_l, b_acc = online_softmax_tile(b_q, b_k, b_v, b_bias, b_m, b_l, b_acc,
                                                   scale_log2, PRECISION)
 
