@@ -152,7 +152,8 @@ def page_bounds(k, page: int | None = None):
     T, Hkv, D = k.shape
     n = T // page
     pages = torch.arange(n, dtype=torch.int32, device=k.device).view(1, n)
-    return torch.ops.kvops.far_page_summarize(k[: n * page].reshape(n, page, Hkv, D), pages)
+    return torch.ops.kvops.far_page_summarize(k[: n * page].contiguous().view(n, page, Hkv, D),
+                                              pages)
 
 
 def retrieval_pages(q, bounds, t, n_pages, top_k: int, every: int = 1, anchor: int = 0):
@@ -270,7 +271,9 @@ def far_summaries(k, v):
     """Every complete chunk's mean K and V ([chunks, Hkv, D] each) through the kvops op."""
     T, Hkv, D = k.shape
     chunks, M = T // CHUNK, CHUNK // PAGE
-    pages = (t[: chunks * CHUNK].reshape(chunks * M, PAGE, Hkv, D) for t in (k, v))
+    # the model's v is a view of its fused projection, rows not dense: the op takes pages
+    # whose [S, Hkv, D] rows are
+    pages = (t[: chunks * CHUNK].contiguous().view(chunks * M, PAGE, Hkv, D) for t in (k, v))
     table_ = torch.arange(chunks * M, dtype=torch.int32, device=k.device).view(1, chunks, M)
     k_sum, v_sum = torch.ops.kvops.far_view_summarize(*pages, table_)
     return k_sum[0], v_sum[0]
