@@ -18,7 +18,7 @@ Configurations (near window W = 512 tokens, 16-token pages, sv_chunk = 128):
   stay in chunk 0's summary).
 - ``ret<K>+dense<n>[@<S>]`` (diagnostic): the retrieval far view with the first ``n`` layers
   dense, to tell whether the early layers' choice is what a retrieval misses.
-- ``ret<K>[-every<N>]+decode[@<S>]`` (passkey only): the retrieval far view as a serving
+- ``ret<K>[-every<N>]+decode[@<S>]`` (passkey and multikey): the retrieval far view as a serving
   engine runs it: the prompt prefilled densely, the answer decoded with the far view (the
   first decode step selecting); ``near+decode``, its control, decodes the answer over the
   window alone. Every other config attends its way at every position, the prompt's included.
@@ -104,9 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     for c in args.configs:
         ev.parse_config(c)
-        if ev.decode_only(c) and args.task != "passkey":
+        if ev.decode_only(c) and args.task not in ("passkey", "multikey"):
             ap.error(f"--configs {c}: a +decode config decodes a prompt's answer; it runs on "
-                     f"--task passkey only")
+                     f"--task passkey or multikey only")
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok = Llama.from_gguf(device=args.device), Tokenizer.from_gguf()

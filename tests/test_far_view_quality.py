@@ -50,3 +50,20 @@ def test_passkey_at_2k_dense_retrieves_and_the_window_alone_does_not(smollm2):
         hits, _, _ = passkey.passkey_hits(model, tok, 2048, ["dense", "near"], prompts=10)
     assert len(hits["dense"]) >= 6, hits
     assert hits["near"] == [], hits
+
+
+def test_served_retrieval_at_2k_finds_what_dense_finds(smollm2):
+    """Served (the prompt prefilled densely, the answer decoded with the far view): the
+    retrieval far view finds every key dense finds on 10 prompts at 2k (40 / 40 on 50
+    recorded, bench/results/2026-12-06-far_view-passkey-2048-4096-8192-served-50.md) and the
+    window alone only keys in the last quarter, its window (0.78-1.00 recorded); multikey serves
+    the same way, a served config answering only questions dense's prefill was run for."""
+    model, tok = smollm2
+    configs = ["dense", "ret128+decode@8", "near+decode"]
+    with torch.no_grad():
+        hits, seconds, _ = passkey.passkey_hits(model, tok, 2048, configs, prompts=10)
+        keys, _ = passkey.multikey_hits(model, tok, 2048, ["ret64+decode"], trials=1, needles=2)
+    assert len(hits["dense"]) >= 6 and hits["ret128+decode@8"] == hits["dense"], hits
+    assert all(i / 9 > 0.75 for i in hits["near+decode"]), hits     # the last 512 tokens
+    assert seconds["ret128+decode@8"] < seconds["dense"]       # the answer's positions only
+    assert set(keys) == {"dense", "ret64+decode"} and set(keys["ret64+decode"]) <= {(0, 0), (0, 1)}

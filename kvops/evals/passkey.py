@@ -114,10 +114,7 @@ def passkey_hits(model, tok, n_tokens, configs, prompts, seed=0) -> tuple[dict, 
     positions alone."""
     cases = passkey_cases(tok, n_tokens, prompts, seed)
     alias = same_slots(configs, max(len(p) + len(a) for _, p, a in cases))
-    served = [c for c in configs if decode_only(c)]
-    runs = [c for c in configs if alias[c] == c and c not in served]
-    if served and "dense" not in runs:
-        runs.insert(0, "dense")
+    runs, served = served_plan([c for c in configs if alias[c] == c])
     hits, seconds = {c: [] for c in runs + served}, {c: 0.0 for c in runs + served}
     for c in runs:
         t = time.perf_counter()
@@ -138,16 +135,9 @@ def passkey_hits(model, tok, n_tokens, configs, prompts, seed=0) -> tuple[dict, 
             print(f"{c} prompt {i} depth {depth:.2f} from {start}/{len(ids)}: "
                   f"{'hit' if got == answer else 'miss'} (total {len(hits[c])}, "
                   f"{time.perf_counter() - t:.0f} s)", flush=True)
-            for d in served if c == "dense" else ():  # decode the answer over the prefill
-                t_d = time.perf_counter()
-                tail, _ = hidden_states_from(model, ids, d, len(prompt), kvs)
-                got_d = got[:1] + model.output(tail[:-1]).argmax(-1).tolist()
-                if got_d == answer:
-                    hits[d].append(i)
-                seconds[d] += time.perf_counter() - t_d
-                t += time.perf_counter() - t_d
-                print(f"  {d}: {'hit' if got_d == answer else 'miss'} (total {len(hits[d])})",
-                      flush=True)
+            if c == "dense":
+                t += decode_served(model, ids, served, len(prompt), kvs, got[0], answer, i,
+                                   hits, seconds)
         seconds[c] = time.perf_counter() - t
     for c in configs:
         hits[c], seconds[c] = sorted(hits[alias[c]]), seconds[alias[c]]
@@ -200,14 +190,13 @@ def multikey_hits(model, tok, n_tokens, configs, trials, needles, seed=0) -> tup
     """Per config: the (trial, key) pairs answered (every digit the argmax, as for passkey)
     and the seconds it took. Each question reuses the K/V of the previous one's common prefix
     (a trial's questions share the whole context; trials share the filler before their first
-    key)."""
-    if any(decode_only(c) for c in configs):
-        raise ValueError(f"configs: +decode configs run on the passkey task only, got {configs}")
+    key). A ``+decode`` config is served as :func:`passkey_hits` serves it."""
     cases = multikey_cases(tok, n_tokens, trials, needles, seed)
-    hits, seconds = {}, {}
-    for c in configs:
+    runs, served = served_plan(configs)
+    hits, seconds = {c: [] for c in runs + served}, {c: 0.0 for c in runs + served}
+    for c in runs:
         t = time.perf_counter()
-        cache, base, hits[c] = None, None, []
+        cache, base = None, None
         for r, i, depth, prompt, answer in cases:
             ids = torch.tensor(prompt + answer, device=model.rope_cos.device)
             n = len(answer)
@@ -221,8 +210,40 @@ def multikey_hits(model, tok, n_tokens, configs, trials, needles, seed=0) -> tup
             print(f"{c} trial {r} key {i} depth {depth:.2f} from {start}/{len(ids)}: "
                   f"{'hit' if got == answer else 'miss'} (total {len(hits[c])}, "
                   f"{time.perf_counter() - t:.0f} s)", flush=True)
+            if c == "dense":
+                t += decode_served(model, ids, served, len(prompt), cache, got[0], answer,
+                                   (r, i), hits, seconds)
         seconds[c] = time.perf_counter() - t
     return hits, seconds
+
+
+def served_plan(configs: list[str]) -> tuple[list[str], list[str]]:
+    """(the configs a task runs over every prompt, the ``+decode`` ones it serves over dense's
+    prefill): ``dense`` runs whether asked for or not when any config is served."""
+    served = [c for c in configs if decode_only(c)]
+    runs = [c for c in configs if c not in served]
+    if served and "dense" not in runs:
+        runs.insert(0, "dense")
+    return runs, served
+
+
+def decode_served(model, ids, served, prompt_len, kvs, first, answer, key, hits,
+                  seconds) -> float:
+    """Each served config's answer to ``ids`` (prompt + answer), decoded with its far view over
+    the prompt's dense K/V ``kvs`` (the prefill; ``first``: the prefill's own next token, the
+    answer's first); ``key`` joins ``hits[config]`` when every token is the argmax. Adds each
+    config's seconds to ``seconds`` and returns their sum."""
+    spent = 0.0
+    for d in served:
+        t = time.perf_counter()
+        tail, _ = hidden_states_from(model, ids, d, prompt_len, kvs)
+        got = [first] + model.output(tail[:-1]).argmax(-1).tolist()
+        if got == answer:
+            hits[d].append(key)
+        seconds[d] += time.perf_counter() - t
+        spent += time.perf_counter() - t
+        print(f"  {d}: {'hit' if got == answer else 'miss'} (total {len(hits[d])})", flush=True)
+    return spent
 
 
 def depth_ranges(indices: list[int], prompts: int) -> str:
