@@ -722,6 +722,10 @@ def test_served_retrieval_prefills_densely_and_decodes_through_the_runtime(monke
 
     assert ev.parse_config(config) == ("ret", 2, False, 0)
     assert ev.decode_only(config) and not ev.decode_only("ret2@8")
+    assert ev.parse_config("ret2+sink1+decode@8") == ("ret", 2, False, 1)   # +decode composes
+    for bad in ("far64+decode", "dense+decode"):       # no runtime drains these
+        with pytest.raises(ValueError, match="expected \\+decode after near or ret"):
+            ev.parse_config(bad)
     assert (ev.retrieval_page(config), ev.retrieval_every(config)) == (8, every)
     monkeypatch.setattr(ev, "WINDOW", 32)
     cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=HKV * G, n_kv_heads=HKV,

@@ -68,19 +68,39 @@ from kvops.ops.far_page_select import head_bounds_ref, page_scores_ref
 WINDOW, PAGE, CHUNK = 512, 16, 128
 
 
+SERVED = "+decode"
+
+
+def _unserved(name: str) -> tuple[str, bool]:
+    """``<config>+decode[@<S>]`` -> (``<config>[@<S>]``, True); any other name -> (name,
+    False)."""
+    head, at, size = name.partition("@")
+    if head.endswith(SERVED):
+        return head[: -len(SERVED)] + at + size, True
+    return name, False
+
+
 def parse_config(name: str) -> tuple[str, int, bool, int]:
     """``"dense" | "near" | "far<cap>[-nobias]"``, optionally ``+sink<n>`` (``"sink<n>"`` alone
     is ``near+sink<n>``), or ``"ret<K>[-every<N>][+sink<n>][@<S>]"`` -> (mode, cap,
-    log_count_bias, sink tokens)."""
+    log_count_bias, sink tokens); ``near`` and ``ret`` configs may end in ``+decode``
+    (:func:`decode_only`)."""
+    plain, served = _unserved(name)
+    parsed = _parse_config(plain)
+    if served and parsed[0] not in ("near", "ret"):
+        raise ValueError(f"config: expected +decode after near or ret<K> (FarRetrieval drains a "
+                         f"prefill's far pages; nothing else here does), got {name!r}")
+    return parsed
+
+
+def _parse_config(name: str) -> tuple[str, int, bool, int]:
     if name.startswith("ret"):
         retrieval_page(name)                  # a bad page size is refused here
         name = name.partition("@")[0]
         head, plus, extra = name.partition("+")
-        if extra.startswith("dense") and extra[5:].isdigit() or extra in ("rest", "decode"):
-            name = head                       # dense layers, rest, decode: dense_layers,
-                                              # retrieval_rest and decode_only read them
-    if name == "near+decode":                  # the served control: decode_only reads it
-        name = "near"
+        if extra.startswith("dense") and extra[5:].isdigit() or extra == "rest":
+            name = head                       # dense layers, rest: dense_layers and
+                                              # retrieval_rest read them
     base, plus, extra = name.partition("+")
     sink = int(extra[4:]) if extra.startswith("sink") and extra[4:].isdigit() else -1
     if base.startswith("sink") and base[4:].isdigit() and not plus:
@@ -118,11 +138,10 @@ def retrieval_rest(name: str) -> bool:
 
 
 def decode_only(name: str) -> bool:
-    """``ret<K>[-every<N>]+decode[@<S>]`` and ``near+decode`` -> True: the far view (or the
-    window alone) at the answer's (decode) positions only, the prompt prefilled densely
+    """``<config>+decode[@<S>]`` (``ret`` or ``near``) -> True: the far view (or the window
+    alone) at the answer's (decode) positions only, the prompt prefilled densely
     (:func:`hidden_states_served`)."""
-    return name == "near+decode" or (name.startswith("ret") and
-                                     name.partition("@")[0].partition("+")[2] == "decode")
+    return _unserved(name)[1]
 
 
 def retrieval_every(name: str) -> int:
@@ -465,7 +484,7 @@ def hidden_states_served(model: Llama, ids: torch.Tensor, config: str, prompt_le
     ``dense``: ``hidden_states_from(model, ids, "dense")``'s result, when already at hand (its
     K/V of the prompt's positions are the prefill's)."""
     if not decode_only(config):
-        raise ValueError(f"config: expected ret<K>[-every<N>]+decode[@<S>] or near+decode, "
+        raise ValueError(f"config: expected near+decode or ret<K>[-every<N>]+decode[@<S>], "
                          f"got {config!r}")
     if not 0 < prompt_len < ids.shape[0]:
         raise ValueError(f"prompt_len: expected 1..{ids.shape[0] - 1} (a prompt and at least "

@@ -511,15 +511,15 @@ def _paged_prefill_kernel(
             scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, True, True, PRECISION, PREFETCH, TMA, NEW,
             NEW_TMA, OFF64)
     b_acc, b_m, b_l = _key_run(
-        b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, KR, VR, page_rows, p_bt, tl.maximum(mid_lo, s_lo),
-        tl.minimum(mid_hi, s_hi), rows0, new_row0, seq_len, lo_key, P, L, i_h, stride_kp,
-        stride_vp, stride_kn, stride_vn, b_pos, window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D,
-        False, WINDOW, PRECISION, PREFETCH, TMA, NEW, NEW_TMA, OFF64)
+        b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, KR, VR, page_rows, p_bt,
+        tl.maximum(mid_lo, s_lo), tl.minimum(mid_hi, s_hi), rows0, new_row0, seq_len, lo_key, P,
+        L, i_h, stride_kp, stride_vp, stride_kn, stride_vn, b_pos, window, scale_log2, S, HKV,
+        D, BLOCK_N, BLOCK_D, False, WINDOW, PRECISION, PREFETCH, TMA, NEW, NEW_TMA, OFF64)
     b_acc, b_m, b_l = _key_run(
-        b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, KR, VR, page_rows, p_bt, tl.maximum(mid_hi, s_lo),
-        s_hi, rows0, new_row0, seq_len, lo_key, P, L, i_h, stride_kp, stride_vp, stride_kn,
-        stride_vn, b_pos, window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, True, WINDOW,
-        PRECISION, PREFETCH, TMA, NEW, NEW_TMA, OFF64)
+        b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, KR, VR, page_rows, p_bt,
+        tl.maximum(mid_hi, s_lo), s_hi, rows0, new_row0, seq_len, lo_key, P, L, i_h, stride_kp,
+        stride_vp, stride_kn, stride_vn, b_pos, window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D,
+        True, WINDOW, PRECISION, PREFETCH, TMA, NEW, NEW_TMA, OFF64)
     b_has = b_l > 0
     b_out = b_acc / tl.where(b_has, b_l, 1.0)[:, None]
     b_lse = tl.where(b_has, (b_m + tl.log2(tl.where(b_has, b_l, 1.0))) * LN2,
