@@ -298,6 +298,43 @@ def test_steps_without_selection_keep_the_last_pages():
         assert torch.equal(a, b)
 
 
+def test_summarizing_only_when_selecting_chooses_what_summarizing_every_step_does():
+    """Every 4th step selects; between them ``begin_step(summarize=False)`` and no absorb.
+    With ``max_leave`` 2 (ceil(4 / S) + 1) the selecting step summarizes the pages that left
+    meanwhile: the same bounds and pages as a twin that summarizes every step, and an absorb
+    after a step that summarizes nothing changes nothing."""
+    lazy, eager = setup(max_leave=2), setup(max_leave=2)
+    for pager, ret, k, _ in (lazy, eager):
+        with pager.frame() as f:
+            f.reserve("a", 4 * S)
+            f.reserve("b", 3 * S)
+        ret.begin_step(drain=True)
+        for layer in range(LAYERS):
+            ret.absorb(layer, k[layer])
+    for i in range(24):                                    # a: 3 tokens a step, b: 1
+        q, selecting = queries(10 + i), i % 4 == 3
+        for (pager, ret, k, v), lazy_one in ((lazy, True), (eager, False)):
+            with pager.frame() as f:
+                f.reserve("a", 3)
+                f.reserve("b", 1)
+            ret.begin_step(summarize=selecting or not lazy_one)
+            for layer in range(LAYERS):
+                if selecting or not lazy_one:
+                    ret.absorb(layer, k[layer])
+                if selecting:
+                    ret.select(layer, q[layer], k[layer], v[layer])
+        if not selecting:
+            before = lazy[1].k_min.clone()
+            lazy[1].absorb(0, lazy[2][0])                  # nothing picked: nothing written
+            assert torch.equal(lazy[1].k_min, before)
+            continue
+        for key in ("a", "b"):
+            b = lazy[0].slot(key)
+            assert int(lazy[1].done[b]) == int(eager[1].done[b]) == far_count(lazy[0], key)
+        for name in ("k_min", "k_max", "index", "far_k", "far_bias"):
+            assert torch.equal(getattr(lazy[1], name), getattr(eager[1], name)), (i, name)
+
+
 def test_host_commit_edits_only_the_generation_table():
     pager, ret, k, v = setup()
     with pager.frame() as f:

@@ -37,7 +37,10 @@ Selection, on the device, no host sync
     the buffers. Selection may run every step or every ``N`` steps (the host decides which step
     graph to replay; the buffers keep the last selection, which stays valid because far pages
     do not change); the page that leaves the window between two selections is in neither
-    until the next one.
+    until the next one. Only selection reads the bounds, so the steps between selections
+    summarize nothing either (``begin_step(summarize=False)``, no :meth:`absorb`): such a
+    step costs the attention alone, and the selecting step summarizes the pages that left
+    meanwhile.
 
 Host side
     Nothing but one table, ``far_ret_gen [B]``: the commit that opens or closes a session in a
@@ -47,10 +50,10 @@ Host side
 
 A decode step, after the frame's commit::
 
-    ret.begin_step()
+    ret.begin_step(summarize=selecting)    # selecting: every step, or every N steps
     for l, layer in enumerate(layers):
-        ret.absorb(l, k_cache[l])
-        if selecting:                      # every step, or every N steps
+        if selecting:                      # the bounds are read only here: absorb with it
+            ret.absorb(l, k_cache[l])
             ret.select(l, q, k_cache[l], v_cache[l])
         far_k, far_v, far_bias = ret.view(l)
         out, lse = torch.ops.kvops.static_sliding_attention(q, k_win, v_win, win_start,
@@ -154,11 +157,16 @@ class FarRetrieval:
         blocks = (lens + self.S - 1) // self.S
         return (blocks - self.window_pages).clamp(min=0).to(torch.int32)
 
-    def begin_step(self, drain: bool = False) -> None:
+    def begin_step(self, drain: bool = False, summarize: bool = True) -> None:
         """Once per step after the commit: reset reopened slots, pick the pages to summarize:
         per session the next ``max_leave`` far blocks not summarized yet, or with ``drain``
         every one of them (``far_width`` entries a session, in buffers made for the step: a
-        step that drains is not captured)."""
+        step that drains is not captured). With ``summarize=False`` (a step that does not
+        select: only :meth:`select` reads the bounds) it only resets, picks nothing and the
+        step's :meth:`absorb` calls can be left out (one made anyway summarizes nothing). A
+        caller that summarizes only when it selects, every ``N`` steps, needs ``max_leave``
+        at least ``ceil(N / S) + 1`` (the pages that leave the window meanwhile), or the
+        unsummarized backlog grows."""
         t = self._tables()
         gen = t["far_ret_gen"]
         reset = gen != self.gen
@@ -166,6 +174,11 @@ class FarRetrieval:
         self.done.copy_(torch.where(reset, 0, self.done))
         self.far_bias.copy_(torch.where(reset[None, :, None], float("-inf"), self.far_bias))
         self.index.copy_(torch.where(reset[None, :, None], -1, self.index))
+        if not summarize:
+            self.leave_pages.fill_(-1)
+            self.leave_ids.fill_(self.L)
+            self._leave = (self.leave_pages, self.leave_ids)
+            return
         offsets = self._offsets if not drain else torch.arange(
             self.far_width, dtype=torch.int32, device=self.done.device)
         j = self.done[:, None] + offsets[None, :]                                # [B, n]
