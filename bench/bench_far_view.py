@@ -17,9 +17,11 @@ torch form of the op.
 D 128, fp16, S 16, W 512, K 64 pages = 1024 far tokens) at B x context, against a dense window of
 ``W + K * S`` tokens and dense attention over the whole context (kvops' kernel over one window
 of the whole context, and SDPA flash, cudnn, efficient). The step with selection is ``absorb``
-(the step's leaving page per sequence: ``far_page_summarize`` + scatter) + ``select``
-(``far_page_select`` over every far page, then the slot update) + ``static_sliding_attention``;
-the step without selection is absorb + attention. The slot update runs two ways on the same
+(the pages that left the window since the last selection, ``max_leave`` 3 a sequence, enough
+for selection every 32 steps: ``far_page_summarize_into``) + ``select`` (``far_page_select``
+over every far page, then the slot update) + ``static_sliding_attention``; the step without
+selection is the attention alone (``begin_step(summarize=False)``: only selection reads the
+bounds). The slot update runs two ways on the same
 state: fused (one ``far_slot_update`` launch, what ``FarRetrieval.select`` runs) and unfused
 (the op's reference bookkeeping as torch ops on the device, ``paged_gather_merged`` for the
 copy, ``repeat_interleave`` for the bias). Only pages not chosen the time before are copied:
@@ -206,7 +208,7 @@ def retrieval_setup(B, T, device, *, hq=32, hkv=8, d=128, S=16, W=512, K=64, dty
     P = B * blocks + B
     pager = Pager(P, S, max_sessions=B, max_blocks=blocks + 1, device=device)
     ret = FarRetrieval(pager, window_tokens=W, top_k=K, num_layers=1, num_kv_heads=hkv,
-                       head_dim=d, dtype=dtype, max_leave=1)
+                       head_dim=d, dtype=dtype, max_leave=3)
     with pager.frame() as f:
         for b in range(B):
             f.reserve(b, T - S)
@@ -247,8 +249,7 @@ def retrieval_setup(B, T, device, *, hq=32, hkv=8, d=128, S=16, W=512, K=64, dty
         select(x, update)
         return attn(q, kw, vw, ws, wl, *ret.view(0))
 
-    def reuse_step():
-        ret.absorb(0, k_pool)
+    def reuse_step():                          # no summaries between selections
         return attn(q, kw, vw, ws, wl, *ret.view(0))
 
     qs_new = [torch.randn_like(q) for _ in range(4)]     # rotating queries: new pages each call
@@ -272,7 +273,7 @@ def retrieval_setup(B, T, device, *, hq=32, hkv=8, d=128, S=16, W=512, K=64, dty
             fns[f"step with selection, {case}{tag}"] = (
                 [lambda x=x, u=update: step(x, u) for x in qs],
                 absorb + summaries + fresh[case] + attn_far)
-    fns["step without selection"] = (reuse_step, absorb + attn_far)
+    fns["step without selection"] = (reuse_step, attn_far)
     fns["  absorb (far_page_summarize_into)"] = (lambda: ret.absorb(0, k_pool), absorb)
 
     def absorb_unfused():                    # its peer: summaries, then two scatters
