@@ -199,18 +199,23 @@ class FarRetrieval:
                                                 self.k_max[layer])
 
     def select(self, layer: int, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        """Pick ``layer``'s top-K far pages for ``q [B, Hq, D]`` and bring them exact into its
-        far buffers: ``far_page_select`` scores and ranks, then one ``far_slot_update`` launch
-        keeps every slot whose page is chosen again (not copied), puts the new pages in the
-        freed slots (copying only them), and writes the index and the bias. ``k_cache,
-        v_cache [P, S, Hkv, D]``: contiguous pages, any page stride (one layer of a ``[P,
-        layers, S, Hkv, D]`` pool works). Returns the logical block of each slot, int32 [B, K]
-        (-1 empty)."""
-        new, _ = torch.ops.kvops.far_page_select(q, *self.bounds(layer), self.done, self.K)
-        torch.ops.kvops.far_slot_update(new, self._tables()["block_table"], k_cache, v_cache,
-                                        self.index[layer], self.far_k[layer],
-                                        self.far_v[layer], self.far_bias[layer])
-        return self.index[layer]
+        """Pick ``layer``'s top-K far pages for ``q [R, Hq, D]`` (the first ``R <= B`` slots'
+        queries: a batch bucket) and bring them exact into those slots' far buffers:
+        ``far_page_select`` scores and ranks, then one ``far_slot_update`` launch keeps every
+        slot whose page is chosen again (not copied), puts the new pages in the freed slots
+        (copying only them), and writes the index and the bias. ``k_cache, v_cache [P, S, Hkv,
+        D]``: contiguous pages, any page stride (one layer of a ``[P, layers, S, Hkv, D]`` pool
+        works). Returns the logical block of each slot, int32 [R, K] (-1 empty)."""
+        R = q.shape[0]
+        if not 1 <= R <= self.B:
+            raise ValueError(f"q: expected the queries of the first 1..{self.B} slots, got "
+                             f"{R} rows")
+        lo, hi = self.bounds(layer)
+        new, _ = torch.ops.kvops.far_page_select(q, lo[:R], hi[:R], self.done[:R], self.K)
+        index = self.index[layer, :R]
+        torch.ops.kvops.far_slot_update(new, self._tables()["block_table"][:R], k_cache,
+                                        v_cache, index, *self.view(layer, R))
+        return index
 
     def bounds(self, layer: int) -> tuple[Tensor, Tensor]:
         """``layer``'s key bounds ``k_min, k_max [B, far_width, Hkv, D]`` as :meth:`select`
@@ -219,7 +224,9 @@ class FarRetrieval:
         one-block row in a smaller power of two: 2017 entries at 32k against 2049)."""
         return self.k_min[layer, :, :self.far_width], self.k_max[layer, :, :self.far_width]
 
-    def view(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
-        """``far_k, far_v [B, K * S, Hkv, D]`` and ``far_bias float32 [B, K * S]`` of ``layer``
-        (the last selection's pages)."""
-        return self.far_k[layer], self.far_v[layer], self.far_bias[layer]
+    def view(self, layer: int, rows: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """``far_k, far_v [R, K * S, Hkv, D]`` and ``far_bias float32 [R, K * S]`` of ``layer``
+        (the last selection's pages) for the first ``rows`` slots (``R``; all ``B`` by
+        default)."""
+        R = self.B if rows is None else rows
+        return self.far_k[layer, :R], self.far_v[layer, :R], self.far_bias[layer, :R]
