@@ -81,6 +81,10 @@ def _replay_parser(sub) -> None:
     p.add_argument("--far-chunk", type=int, default=None)
     p.add_argument("--far-rerank", type=int, default=None,
                    help="kvrm: decode steps between re-rankings of the far summaries (8)")
+    p.add_argument("--ret-top-k", type=int, default=None,
+                   help="kvrm-ret: exact far pages a session and layer (64)")
+    p.add_argument("--ret-every", type=int, default=None,
+                   help="kvrm-ret: decode steps between choices of the far pages (16)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--long-prefill-tokens", type=int, default=None)
     p.add_argument("--preemption", choices=["newest", "longest"], default=None)
@@ -134,8 +138,8 @@ def _settings_kw(args, device) -> dict:
         "trace", "kind", "model", "dtype", "time_scale", "length_scale", "max_requests",
         "window_s", "rate",
         "arrival", "cv", "budget_gib", "max_seqs", "max_context", "window", "page_size",
-        "far_cap",
-        "far_chunk", "far_rerank", "max_num_batched_tokens", "long_prefill_tokens", "preemption",
+        "far_cap", "far_chunk", "far_rerank", "ret_top_k", "ret_every", "max_num_batched_tokens",
+        "long_prefill_tokens", "preemption",
         "concurrency", "budget_tokens", "input_len", "output_len", "output_scale", "clock",
         "thin")}
     if args.eff_bar is not None:

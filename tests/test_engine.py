@@ -42,11 +42,12 @@ def model():
 
 def serve(model, rows, config="paged", *, budget_tokens=4096, max_seqs=8, max_context=192,
           window=192, length_scale=0.125, sched=None, prefix=True, clock="wall", engine=False,
-          page_size=16):
+          page_size=16, **budget):
     reqs = build_requests(rows, CFG.vocab_size, length_scale=length_scale)
     tok = 2 * CFG.n_layers * CFG.n_kv_heads * CFG.head_dim * 4
     kv = make_kv(config, KVBudget(bytes=budget_tokens * tok, max_seqs=max_seqs,
-                                  max_context=max_context, window=window, page_size=page_size),
+                                  max_context=max_context, window=window, page_size=page_size,
+                                  **budget),
                  CFG, torch.float32, torch.device("cpu"), prefix_sharing=prefix)
     eng = Engine(model, kv, decode_kind(config),
                  sched or SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=max_seqs,
@@ -135,6 +136,49 @@ def test_kvrm_gives_far_pages_back_once_summarized(model):
     assert k["finished"] == m["finished"] == 6 and all(len(r.output) == 50 for r in reqs)
     assert k["reserved_gib_mean"] < m["reserved_gib_mean"]
     assert kv_k.free_pages() == kv_k.total_pages and kv_m.free_pages() == kv_m.total_pages
+
+
+def test_kvrm_ret_choosing_every_far_page_every_step_gives_the_tokens_of_paged(model):
+    # W 32: decodes of 50 tokens leave the window; with top-K at least a session's far pages
+    # and a choice every step the far slots hold every far page exact, so the window and the
+    # far slots are the whole context: paged's tokens (under shared prefixes, whose far pages
+    # are aliased)
+    rows = [TraceRow(0.001 * i, 600 + 50 * i, 400, (1, 2 + i % 2) if i % 3 else ())
+            for i in range(6)]
+    kw = dict(window=32, max_context=192)
+    reqs, kv, m, eng = serve(model, rows, "kvrm-ret", ret_top_k=12, ret_every=1, engine=True,
+                             **kw)
+    paged, _, _ = serve(model, rows, "paged", **kw)
+    assert m["finished"] == 6 and all(len(r.output) == 50 for r in reqs)
+    assert [r.output for r in reqs] == [r.output for r in paged]
+    assert m["prefix_hit_tokens"] > 0 and kv.free_pages() == kv.total_pages
+    far = max(-(-(len(r.prompt) + 50) // 16) - 2 for r in reqs)
+    assert kv.retrieval.K == 12 >= far > 0
+    assert eng.runner.selections == sum(s.decodes > 0 for s in eng.steps) > 0
+
+
+def test_kvrm_ret_chooses_at_a_sessions_first_decode_and_every_n_steps(model):
+    """``_select_plan``: a step chooses when a row's session decodes in its slot for the first
+    time (after the bounds of every far page are drained) or ``select_every`` steps after the
+    last choice; a choice overwrites the pages of the bucket's rows that do not decode, so
+    they choose again when they next decode; a session reopened after preemption (a new key)
+    is new."""
+    _, kv, _, eng = serve(model, burst(2), "kvrm-ret", window=32, ret_every=3, engine=True)
+    runner = eng.runner
+    a, b = (Request(100 + i, 0.0, [1, 2, 3], 4) for i in range(2))
+    both = [(a, 3, 1), (b, 3, 1)]
+    plan = [runner._select_plan(both, [0, 1], 2) for _ in range(7)]
+    assert plan == [True, False, False, True, False, False, True]
+    assert runner._select_plan([(a, 3, 1)], [0], 2) is False
+    assert runner._select_plan([(a, 3, 1)], [0], 2) is False
+    assert runner._select_plan([(a, 3, 1)], [0], 2) is True    # b's row chose with a junk query
+    assert runner._select_plan(both, [0, 1], 2) is True        # so b chooses again
+    assert runner._select_plan(both, [0, 1], 2) is False
+    b.reset_for_recompute()                                    # preempted: a new session key
+    assert runner._select_plan(both, [0, 1], 2) is True
+    assert runner._select_plan(both, [0, 2], 4) is True        # b in another slot
+    with pytest.raises(ValueError, match="retrieval: select_every: expected >= 1 steps, got 0"):
+        serve(model, burst(1), "kvrm-ret", ret_every=0)
 
 
 def test_kvrm_sessions_keep_serving_their_prefix_after_far_trims(model):
@@ -261,6 +305,18 @@ def test_kvrm_on_cuda_replays_captured_steps_and_absorbs_as_eager_does():
     runner = engine.runner
     assert runner._absorb_graph.replays and runner.captures == 2 + len(runner._graphs)
     assert runner._gather_graph.replays == sum(s.groups > 0 for s in engine.steps)
+
+
+@requires_cuda
+def test_kvrm_ret_on_cuda_replays_a_choosing_and_a_reusing_graph_as_eager_does():
+    """kvrm-ret captures two decode graphs a bucket, one that chooses the far pages and one
+    that reuses them; the tokens and the choosing steps equal the eager engine's."""
+    rows = [TraceRow(0.001 * i, 600 + 50 * i, 400, (1, 2 + i % 2) if i % 3 else ())
+            for i in range(6)]
+    (eager, plain), (outs, engine) = (serve_on_cuda(rows, "kvrm-ret", g) for g in (False, True))
+    assert outs == eager and all(len(o) == 50 for o in outs)
+    assert engine.runner.selections == plain.runner.selections > 0
+    assert {selecting for _, selecting in engine.runner._graphs} == {False, True}
 
 
 @requires_cuda

@@ -320,12 +320,14 @@ def test_replay_cli_tp1_runs_the_distributed_path_with_the_same_tokens(tmp_path)
     with pytest.raises(SystemExit, match=r"--tp: expected a divisor of the model's n_heads "
                                          r"\(Hq\)=4 .*got tp=3 \(model tiny\)"):
         main(common + ["--tp", "3"])            # refused before any process starts
-    with pytest.raises(ValueError, match="'kvrm' is not served under tensor parallelism"):
-        from kvops.engine.distributed import TPContext
-        from kvops.engine.replay import ReplaySettings, run
+    from kvops.engine.distributed import TPContext
+    from kvops.engine.replay import ReplaySettings, run
 
-        fake = TPContext(0, 2, None, None, torch.device("cpu"))
-        run(ReplaySettings(configs=("kvrm",), model="tiny"), progress=False, tp=fake)
+    fake = TPContext(0, 2, None, None, torch.device("cpu"))
+    for config in ("kvrm", "kvrm-ret"):
+        with pytest.raises(ValueError, match="'kvrm' and 'kvrm-ret' are not served under tensor "
+                                             "parallelism"):
+            run(ReplaySettings(configs=(config,), model="tiny"), progress=False, tp=fake)
 
 
 @requires_cuda

@@ -9,6 +9,9 @@ how one KV budget in bytes becomes each configuration's KV manager.
   arrivals, aliases and copy-on-write remaps move.
 - ``kvrm``: ``pager+merge`` plus the far view (summaries of far chunks in the far slots), whose
   summarized far blocks go back to the pool (the bounded budget).
+- ``kvrm-ret``: ``pager+merge`` plus the retrieval far view (the ``ret_top_k`` far pages each
+  layer's query chooses, exact, in the far slots; chosen at a request's first decode step and
+  every ``ret_every`` steps); its far blocks stay mapped (a budget as ``pager+merge``'s).
 - ``paged``: pager pages only; decode with ``elastic_attention``'s native path over block
   tables (a vLLM-style paged runtime, preemption by recompute).
 - ``elastic``: ``paged`` with ElasticKV's Fidelity policy over every layer's K and V pool:
@@ -40,8 +43,8 @@ from kvops.engine.kv import PagedKV, StaticKV
 from kvops.engine.offload_kv import OffloadKV
 from kvops.engine.reserve_kv import ReserveKV
 
-CONFIGS = ("static", "pager", "pager+merge", "kvrm", "paged", *ELASTIC_CONFIGS, "offload",
-           "reserve")
+CONFIGS = ("static", "pager", "pager+merge", "kvrm", "kvrm-ret", "paged", *ELASTIC_CONFIGS,
+           "offload", "reserve")
 PAGES_ONLY = {"paged": PagedKV, **dict.fromkeys(ELASTIC_CONFIGS, ElasticKV), "offload": OffloadKV,
               "reserve": ReserveKV}
 
@@ -61,6 +64,8 @@ class KVBudget:
     far_chunk: int = 128    # kvrm: tokens per far chunk
     far_cap: int = 16       # kvrm: far slots per session
     far_rerank: int = 8     # kvrm: decode steps between utility pulls (the host's re-ranking)
+    ret_top_k: int = 64     # kvrm-ret: exact far pages per session and layer
+    ret_every: int = 16     # kvrm-ret: decode steps between choices (docs/far_view.md)
 
 
 def make_kv(name: str, budget: KVBudget, model_cfg, dtype: torch.dtype, device: torch.device,
@@ -98,11 +103,14 @@ def make_kv(name: str, budget: KVBudget, model_cfg, dtype: torch.dtype, device: 
     page_bytes = S * model_cfg.n_kv_heads * model_cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
     if name == "pager":
         return PagedKV(window=window, max_train_bytes=page_bytes, copy_tail=True, **kw)
-    far = None
+    far = retrieval = None
     if name == "kvrm":
         far = {"chunk_tokens": min(budget.far_chunk, window), "cap": budget.far_cap,
                "rerank_every": budget.far_rerank}
-    return PagedKV(window=window, max_train_bytes=131072, copy_tail=False, far=far, **kw)
+    if name == "kvrm-ret":
+        retrieval = {"top_k": budget.ret_top_k, "select_every": budget.ret_every}
+    return PagedKV(window=window, max_train_bytes=131072, copy_tail=False, far=far,
+                   retrieval=retrieval, **kw)
 
 
 def decode_kind(name: str) -> str:

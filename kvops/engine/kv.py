@@ -1,7 +1,7 @@
 """Where requests' K/V live: :class:`PagedKV` (pages mapped by the :class:`~kvops.runtime.Pager`,
-optionally a ring-window arena fed by the :class:`~kvops.runtime.Transport` and a
-:class:`~kvops.runtime.FarView`) and :class:`StaticKV` (one worst-case contiguous arena row per
-request, the static-graph baseline).
+optionally a ring-window arena fed by the :class:`~kvops.runtime.Transport` and a far view,
+:class:`~kvops.runtime.FarView` or :class:`~kvops.runtime.FarRetrieval`) and :class:`StaticKV`
+(one worst-case contiguous arena row per request, the static-graph baseline).
 
 Both take the scheduler's decisions for a step in :meth:`commit_step`: ends (finished or
 preempted requests), admissions and growth by ``n`` tokens. :class:`PagedKV` turns them into one
@@ -22,7 +22,7 @@ import torch
 
 from kvops._upload import upload
 from kvops.engine.request import Request, Status
-from kvops.runtime import FarView, Pager, Transport, apply_copies
+from kvops.runtime import FarRetrieval, FarView, Pager, Transport, apply_copies
 
 _NEVER = np.iinfo(np.int64).max     # a trim count no summarized lead passes
 
@@ -37,7 +37,10 @@ class PagedKV:
     ``copy_tail`` the model writes through and an aliased prefix's window blocks are staged
     until the session first decodes: ``Transport``'s ``defer_aliased``); ``far`` a
     far view (``{"chunk_tokens", "cap"}``, optionally ``"rerank_every"``: steps between pulls of
-    the utilities, which the host ranks at the next commit; 1 by default)."""
+    the utilities, which the host ranks at the next commit; 1 by default); ``retrieval`` the
+    retrieval far view instead (``{"top_k", "select_every"}``: the ``top_k`` far pages each
+    query chooses, exact, chosen again every ``select_every`` decode steps and at a request's
+    first decode step; its far pages stay mapped, so it saves no pages)."""
 
     kind = "paged"
     # editing calls beyond the engine's own (distributed.KVLog)
@@ -47,7 +50,7 @@ class PagedKV:
                  layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, window: int = 0, max_train_bytes: int = 131072,
                  copy_tail: bool = False, far: dict | None = None, prefix_sharing: bool = True,
-                 far_trim: bool = True):
+                 far_trim: bool = True, retrieval: dict | None = None):
         self.S, self.layers, self.device = page_size, layers, device
         self.max_sessions, self.max_blocks = max_sessions, max_blocks
         self.token_bytes = 2 * layers * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
@@ -55,7 +58,7 @@ class PagedKV:
         pool = (layers, num_pages, page_size, kv_heads, head_dim)
         self.k_pool, self.v_pool = self._pools(pool, dtype, device)
         self.window = window
-        self.transport = self.far = None
+        self.transport = self.far = self.retrieval = None
         self.k_arena = self.v_arena = None
         if window:
             page_bytes = page_size * kv_heads * head_dim * self.k_pool.element_size()
@@ -71,6 +74,18 @@ class PagedKV:
             self.far_rerank = int(far.get("rerank_every", 1))
             if self.far_rerank < 1:
                 raise ValueError(f"far: rerank_every: expected >= 1 steps, got {self.far_rerank}")
+        if retrieval:
+            if far or not window:
+                raise ValueError("retrieval: expected window arenas and no mean far view "
+                                 f"(window={window}, far={far})")
+            every = int(retrieval["select_every"])
+            if every < 1:
+                raise ValueError(f"retrieval: select_every: expected >= 1 steps, got {every}")
+            self.retrieval = FarRetrieval(
+                self.pager, window_tokens=window, top_k=min(int(retrieval["top_k"]), max_blocks),
+                num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                device=device, max_leave=-(-every // page_size) + 1)
+            self.select_every = every
         self.prefix_sharing = prefix_sharing
         self.far_trim = far_trim and self.far is not None
         self._far_trimmed: dict[str, int] = {}    # session -> leading blocks trimmed as far

@@ -84,6 +84,8 @@ class ReplaySettings:
     far_chunk: int = 64
     far_cap: int = 8
     far_rerank: int = 8
+    ret_top_k: int = 64
+    ret_every: int = 16
     max_num_batched_tokens: int = 256
     long_prefill_tokens: int = 128
     preemption: str = "newest"
@@ -182,7 +184,8 @@ def _warmup(engine: Engine, vocab: int, max_context: int) -> None:
             if bk not in seen:
                 seen.add(bk)
                 runner._pos.fill_(-1)           # rows that decode nothing: no writes
-                runner._replay(bk)
+                for selecting in (False, True) if runner.retrieval is not None else (False,):
+                    runner._replay(bk, selecting)
             b += 1
         runner.capture_transfers()              # the copy trains and kvrm's absorb, a graph each
     engine.steps.clear()
@@ -236,11 +239,11 @@ def run(settings: ReplaySettings, progress: bool = True, tp=None, model=None) ->
     device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if tp is not None:
         device = tp.device
-        if tp.size > 1 and "kvrm" in settings.configs:
-            raise ValueError("configs: 'kvrm' is not served under tensor parallelism (tp > 1): "
-                             "its far view selects by attention scores, which each rank "
-                             "computes for its own heads; use static, pager, pager+merge or "
-                             "paged")
+        if tp.size > 1 and {"kvrm", "kvrm-ret"} & set(settings.configs):
+            raise ValueError("configs: 'kvrm' and 'kvrm-ret' are not served under tensor "
+                             "parallelism (tp > 1): their far views choose by attention "
+                             "scores or queries, which each rank has for its own heads only; "
+                             "use static, pager, pager+merge or paged")
         if model is not None:
             raise ValueError("model: a loaded model is not taken with tp (each rank shards "
                              "its own)")
@@ -266,7 +269,8 @@ def run(settings: ReplaySettings, progress: bool = True, tp=None, model=None) ->
                       max_context=settings.max_context,
                       window=settings.window, page_size=settings.page_size,
                       far_chunk=settings.far_chunk, far_cap=settings.far_cap,
-                      far_rerank=settings.far_rerank)
+                      far_rerank=settings.far_rerank, ret_top_k=settings.ret_top_k,
+                      ret_every=settings.ret_every)
     sched = SchedulerConfig(settings.max_num_batched_tokens, settings.max_seqs,
                             settings.long_prefill_tokens, settings.preemption)
     out = {"settings": dataclasses.asdict(settings), "model": note, "device": str(device),

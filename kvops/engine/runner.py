@@ -20,8 +20,12 @@ A step runs, in order:
    from the spans on the device, the general path, for mixed batches: the
    ``elastic-general`` ablation), ``static_sliding_attention`` over the worst-case arena
    (``static``) or over the window arena (``pager``, ``pager+merge``, ``kvrm``, with the far
-   slots). On CUDA each bucket's decode step is captured once in a CUDA graph and replayed;
-   captures are counted.
+   slots; ``kvrm-ret``, with the far pages its queries choose, exact: a selecting step
+   summarizes the pages that left the window and chooses every layer's pages, a step that does
+   not select reuses them; a request's first decode step selects, after the bounds of every
+   far page are taken at once, and then every ``select_every`` steps). On CUDA each bucket's
+   decode step is captured once in a CUDA graph (``kvrm-ret``: one that selects and one that
+   does not) and replayed; captures are counted.
 5. ``kvrm``: every ``rerank_every`` steps, the far view's utilities to the host
    (``FarView.pull_scores``), so the next commit ranks the sessions' summaries again; between
    pulls a commit only places new summaries.
@@ -132,7 +136,11 @@ class ModelRunner:
         self._tok = torch.zeros(B, dtype=torch.int64, device=dev)
         self._pos = torch.zeros(B, dtype=torch.int64, device=dev)
         self._rows = torch.arange(B, dtype=torch.int64, device=dev)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.retrieval = getattr(kv, "retrieval", None)
+        self._selected_for: dict[int, str] = {}   # slot -> session whose pages it holds
+        self._since_selection = 0
+        self.selections = 0
         self._pool = None
         self._absorb_graph = self._gather_graph = None
         self.captures = 0
@@ -240,14 +248,17 @@ class ModelRunner:
         return done, None, next_tokens(logits(self.model, hidden[last_rows]),
                                        [r.sampling for r in done], [len(r.output) for r in done])
 
-    def _decode_forward(self, bk: int) -> torch.Tensor:
+    def _decode_forward(self, bk: int, selecting: bool = False) -> torch.Tensor:
         """The fixed-shape decode step over rows ``[0, bk)`` (row = KV slot): the greedy next
         tokens and the logits they come from (a row that samples draws from them after the
         step; :mod:`kvops.engine.sampling`). Inputs are the token and position buffers
         (position ``-1``: the row decodes nothing); the pool and arena slots come from the
-        device block table, so the host fills two small buffers a step."""
-        kv, S = self.kv, self.S
+        device block table, so the host fills two small buffers a step. ``selecting``
+        (``kvrm-ret``): the step summarizes and chooses the far pages (:meth:`_select_plan`)."""
+        kv, S, ret = self.kv, self.S, self.retrieval
         t = kv.tables()
+        if ret is not None:
+            ret.begin_step(summarize=selecting)
         pos_in = self._pos[:bk]
         valid = pos_in >= 0
         pos = pos_in.clamp(min=0)
@@ -288,6 +299,13 @@ class ModelRunner:
                 return o
             ka, va = kv.k_arena[i][:bk], kv.v_arena[i][:bk]
             ws, wl = t["win_start"][:bk], t["win_len"][:bk]
+            if ret is not None:
+                if selecting:
+                    ret.absorb(i, kv.k_pool[i])
+                    ret.select(i, q, kv.k_pool[i], kv.v_pool[i])
+                o, _ = torch.ops.kvops.static_sliding_attention(q, ka, va, ws, wl,
+                                                                *ret.view(i, bk))
+                return o
             if kv.far is None:
                 o, _ = torch.ops.kvops.static_sliding_attention(q, ka, va, ws, wl)
                 return o
@@ -312,7 +330,9 @@ class ModelRunner:
         dev = upload(host, self.device)
         self._tok[:bk].copy_(dev[0])
         self._pos[:bk].copy_(dev[1])
-        nxt, lg = self._replay(bk) if self.graphs else self._decode_forward(bk)
+        selecting = self._select_plan(items, slots, bk)
+        nxt, lg = self._replay(bk, selecting) if self.graphs else \
+            self._decode_forward(bk, selecting)
         if any(draws(req.sampling) for req, _, _ in items):
             params, positions = [None] * bk, [0] * bk
             for (req, _, _), slot in zip(items, slots):
@@ -323,6 +343,32 @@ class ModelRunner:
                 "general" if getattr(self.kv, "general", False) else "span")
         self.paths[self.last_path] += 1
         return [req for req, _, _ in items], slots, nxt
+
+    def _select_plan(self, items: list, slots: list, bk: int) -> bool:
+        """Whether this decode step chooses far pages (``kvrm-ret``): when a row's session (a
+        request; a new one after each preemption) decodes in its slot for the first time (every
+        far page's bounds are taken first, in an eager step outside the graphs), or
+        ``select_every`` steps after the last choice. A choosing step overwrites the pages of
+        the bucket's rows that do not decode (their queries are not theirs), so those rows
+        choose again when they next decode."""
+        ret = self.retrieval
+        if ret is None:
+            return False
+        self._since_selection += 1
+        fresh = any(self._selected_for.get(slot) != req.key
+                    for (req, _, _), slot in zip(items, slots))
+        if not fresh and self._since_selection < self.kv.select_every:
+            return False
+        if fresh:
+            ret.begin_step(drain=True)
+            for i in range(self.kv.layers):
+                ret.absorb(i, self.kv.k_pool[i])
+        for slot in range(bk):
+            self._selected_for.pop(slot, None)
+        self._selected_for.update((slot, req.key) for (req, _, _), slot in zip(items, slots))
+        self._since_selection = 0
+        self.selections += 1
+        return True
 
     def _absorb(self) -> None:
         self.kv.far.absorb_layers(self.kv.k_pool, self.kv.v_pool)
@@ -385,8 +431,8 @@ class ModelRunner:
         self.captures += 1
         return g
 
-    def _replay(self, bk: int) -> torch.Tensor:
-        entry = self._graphs.get(bk)
+    def _replay(self, bk: int, selecting: bool = False) -> torch.Tensor:
+        entry = self._graphs.get((bk, selecting))
         if entry is None:
             # warm-up (Triton compiles, the allocator warms) with no row decoding, so it writes
             # no K/V and moves no utility; the replay below is the step's one decode
@@ -395,15 +441,15 @@ class ModelRunner:
             s = torch.cuda.Stream(self.device)
             s.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(s):
-                self._decode_forward(bk)
+                self._decode_forward(bk, selecting)
             torch.cuda.current_stream(self.device).wait_stream(s)
             self._pos[:bk].copy_(pos)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self._pool):
-                out = self._decode_forward(bk)
-            entry = self._graphs[bk] = (g, out)
+                out = self._decode_forward(bk, selecting)
+            entry = self._graphs[bk, selecting] = (g, out)
             self.captures += 1
         entry[0].replay()
         return entry[1]
