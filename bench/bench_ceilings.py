@@ -3,8 +3,9 @@
 Streaming read: a Triton kernel summing a 4 GiB bf16 buffer (each program reduces its blocks in
 registers and adds one float32 to the output), best of the block sizes; device copy:
 ``torch.Tensor.copy_`` of 2 GiB (read and write counted: 4 GiB moved). Both as CUDA-graph
-replays, median. ``bench.common.read_ceiling`` and ``copy_ceiling`` hold the recorded values by
-card (bench/results/<date>-ceilings-<card>.md).
+replays, median. The other benches quote the H200's (``bench.common.READ_CEILING``,
+``COPY_CEILING``); this gives another card's own (bench/results/<date>-ceilings-<card>.md), to
+read their fractions against.
 
     python -m bench.bench_ceilings
 """
