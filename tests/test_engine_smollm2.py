@@ -48,3 +48,19 @@ def test_engine_greedy_tokens_equal_transformers_generate(setup, config):
     sched = SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=3, long_prefill_tokens=4)
     got = generate_ids(model, ids, NEW, config=config, sched=sched)
     assert got == want
+
+
+def test_kvrm_ret_serves_a_passkey_beyond_its_window_as_paged_does(setup):
+    """SmolLM2 through the engine: a key 1k tokens back, far outside a 256-token window, is
+    emitted by ``kvrm-ret`` (its first decode step chooses 16 far pages of 16 among the
+    prompt's 50) as by ``paged``; the window alone (``pager+merge``) does not emit it."""
+    from kvops.evals.passkey import passkey_cases
+
+    model = setup[0]
+    tok = Tokenizer.from_gguf(GGUF)
+    _, prompt, answer = passkey_cases(tok, 1100, 2, seed=3)[0]         # depth 0: the key first
+    options = {"window": 256, "ret_top_k": 16, "ret_every": 16}
+    got = {c: generate_ids(model, [prompt], len(answer), config=c, budget_options=options)[0]
+           for c in ("paged", "kvrm-ret", "pager+merge")}
+    assert got["paged"] == answer == got["kvrm-ret"]
+    assert got["pager+merge"] != answer

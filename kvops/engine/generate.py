@@ -18,10 +18,14 @@ from kvops.engine.scheduler import SchedulerConfig
 def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, *, eos_id: int | None = None,
                  config: str = "paged", page_size: int = 16, budget_tokens: int | None = None,
                  sched: SchedulerConfig | None = None,
-                 sampling: SamplingParams | None = None) -> list[list[int]]:
+                 sampling: SamplingParams | None = None,
+                 budget_options: dict | None = None) -> list[list[int]]:
     """Continuations of token-id ``prompts`` served together by the engine (stopping after
     ``eos_id`` when given): greedy, or drawn by ``sampling``, prompt ``i`` with seed
-    ``sampling.seed + i`` (a seed from its request id when ``sampling.seed`` is None)."""
+    ``sampling.seed + i`` (a seed from its request id when ``sampling.seed`` is None).
+    ``budget_options``: :class:`~kvops.engine.configs.KVBudget` fields beside the budget's
+    size (the arena configurations' ``window``, the whole context by default; ``ret_top_k``
+    and ``ret_every`` of ``kvrm-ret``; ...)."""
     from kvops.engine.configs import decode_kind
 
     dev = model.output.weight.device
@@ -32,8 +36,8 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, *, eos_id
     c = model.cfg
     tok = 2 * c.n_layers * c.n_kv_heads * c.head_dim * torch.empty(0, dtype=dtype).element_size()
     tokens = budget_tokens or n * ctx * 2
-    budget = KVBudget(bytes=tokens * tok, max_seqs=n, max_context=ctx, window=ctx,
-                      page_size=page_size)
+    budget = KVBudget(bytes=tokens * tok, max_seqs=n, max_context=ctx,
+                      **{"window": ctx, "page_size": page_size, **(budget_options or {})})
     kv = make_kv(config, budget, c, dtype, dev)
     engine = Engine(model, kv, decode_kind(config), sched or SchedulerConfig(max_num_seqs=n))
     reqs = [Request(i, 0.0, list(p), max_new_tokens, ignore_eos=eos_id is None, eos_id=eos_id,
