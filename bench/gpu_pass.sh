@@ -3,7 +3,7 @@
 # own time cap, its log in $OUT/<part>.log, every results file it records copied to $OUT, and a
 # short table of the parts last. Parts are named on the command line (default: all, in order):
 #   bench/gpu_pass.sh suite tests fidelity farret elastic elastic_steady engine tp tp_more transformers elastic_ablations
-#   (and prefill, prefill_s64, sharegpt; mooncake_a, mooncake_b, mooncake_c: one Mooncake window a call)
+#   (and prefill, prefill_s64, sharegpt, ceilings; mooncake_a, mooncake_b, mooncake_c: one Mooncake window a call)
 # and everything under $OUT is packed into $OUT/gpu-pass.tgz at the end.
 # The device machine's copied .git can lag the tree it runs, so a call names the tree's commit:
 #   KVOPS_COMMIT=<sha> bash bench/gpu_pass.sh ...   (results headers print it; see records.commit_id)
@@ -49,8 +49,11 @@ fidelity() {
 farret() {
     part farret 150 python3 -m bench.bench_far_view --retrieval
 }
+ceilings() {   # the card's own streaming-read and copy ceilings (the benches quote the H200's)
+    part ceilings 60 python3 -m bench.bench_ceilings
+}
 engine() {
-    part engine 130 python3 -m kvops replay --configs static,pager,pager+merge,kvrm,paged \
+    part engine 160 python3 -m kvops replay --configs static,pager,pager+merge,kvrm,kvrm-ret,paged \
         --max-requests 40 --record engine-table5-synthetic-8b --out "$OUT/engine" --no-progress --no-figures
 }
 elastic() {     # the KV-bound sweep (about 5 minutes, docs/elastickv.md)

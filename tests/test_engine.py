@@ -154,7 +154,7 @@ def test_kvrm_ret_choosing_every_far_page_every_step_gives_the_tokens_of_paged(m
     assert m["prefix_hit_tokens"] > 0 and kv.free_pages() == kv.total_pages
     far = max(-(-(len(r.prompt) + 50) // 16) - 2 for r in reqs)
     assert kv.retrieval.K == 12 >= far > 0
-    assert eng.runner.selections == sum(s.decodes > 0 for s in eng.steps) > 0
+    assert m["far_choices"] == eng.runner.selections == sum(s.decodes > 0 for s in eng.steps) > 0
 
 
 def test_kvrm_ret_chooses_at_a_sessions_first_decode_and_every_n_steps(model):

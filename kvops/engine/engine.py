@@ -268,7 +268,7 @@ class Engine:
         extra = {"prefix_hit_tokens": self.kv.prefix_hit_tokens,
                  "cow_copies": self.kv.cow_copies,
                  "graph_captures": self.runner.captures,
-                 "recaptures": self.runner.captures - len(self.runner.buckets_used)
+                 "recaptures": self.runner.captures - self.runner.graphs_held
                  if self.runner.graphs else 0,
                  "decode_buckets": sorted(self.runner.buckets_used),
                  "decode_paths": dict(self.runner.paths), "clock": self.clock,
@@ -278,6 +278,8 @@ class Engine:
         if getattr(self.kv, "swaps", False):
             extra.update(swap_outs=self.kv.swap_outs, swap_ins=self.kv.swap_ins,
                          swap_gib=self.kv.swap_bytes / 2**30)
+        if self.runner.retrieval is not None:      # kvrm-ret: the decode steps that chose
+            extra.update(far_choices=self.runner.selections)
         if getattr(self.kv, "fidelity", None) is not None:
             extra.update(base_requests=len(self.kv.base_touched),
                          promoted_pairs=self.kv.fidelity.stats["promoted"],

@@ -344,6 +344,14 @@ class ModelRunner:
         self.paths[self.last_path] += 1
         return [req for req, _, _ in items], slots, nxt
 
+    @property
+    def graphs_held(self) -> int:
+        """The CUDA graphs this runner holds: a decode step a bucket (two for ``kvrm-ret``:
+        choosing and reusing) and each captured transfer; a capture beyond them is a
+        re-capture."""
+        return len(self._graphs) + sum(g is not None
+                                       for g in (self._absorb_graph, self._gather_graph))
+
     def _select_plan(self, items: list, slots: list, bk: int) -> bool:
         """Whether this decode step chooses far pages (``kvrm-ret``): when a row's session (a
         request; a new one after each preemption) decodes in its slot for the first time (every
