@@ -23,9 +23,9 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, *, eos_id
     """Continuations of token-id ``prompts`` served together by the engine (stopping after
     ``eos_id`` when given): greedy, or drawn by ``sampling``, prompt ``i`` with seed
     ``sampling.seed + i`` (a seed from its request id when ``sampling.seed`` is None).
-    ``budget_options``: :class:`~kvops.engine.configs.KVBudget` fields beside the budget's
-    size (the arena configurations' ``window``, the whole context by default; ``ret_top_k``
-    and ``ret_every`` of ``kvrm-ret``; ...)."""
+    ``budget_options``: other :class:`~kvops.engine.configs.KVBudget` fields, such as the arena
+    configurations' ``window`` (the whole context by default) or ``kvrm-ret``'s ``ret_top_k``
+    and ``ret_every``."""
     from kvops.engine.configs import decode_kind
 
     dev = model.output.weight.device
