@@ -299,19 +299,17 @@ class ModelRunner:
                 return o
             ka, va = kv.k_arena[i][:bk], kv.v_arena[i][:bk]
             ws, wl = t["win_start"][:bk], t["win_len"][:bk]
+            slots = ()                       # the far slots, if any
             if ret is not None:
                 if selecting:
                     ret.absorb(i, kv.k_pool[i])
                     ret.select(i, q, kv.k_pool[i], kv.v_pool[i])
-                o, _ = torch.ops.kvops.static_sliding_attention(q, ka, va, ws, wl,
-                                                                *ret.view(i, bk))
-                return o
-            if kv.far is None:
-                o, _ = torch.ops.kvops.static_sliding_attention(q, ka, va, ws, wl)
-                return o
-            fk, fv, fb = far[0][i], far[1][i], far[2][i]
-            o, lse = torch.ops.kvops.static_sliding_attention(q, ka, va, ws, wl, fk, fv, fb)
-            kv.far.observe(i, q, fk, fb, lse, live=valid)
+                slots = ret.view(i, bk)
+            elif far is not None:
+                slots = far[0][i], far[1][i], far[2][i]
+            o, lse = torch.ops.kvops.static_sliding_attention(q, ka, va, ws, wl, *slots)
+            if far is not None:
+                kv.far.observe(i, q, slots[0], slots[2], lse, live=valid)
             return o
 
         hidden = forward_packed(self.model, self._tok[:bk], pos, attend)
