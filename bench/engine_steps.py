@@ -10,6 +10,12 @@ reference configuration's at the same group (``--ref``, default the first).
 
     python -m bench.engine_steps replay-out/replay.json
     python -m bench.engine_steps replay-out/replay.json --ref paged
+    python -m bench.engine_steps replay-out/replay.json --slowest 8
+
+``--slowest N`` adds, for each configuration, where its wall time went (the replay's span, the
+steps' wall and device sums, and what the N slowest steps hold) and those N steps: when, what
+they computed (tokens, decodes, running and waiting requests) and their wall, device and gap
+times.
 """
 
 from __future__ import annotations
@@ -61,14 +67,46 @@ def report(result: dict, ref: str | None = None) -> str:
                      "device ms", "gap ms", f"step - {ref} ms", f"step / {ref}"], rows))
 
 
+def slowest(result: dict, n: int) -> str:
+    """Each configuration's wall-time account and its ``n`` slowest steps by wall time."""
+    acct, rows = [], []
+    for c, steps in result["steps"].items():
+        if not steps:
+            continue
+        wall = [s["step_s"] for s in steps]
+        top = sorted(range(len(steps)), key=lambda i: -wall[i])[:n]
+        span = result["results"][c].get("duration_s", 0.0)
+        acct.append([c, len(steps), span, sum(wall), sum(s.get("device_s", 0.0) for s in steps),
+                     sum(s.get("gap_s", 0.0) for s in steps), sum(wall[i] for i in top),
+                     float(np.median(wall)) * 1e3])
+        for i in top:
+            s = steps[i]
+            rows.append([c, i, s["t"], s["tokens"], s["decodes"], s["running"], s["waiting"],
+                         s["step_s"] * 1e3, s.get("device_s", 0.0) * 1e3,
+                         s.get("gap_s", 0.0) * 1e3, s.get("path", "")])
+    return ("Where the wall time went, seconds (span: the replay's duration; steps: the sum of "
+            f"their wall times; device and gap: CUDA events, 0 on a CPU; top {n}: the slowest "
+            f"{n} steps' wall):\n\n"
+            + table(["config", "steps", "span s", "steps s", "device s", "gap s", f"top {n} s",
+                     "median step ms"], acct)
+            + f"\n\nThe {n} slowest steps of each configuration:\n\n"
+            + table(["config", "step", "t s", "tokens", "decodes", "running", "waiting",
+                     "wall ms", "device ms", "gap ms", "path"], rows))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("replay_json")
     ap.add_argument("--ref", default=None, help="the configuration to compare against")
+    ap.add_argument("--slowest", type=int, default=0, metavar="N",
+                    help="also the wall-time account and the N slowest steps of each config")
     args = ap.parse_args()
     with open(args.replay_json) as f:
         result = json.load(f)
     print(report(result, args.ref))
+    if args.slowest:
+        print()
+        print(slowest(result, args.slowest))
 
 
 if __name__ == "__main__":

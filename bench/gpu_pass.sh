@@ -3,7 +3,7 @@
 # own time cap, its log in $OUT/<part>.log, every results file it records copied to $OUT, and a
 # short table of the parts last. Parts are named on the command line (default: all, in order):
 #   bench/gpu_pass.sh suite tests fidelity farret elastic elastic_steady engine tp tp_more transformers elastic_ablations
-#   (and prefill, prefill_s64, sharegpt, ceilings; mooncake_a, mooncake_b, mooncake_c: one Mooncake window a call)
+#   (and prefill, prefill_s64, sharegpt, ceilings, engine_reversed; mooncake_a, mooncake_b, mooncake_c: one Mooncake window a call)
 # and everything under $OUT is packed into $OUT/gpu-pass.tgz at the end.
 # The device machine's copied .git can lag the tree it runs, so a call names the tree's commit:
 #   KVOPS_COMMIT=<sha> bash bench/gpu_pass.sh ...   (results headers print it; see records.commit_id)
@@ -55,6 +55,13 @@ ceilings() {   # the card's own streaming-read and copy ceilings (the benches qu
 engine() {
     part engine 160 python3 -m kvops replay --configs static,pager,pager+merge,kvrm,kvrm-ret,paged \
         --max-requests 40 --record engine-table5-synthetic-8b --out "$OUT/engine" --no-progress --no-figures
+    part engine-steps 30 python3 -m bench.engine_steps "$OUT/engine/replay.json" --slowest 8
+}
+engine_reversed() {   # the same replay with `static` last: what running first costs a configuration
+    part engine-reversed 120 python3 -m kvops replay --configs paged,kvrm,static \
+        --max-requests 40 --record engine-table5-synthetic-8b-static-last --out "$OUT/engine-reversed" \
+        --no-progress --no-figures
+    part engine-reversed-steps 30 python3 -m bench.engine_steps "$OUT/engine-reversed/replay.json" --slowest 8
 }
 elastic() {     # the KV-bound sweep (about 5 minutes, docs/elastickv.md)
     part elastic 480 python3 -m kvops replay --mode elastic --record elastic-pressure-8b-kvbound \
