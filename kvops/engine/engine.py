@@ -35,6 +35,7 @@ from __future__ import annotations
 import time
 
 from kvops.engine.clock import H200_8B, StepCost, check_clock
+from kvops.engine.compiles import TritonCompiles
 from kvops.engine.metrics import EFF_TBT_S, EFF_TTFT_S, StepRecord, eff_upper, summarize
 from kvops.engine.request import Request, Status
 from kvops.engine.runner import Launched, ModelRunner
@@ -221,7 +222,15 @@ class Engine:
         ``EFF_CHECK_STEPS`` steps, once the requests' Eff@300 can no longer reach it
         (:func:`~kvops.engine.metrics.eff_upper` below it): the unfinished requests end
         unserved, and the metrics give ``stopped_s`` (the engine clock then) and
-        ``eff_upper`` (the bound; both None without a stop)."""
+        ``eff_upper`` (the bound; both None without a stop). ``compiles``: the Triton kernels
+        compiled while it ran (:mod:`kvops.engine.compiles`; after a warm-up, 0 is the goal),
+        and ``compiled`` their names."""
+        with TritonCompiles() as jit:
+            res = self._serve(requests, progress, concurrency, eff_bar)
+        res["compiles"], res["compiled"] = jit.count, dict(jit.names)
+        return res
+
+    def _serve(self, requests, progress, concurrency, eff_bar) -> dict:
         if concurrency is not None and (not isinstance(concurrency, int) or concurrency < 1):
             raise ValueError(f"concurrency: expected an int >= 1 or None, got {concurrency!r}")
         if eff_bar is not None and not 0.0 <= eff_bar <= 1.0:

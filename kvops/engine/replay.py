@@ -313,6 +313,9 @@ def run(settings: ReplaySettings, progress: bool = True, tp=None, model=None) ->
               f"TTFT p99 {res['ttft_ms']['p99']:.1f} ms, TPOT p50/p99 "
               f"{res['tpot_ms']['median']:.2f}/{res['tpot_ms']['p99']:.2f} ms, reserved "
               f"{res['reserved_gib_mean']:.3f} GiB, {res['wall_s']:.1f} s"
+              + ("" if not res["compiles"] else
+                 f"; {res['compiles']} Triton compiles after warm-up: "
+                 + ", ".join(f"{k} x{n}" for k, n in sorted(res["compiled"].items())))
               + ("" if res.get("stopped_s") is None else
                  f"; stopped at {res['stopped_s']:.1f} s: Eff@300 <= "
                  f"{100 * res['eff_upper']:.1f} % < the bar {100 * eff_bar:.1f} %"), flush=True)
