@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.engine_steps import decode_groups, report
+from bench.engine_steps import decode_groups, report, slowest
 
 
 def step(decodes, tokens, step_ms, commit_ms=0.1, device_ms=None):
@@ -34,3 +34,17 @@ def test_report_compares_against_the_reference_at_the_same_group():
     assert kvrm["33-64"][6:] == ["0.000", "0.000", "", ""]           # 1.1x paged; none there
     with pytest.raises(ValueError, match="--ref"):
         report(result, "static")
+
+
+def test_slowest_accounts_the_wall_time_and_lists_the_slowest_steps_in_order():
+    steps = [dict(step(4, 4, ms), t=i * 0.1, running=4, waiting=w, path="native")
+             for i, (ms, w) in enumerate([(10.0, 0), (900.0, 3), (12.0, 0), (450.0, 1)])]
+    result = {"steps": {"static": steps}, "results": {"static": {"duration_s": 2.0}}}
+    text = slowest(result, 2)
+    rows = [[c.strip() for c in line.strip("|").split("|")]
+            for line in text.splitlines() if line.startswith("|") and "---" not in line]
+    acct = rows[1]
+    assert acct[:2] == ["static", "4"] and float(acct[3]) == pytest.approx(1.372)
+    assert float(acct[6]) == pytest.approx(1.35)                    # the top two steps' wall
+    top = [r for r in rows if r[0] == "static" and len(r) == 11]
+    assert [r[1] for r in top] == ["1", "3"] and [r[6] for r in top] == ["3", "1"]

@@ -39,7 +39,7 @@ class TritonCompiles:
 
     def _hook(self, *args, **kwargs):
         fn = kwargs.get("fn")
-        self.names[getattr(fn, "name", None) or "?"] += 1
+        self.names[(getattr(fn, "name", None) or "?").rsplit(".", 1)[-1]] += 1
         if self._prev is not None:
             return self._prev(*args, **kwargs)
         return None
