@@ -42,6 +42,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from kvops.engine.compiles import TritonCompiles
 from kvops.engine.engine import Engine
 from kvops.engine.metrics import summarize
 from kvops.engine.request import Request, Status
@@ -433,17 +434,19 @@ class FollowerEngine(Engine):
     def replay(self, requests: list[Request], progress=None, concurrency=None) -> dict:
         """``concurrency`` is rank 0's: its plans carry the admissions."""
         by_rid = {r.rid: r for r in requests}
-        while True:
-            plan = _broadcast(self.tp, None)
-            self.apply(plan, by_rid)
-            self.checker.fold((plan.edits, plan.items, plan.fidelity))
-            if plan.check:
-                self.checker.check("at the end" if plan.stop else f"after commit "
-                                   f"{self.checker.commits}")
-            if plan.stop:
-                break
-            self.forward(plan.items, by_rid)
-        return summarize(requests, self.steps, {"rank": self.tp.rank})
+        with TritonCompiles() as jit:
+            while True:
+                plan = _broadcast(self.tp, None)
+                self.apply(plan, by_rid)
+                self.checker.fold((plan.edits, plan.items, plan.fidelity))
+                if plan.check:
+                    self.checker.check("at the end" if plan.stop else f"after commit "
+                                       f"{self.checker.commits}")
+                if plan.stop:
+                    break
+                self.forward(plan.items, by_rid)
+        return summarize(requests, self.steps, {"rank": self.tp.rank, "compiles": jit.count,
+                                                "compiled": dict(jit.names)})
 
     def apply(self, plan: StepPlan, by_rid: dict) -> None:
         """Make rank 0's KV calls, in order, with this rank's requests (an admission sets what

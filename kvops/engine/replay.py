@@ -313,7 +313,7 @@ def run(settings: ReplaySettings, progress: bool = True, tp=None, model=None) ->
               f"TTFT p99 {res['ttft_ms']['p99']:.1f} ms, TPOT p50/p99 "
               f"{res['tpot_ms']['median']:.2f}/{res['tpot_ms']['p99']:.2f} ms, reserved "
               f"{res['reserved_gib_mean']:.3f} GiB, {res['wall_s']:.1f} s"
-              + ("" if not res["compiles"] else
+              + ("" if not res.get("compiles") else
                  f"; {res['compiles']} Triton compiles after warm-up: "
                  + ", ".join(f"{k} x{n}" for k, n in sorted(res["compiled"].items())))
               + ("" if res.get("stopped_s") is None else
