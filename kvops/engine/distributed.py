@@ -42,7 +42,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from kvops.engine.compiles import TritonCompiles
 from kvops.engine.engine import Engine
 from kvops.engine.metrics import summarize
 from kvops.engine.request import Request, Status
@@ -431,22 +430,22 @@ class FollowerEngine(Engine):
         super().__init__(model, kv, decode, sched, graphs=graphs, overlap=False)
         self.tp, self.checker = tp, _Checker(tp, kv)
 
-    def replay(self, requests: list[Request], progress=None, concurrency=None) -> dict:
-        """``concurrency`` is rank 0's: its plans carry the admissions."""
+    def _serve(self, requests: list[Request], progress=None, concurrency=None,
+               eff_bar=None) -> dict:
+        """``concurrency`` is rank 0's: its plans carry the admissions (``Engine.replay`` calls
+        this, counting the rank's Triton compiles)."""
         by_rid = {r.rid: r for r in requests}
-        with TritonCompiles() as jit:
-            while True:
-                plan = _broadcast(self.tp, None)
-                self.apply(plan, by_rid)
-                self.checker.fold((plan.edits, plan.items, plan.fidelity))
-                if plan.check:
-                    self.checker.check("at the end" if plan.stop else f"after commit "
-                                       f"{self.checker.commits}")
-                if plan.stop:
-                    break
-                self.forward(plan.items, by_rid)
-        return summarize(requests, self.steps, {"rank": self.tp.rank, "compiles": jit.count,
-                                                "compiled": dict(jit.names)})
+        while True:
+            plan = _broadcast(self.tp, None)
+            self.apply(plan, by_rid)
+            self.checker.fold((plan.edits, plan.items, plan.fidelity))
+            if plan.check:
+                self.checker.check("at the end" if plan.stop else f"after commit "
+                                   f"{self.checker.commits}")
+            if plan.stop:
+                break
+            self.forward(plan.items, by_rid)
+        return summarize(requests, self.steps, {"rank": self.tp.rank})
 
     def apply(self, plan: StepPlan, by_rid: dict) -> None:
         """Make rank 0's KV calls, in order, with this rank's requests (an admission sets what
