@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from kvops._config import interpreting
 from kvops.engine.compiles import TritonCompiles, _runtime_knobs
 
 knobs = _runtime_knobs()
@@ -11,7 +12,10 @@ requires_hook = pytest.mark.skipif(knobs is None or not hasattr(knobs, "jit_post
 
 
 @requires_hook
-def test_counts_each_compile_by_name_calls_the_hook_it_found_and_puts_it_back():
+def test_counts_each_compile_by_name_calls_the_hook_it_found_and_puts_it_back(monkeypatch):
+    import kvops.engine.compiles as compiles
+
+    monkeypatch.setattr(compiles, "interpreting", lambda: False)   # the compiling JIT's path
     seen = []
 
     def before(**kw):
@@ -60,3 +64,75 @@ def test_without_the_hook_or_triton_the_count_is_zero(monkeypatch):
     with compiles.TritonCompiles() as jit:
         pass
     assert jit.count == 0 and jit.names == {}
+
+
+interpreted = pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1")
+
+
+@interpreted
+def test_under_the_interpreter_counts_each_specialization_the_jit_would_compile_once():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _bump(X, n, BLOCK: tl.constexpr):
+        o = tl.arange(0, BLOCK)
+        tl.store(X + o, tl.load(X + o, mask=o < n) + 1, mask=o < n)
+
+    @triton.jit(do_not_specialize=["n"])
+    def _bump_any_n(X, n, BLOCK: tl.constexpr):
+        o = tl.arange(0, BLOCK)
+        tl.store(X + o, tl.load(X + o, mask=o < n) + 1, mask=o < n)
+
+    x = torch.zeros(64)
+    with TritonCompiles() as jit:
+        _bump[(1,)](x, 8, BLOCK=8)
+        _bump[(1,)](x, 9, BLOCK=8)          # 8 and 9: neither 1 nor a multiple of 16
+        _bump[(1,)](x, 8, BLOCK=16)         # a new constexpr
+        _bump[(1,)](x, 16, BLOCK=16)        # n a multiple of 16
+        _bump[(1,)](x, 1, BLOCK=16)         # n == 1: a constant
+        _bump[(1,)](x[1:], 8, BLOCK=16)     # a pointer off 16-byte alignment
+        _bump[(1,)](x, 8, BLOCK=16, num_warps=8)   # another launch option
+        for n in (3, 16, 1):
+            _bump_any_n[(1,)](x, n, BLOCK=16)       # not specialized on n: one binary
+    assert jit.names == {"_bump": 6, "_bump_any_n": 1}, jit.names
+    with TritonCompiles() as again:                 # met in this process already
+        _bump[(1,)](x, 8, BLOCK=8)
+    assert again.count == 0
+
+
+@interpreted
+def test_the_interpreters_keys_are_the_jits_rules():
+    from kvops.engine.compiles import _specialize_impl
+
+    rules = _specialize_impl()
+    x = torch.zeros(64, dtype=torch.bfloat16)
+    assert rules(x, True) != rules(x[1:], True)
+    assert rules(x[1:], False) == rules(x, False)
+    assert rules(16, True) != rules(17, True) != rules(1, True)
+    assert rules(16, False) == rules(17, False)
+    assert rules(2**40, False) != rules(17, False)      # 64-bit
+
+
+@interpreted
+def test_the_thorough_warmup_leaves_a_replay_nothing_to_compile(monkeypatch):
+    """The engine's warm-up walks the launch rules' classes (``warmup_requests``), so a replay
+    after it meets no specialization Triton would compile inside a measured step; the short
+    warm-up does leave some (the counter sees them)."""
+    import kvops
+    import kvops.engine.compiles as compiles
+    from kvops.engine.replay import ReplaySettings, run
+
+    def replay(thorough):
+        monkeypatch.setattr(compiles, "_MET", set())     # a fresh process's JIT cache
+        settings = ReplaySettings(configs=("static",), model="tiny", max_requests=4,
+                                  length_scale=0.125, budget_gib=0.01, max_seqs=4,
+                                  max_context=512, window=128, graphs=False, overlap=False,
+                                  thorough_warmup=thorough)
+        with kvops.backend("triton"):
+            return run(settings, progress=False)["results"]["static"]
+
+    res = replay(True)
+    assert res["finished"] == 4 and res["compiles"] == 0, res["compiled"]
+    short = replay(False)
+    assert short["compiles"] > 0 and "_paged_kv_write_kernel" in short["compiled"]

@@ -91,6 +91,8 @@ class ReplaySettings:
     preemption: str = "newest"
     prefix_sharing: bool = True
     graphs: bool | None = None           # default: on CUDA
+    thorough_warmup: bool | None = None  # walk the launch rules' classes before each replay
+                                         # (warmup_requests); default: on CUDA
     overlap: bool | None = None          # schedule and commit under the last step's device
                                          # work (kvops.engine.engine); default: on CUDA
     device: str | None = None
@@ -158,26 +160,53 @@ def _requests(s: ReplaySettings, vocab: int, max_seq_len: int) -> list[Request]:
                           max_requests=s.max_requests, max_context=max_seq_len, seed=s.seed)
 
 
-def _warmup(engine: Engine, vocab: int, max_context: int) -> None:
-    """Requests through the engine so that the kernels compile before the measured replay (on
-    CUDA: prefill packs of one to eight sequences, token counts with and without a factor of
-    16, a single-token prompt, chunked prompts, each Triton specialization the replay is likely
-    to meet), then a capture of every decode bucket (and, with a far view, of its absorb); the
-    engine's records start again after."""
-    long = engine.scheduler.cfg.long_prefill_tokens
-    if engine.runner.device.type == "cuda":
-        lengths = [1, 16, 17, 48, 100, 257, long + 37, 2 * long]
-    else:
-        lengths = [40, 40]
-    lengths = [max(1, min(n, max_context - 8)) for n in lengths]
-    reqs = [Request(-1 - i, 0.0, [(7 * i + j) % vocab for j in range(n)], 4)
-            for i, n in enumerate(lengths)]
-    if engine.runner.device.type == "cuda":
-        reqs += [Request(-20 - i, 1e3, [(3 * i + j) % vocab for j in range(n)], 3)
-                 for i, n in enumerate((33, 64))]
+def warmup_requests(vocab: int, max_context: int, long: int, rows: int,
+                    thorough: bool) -> list[Request]:
+    """The warm-up's requests (negative ids, two output tokens; prompts that share no prefix
+    unless said). ``thorough``: Triton compiles a kernel for each class of its launch rules'
+    answers (tile rows by the step's tokens and the mean chunk a sequence, splits by the
+    programs, write tiles by the tokens), and those answers step at powers of two of the
+    step's sizes, so the requests walk them: one prompt a step of 1, 2, 4, ... ``long`` tokens
+    and a few between (3, 17, 100), chunked prompts (``long + 37``, ``2 * long``), a prompt
+    sharing another's first ``long`` tokens, then packs of 2, 4, 8, ... ``rows`` prompts arriving
+    together of 1, 3 and ``long`` tokens (steps up to the token budget). Else two prompts of 40
+    tokens."""
+    fit = lambda n: max(1, min(n, max_context - 8))
+    if not thorough:
+        return [Request(-1 - i, 0.0, [(7 * i + j) % vocab for j in range(fit(40))], 4)
+                for i in range(2)]
+    alone = sorted({*(2 ** i for i in range(long.bit_length()) if 2 ** i <= long), 3, 17,
+                    100, long, long + 37, 2 * long})
+    groups = [[n] for n in alone]
+    b = 2
+    while b <= rows:
+        groups += [[n] * b for n in (1, 3, long)]
+        b *= 2
+    reqs = []
+    for t, group in enumerate(groups):
+        for n in group:
+            i = len(reqs)
+            reqs.append(Request(-1 - i, 1e3 * t, [(7 * i + j + 1) % vocab for j in range(fit(n))],
+                                2))
+    shared = [(5 + j) % vocab for j in range(fit(long))]
+    reqs += [Request(-1 - len(reqs) - i, 1e3 * (len(groups) + i), shared + [i + 1] * fit(37), 2)
+             for i in range(2)]
+    return reqs
+
+
+def _warmup(engine: Engine, vocab: int, max_context: int, thorough: bool | None = None) -> None:
+    """:func:`warmup_requests` through the engine, so that the kernels compile before the
+    measured replay, then every decode bucket once (captured on CUDA, and with a far view its
+    absorb and copy trains); the engine's records start again after. ``thorough`` (default: on
+    CUDA, where a kernel met first in the replay compiles inside it) walks the launch rules'
+    classes; else two short prompts."""
+    if thorough is None:
+        thorough = engine.runner.device.type == "cuda"
+    reqs = warmup_requests(vocab, max_context, engine.scheduler.cfg.long_prefill_tokens,
+                           engine.runner.rows, thorough)
     engine.replay(reqs)
     runner = engine.runner
-    if runner.graphs:
+    if runner.graphs or thorough:
         b, seen = 1, set()
         while b <= runner.rows:
             bk = bucket_of(b, runner.rows)
@@ -185,7 +214,10 @@ def _warmup(engine: Engine, vocab: int, max_context: int) -> None:
                 seen.add(bk)
                 runner._pos.fill_(-1)           # rows that decode nothing: no writes
                 for selecting in (False, True) if runner.retrieval is not None else (False,):
-                    runner._replay(bk, selecting)
+                    if runner.graphs:
+                        runner._replay(bk, selecting)
+                    else:
+                        runner._decode_forward(bk, selecting)
             b += 1
         runner.capture_transfers()              # the copy trains and kvrm's absorb, a graph each
     engine.steps.clear()
@@ -288,7 +320,7 @@ def run(settings: ReplaySettings, progress: bool = True, tp=None, model=None) ->
             engine = tp.engine(model, kv, decode_kind(name), sched, graphs=settings.graphs,
                                clock=settings.clock, step_cost=step_cost)
         engine.eff = (settings.eff_ttft_s, settings.eff_tbt_s)
-        _warmup(engine, cfg.vocab_size, budget.max_context)
+        _warmup(engine, cfg.vocab_size, budget.max_context, settings.thorough_warmup)
         reqs = _requests(settings, cfg.vocab_size, cfg.max_seq_len)
         bar = None
         if progress:
