@@ -53,12 +53,12 @@ ceilings() {   # the card's own streaming-read and copy ceilings (the benches qu
     part ceilings 60 python3 -m bench.bench_ceilings
 }
 engine() {
-    part engine 160 python3 -m kvops replay --configs static,pager,pager+merge,kvrm,kvrm-ret,paged \
+    part engine 420 python3 -m kvops replay --configs static,pager,pager+merge,kvrm,kvrm-ret,paged \
         --max-requests 40 --record engine-table5-synthetic-8b --out "$OUT/engine" --no-progress --no-figures
     part engine-steps 30 python3 -m bench.engine_steps "$OUT/engine/replay.json" --slowest 8
 }
 engine_reversed() {   # the same replay with `static` last: what running first costs a configuration
-    part engine-reversed 120 python3 -m kvops replay --configs paged,kvrm,static \
+    part engine-reversed 240 python3 -m kvops replay --configs paged,kvrm,static \
         --max-requests 40 --record engine-table5-synthetic-8b-static-last --out "$OUT/engine-reversed" \
         --no-progress --no-figures
     part engine-reversed-steps 30 python3 -m bench.engine_steps "$OUT/engine-reversed/replay.json" --slowest 8

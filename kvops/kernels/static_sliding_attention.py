@@ -108,14 +108,18 @@ def _sliding_window_kernel(
         o_c = tl.arange(0, BLOCK_C)
         f_lo = tl.maximum(lo, wl) - wl
         f_hi = tl.maximum(hi, wl) - wl
+        # each tile's bias is loaded a tile ahead: the K/V loads it masks do not wait on it
+        p_fb = FarBias + i_b * stride_fbb + o_c
+        b_next = tl.load(p_fb + f_lo, mask=f_lo + o_c < f_hi, other=float("-inf"))
         for start in range(f_lo, f_hi, BLOCK_C):
             m_n = start + o_c < f_hi
             p_k = FarK + i_b * stride_fkb + (start + o_c)[:, None] * stride_fkc \
                 + i_h * stride_fkh + o_d[None, :]
             p_v = FarV + i_b * stride_fvb + (start + o_c)[:, None] * stride_fvc \
                 + i_h * stride_fvh + o_d[None, :]
-            b_bias = tl.load(FarBias + i_b * stride_fbb + start + o_c, mask=m_n,
-                             other=float("-inf")) * LOG2E
+            b_bias = b_next * LOG2E
+            b_next = tl.load(p_fb + start + BLOCK_C, mask=start + BLOCK_C + o_c < f_hi,
+                             other=float("-inf"))
             # an empty slot (bias -inf) is not read: NaN or inf there must not reach the output
             m_live = (m_n & (b_bias > float("-inf")))[:, None] & m_d[None, :]
             b_k = tl.load(p_k, mask=m_live, other=0.0)
