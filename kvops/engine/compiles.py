@@ -19,6 +19,7 @@ launch rules' CPU answers (the interpreter reports 4 SMs). Without Triton the co
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections import Counter
 
@@ -80,12 +81,17 @@ def _hashable(value):
         return repr(value)
 
 
+@functools.lru_cache(maxsize=1024)
+def _parameters(fn):
+    return inspect.signature(fn).parameters
+
+
 def interpreter_key(fn, args: tuple, kwargs: dict, do_not_specialize=(), specialize=None):
     """The specialization key the JIT would compile a launch of Python function ``fn`` with
     ``args`` and ``kwargs`` under: its name and where it is defined, each parameter's part, the
     launch options."""
     specialize = specialize or _specialize_impl()
-    params = inspect.signature(fn).parameters
+    params = _parameters(fn)
     bound = dict(zip(params, args))
     bound.update((k, v) for k, v in kwargs.items() if k in params)
     parts = []
