@@ -101,11 +101,12 @@ def test_under_the_interpreter_counts_each_specialization_the_jit_would_compile_
     assert again.count == 0
 
 
-@interpreted
-def test_the_interpreters_keys_are_the_jits_rules():
-    from kvops.engine.compiles import _specialize_impl
+@pytest.mark.parametrize("source", ["triton", "python"])
+def test_the_interpreters_keys_are_the_jits_rules(source):
+    pytest.importorskip("triton")
+    from kvops.engine.compiles import _python_rules, _specialize_impl
 
-    rules = _specialize_impl()
+    rules = _specialize_impl() if source == "triton" else _python_rules
     x = torch.zeros(64, dtype=torch.bfloat16)
     assert rules(x, True) != rules(x[1:], True)
     assert rules(x[1:], False) == rules(x, False)

@@ -54,23 +54,25 @@ def _specialize_impl():
         native_specialize_impl = None
     if native_specialize_impl is not None:
         return lambda arg, spec: native_specialize_impl(BaseBackend, arg, False, spec, spec)
+    return _python_rules
 
-    def python_rules(arg, spec):
-        if arg is None:
-            return ("constexpr", None)
-        if isinstance(arg, bool):
-            return ("u1", None)
-        if isinstance(arg, int):
-            if spec and arg == 1:
-                return ("constexpr", 1)
-            width = "i32" if -2**31 <= arg < 2**31 else "i64"
-            return (width, "D" if spec and arg % 16 == 0 else "")
-        if isinstance(arg, float):
-            return ("fp32", None)
-        if hasattr(arg, "data_ptr"):
-            return (str(arg.dtype), "D" if spec and arg.data_ptr() % 16 == 0 else "")
-        return (type(arg).__name__, None)
-    return python_rules
+
+def _python_rules(arg, spec):
+    """Triton's specialization rules for one argument, for a Triton that does not export them."""
+    if arg is None:
+        return ("constexpr", None)
+    if isinstance(arg, bool):
+        return ("u1", None)
+    if isinstance(arg, int):
+        if spec and arg == 1:
+            return ("constexpr", 1)
+        width = "i32" if -2**31 <= arg < 2**31 else "i64"
+        return (width, "D" if spec and arg % 16 == 0 else "")
+    if isinstance(arg, float):
+        return ("fp32", None)
+    if hasattr(arg, "data_ptr"):
+        return (str(arg.dtype), "D" if spec and arg.data_ptr() % 16 == 0 else "")
+    return (type(arg).__name__, None)
 
 
 def _hashable(value):
