@@ -70,8 +70,12 @@ interpreted = pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERP
 
 
 @interpreted
-def test_under_the_interpreter_counts_each_specialization_the_jit_would_compile_once():
+def test_under_the_interpreter_counts_each_specialization_the_jit_would_compile_once(monkeypatch):
     import triton
+
+    import kvops.engine.compiles as compiles
+
+    monkeypatch.setattr(compiles, "_MET", set())     # a fresh process's JIT cache
     import triton.language as tl
 
     @triton.jit

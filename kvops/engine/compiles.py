@@ -52,9 +52,15 @@ def _specialize_impl():
         from triton.backends.compiler import BaseBackend
     except ImportError:
         native_specialize_impl = None
-    if native_specialize_impl is not None:
-        return lambda arg, spec: native_specialize_impl(BaseBackend, arg, False, spec, spec)
-    return _python_rules
+    if native_specialize_impl is None:
+        return _python_rules
+
+    def triton_rules(arg, spec):
+        try:
+            return native_specialize_impl(BaseBackend, arg, False, spec, spec)
+        except TypeError:       # a type the interpreter takes and the JIT's rules do not
+            return _python_rules(arg, spec)
+    return triton_rules
 
 
 def _python_rules(arg, spec):
@@ -113,11 +119,20 @@ def _counted_run(fn_self, *args, grid, warmup, **kwargs):
     """The interpreter's launch, counting a specialization first met in every active counter."""
     key = interpreter_key(fn_self.fn, args, kwargs,
                           fn_self.kwargs.get("do_not_specialize") or (), _RUN[1])
-    if key not in _MET:
+    out = _RUN[0](fn_self, *args, grid=grid, warmup=warmup, **kwargs)
+    if key not in _MET:                 # counted once it ran (a launch that raised compiled nothing)
         _MET.add(key)
         for names in _ACTIVE:
             names[key[0]] += 1
-    return _RUN[0](fn_self, *args, grid=grid, warmup=warmup, **kwargs)
+    return out
+
+
+def _interpreter_present() -> bool:
+    try:
+        from triton.runtime.interpreter import InterpretedFunction  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _install() -> None:
@@ -151,7 +166,7 @@ class TritonCompiles:
         return None
 
     def __enter__(self) -> TritonCompiles:
-        if self._knobs is not None and interpreting():
+        if interpreting() and _interpreter_present():
             _install()
             _ACTIVE.append(self.names)
             self._interpreted = True

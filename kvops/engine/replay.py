@@ -162,15 +162,16 @@ def _requests(s: ReplaySettings, vocab: int, max_seq_len: int) -> list[Request]:
 
 def warmup_requests(vocab: int, max_context: int, long: int, rows: int,
                     thorough: bool) -> list[Request]:
-    """The warm-up's requests (negative ids, two output tokens; prompts that share no prefix
-    unless said). ``thorough``: Triton compiles a kernel for each class of its launch rules'
+    """The warm-up's requests (negative ids; prompts that share no prefix unless said; all fit
+    ``max_context``). ``thorough``: Triton compiles a kernel for each class of its launch rules'
     answers (tile rows by the step's tokens and the mean chunk a sequence, splits by the
     programs, write tiles by the tokens), and those answers step at powers of two of the
-    step's sizes, so the requests walk them: one prompt a step of 1, 2, 4, ... ``long`` tokens
-    and a few between (3, 17, 100), chunked prompts (``long + 37``, ``2 * long``), a prompt
-    sharing another's first ``long`` tokens, then packs of 2, 4, 8, ... ``rows`` prompts arriving
-    together of 1, 3 and ``long`` tokens (steps up to the token budget). Else two prompts of 40
-    tokens."""
+    step's sizes, so the requests walk them, two output tokens each: one prompt a step of 1,
+    2, 4, ... ``long`` tokens and a few between (3, 17, 100), chunked prompts (``long + 37``,
+    ``2 * long``), packs of 2, 4, 8, ... and ``rows`` prompts arriving together of 1, 3 and
+    ``long`` tokens (steps up to the token budget), then two prompts sharing their first
+    ``long`` tokens (a prefix hit and its copy-on-write). Else two prompts of 40 tokens and
+    four output tokens."""
     fit = lambda n: max(1, min(n, max_context - 8))
     if not thorough:
         return [Request(-1 - i, 0.0, [(7 * i + j) % vocab for j in range(fit(40))], 4)
@@ -178,19 +179,20 @@ def warmup_requests(vocab: int, max_context: int, long: int, rows: int,
     alone = sorted({*(2 ** i for i in range(long.bit_length()) if 2 ** i <= long), 3, 17,
                     100, long, long + 37, 2 * long})
     groups = [[n] for n in alone]
-    b = 2
-    while b <= rows:
+    packs = sorted({*(2 ** i for i in range(1, rows.bit_length()) if 2 ** i <= rows), rows} - {1})
+    for b in packs:
         groups += [[n] * b for n in (1, 3, long)]
-        b *= 2
     reqs = []
     for t, group in enumerate(groups):
         for n in group:
             i = len(reqs)
             reqs.append(Request(-1 - i, 1e3 * t, [(7 * i + j + 1) % vocab for j in range(fit(n))],
                                 2))
-    shared = [(5 + j) % vocab for j in range(fit(long))]
-    reqs += [Request(-1 - len(reqs) - i, 1e3 * (len(groups) + i), shared + [i + 1] * fit(37), 2)
-             for i in range(2)]
+    total = fit(long + 37)
+    head = max(1, total - 37)
+    shared = [(5 + j) % vocab for j in range(head)]
+    reqs += [Request(-1 - len(reqs) - i, 1e3 * (len(groups) + i),
+                     shared + [i + 1] * (total - head), 2) for i in range(2)]
     return reqs
 
 
@@ -225,6 +227,7 @@ def _warmup(engine: Engine, vocab: int, max_context: int, thorough: bool | None 
     engine.kv.prefix_hit_tokens = 0
     engine.kv.reset_counters()
     runner.buckets_used.clear()
+    runner.selections = 0
     engine.warm_captures = runner.captures
 
 
