@@ -26,12 +26,12 @@ from collections import Counter
 from kvops._config import interpreting
 
 # interpreter: every specialization met in this process since the first TritonCompiles (as a
-# JIT's in-memory cache holds them), the counters of those now active, and the interpreter's
-# launch with the specialization rules (the wrapper stays installed: a warm-up's launches
-# outside any counter are met all the same)
+# JIT's in-memory cache holds them) and the counters of those now active; the interpreter's
+# own launch and the specialization rules, once the counting launch is installed (it stays
+# installed: a warm-up's launches outside any counter are met all the same)
 _MET: set = set()
 _ACTIVE: list = []
-_RUN: list = []
+_RUN = _RULES = None
 
 
 def _runtime_knobs():
@@ -118,8 +118,8 @@ def interpreter_key(fn, args: tuple, kwargs: dict, do_not_specialize=(), special
 def _counted_run(fn_self, *args, grid, warmup, **kwargs):
     """The interpreter's launch, counting a specialization first met in every active counter."""
     key = interpreter_key(fn_self.fn, args, kwargs,
-                          fn_self.kwargs.get("do_not_specialize") or (), _RUN[1])
-    out = _RUN[0](fn_self, *args, grid=grid, warmup=warmup, **kwargs)
+                          fn_self.kwargs.get("do_not_specialize") or (), _RULES)
+    out = _RUN(fn_self, *args, grid=grid, warmup=warmup, **kwargs)
     if key not in _MET:                 # counted once it ran (a launch that raised compiled nothing)
         _MET.add(key)
         for names in _ACTIVE:
@@ -136,10 +136,11 @@ def _interpreter_present() -> bool:
 
 
 def _install() -> None:
+    global _RUN, _RULES
     from triton.runtime.interpreter import InterpretedFunction
 
-    if not _RUN:
-        _RUN[:] = [InterpretedFunction.run, _specialize_impl()]
+    if _RUN is None:
+        _RUN, _RULES = InterpretedFunction.run, _specialize_impl()
         InterpretedFunction.run = _counted_run
 
 

@@ -19,7 +19,6 @@ from kvops.engine.configs import CONFIGS, KVBudget, decode_kind, is_elastic, mak
 from kvops.engine.engine import Engine
 from kvops.engine.metrics import effective, steps_as_dict, tbt
 from kvops.engine.request import Request, Status
-from kvops.engine.runner import bucket_of
 from kvops.engine.scheduler import SchedulerConfig
 from kvops.engine.traces import build_requests, load_rows, pressure_rows, trace_windows
 
@@ -209,19 +208,7 @@ def _warmup(engine: Engine, vocab: int, max_context: int, thorough: bool | None 
     engine.replay(reqs)
     runner = engine.runner
     if runner.graphs or thorough:
-        b, seen = 1, set()
-        while b <= runner.rows:
-            bk = bucket_of(b, runner.rows)
-            if bk not in seen:
-                seen.add(bk)
-                runner._pos.fill_(-1)           # rows that decode nothing: no writes
-                for selecting in (False, True) if runner.retrieval is not None else (False,):
-                    if runner.graphs:
-                        runner._replay(bk, selecting)
-                    else:
-                        runner._decode_forward(bk, selecting)
-            b += 1
-        runner.capture_transfers()              # the copy trains and kvrm's absorb, a graph each
+        runner.warm_buckets()
     engine.steps.clear()
     runner.paths.clear()
     engine.kv.prefix_hit_tokens = 0

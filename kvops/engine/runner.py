@@ -394,6 +394,20 @@ class ModelRunner:
                 kv.k_pool[i], kv.v_pool[i], t["trains"], t["num_trains"],
                 self.k_arena_pages[i], self.v_arena_pages[i])
 
+    def warm_buckets(self) -> None:
+        """Every decode bucket once with no row decoding (no K/V written, no far utility
+        moved; with retrieval, its choosing and reusing step): captured on CUDA, run eagerly
+        otherwise, so each bucket's kernels are compiled before a measured replay; then
+        :meth:`capture_transfers`."""
+        for bk in sorted({bucket_of(b, self.rows) for b in range(1, self.rows + 1)}):
+            self._pos.fill_(-1)
+            for selecting in (False, True) if self.retrieval is not None else (False,):
+                if self.graphs:
+                    self._replay(bk, selecting)
+                else:
+                    self._decode_forward(bk, selecting)
+        self.capture_transfers()
+
     def capture_transfers(self) -> None:
         """Capture the step's fixed-shape transfers, each in one CUDA graph over every layer,
         so a step that needs one replays a graph instead of launching a kernel or more a layer
