@@ -79,9 +79,23 @@ def build_ir(signature: dict, constants: dict) -> None:
                                           backend.get_module_map(), ctx)
 
 
+# an sm_90 SM (H100, H200): shared memory, of which each resident block reserves 1 KiB, and
+# 32-bit registers, allocated a warp at a time in units of 256
+SM_SHARED, BLOCK_RESERVED, SM_REGISTERS, REG_UNIT = 228 * 1024, 1024, 65536, 256
+
+
+def programs_per_sm(shared: int, registers: int, num_warps: int) -> int:
+    """How many programs of a kernel fit one sm_90 SM at once, by its shared memory and its
+    registers (the smaller; the hardware's 32-block and 64-warp limits are not the bound at
+    these sizes)."""
+    by_shared = SM_SHARED // (shared + BLOCK_RESERVED)
+    per_warp = -(-registers * 32 // REG_UNIT) * REG_UNIT
+    return min(by_shared, SM_REGISTERS // (per_warp * num_warps))
+
+
 def resources(signature: dict, constants: dict, num_warps: int, num_stages: int) -> dict:
     """Registers a thread and the stack it spills to, of the ``sm_90`` binary
-    (``cuobjdump -res-usage``)."""
+    (``cuobjdump -res-usage``), its shared memory and the programs an SM holds at once."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -96,7 +110,9 @@ def resources(signature: dict, constants: dict, num_warps: int, num_stages: int)
                              check=True).stdout
     fields = dict(tok.split(":") for line in out.splitlines() if "REG:" in line
                   for tok in line.split() if ":" in tok)
-    return {"registers": int(fields["REG"]), "stack": int(fields["STACK"])}
+    regs, shared = int(fields["REG"]), int(compiled.metadata.shared)
+    return {"registers": regs, "stack": int(fields["STACK"]), "shared": shared,
+            "per_sm": programs_per_sm(shared, regs, num_warps)}
 
 
 def main():
@@ -114,7 +130,8 @@ def main():
           f"{', pool descriptors' if tma else ''}"
           f"{', new rows through descriptors' if args.new_rows else ''}"
           f"{', 64-bit offsets' if args.off64 else ''}")
-    print("| tile | prefetch | registers | stack bytes |\n|---|---|---:|---:|")
+    print("| tile | prefetch | registers | stack bytes | shared bytes | programs an SM |\n"
+          "|---|---|---:|---:|---:|---:|")
     for tile in args.tiles.split(","):
         bm, bn, warps, stages = (int(x) for x in tile.split("/"))
         for prefetch in (True, False):
@@ -123,7 +140,8 @@ def main():
                                             tma=tma, new=args.new_rows, new_tma=args.new_rows,
                                             off64=args.off64),
                           warps, stages)
-            print(f"| {tile} | {prefetch} | {r['registers']} | {r['stack']} |", flush=True)
+            print(f"| {tile} | {prefetch} | {r['registers']} | {r['stack']} | {r['shared']} | "
+                  f"{r['per_sm']} |", flush=True)
 
 
 if __name__ == "__main__":

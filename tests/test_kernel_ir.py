@@ -60,3 +60,16 @@ def test_paged_prefill_builds_for_hopper(built, path):
     if err is not None and err.startswith(("ImportError", "ModuleNotFoundError")):
         pytest.skip(f"this triton builds IR another way: {err[:200]}")
     assert err is None, err
+
+
+@pytest.mark.parametrize("shared,registers,warps,want", [
+    (115712, 255, 4, 2),     # the 64-row descriptor tile at pages of 64 (triton 3.6): two, exactly
+    (132096, 255, 8, 1),     # 128/64/8/3 with descriptors: shared memory holds one
+    (49152, 255, 8, 1),      # 128/64/8/3 gathered: shared memory holds four, registers one
+    (16384, 64, 4, 8),       # a small kernel: registers bind at eight
+    (116800, 128, 4, 1),     # 64 bytes past two programs' shared memory
+])
+def test_programs_per_sm_table(shared, registers, warps, want):
+    from bench.kernel_build import programs_per_sm
+
+    assert programs_per_sm(shared, registers, warps) == want
