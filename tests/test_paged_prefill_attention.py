@@ -296,6 +296,22 @@ def test_new_rows_around_the_first_chunk_tile(kernel_device, poison, new_tma, wi
     check_against_oracle(out, lse, case, f"first-tile-{new_tma}-{window}-{num_splits}", window)
 
 
+
+@pytest.mark.parametrize("window,num_splits", [(0, None), (0, 3), (5, 2), (37, None)])
+def test_first_chunk_tile_in_two_halves_through_descriptors(kernel_device, poison, window,
+                                                            num_splits):
+    """Pool and rows both through descriptors (pages of 64): the tile holding a chunk's first
+    position mid-tile is read as its pages' half, then its rows' half; chunks starting mid-tile
+    (63, 100), on a tile boundary (128) and from nothing give the oracle's rows."""
+    case = make_case([(100, 150), (63, 70), (128, 40), (0, 5)], 64, 2, 4, 64, torch.float16,
+                     kernel_device, seed=12, window=window, pad=2)
+    k, v = new_rows(case)
+    out, lse = paged_prefill_attention_fwd(**case, window=window, k=k, v=v, tma=True,
+                                           new_tma=True, block_m=16, block_n=64,
+                                           num_splits=num_splits)
+    check_against_oracle(out, lse, case, f"halves-{window}-{num_splits}", window)
+
+
 @pytest.mark.parametrize("new_tma", [None, False, True])
 def test_fwd_refuses_rows_whose_heads_are_not_contiguous(new_tma):
     """The kernel reads a row's heads ``D`` apart, so the launcher refuses other rows whatever

@@ -356,7 +356,10 @@ def _key_run(b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, KR, VR, page_rows, p_
     """Key tiles ``[lo, hi)`` (BLOCK_N-aligned) in BLOCK_N steps. Without NEW, all from their
     pages (``_page_run``). With NEW the chunk's own keys (positions from ``pos0``) come from
     the new tokens' rows: tiles before the one holding ``pos0`` from pages, that one mixed when
-    ``pos0`` lies inside it (``_key_tile_mixed``), the rest from rows (``_key_tile_rows``)."""
+    ``pos0`` lies inside it (``_key_tile_mixed``; with descriptors for both, its pages' half
+    and then its rows' half, each a descriptor load: the mixed tile's two address tiles made
+    the 64-row tile spill 1,592 bytes a thread under triton 3.6, the halves 224), the rest
+    from rows (``_key_tile_rows``)."""
     if NEW:
         first = tl.maximum(pos0, 0) // BLOCK_N * BLOCK_N     # the tile holding pos0
         split = tl.minimum(tl.maximum(first, lo), tl.maximum(hi, lo))
@@ -366,10 +369,20 @@ def _key_run(b_q, b_acc, b_m, b_l, KC, VC, KD, VD, KN, VN, KR, VR, page_rows, p_
             BLOCK_D, MASK, WINDOW, PRECISION, PREFETCH, TMA, OFF64)
         start = split
         if (pos0 > first) & (first >= lo) & (first < hi):
-            b_acc, b_m, b_l = _key_tile_mixed(
-                b_q, b_acc, b_m, b_l, KC, VC, KR, VR, p_bt, first, pos0, seq_len, lo_key, P, L,
-                i_h, new_row0, stride_kp, stride_vp, stride_kn, stride_vn, b_pos, window,
-                scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, MASK, WINDOW, PRECISION, OFF64)
+            if TMA and NEW_TMA:     # both halves through descriptors, one after the other
+                b_acc, b_m, b_l = _key_tile_tma(
+                    b_q, b_acc, b_m, b_l, KD, VD, page_rows, p_bt, first, pos0, lo_key, P, L,
+                    i_h, b_pos, window, scale_log2, S, D, BLOCK_N, True, WINDOW, PRECISION)
+                b_acc, b_m, b_l = _key_tile_rows(
+                    b_q, b_acc, b_m, b_l, KN, VN, first, seq_len, tl.maximum(lo_key, pos0),
+                    i_h, new_row0, stride_kn, stride_vn, b_pos, window, scale_log2, D,
+                    BLOCK_N, BLOCK_D, True, WINDOW, PRECISION, NEW_TMA, OFF64)
+            else:
+                b_acc, b_m, b_l = _key_tile_mixed(
+                    b_q, b_acc, b_m, b_l, KC, VC, KR, VR, p_bt, first, pos0, seq_len, lo_key, P,
+                    L, i_h, new_row0, stride_kp, stride_vp, stride_kn, stride_vn, b_pos,
+                    window, scale_log2, S, HKV, D, BLOCK_N, BLOCK_D, MASK, WINDOW, PRECISION,
+                    OFF64)
             start = first + BLOCK_N
         for n in range(start, hi, BLOCK_N):
             b_acc, b_m, b_l = _key_tile_rows(
