@@ -169,7 +169,9 @@ def sweep(models, news, prefixes, with_flex):
         Hq, Hkv, D = HEADS[model]
         case = make_case(Hq, Hkv, D, prefix, new)
         ours = lambda c=case: torch.ops.kvops.paged_prefill_attention(**c)
+        prefill_kernel._PLANS.clear()
         check_once(case, ours()[0])
+        gluon = any(p[3] is None for p in prefill_kernel._PLANS.values())
         t_ours = time_graph(ours)[1]
         host, wall = eager_times(ours, iters=20)
         flops = 4 * Hq * D * visible_pairs(prefix, new)
@@ -177,9 +179,10 @@ def sweep(models, news, prefixes, with_flex):
         cap = torch.cuda.get_device_capability()
         tma = prefill_tma(S, D, DTYPE, cap, True)
         rows_tma = NEW_ROWS and prefill_tma_rows(D, DTYPE, cap, True)
-        line = [model, new, prefix,
-                str(prefill_tile(new, 1, Hq // Hkv, D, DTYPE, tma)[:3])
-                + (" tma" if tma else "") + (" rows-tma" if rows_tma else ""),
+        label = ("gluon (128, 128, 4+4+1)" if gluon else
+                 str(prefill_tile(new, 1, Hq // Hkv, D, DTYPE, tma)[:3])
+                 + (" tma" if tma else "") + (" rows-tma" if rows_tma else ""))
+        line = [model, new, prefix, label,
                 t_ours,
                 flops / t_ours / 1e6, flops / (t_ours * 1e-6) / FLOP_CEILING,
                 tbps(nbytes, t_ours) * 1e12 / READ_CEILING, host, wall]
@@ -309,12 +312,15 @@ def main():
     ap.add_argument("--page", type=int, default=16, help="tokens a page (S)")
     ap.add_argument("--jit-descriptors", action="store_true",
                     help="descriptor plans launch through the JIT, not the compiled launcher")
+    ap.add_argument("--no-gluon", action="store_true",
+                    help="the Triton kernel where the rule would take the Gluon one")
     ap.add_argument("--new-rows", action="store_true",
                     help="calls take the chunk's own K/V rows (k=, v=), as the engine's do")
     args = ap.parse_args()
     global S, NEW_ROWS
     S, NEW_ROWS = args.page, args.new_rows
     prefill_kernel.TMA_DIRECT = not args.jit_descriptors
+    prefill_kernel.GLUON = not args.no_gluon
     if args.tune:
         shapes = [(m, int(n), int(p)) for m, n, p in (x.split(":") for x in args.tune.split(","))]
         body = tune(shapes)
@@ -347,13 +353,14 @@ def main():
              "- the chunks with their key ranges split in "
              + ", ".join(f"{n}: {t:.1f} us ({t / t_whole:.2f}x)" for n, t in t_split.items())]
     how = ("; descriptor plans launched through the JIT" if args.jit_descriptors else "") + (
-        "; the chunk's own K/V rows given (k=, v=)" if args.new_rows else "")
+        "; the chunk's own K/V rows given (k=, v=)" if args.new_rows else "") + (
+        "; the Triton kernel only" if args.no_gluon else "")
     text = (f"bf16, S {S}, one sequence{how}; pages in runs of {RUN}. us: median graph replay; host: "
             f"eager host us per call.\n\n" + body + "\n\nGoals:\n" + "\n".join(goals) + "\n")
     partial = args.quick or args.news or args.prefixes or args.no_flex
     write_result("paged_prefill_attention" + ("-partial" if partial else "")
                  + (f"-S{S}" if S != 16 else "") + ("-jit-descriptors" if args.jit_descriptors else "")
-                 + ("-new-rows" if args.new_rows else ""),
+                 + ("-new-rows" if args.new_rows else "") + ("-no-gluon" if args.no_gluon else ""),
                  text)
     print(text)
 

@@ -79,6 +79,48 @@ def build_ir(signature: dict, constants: dict) -> None:
                                           backend.get_module_map(), ctx)
 
 
+def gluon_source(D: int = 128, dtype=None):
+    """The Gluon prefill kernel's source for Llama-3-8B's heads (32/8) at head dim ``D``."""
+    import torch
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    import kvops.kernels.paged_prefill_gluon as g
+
+    dtype = dtype or torch.bfloat16
+    ty = "bf16" if dtype == torch.bfloat16 else "fp16"
+
+    def desc(rows):
+        return f"tensordesc<{ty}[{rows},{D}],{g._layout(rows, D, dtype)!r}>"
+
+    fn = g._paged_prefill_gluon_kernel
+    sig = dict(q_desc=desc(int(g.HALF)), kp_desc=desc(int(g.BOX)), vp_desc=desc(int(g.BOX)),
+               kn_desc=desc(int(g.BLOCK_N)), vn_desc=desc(int(g.BLOCK_N)),
+               o_desc=desc(int(g.HALF)), out_ptr="*" + ty,
+               lse_ptr="*fp32", BT="*i32", QS="*i32", SL="*i32")
+    sig.update(dict.fromkeys(("N", "B", "P", "L", "S", "page_rows", "pool_rows", "num_tiles",
+                              "stride_bt"), "i32"))
+    sig.update(scale_log2="fp32", HQ="constexpr", G="constexpr")
+    names = fn.arg_names
+    return GluonASTSource(fn, sig, constexprs={(names.index("HQ"),): 32,
+                                               (names.index("G"),): 4})
+
+
+def build_gluon_ir(D: int = 128, dtype=None) -> None:
+    """The Gluon kernel's frontend IR for ``sm_90`` (raises the compiler's error)."""
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    options = backend.parse_options({"num_warps": 4, "maxnreg": 168})
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    backend.load_dialects(ctx)
+    gluon_source(D, dtype).make_ir(target, options, backend.get_codegen_implementation(options),
+                                   backend.get_module_map(), ctx)
+
+
 # an sm_90 SM (H100, H200): shared memory, of which each resident block reserves 1 KiB, and
 # 32-bit registers, allocated a warp at a time in units of 256
 SM_SHARED, BLOCK_RESERVED, SM_REGISTERS, REG_UNIT = 228 * 1024, 1024, 65536, 256
@@ -93,14 +135,18 @@ def programs_per_sm(shared: int, registers: int, num_warps: int) -> int:
     return min(by_shared, SM_REGISTERS // (per_warp * num_warps))
 
 
-def resources(signature: dict, constants: dict, num_warps: int, num_stages: int) -> dict:
+def resources(signature: dict, constants: dict, num_warps: int, num_stages: int,
+              source=None, options=None) -> dict:
     """Registers a thread and the stack it spills to, of the ``sm_90`` binary
-    (``cuobjdump -res-usage``), its shared memory and the programs an SM holds at once."""
+    (``cuobjdump -res-usage``), its shared memory and the programs an SM holds at once
+    (``source``, ``options``: another kernel's, the Gluon one's)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
-    compiled = triton.compile(_source(signature, constants), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
+    compiled = triton.compile(source or _source(signature, constants),
+                              target=GPUTarget("cuda", 90, 32),
+                              options=options or {"num_warps": num_warps,
+                                                  "num_stages": num_stages})
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
                         "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -124,7 +170,19 @@ def main():
     ap.add_argument("--page", type=int, default=16, help="S; 64 or more takes pool descriptors")
     ap.add_argument("--new-rows", action="store_true", help="the chunk's own rows given")
     ap.add_argument("--off64", action="store_true", help="64-bit element offsets")
+    ap.add_argument("--gluon", action="store_true",
+                    help="the Gluon kernel's resources (D 64 and 128, bf16) instead")
     args = ap.parse_args()
+    if args.gluon:
+        print(f"triton {triton.__version__}, sm_90, the Gluon prefill kernel, Llama-3-8B heads, "
+              "bf16; registers: the launch's cap (the partitions set their own)\n"
+              "| D | registers | stack bytes | shared bytes | programs an SM |\n"
+              "|---:|---:|---:|---:|---:|")
+        for D in (64, 128):
+            r = resources(None, None, 4, 0, gluon_source(D), {"num_warps": 4, "maxnreg": 168})
+            r["per_sm"] = programs_per_sm(r["shared"], r["registers"], 12)
+            print(f"| {D} | {r['registers']} | {r['stack']} | {r['shared']} | {r['per_sm']} |")
+        return
     tma = args.page >= prefill_kernel.TMA_MIN_PAGE
     print(f"triton {triton.__version__}, sm_90, Llama-3-8B heads, bf16, S {args.page}"
           f"{', pool descriptors' if tma else ''}"

@@ -21,6 +21,7 @@ from kvops.kernels.paged_prefill_attention import (
     prefill_tma,
     prefill_tma_rows,
 )
+from kvops.kernels.paged_prefill_gluon import HAVE_GLUON, prefill_gluon
 from kvops.ops.paged_prefill_attention import paged_prefill_attention_ref
 from tests.conftest import capture_graph, counting_backend, requires_cuda
 from tests.oracles_attention import paged_prefill_oracle
@@ -794,6 +795,7 @@ def test_tma_direct_launch_matches_the_jit(monkeypatch, descriptors, S, rows):
     if not prefill_tma(64, 128, torch.bfloat16, torch.cuda.get_device_capability(), True):
         pytest.skip("no tensor copy engine on this GPU")
     monkeypatch.setattr(prefill_kernel, "_PLANS", {})
+    monkeypatch.setattr(prefill_kernel, "GLUON", False)
     cases = [make_case([(130, 70), (0, 200), (64, 1)], S, 8, 4, 128, torch.bfloat16, "cuda",
                        seed=seed, pool_pages=12 if S == 64 else 40) for seed in (1, 2, 3)]
     if rows:
@@ -816,6 +818,116 @@ def test_tma_direct_launch_matches_the_jit(monkeypatch, descriptors, S, rows):
             assert _launch._BINS[(kernel, token)][2] in ("c", "tail", "plain")
     for (o, lse), (wo, wl) in zip(got, want):
         assert torch.equal(o, wo) and torch.equal(lse, wl)
+
+
+@pytest.mark.parametrize("capability,dtype,D,S,window,rows,aligned,splits,want", [
+    ((9, 0), torch.bfloat16, 128, 64, 0, True, True, 1, True),
+    ((9, 0), torch.float16, 64, 128, 0, True, True, 1, True),
+    ((9, 0), torch.bfloat16, 128, 192, 0, True, True, 1, True),    # three boxes a page
+    ((9, 0), torch.bfloat16, 128, 16, 0, True, True, 1, False),    # a box spans pages
+    ((9, 0), torch.bfloat16, 128, 96, 0, True, True, 1, False),
+    ((9, 0), torch.bfloat16, 256, 64, 0, True, True, 1, False),    # the accumulators' registers
+    ((9, 0), torch.bfloat16, 96, 64, 0, True, True, 1, False),
+    ((9, 0), torch.float32, 128, 64, 0, True, True, 1, False),
+    ((9, 0), torch.bfloat16, 128, 64, 32, True, True, 1, False),   # a window
+    ((9, 0), torch.bfloat16, 128, 64, 0, False, True, 1, False),   # no rows
+    ((9, 0), torch.bfloat16, 128, 64, 0, True, False, 1, False),   # misaligned
+    ((9, 0), torch.bfloat16, 128, 64, 0, True, True, 4, False),    # a split call
+    ((10, 0), torch.bfloat16, 128, 64, 0, True, True, 1, False),   # no warpgroup MMA
+    ((8, 0), torch.bfloat16, 128, 64, 0, True, True, 1, False),
+])
+def test_prefill_gluon_table(capability, dtype, D, S, window, rows, aligned, splits, want):
+    assert prefill_gluon(capability, dtype, D, S, window, rows, aligned, splits) == (
+        want and HAVE_GLUON)
+
+
+def test_forced_gluon_refuses_what_it_cannot_run():
+    case = make_case([(5, 3)], 64, 2, 2, 64, torch.bfloat16, "cpu", seed=0)
+    k, v = new_rows(case)
+    with pytest.raises(ValueError, match="gluon: expected an sm_90 device"):
+        paged_prefill_attention_fwd(**case, k=k, v=v, gluon=True)
+
+
+def _gluon_gpu() -> bool:
+    return (torch.cuda.is_available() and prefill_gluon(
+        torch.cuda.get_device_capability(), torch.bfloat16, 128, 64, 0, True, True, 1))
+
+
+@pytest.fixture
+def gluon_calls(monkeypatch):
+    """Counts the Gluon kernel's launches (skips where the GPU cannot run it)."""
+    if not _gluon_gpu():
+        pytest.skip("needs an sm_90 GPU and Gluon's Hopper ops")
+    made = []
+    real = prefill_kernel.paged_prefill_gluon_fwd
+
+    def spy(*args):
+        made.append(args[0].shape)
+        return real(*args)
+
+    monkeypatch.setattr(prefill_kernel, "paged_prefill_gluon_fwd", spy)
+    return made
+
+
+@pytest.mark.parametrize("chunks,S,G,D,dtype,hole,interleaved,pad", [
+    ([(0, 1)], 64, 4, 128, torch.bfloat16, False, False, 0),
+    ([(0, 130), (64, 64), (63, 200), (129, 7)], 64, 4, 128, torch.bfloat16, False, False, 3),
+    ([(0, 130), (64, 64), (63, 200), (129, 7)], 64, 7, 64, torch.float16, True, True, 3),
+    ([(300, 400), (300, 100), (0, 333)], 64, 4, 128, torch.bfloat16, True, False, 0),
+    ([(300, 400), (300, 100), (0, 333)], 128, 1, 128, torch.float16, False, True, 2),
+    ([(1000, 129), (5, 256), (0, 0), (191, 1)], 128, 2, 64, torch.bfloat16, True, False, 5),
+], ids=["one-token", "mixed", "mixed-hole-interleaved", "long", "long-S128", "far-prefix"])
+def test_gluon_kernel_matches_oracle(gluon_calls, chunks, S, G, D, dtype, hole, interleaved, pad):
+    """The Gluon kernel (the rule's choice on sm_90 with the chunk's rows, forced here) against the float64
+    oracle: empty, page-boundary and mid-page prefixes, a shared prefix, chunks of 1 to 400
+    tokens (ending mid-tile, so the next sequence's rows sit in a tile), an empty chunk, holes
+    (an unmapped prefix page is left out; an unmapped chunk page sends that sequence's chunk
+    through the pages), interleaved pools, padding rows, every pool row at a chunk's positions
+    NaN (the rows are read, not the pages) and NaN in every row no query may see."""
+    case = make_case(chunks, S, 2, G, D, dtype, "cuda", seed=S + D + G, pad=pad, hole=hole,
+                     interleaved=interleaved)
+    k, v = new_rows(case)
+    poisoned, _ = poison_chunk_tiles(case, 1)
+    gluon_calls.clear()
+    # forced: the rule would split the far prefix's few tiles through the Triton kernel
+    out, lse = paged_prefill_attention_fwd(**poisoned, k=k, v=v, gluon=True)
+    assert gluon_calls
+    check_against_oracle(out, lse, case, f"gluon-{chunks}-S{S}-G{G}-D{D}-{dtype}-{hole}")
+
+
+def test_gluon_direct_launch_matches_the_jit(gluon_calls, monkeypatch):
+    """The Gluon kernel launched through its compiled launcher (``_launch``: the first call of
+    a signature goes through the JIT, the next ones direct) gives the JIT's rows bit for bit,
+    with fresh pools, tables and rows between calls (the descriptors are made each call)."""
+    from kvops.kernels import _launch
+    monkeypatch.setattr(prefill_kernel, "_PLANS", {})
+    cases = [make_case([(130, 70), (0, 200), (64, 1)], 64, 8, 4, 128, torch.bfloat16, "cuda",
+                       seed=seed, pool_pages=12) for seed in (1, 2, 3)]
+    cases = [dict(c, **dict(zip(("k", "v"), new_rows(c, garbage=0.0)))) for c in cases]
+    monkeypatch.setitem(_launch._STATE, "direct", False)
+    want = [torch.ops.kvops.paged_prefill_attention(**case) for case in cases]
+    monkeypatch.setitem(_launch._STATE, "direct", True)
+    got = [torch.ops.kvops.paged_prefill_attention(**case) for case in cases]
+    torch.cuda.synchronize()
+    assert len(gluon_calls) == 6
+    from kvops.kernels.paged_prefill_gluon import _paged_prefill_gluon_kernel
+    modes = [v[2] for (k, _), v in _launch._BINS.items() if k == id(_paged_prefill_gluon_kernel)]
+    assert modes and all(m in ("c", "tail", "plain", "jit") for m in modes), modes
+    for (o, lse), (wo, wl) in zip(got, want):
+        assert torch.equal(o, wo) and torch.equal(lse, wl)
+
+
+def test_gluon_and_triton_kernels_agree_on_an_8k_prefill(gluon_calls):
+    """One 8k prefill from nothing and its last 512-token chunk over a 7.5k prefix, at
+    Llama-3-8B's heads: the Gluon kernel's rows within bf16 rounding of the Triton kernel's."""
+    for prefix, new in ((0, 8192), (7680, 512)):
+        case = make_case([(prefix, new)], 64, 8, 4, 128, torch.bfloat16, "cuda", seed=new)
+        k, v = new_rows(case)
+        got = paged_prefill_attention_fwd(**case, k=k, v=v)
+        want = paged_prefill_attention_fwd(**case, k=k, v=v, gluon=False)
+        assert_close("out", got[0].float(), want[0].float(), 2e-2, 2e-2, f"{prefix}+{new}")
+        assert_close("lse", got[1], want[1], 1e-3, 1e-3, f"{prefix}+{new}")
+    assert len(gluon_calls) == 2
 
 
 def _bad_inputs():

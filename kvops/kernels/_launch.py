@@ -12,7 +12,8 @@ Python wrapper (``bench/results/2026-12-03-1730-eager-parts.md``).
 
 Under the interpreter, when a launch hook is installed (profilers), when ``key`` is None, or
 when ``KVOPS_DIRECT_LAUNCH=0``, every launch goes through the JIT. A kernel object that is not
-a ``JITFunction`` (a test's spy) is always called through ``kernel[grid]``.
+a ``JITFunction`` (Gluon's is one too; a test's spy is not) is always called through
+``kernel[grid]``.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def launch(kernel, grid: tuple, key, args: tuple, meta: dict) -> None:
     ``key`` must determine everything triton specializes on and ``meta`` itself (see the module
     doc): shapes, strides, dtypes, pointer alignments and the constants, or a token that a
     cached launch plan holding all of them owns."""
-    if key is not None and _STATE["direct"] and type(kernel) is JITFunction:
+    if key is not None and _STATE["direct"] and isinstance(kernel, JITFunction):
         hit = _BINS.get((id(kernel), key))   # id: a JITFunction hashes in Python
         if hit is not None and _no_hooks():
             compiled, tail, mode, _ = hit
@@ -128,7 +129,8 @@ def launch(kernel, grid: tuple, key, args: tuple, meta: dict) -> None:
             kernel[grid](*args, **meta)
             return
     compiled = kernel[grid](*args, **meta)
-    if key is None or type(kernel) is not JITFunction or not _STATE["direct"] or compiled is None:
+    if (key is None or not isinstance(kernel, JITFunction) or not _STATE["direct"]
+            or compiled is None):
         return
     names = kernel.arg_names[len(args):]
     if any(n not in meta for n in names):

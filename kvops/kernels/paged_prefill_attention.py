@@ -52,6 +52,7 @@ from kvops.kernels._common import (
 )
 from kvops.kernels._launch import keep_plan
 from kvops.kernels._splitk import arrive, launch_split, merge_plan, merge_rows, split_outputs
+from kvops.kernels.paged_prefill_gluon import paged_prefill_gluon_fwd, prefill_gluon
 
 # Splits of a tile's key range only while the tiles fill less than this share of the SMs, and
 # only as far as each split keeps at least MIN_SPLIT_TILES key tiles of the longest context.
@@ -89,6 +90,10 @@ def prefill_tile(N: int, B: int, G: int, D: int, dtype: torch.dtype,
 # every other plan; off, they go through the JIT's dispatch.
 # ``test_tma_direct_launch_matches_the_jit`` checks the direct launch bit for bit on a GPU
 TMA_DIRECT = True
+
+# whether the launch rule may choose the Gluon kernel (``prefill_gluon``); tests of the Triton
+# kernel's own plans turn it off
+GLUON = True
 
 # K/V tiles come through the tensor copy engine only where a key tile lies inside one page:
 # pages of at least this many tokens (the rule's BLOCK_N at D <= 128)
@@ -557,7 +562,7 @@ def paged_prefill_attention_fwd(
     num_warps: int | None = None, num_stages: int | None = None, num_splits: int | None = None,
     prefetch: bool = True, tma: bool | None = None, k: torch.Tensor | None = None,
     v: torch.Tensor | None = None, new_tma: bool | None = None, off64: bool | None = None,
-    signature=None,
+    gluon: bool | None = None, signature=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate, pick the tile (``prefill_tile``) and the splits (``prefill_splits``), launch,
     and merge split partials (in the launch, or ``_splitk.merge_split_outputs`` under capture).
@@ -569,7 +574,8 @@ def paged_prefill_attention_fwd(
     holds at the chunks' positions; the chunks' own key tiles are read from them
     (``_key_tile_rows``), through descriptors where ``new_tma`` (or, None,
     ``prefill_tma_rows``) says so; ``off64`` forces 64-bit element offsets on or off, else
-    ``prefill_off64`` decides. A launch's plan
+    ``prefill_off64`` decides; ``gluon`` forces the Gluon kernel (``paged_prefill_gluon``)
+    on (where it applies) or off, else ``prefill_gluon`` decides. A launch's plan
     (tile, splits, strides, binary key) is kept per argument signature (``signature``: the
     op's, of every tensor with scale and window, else one is computed here) and knobs.
     Returns ``(out, lse)``."""
@@ -581,11 +587,17 @@ def paged_prefill_attention_fwd(
     if signature is None:
         signature = (*(sig(t) for t in tensors), scale, window,
                      *(sig(t) for t in news or ()))
-    knobs = (block_m, block_n, num_warps, num_stages, num_splits, prefetch, tma, new_tma, off64)
+    knobs = (block_m, block_n, num_warps, num_stages, num_splits, prefetch, tma, new_tma, off64,
+             gluon)
     key = (signature, knobs)
     plan = _PLANS.get(key) or keep_plan(_PLANS, key,
                                         _plan(*tensors, news, scale, window, knobs))
     grid, nsp, ints, meta, merge, fused, token, ready = plan
+    if meta is None:      # the Gluon kernel (``ints``: the scale)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = torch.empty(N, Hq, dtype=torch.float32, device=q.device)
+        paged_prefill_gluon_fwd(*tensors, ints, *news, out, lse, ("gluon", key))
+        return out, lse
     # out [N, Hq, D] and lse [N, Hq] are a decode launch's outputs with N rows
     out, lse, part_o, part_l, count = split_outputs(N, Hq, D, nsp, q.dtype, q.device,
                                                     grid[0] * grid[1])
@@ -659,7 +671,10 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, news, scale, 
     P, S, Hkv, _ = k_cache.shape
     B, L = block_table.shape
     G = Hq // Hkv
-    block_m, block_n, num_warps, num_stages, num_splits, prefetch, tma, new_tma, off64 = knobs
+    (block_m, block_n, num_warps, num_stages, num_splits, prefetch, tma, new_tma, off64,
+     gluon) = knobs
+    # a forced tile, split or load form is the Triton kernel's (tests, benches)
+    forced = any(x is not None for x in knobs[:5] + knobs[6:9])
     misfit = _descriptor_misfit(k_cache, v_cache)
     if tma is None:
         tma = nvidia_ptx(q.device) and prefill_tma(S, D, q.dtype, cuda_capability(q.device),
@@ -697,6 +712,18 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, news, scale, 
     if off64 is None:
         off64 = prefill_off64(P, max(k_cache.stride(0), v_cache.stride(0)), S, Hkv * D, N,
                               0 if news is None else max(t.stride(0) for t in news))
+    fit = (misfit is None and rows_misfit is None and q.stride(2) == 1 and q.stride(1) == D
+           and _aligned16((q,), q.stride(0)))
+    structural = nvidia_ptx(q.device) and prefill_gluon(
+        cuda_capability(q.device), q.dtype, D, S, window, news is not None, fit, 1)
+    if gluon is None:
+        gluon = GLUON and structural and nsp == 1 and not forced
+    elif gluon and not structural:
+        raise ValueError("gluon: expected an sm_90 device, 16-bit K/V, D 64 or 128, pages of a "
+                         "multiple of 64, no window, the chunk's rows and descriptor-fit "
+                         "tensors")
+    if gluon:
+        return None, 1, scale, None, None, None, None, []
     ints = (N, B, P, L, page_rows, num_tiles, window, scale * LOG2E.value, nsp, *strides)
     meta = dict(S=S, HKV=Hkv, G=G, D=D, BLOCK_Q=block_q, BLOCK_M=bm, BLOCK_N=bn,
                 BLOCK_D=next_pow2(max(D, 16)), BLOCK_B=SEQ_CHUNK,

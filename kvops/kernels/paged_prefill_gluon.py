@@ -1,0 +1,416 @@
+"""Gluon kernel for ``kvops.paged_prefill_attention`` on Hopper (sm_90): warp-specialized, with
+the chunk's own rows given, pages of a multiple of 64 tokens, no window.
+
+A program takes 128 query rows of one sequence's chunk and one query head. Three partitions
+share it: two consumer warpgroups of 64 rows each (the default partition and a 4-warp worker)
+and one loader warp. The loader fills a ring of ``STAGES`` K and V buffers of 128 keys
+through the tensor copy engine: first the sequence's prefix from its pages (two 64-row boxes a
+tile through a descriptor over the pool's rows; an unmapped page or a key past the prefix reads
+out of bounds, so zeros), then the chunk's own rows from a descriptor over ``k``, ``v``
+(tiles aligned to the chunk's start, so the causal diagonal is the query tile's own). Each
+consumer issues tile ``j + 1``'s QK^T before tile ``j``'s PV and runs ``j + 1``'s softmax
+while PV is in flight (two warpgroup MMAs in flight), with registers moved to the consumers
+(240 each, 24 for the loader). Where the rows are not usable (a page of the chunk's keys is
+unmapped) the prefix loop runs over the chunk's keys too, from the pages, as the Triton kernel
+does.
+
+Against the Triton kernel (64-row tiles of one warpgroup, the compiler's schedule), on the H100
+with the chunk's rows at pages of 64: an 8k prefill from nothing 947.5 against 1219.2 us (580
+TFLOP/s, 0.96x SDPA's cuDNN), 2048 tokens over 4k 306.6 against 409.3, 512 over 16k (Qwen2.5-7B)
+220.9 against 329.6; 512 from nothing 16.9 against 16.0, where the program's fixed cost (finding
+its sequence, checking its pages) outweighs four key tiles
+(bench/results/2026-12-07-0800-paged_prefill_attention-partial-S64-new-rows-gluon.md). An eager
+call costs 85-105 us of host time through the compiled launcher (six descriptors made a call),
+against about 50 for the Triton kernel.
+
+Keys that are masked in a tile (past the prefix, past the chunk, or on an unmapped page) get
+-inf scores, and where such keys sit in a tile their V rows are zeroed in shared memory before
+PV (a NaN there would reach the accumulator through ``0 * NaN``). Query rows past the chunk
+are computed and not stored; a consumer whose 64 rows are all the chunk's writes them through
+the query's buffer with one tensor store, else with a masked store (the next sequence's rows
+follow). The query rows load while the program checks its sequence's pages. Padding rows after
+``query_start[B]`` get out 0 and lse -inf.
+
+Tile numbering is the Triton kernel's (``T_b = query_start[b] // 128 + b``; a grid of
+``N // 128 + B + 1`` tiles from shapes only), run last-first.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton.language as tl
+
+try:  # Gluon (triton.experimental) with the Hopper ops: triton >= 3.5
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    # the TMA load's name: ``async_load`` in newer triton, ``async_copy_global_to_shared``
+    # in 3.5-3.6 (newer ones keep that name only to raise)
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - an older triton: the Triton kernel serves every call
+    HAVE_GLUON = False
+
+from kvops.kernels._attention import LOG2E
+from kvops.kernels._launch import launch
+
+# (constexpr: the kernels read them; ``int()`` on the host)
+BLOCK_M = tl.constexpr(128)    # query rows a program (two consumer warpgroups of HALF)
+HALF = tl.constexpr(64)
+BLOCK_N = tl.constexpr(128)    # keys a stage
+BOX = tl.constexpr(64)         # pool rows a descriptor box (a tile is two; pages hold whole boxes)
+STAGES = tl.constexpr(2)       # K and V buffers in the ring (32 KiB each at D 128)
+SEQ_CHUNK = tl.constexpr(128)  # sequence starts read at once while finding a tile's sequence
+
+
+def prefill_gluon(capability: tuple[int, int], dtype: torch.dtype, D: int, S: int, window: int,
+                  rows: bool, aligned: bool, splits: int) -> bool:
+    """Whether a call runs the Gluon kernel: Gluon's Hopper ops present (``HAVE_GLUON``), an
+    sm_90 device (warpgroup MMA is Hopper's alone), 16-bit K/V, D 64 or 128 (a consumer holds
+    64 x D float32 accumulators and 64 x 128 scores in its 240 registers), pages of a multiple
+    of BOX tokens (a box is one page's rows), no sliding window, the chunk's rows given,
+    descriptor-fit pools and rows (``aligned``), and a call the Triton kernel would not split
+    (``splits`` 1: the Gluon kernel has no split partials)."""
+    return (HAVE_GLUON and capability == (9, 0) and dtype in (torch.float16, torch.bfloat16)
+            and D in (64, 128) and S % int(BOX) == 0 and window == 0 and rows and aligned
+            and splits == 1)
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _scores(s, j, n_pre, hi_pre, pos0, nq, q_pos, q_pos0, mapped, p_bt, S, P,
+                scale_log2, s_layout: gl.constexpr):
+        """Tile ``j``'s scores in log2 units, masked where a key is past its run's end, after
+        the row's position, or (an unmapped prefix) on a page outside ``[0, P)``."""
+        s = s * scale_log2
+        if j < n_pre:
+            k0 = j * BLOCK_N
+            lim = hi_pre
+        else:
+            k0 = pos0 + (j - n_pre) * BLOCK_N
+            lim = pos0 + nq
+        holes = (j < n_pre) & (mapped == 0)
+        if (k0 + BLOCK_N > lim) | (k0 + BLOCK_N - 1 > q_pos0) | holes:
+            kpos = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            ok = (kpos[None, :] <= q_pos[:, None]) & (kpos < lim)[None, :]
+            if holes:
+                pg = gl.load(p_bt + kpos // S, mask=kpos < lim, other=-1)
+                ok = ok & ((pg >= 0) & (pg < P))[None, :]
+            s = gl.where(ok, s, -float("inf"))
+        return s
+
+    @gluon.jit
+    def _softmax(s, m_i, l_i):
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_use = gl.where(m_new > -float("inf"), m_new, 0.0)   # a row with nothing visible yet
+        p = gl.exp2(s - m_use[:, None])
+        alpha = gl.exp2(m_i - m_use)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        return p, alpha, m_new, l_i
+
+    @gluon.jit
+    def _zero_tail(v_buf, j, n_pre, hi_pre, pos0, nq, D: gl.constexpr):
+        """Zero the V rows of tile ``j`` past its run's end (rows the loader read from past the
+        prefix or the chunk, where a NaN would reach PV)."""
+        if j < n_pre:
+            valid = hi_pre - j * BLOCK_N
+        else:
+            valid = nq - (j - n_pre) * BLOCK_N
+        if valid < BLOCK_N:       # 16 rows at a time: a whole tile would take 64 registers
+            layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+            for i in gl.static_range(BLOCK_N // 16):
+                if valid < (i + 1) * 16:
+                    part = v_buf.slice(i * 16, 16)
+                    r = i * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, layout))
+                    tile = part.load(layout)
+                    part.store(gl.where((r < valid)[:, None], tile, gl.zeros_like(tile)))
+            fence_async_shared()
+
+    @gluon.jit
+    def _consume(out_ptr, lse_ptr, p_bt, q_bufs, k_bufs, v_bufs, q_bars, k_ready, k_empty,
+                 v_ready, v_empty, h, HQ, t_row, q_lo, q_hi, pos0, nq, n_pre, hi_pre, n_kv,
+                 mapped, S, P, scale_log2, o_desc, WG: gl.constexpr):
+        D: gl.constexpr = k_bufs.type.shape[2]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                     k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        dtype: gl.constexpr = k_bufs.dtype
+
+        q_smem = q_bufs.index(WG)
+        r0 = t_row + WG * HALF
+        rows = r0 + gl.arange(0, HALF, layout=row_layout)
+        q_pos = pos0 + rows - q_lo
+        q_pos0 = pos0 + r0 - q_lo
+        m_i = gl.full([HALF], -float("inf"), gl.float32, layout=row_layout)
+        l_i = gl.zeros([HALF], gl.float32, layout=row_layout)
+        acc = gl.zeros([HALF, D], gl.float32, layout=o_layout)
+        s = gl.zeros([HALF, BLOCK_N], gl.float32, layout=s_layout)
+
+        mbarrier.wait(q_bars.index(WG), 0)
+        mbarrier.wait(k_ready.index(0), 0)
+        s_tok = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s, use_acc=False,
+                              is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s_tok, ))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        s = _scores(s, 0, n_pre, hi_pre, pos0, nq, q_pos, q_pos0, mapped, p_bt, S, P,
+                    scale_log2, s_layout)
+        p, alpha, m_i, l_i = _softmax(s, m_i, l_i)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+        for j in range(0, n_kv - 1):
+            st = j % STAGES
+            nxt = j + 1
+            mbarrier.wait(k_ready.index(nxt % STAGES), (nxt // STAGES) & 1)
+            s_tok = warpgroup_mma(q_smem, k_bufs.index(nxt % STAGES).permute((1, 0)), s,
+                                  use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(st), (j // STAGES) & 1)
+            _zero_tail(v_bufs.index(st), j, n_pre, hi_pre, pos0, nq, D)
+            acc_tok = warpgroup_mma(p_op, v_bufs.index(st), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s_tok, ))
+            mbarrier.arrive(k_empty.index(nxt % STAGES), count=1)
+            s = _scores(s, nxt, n_pre, hi_pre, pos0, nq, q_pos, q_pos0, mapped, p_bt, S, P,
+                        scale_log2, s_layout)
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i)
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
+            mbarrier.arrive(v_empty.index(st), count=1)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+        last = n_kv - 1
+        mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+        _zero_tail(v_bufs.index(last % STAGES), last, n_pre, hi_pre, pos0, nq, D)
+        acc_tok = warpgroup_mma(p_op, v_bufs.index(last % STAGES), acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
+        mbarrier.arrive(v_empty.index(last % STAGES), count=1)
+
+        has = l_i > 0
+        l_o = gl.convert_layout(gl.where(has, l_i, 1.0), gl.SliceLayout(1, o_layout))
+        out = (acc / l_o[:, None]).to(dtype)
+        lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453,
+                       -float("inf"))
+        gl.store(lse_ptr + rows.to(gl.int64) * HQ + h, lse, mask=rows < q_hi)
+        if r0 + HALF <= q_hi:     # rows all this chunk's: through Q's buffer, one tensor store
+            q_smem.store(out)
+            fence_async_shared()
+            _tma_store(o_desc, [r0, h * D], q_smem)
+            tma.store_wait(0)
+        else:                     # the chunk's last rows: a masked store keeps the next's
+            o_rows = r0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
+            o_d = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+            p_o = out_ptr + (o_rows.to(gl.int64) * HQ + h)[:, None] * D + o_d[None, :]
+            gl.store(p_o, out, mask=(o_rows < q_hi)[:, None])
+
+    @gluon.jit
+    def _first(out_ptr, lse_ptr, p_bt, q_bufs, k_bufs, v_bufs, q_bars, k_ready, k_empty,
+               v_ready, v_empty, h, HQ, t_row, q_lo, q_hi, pos0, nq, n_pre, hi_pre, n_kv,
+               mapped, S, P, page_rows, pool_rows, kvh, scale_log2, q_desc, kp_desc, vp_desc,
+               kn_desc, vn_desc, o_desc):
+        _consume(out_ptr, lse_ptr, p_bt, q_bufs, k_bufs, v_bufs, q_bars, k_ready, k_empty,
+                 v_ready, v_empty, h, HQ, t_row, q_lo, q_hi, pos0, nq, n_pre, hi_pre, n_kv,
+                 mapped, S, P, scale_log2, o_desc, 0)
+
+    @gluon.jit
+    def _second(out_ptr, lse_ptr, p_bt, q_bufs, k_bufs, v_bufs, q_bars, k_ready, k_empty,
+                v_ready, v_empty, h, HQ, t_row, q_lo, q_hi, pos0, nq, n_pre, hi_pre, n_kv,
+                mapped, S, P, page_rows, pool_rows, kvh, scale_log2, q_desc, kp_desc, vp_desc,
+                kn_desc, vn_desc, o_desc):
+        _consume(out_ptr, lse_ptr, p_bt, q_bufs, k_bufs, v_bufs, q_bars, k_ready, k_empty,
+                 v_ready, v_empty, h, HQ, t_row, q_lo, q_hi, pos0, nq, n_pre, hi_pre, n_kv,
+                 mapped, S, P, scale_log2, o_desc, 1)
+
+    @gluon.jit
+    def _box_row(p_bt, p, hi_pre, S, P, page_rows, pool_rows):
+        """The pool row of prefix position ``p``'s box, or ``pool_rows`` (out of bounds: the
+        box reads zeros) past the prefix or on an unmapped page."""
+        row = pool_rows
+        if p < hi_pre:
+            pg = gl.load(p_bt + p // S)
+            if (pg >= 0) & (pg < P):
+                row = pg * page_rows + p % S
+        return row
+
+    @gluon.jit
+    def _load(out_ptr, lse_ptr, p_bt, q_bufs, k_bufs, v_bufs, q_bars, k_ready, k_empty,
+              v_ready, v_empty, h, HQ, t_row, q_lo, q_hi, pos0, nq, n_pre, hi_pre, n_kv,
+              mapped, S, P, page_rows, pool_rows, kvh, scale_log2, q_desc, kp_desc, vp_desc,
+              kn_desc, vn_desc, o_desc):
+        D: gl.constexpr = k_bufs.type.shape[2]
+        for j in range(n_kv):
+            st = j % STAGES
+            ph = (j // STAGES) & 1
+            k_buf = k_bufs.index(st)
+            v_buf = v_bufs.index(st)
+            mbarrier.wait(k_empty.index(st), ph ^ 1)
+            mbarrier.expect(k_ready.index(st), 2 * kp_desc.block_type.nbytes)
+            if j < n_pre:
+                row0 = _box_row(p_bt, j * BLOCK_N, hi_pre, S, P, page_rows, pool_rows)
+                row1 = _box_row(p_bt, j * BLOCK_N + BOX, hi_pre, S, P, page_rows, pool_rows)
+                _tma_load(kp_desc, [row0, kvh * D], k_ready.index(st),
+                                                k_buf.slice(0, BOX))
+                _tma_load(kp_desc, [row1, kvh * D], k_ready.index(st),
+                                                k_buf.slice(BOX, BOX))
+                mbarrier.wait(v_empty.index(st), ph ^ 1)
+                mbarrier.expect(v_ready.index(st), 2 * vp_desc.block_type.nbytes)
+                _tma_load(vp_desc, [row0, kvh * D], v_ready.index(st),
+                                                v_buf.slice(0, BOX))
+                _tma_load(vp_desc, [row1, kvh * D], v_ready.index(st),
+                                                v_buf.slice(BOX, BOX))
+            else:
+                row = q_lo + (j - n_pre) * BLOCK_N
+                _tma_load(kn_desc, [row, kvh * D], k_ready.index(st),
+                                                k_buf)
+                mbarrier.wait(v_empty.index(st), ph ^ 1)
+                mbarrier.expect(v_ready.index(st), 2 * vp_desc.block_type.nbytes)
+                _tma_load(vn_desc, [row, kvh * D], v_ready.index(st),
+                                                v_buf)
+
+    @gluon.jit
+    def _bad_pages(p_bt, pos0, seq_len, P, S):
+        """Whether a page holding positions ``[0, pos0)`` (the prefix) and one holding
+        ``[pos0, seq_len)`` (the chunk) has an id outside ``[0, P)``: one pass over the table."""
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        end = gl.cdiv(seq_len, S)
+        split = pos0 // S                    # pages before it hold prefix keys only
+        bad_pre = 0
+        bad_chunk = 0
+        for j in range(0, end, 128):
+            o_j = j + gl.arange(0, 128, layout=layout)
+            pg = gl.load(p_bt + o_j, mask=o_j < end, other=0)
+            bad = (o_j < end) & ((pg < 0) | (pg >= P))
+            bad_pre += gl.sum((bad & (o_j * S < pos0)).to(gl.int32), axis=0)
+            bad_chunk += gl.sum((bad & (o_j >= split)).to(gl.int32), axis=0)
+        return bad_pre, bad_chunk
+
+    @gluon.jit(do_not_specialize=["N", "B", "num_tiles"])
+    def _paged_prefill_gluon_kernel(q_desc, kp_desc, vp_desc, kn_desc, vn_desc, o_desc, out_ptr,
+                                    lse_ptr, BT, QS, SL, N, B, P, L, S, page_rows, pool_rows,
+                                    num_tiles, stride_bt, scale_log2, HQ: gl.constexpr,
+                                    G: gl.constexpr):
+        D: gl.constexpr = kn_desc.block_type.shape[1]
+        h = gl.program_id(0)
+        i_t = num_tiles - 1 - gl.program_id(1)            # last tiles (the longest) first
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        count = 0
+        for start in range(0, B + 1, SEQ_CHUNK):
+            o_b = start + gl.arange(0, SEQ_CHUNK, layout=layout)
+            qs = gl.minimum(gl.maximum(gl.load(QS + o_b, mask=o_b <= B, other=N), 0), N)
+            count += gl.sum(((qs // BLOCK_M + o_b <= i_t) & (o_b <= B)).to(gl.int32), axis=0)
+        i_b = gl.minimum(gl.maximum(count - 1, 0), B)
+        q_lo = gl.minimum(gl.maximum(gl.load(QS + i_b), 0), N)
+        q_hi = gl.minimum(gl.maximum(gl.load(QS + gl.minimum(i_b + 1, B)), q_lo), N)
+        q_hi = gl.where(i_b == B, N, q_hi)                # B: the padding rows after the last
+        t_row = q_lo + (i_t - (q_lo // BLOCK_M + i_b)) * BLOCK_M
+        if (t_row < q_lo) | (t_row >= q_hi):
+            return
+        if i_b == B:        # padding rows: out 0, lse -inf
+            pad: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+            r = t_row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, pad))
+            d = gl.arange(0, D, layout=gl.SliceLayout(0, pad))
+            gl.store(out_ptr + (r.to(gl.int64) * HQ + h)[:, None] * D + d[None, :],
+                     gl.zeros([BLOCK_M, D], out_ptr.dtype.element_ty, pad),
+                     mask=(r < q_hi)[:, None])
+            gl.store(lse_ptr + r.to(gl.int64) * HQ + h,
+                     gl.full([BLOCK_M], -float("inf"), gl.float32, gl.SliceLayout(1, pad)),
+                     mask=r < q_hi)
+            return
+        q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, D], q_desc.layout)
+        k_bufs = gl.allocate_shared_memory(kn_desc.dtype, [STAGES, BLOCK_N, D], kn_desc.layout)
+        v_bufs = gl.allocate_shared_memory(vn_desc.dtype, [STAGES, BLOCK_N, D], vn_desc.layout)
+        bar: gl.constexpr = mbarrier.MBarrierLayout()
+        q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
+        for i in gl.static_range(2):
+            mbarrier.init(q_bars.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)      # both consumers release a stage
+            mbarrier.init(v_empty.index(i), count=2)
+        # the query rows load while the sequence's pages are checked
+        for wg in gl.static_range(2):
+            mbarrier.expect(q_bars.index(wg), q_desc.block_type.nbytes)
+            _tma_load(q_desc, [t_row + wg * HALF, h * D], q_bars.index(wg), q_bufs.index(wg))
+        nq = q_hi - q_lo
+        seq_len = gl.minimum(gl.maximum(gl.load(SL + i_b), nq), L * S)
+        pos0 = seq_len - nq
+        p_bt = BT + i_b.to(gl.int64) * stride_bt
+        # the chunk's keys from the rows where their pages are all mapped, else from the pages
+        # (an unmapped one left out), as without the rows
+        bad_pre, bad_chunk = _bad_pages(p_bt, pos0, seq_len, P, S)
+        rows_ok = bad_chunk == 0
+        hi_pre = gl.where(rows_ok, pos0, gl.minimum(pos0 + t_row + BLOCK_M - q_lo, seq_len))
+        n_chunk = gl.where(rows_ok, (t_row - q_lo) // BLOCK_N + 1, 0)
+        n_pre = gl.cdiv(hi_pre, BLOCK_N)
+        # pages unmapped where the prefix loop reads: its tiles check each key's page
+        mapped = ((bad_pre == 0) & rows_ok).to(gl.int32)
+
+        args = (out_ptr, lse_ptr, p_bt, q_bufs, k_bufs, v_bufs, q_bars, k_ready, k_empty,
+                v_ready, v_empty, h, HQ, t_row, q_lo, q_hi, pos0, nq, n_pre, hi_pre,
+                n_pre + n_chunk, mapped, S, P, page_rows, pool_rows, h // G, scale_log2,
+                q_desc, kp_desc, vp_desc, kn_desc, vn_desc, o_desc)
+        gl.warp_specialize([(_first, args), (_second, args), (_load, args)], [4, 1], [240, 24])
+
+
+@functools.cache
+def _layout(rows: int, D: int, dtype: torch.dtype):
+    """The shared-memory layout of a ``[rows, D]`` box (made once: 6 us of host time each)."""
+    return gl.NVMMASharedLayout.get_default_for(
+        [rows, D], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
+def _rows2d(t: torch.Tensor, box: int):
+    """A descriptor over rows ``[N, H, D]`` (heads contiguous in a row) as ``[N, H * D]``,
+    loading ``[box, D]``: one head's ``box`` consecutive rows."""
+    N, H, D = t.shape
+    return TensorDescriptor(t, [N, H * D], [t.stride(0), 1], [box, D], _layout(box, D, t.dtype))
+
+
+def _pool2d(cache: torch.Tensor):
+    """A descriptor over a pool ``[P, S, Hkv, D]`` as rows of ``Hkv * D`` (page ``p``'s first
+    row ``p * stride(0) / (Hkv * D)``), loading ``[BOX, D]`` boxes."""
+    P, S, Hkv, D = cache.shape
+    F = Hkv * D
+    rows = (P - 1) * (cache.stride(0) // F) + S
+    return TensorDescriptor(cache, [rows, F], [F, 1], [int(BOX), D], _layout(int(BOX), D, cache.dtype))
+
+
+def paged_prefill_gluon_fwd(q, k_cache, v_cache, block_table, query_start, seq_lens, scale, k,
+                            v, out, lse, key=None) -> None:
+    """Launch the Gluon kernel into ``out [N, Hq, D]`` and ``lse [N, Hq]`` (contiguous); the
+    caller took ``prefill_gluon``'s rule. ``key``: what determines the binary (the arguments'
+    signature), so later calls launch it directly (``_launch``); None: through the JIT."""
+    N, Hq, D = q.shape
+    P, S, Hkv, _ = k_cache.shape
+    B, L = block_table.shape
+    F = Hkv * D
+    page_rows = k_cache.stride(0) // F
+    pool_rows = (P - 1) * page_rows + S
+    num_tiles = N // int(BLOCK_M) + B + 1
+    args = (_rows2d(q, int(HALF)), _pool2d(k_cache), _pool2d(v_cache), _rows2d(k, int(BLOCK_N)),
+            _rows2d(v, int(BLOCK_N)), _rows2d(out, int(HALF)), out, lse, block_table,
+            query_start, seq_lens, N, B, P, L, S, page_rows, pool_rows, num_tiles,
+            block_table.stride(0), scale * LOG2E.value)
+    # 168 registers a thread for 12 warps fill the SM's 64K; the partitions then move them to
+    # the consumers (240 each) from the loader (24)
+    launch(_paged_prefill_gluon_kernel, (Hq, num_tiles), key, args,
+           {"HQ": Hq, "G": Hq // Hkv, "num_warps": 4, "maxnreg": 168})
+
+
