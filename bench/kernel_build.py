@@ -62,21 +62,26 @@ def _source(signature: dict, constants: dict):
     return ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in constants.items()})
 
 
-def build_ir(signature: dict, constants: dict) -> None:
-    """The frontend's IR for ``sm_90`` (raises the compiler's error)."""
+def _frontend(source, options: dict) -> None:
+    """``source``'s frontend IR for ``sm_90`` under launch ``options`` (raises the compiler's
+    error)."""
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import make_backend
 
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
-    options = backend.parse_options({"num_warps": 4, "num_stages": 3})
+    opts = backend.parse_options(options)
     ctx = ir.context()
     ir.load_dialects(ctx)
     backend.load_dialects(ctx)
-    _source(signature, constants).make_ir(target, options,
-                                          backend.get_codegen_implementation(options),
-                                          backend.get_module_map(), ctx)
+    source.make_ir(target, opts, backend.get_codegen_implementation(opts),
+                   backend.get_module_map(), ctx)
+
+
+def build_ir(signature: dict, constants: dict) -> None:
+    """The Triton prefill kernel's frontend IR for ``sm_90`` (raises the compiler's error)."""
+    _frontend(_source(signature, constants), {"num_warps": 4, "num_stages": 3})
 
 
 def gluon_source(D: int = 128, dtype=None):
@@ -107,18 +112,7 @@ def gluon_source(D: int = 128, dtype=None):
 
 def build_gluon_ir(D: int = 128, dtype=None) -> None:
     """The Gluon kernel's frontend IR for ``sm_90`` (raises the compiler's error)."""
-    from triton._C.libtriton import ir
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler.compiler import make_backend
-
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
-    options = backend.parse_options({"num_warps": 4, "maxnreg": 168})
-    ctx = ir.context()
-    ir.load_dialects(ctx)
-    backend.load_dialects(ctx)
-    gluon_source(D, dtype).make_ir(target, options, backend.get_codegen_implementation(options),
-                                   backend.get_module_map(), ctx)
+    _frontend(gluon_source(D, dtype), {"num_warps": 4, "maxnreg": 168})
 
 
 # an sm_90 SM (H100, H200): shared memory, of which each resident block reserves 1 KiB, and

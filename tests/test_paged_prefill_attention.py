@@ -848,6 +848,24 @@ def test_forced_gluon_refuses_what_it_cannot_run():
         paged_prefill_attention_fwd(**case, k=k, v=v, gluon=True)
 
 
+@pytest.mark.skipif(not HAVE_GLUON, reason="no Gluon Hopper ops in this triton")
+def test_gluon_descriptors_equal_the_checked_ones():
+    """The Gluon launch's descriptors, made without ``TensorDescriptor.__post_init__``, hold
+    field for field what the checked constructor makes (rows, an interleaved pool's K half)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    import kvops.kernels.paged_prefill_gluon as g
+    rows = torch.randn(40, 2, 64, dtype=torch.bfloat16)[:37]
+    pool = torch.randn(6, 2, 64, 2, 64, dtype=torch.float16)[:, 0]
+    want_rows = TensorDescriptor(rows, [37, 128], [128, 1], [128, 64],
+                                 g._layout(128, 64, torch.bfloat16))
+    # pages 128 rows of Hkv * D = 128 apart (K and V interleaved), the last page 64 rows
+    want_pool = TensorDescriptor(pool, [5 * 128 + 64, 128], [128, 1],
+                                 [64, 64], g._layout(64, 64, torch.float16))
+    assert g._rows2d(rows, 128) == want_rows
+    assert g._pool2d(pool) == want_pool
+
+
 def _gluon_gpu() -> bool:
     return (torch.cuda.is_available() and prefill_gluon(
         torch.cuda.get_device_capability(), torch.bfloat16, 128, 64, 0, True, True, 1))

@@ -20,8 +20,9 @@ TFLOP/s, 0.96x SDPA's cuDNN), 2048 tokens over 4k 306.6 against 409.3, 512 over 
 220.9 against 329.6; 512 from nothing 16.9 against 16.0, where the program's fixed cost (finding
 its sequence, checking its pages) outweighs four key tiles
 (bench/results/2026-12-07-0800-paged_prefill_attention-partial-S64-new-rows-gluon.md). An eager
-call costs 85-105 us of host time through the compiled launcher (six descriptors made a call),
-against about 50 for the Triton kernel.
+call cost 85-105 us of host time through the compiled launcher with six descriptors made
+through Gluon's checked constructor, against about 50 for the Triton kernel; ``_descriptor``
+skips those checks (unmeasured on a GPU).
 
 Keys that are masked in a tile (past the prefix, past the chunk, or on an unmapped page) get
 -inf scores, and where such keys sit in a tile their V rows are zeroed in shared memory before
@@ -218,6 +219,8 @@ if HAVE_GLUON:
             p_o = out_ptr + (o_rows.to(gl.int64) * HQ + h)[:, None] * D + o_d[None, :]
             gl.store(p_o, out, mask=(o_rows < q_hi)[:, None])
 
+    # the partitions' entry points: warp_specialize takes one function a partition, and the
+    # workers' (the second consumer's and the loader's) share one signature
     @gluon.jit
     def _first(out_ptr, lse_ptr, p_bt, q_bufs, k_bufs, v_bufs, q_bars, k_ready, k_empty,
                v_ready, v_empty, h, HQ, t_row, q_lo, q_hi, pos0, nq, n_pre, hi_pre, n_kv,
@@ -307,6 +310,7 @@ if HAVE_GLUON:
         D: gl.constexpr = kn_desc.block_type.shape[1]
         h = gl.program_id(0)
         i_t = num_tiles - 1 - gl.program_id(1)            # last tiles (the longest) first
+        # the sequence, as the Triton kernel finds it (a Gluon kernel calls Gluon functions only)
         layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         count = 0
         for start in range(0, B + 1, SEQ_CHUNK):
