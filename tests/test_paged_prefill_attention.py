@@ -841,6 +841,12 @@ def test_prefill_gluon_table(capability, dtype, D, S, window, rows, aligned, spl
         want and HAVE_GLUON)
 
 
+@pytest.mark.parametrize("tiles,want", [(1, True), (65535, True), (65536, False)])
+def test_prefill_gluon_tiles_fit_the_grid(tiles, want):
+    assert prefill_gluon((9, 0), torch.bfloat16, 128, 64, 0, True, True, 1, tiles) == (
+        want and HAVE_GLUON)
+
+
 def test_forced_gluon_refuses_what_it_cannot_run():
     case = make_case([(5, 3)], 64, 2, 2, 64, torch.bfloat16, "cpu", seed=0)
     k, v = new_rows(case)
@@ -933,6 +939,23 @@ def test_gluon_direct_launch_matches_the_jit(gluon_calls, monkeypatch):
     assert modes and all(m in ("c", "tail", "plain", "jit") for m in modes), modes
     for (o, lse), (wo, wl) in zip(got, want):
         assert torch.equal(o, wo) and torch.equal(lse, wl)
+
+
+def test_gluon_chunk_longer_than_its_context_finishes(gluon_calls):
+    """Outside validation mode a chunk with more queries than its context (bad input: 400
+    queries over a table of one 64-token page) finishes, as in the Triton kernel: rows at
+    negative positions see no key (out 0, lse -inf), the last 64 rows see the page's keys up
+    to their own position, and no tile waits on a load that never comes (the first tiles have
+    no key at all)."""
+    case = make_case([(0, 400)], 64, 2, 4, 128, torch.bfloat16, "cuda", seed=5)
+    k, v = new_rows(case, garbage=0.0)
+    bad = dict(case, block_table=case["block_table"][:, :1].contiguous(),
+               seq_lens=torch.tensor([64], dtype=torch.int32, device="cuda"))
+    out, lse = paged_prefill_attention_fwd(**bad, k=k, v=v, gluon=True)
+    torch.cuda.synchronize()
+    assert gluon_calls
+    assert torch.isneginf(lse[:336]).all() and (out[:336] == 0).all()
+    assert torch.isfinite(lse[336:]).all() and torch.isfinite(out.float()).all()
 
 
 def test_gluon_and_triton_kernels_agree_on_an_8k_prefill(gluon_calls):

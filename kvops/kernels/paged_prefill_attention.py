@@ -715,7 +715,8 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, news, scale, 
     fit = (misfit is None and rows_misfit is None and q.stride(2) == 1 and q.stride(1) == D
            and _aligned16((q,), q.stride(0)))
     structural = nvidia_ptx(q.device) and prefill_gluon(
-        cuda_capability(q.device), q.dtype, D, S, window, news is not None, fit, 1)
+        cuda_capability(q.device), q.dtype, D, S, window, news is not None, fit, 1,
+        N // 128 + B + 1)
     if gluon is None:
         gluon = GLUON and structural and nsp == 1 and not forced
     elif gluon and not structural:

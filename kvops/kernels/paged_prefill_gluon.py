@@ -78,16 +78,17 @@ SEQ_CHUNK = tl.constexpr(128)  # sequence starts read at once while finding a ti
 
 
 def prefill_gluon(capability: tuple[int, int], dtype: torch.dtype, D: int, S: int, window: int,
-                  rows: bool, aligned: bool, splits: int) -> bool:
+                  rows: bool, aligned: bool, splits: int, tiles: int = 1) -> bool:
     """Whether a call runs the Gluon kernel: Gluon's Hopper ops present (``HAVE_GLUON``), an
     sm_90 device (warpgroup MMA is Hopper's alone), 16-bit K/V, D 64 or 128 (a consumer holds
     64 x D float32 accumulators and 64 x 128 scores in its 240 registers), pages of a multiple
     of BOX tokens (a box is one page's rows), no sliding window, the chunk's rows given,
-    descriptor-fit pools and rows (``aligned``), and a call the Triton kernel would not split
-    (``splits`` 1: the Gluon kernel has no split partials)."""
+    descriptor-fit pools and rows (``aligned``), a call the Triton kernel would not split
+    (``splits`` 1: the Gluon kernel has no split partials), and at most 65,535 query ``tiles``
+    (``N // 128 + B + 1``: the grid's second dimension)."""
     return (HAVE_GLUON and capability == (9, 0) and dtype in (torch.float16, torch.bfloat16)
             and D in (64, 128) and S % int(BOX) == 0 and window == 0 and rows and aligned
-            and splits == 1)
+            and splits == 1 and tiles <= 65535)
 
 
 if HAVE_GLUON:
@@ -356,16 +357,20 @@ if HAVE_GLUON:
             mbarrier.expect(q_bars.index(wg), q_desc.block_type.nbytes)
             _tma_load(q_desc, [t_row + wg * HALF, h * D], q_bars.index(wg), q_bufs.index(wg))
         nq = q_hi - q_lo
-        seq_len = gl.minimum(gl.maximum(gl.load(SL + i_b), nq), L * S)
-        pos0 = seq_len - nq
+        seq_len = gl.minimum(gl.maximum(gl.load(SL + i_b), 0), L * S)
+        pos0 = seq_len - nq          # negative only for more queries than context (bad input)
         p_bt = BT + i_b.to(gl.int64) * stride_bt
         # the chunk's keys from the rows where their pages are all mapped, else from the pages
-        # (an unmapped one left out), as without the rows
+        # (an unmapped one left out), as without the rows; a chunk longer than its context
+        # takes the pages too, where rows at negative positions see no key (out 0, lse -inf),
+        # as in the Triton kernel
         bad_pre, bad_chunk = _bad_pages(p_bt, pos0, seq_len, P, S)
-        rows_ok = bad_chunk == 0
-        hi_pre = gl.where(rows_ok, pos0, gl.minimum(pos0 + t_row + BLOCK_M - q_lo, seq_len))
+        rows_ok = (bad_chunk == 0) & (pos0 >= 0)
+        hi_pre = gl.where(rows_ok, pos0, gl.maximum(
+            gl.minimum(pos0 + t_row + BLOCK_M - q_lo, seq_len), 0))
         n_chunk = gl.where(rows_ok, (t_row - q_lo) // BLOCK_N + 1, 0)
-        n_pre = gl.cdiv(hi_pre, BLOCK_N)
+        # at least one tile: the consumers wait on the first before they know the count
+        n_pre = gl.where(rows_ok, gl.cdiv(hi_pre, BLOCK_N), gl.maximum(gl.cdiv(hi_pre, BLOCK_N), 1))
         # pages unmapped where the prefix loop reads: its tiles check each key's page
         mapped = ((bad_pre == 0) & rows_ok).to(gl.int32)
 
