@@ -19,10 +19,10 @@ with the chunk's rows at pages of 64: an 8k prefill from nothing 947.5 against 1
 TFLOP/s, 0.96x SDPA's cuDNN), 2048 tokens over 4k 306.6 against 409.3, 512 over 16k (Qwen2.5-7B)
 220.9 against 329.6; 512 from nothing 16.9 against 16.0, where the program's fixed cost (finding
 its sequence, checking its pages) outweighs four key tiles
-(bench/results/2026-12-07-0800-paged_prefill_attention-partial-S64-new-rows-gluon.md). An eager
-call cost 85-105 us of host time through the compiled launcher with six descriptors made
-through Gluon's checked constructor, against about 50 for the Triton kernel; ``_descriptor``
-skips those checks (unmeasured on a GPU).
+(bench/results/2026-12-07-0800-paged_prefill_attention-partial-S64-new-rows-gluon.md). Eager
+calls cost more host time than the Triton kernel's (84.8 against 49.2 us a call with six
+descriptors made through Gluon's checked constructor; ``_descriptor`` skips those checks, a
+saving not measured on a GPU; docs/paged_ops.md).
 
 Keys that are masked in a tile (past the prefix, past the chunk, or on an unmapped page) get
 -inf scores, and where such keys sit in a tile their V rows are zeroed in shared memory before
