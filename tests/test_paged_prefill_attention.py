@@ -872,6 +872,41 @@ def test_gluon_descriptors_equal_the_checked_ones():
     assert g._pool2d(pool) == want_pool
 
 
+@pytest.mark.skipif(not HAVE_GLUON, reason="no Gluon Hopper ops in this triton")
+def test_gluon_launch_passes_each_kernel_parameter(monkeypatch):
+    """The host side of the Gluon path on the CPU (the rule told it is on an sm_90 device):
+    the plan keeps the launch's grid, ints and constants, and a call hands the kernel each
+    parameter by name, twice over one plan."""
+    import kvops.kernels.paged_prefill_gluon as g
+    monkeypatch.setattr(prefill_kernel, "_PLANS", {})
+    monkeypatch.setattr(prefill_kernel, "nvidia_ptx", lambda device: True)
+    monkeypatch.setattr(prefill_kernel, "cuda_capability", lambda device: (9, 0))
+    launches = []
+    monkeypatch.setattr(g, "launch", lambda kernel, grid, key, args, meta: launches.append(
+        (kernel, grid, key, args, meta)))
+    case = make_case([(70, 200), (0, 9)], 64, 2, 4, 128, torch.bfloat16, "cpu", seed=3)
+    k, v = new_rows(case, garbage=0.0)
+    for _ in range(2):
+        out, lse = paged_prefill_attention_fwd(**case, k=k, v=v, scale=0.1)
+    assert out.shape == (209, 8, 128) and lse.shape == (209, 8)
+    assert len(prefill_kernel._PLANS) == 1 and len(launches) == 2
+    kernel, grid, key, args, meta = launches[-1]
+    assert kernel is g._paged_prefill_gluon_kernel and key[0] == prefill_kernel.GLUON_PLAN
+    named = dict(zip(kernel.arg_names, args))
+    assert len(args) + 2 == len(kernel.arg_names) and set(meta) == {"HQ", "G", "num_warps",
+                                                                    "maxnreg"}
+    P = case["k_cache"].shape[0]
+    L = case["block_table"].shape[1]
+    assert grid == (8, 209 // 128 + 2 + 1) and named["num_tiles"] == grid[1]
+    assert (named["N"], named["B"], named["P"], named["L"], named["S"]) == (209, 2, P, L, 64)
+    assert named["page_rows"] == 64 and named["pool_rows"] == (P - 1) * 64 + 64
+    assert named["stride_bt"] == L and named["scale_log2"] == pytest.approx(0.1 * 1.4426950408)
+    assert named["out_ptr"] is out and named["lse_ptr"] is lse
+    assert named["q_desc"].base is case["q"] and named["kn_desc"].base is k
+    assert named["vp_desc"].base is case["v_cache"] and named["o_desc"].base is out
+    assert (meta["HQ"], meta["G"]) == (8, 4)
+
+
 def _gluon_gpu() -> bool:
     return (torch.cuda.is_available() and prefill_gluon(
         torch.cuda.get_device_capability(), torch.bfloat16, 128, 64, 0, True, True, 1))

@@ -52,7 +52,7 @@ from kvops.kernels._common import (
 )
 from kvops.kernels._launch import keep_plan
 from kvops.kernels._splitk import arrive, launch_split, merge_plan, merge_rows, split_outputs
-from kvops.kernels.paged_prefill_gluon import paged_prefill_gluon_fwd, prefill_gluon
+from kvops.kernels.paged_prefill_gluon import gluon_plan, paged_prefill_gluon_fwd, prefill_gluon
 
 # Splits of a tile's key range only while the tiles fill less than this share of the SMs, and
 # only as far as each split keeps at least MIN_SPLIT_TILES key tiles of the longest context.
@@ -94,6 +94,8 @@ TMA_DIRECT = True
 # whether the launch rule may choose the Gluon kernel (``prefill_gluon``); tests of the Triton
 # kernel's own plans turn it off
 GLUON = True
+# the binary-key slot of a plan that launches the Gluon kernel
+GLUON_PLAN = "gluon"
 
 # K/V tiles come through the tensor copy engine only where a key tile lies inside one page:
 # pages of at least this many tokens (the rule's BLOCK_N at D <= 128)
@@ -593,10 +595,10 @@ def paged_prefill_attention_fwd(
     plan = _PLANS.get(key) or keep_plan(_PLANS, key,
                                         _plan(*tensors, news, scale, window, knobs))
     grid, nsp, ints, meta, merge, fused, token, ready = plan
-    if meta is None:      # the Gluon kernel (``ints``: the scale)
+    if token is GLUON_PLAN:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = torch.empty(N, Hq, dtype=torch.float32, device=q.device)
-        paged_prefill_gluon_fwd(*tensors, ints, *news, out, lse, ("gluon", key))
+        paged_prefill_gluon_fwd(*tensors, *news, out, lse, grid, ints, meta, (GLUON_PLAN, key))
         return out, lse
     # out [N, Hq, D] and lse [N, Hq] are a decode launch's outputs with N rows
     out, lse, part_o, part_l, count = split_outputs(N, Hq, D, nsp, q.dtype, q.device,
@@ -674,7 +676,8 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, news, scale, 
     (block_m, block_n, num_warps, num_stages, num_splits, prefetch, tma, new_tma, off64,
      gluon) = knobs
     # a forced tile, split or load form is the Triton kernel's (tests, benches)
-    forced = any(x is not None for x in knobs[:5] + knobs[6:9])
+    forced = any(x is not None for x in (block_m, block_n, num_warps, num_stages, num_splits,
+                                         tma, new_tma, off64))
     misfit = _descriptor_misfit(k_cache, v_cache)
     if tma is None:
         tma = nvidia_ptx(q.device) and prefill_tma(S, D, q.dtype, cuda_capability(q.device),
@@ -724,7 +727,8 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, news, scale, 
                          "multiple of 64, no window, the chunk's rows and descriptor-fit "
                          "tensors")
     if gluon:
-        return None, 1, scale, None, None, None, None, []
+        grid, ints, meta = gluon_plan(q, k_cache, block_table, scale)
+        return grid, 1, ints, meta, None, None, GLUON_PLAN, []
     ints = (N, B, P, L, page_rows, num_tiles, window, scale * LOG2E.value, nsp, *strides)
     meta = dict(S=S, HKV=Hkv, G=G, D=D, BLOCK_Q=block_q, BLOCK_M=bm, BLOCK_N=bn,
                 BLOCK_D=next_pow2(max(D, 16)), BLOCK_B=SEQ_CHUNK,

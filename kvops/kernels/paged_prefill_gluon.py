@@ -416,25 +416,29 @@ def _pool2d(cache: torch.Tensor):
     return _descriptor(cache, [rows, F], [F, 1], [int(BOX), D], _layout(int(BOX), D, cache.dtype))
 
 
-def paged_prefill_gluon_fwd(q, k_cache, v_cache, block_table, query_start, seq_lens, scale, k,
-                            v, out, lse, key=None) -> None:
-    """Launch the Gluon kernel into ``out [N, Hq, D]`` and ``lse [N, Hq]`` (contiguous); the
-    caller took ``prefill_gluon``'s rule. ``key``: what determines the binary (the arguments'
-    signature), so later calls launch it directly (``_launch``); None: through the JIT."""
+def gluon_plan(q, k_cache, block_table, scale: float):
+    """``(grid, ints, meta)`` of a call: what its shapes fix (kept in the caller's plan, so a
+    call only makes its descriptors and launches). 168 registers a thread for the 12 warps
+    fill the SM's 64K; the partitions move them to the consumers (240 each) from the loader
+    (24)."""
     N, Hq, D = q.shape
     P, S, Hkv, _ = k_cache.shape
     B, L = block_table.shape
-    F = Hkv * D
-    page_rows = k_cache.stride(0) // F
-    pool_rows = (P - 1) * page_rows + S
+    page_rows = k_cache.stride(0) // (Hkv * D)
     num_tiles = N // int(BLOCK_M) + B + 1
-    args = (_rows2d(q, int(HALF)), _pool2d(k_cache), _pool2d(v_cache), _rows2d(k, int(BLOCK_N)),
-            _rows2d(v, int(BLOCK_N)), _rows2d(out, int(HALF)), out, lse, block_table,
-            query_start, seq_lens, N, B, P, L, S, page_rows, pool_rows, num_tiles,
+    ints = (N, B, P, L, S, page_rows, (P - 1) * page_rows + S, num_tiles,
             block_table.stride(0), scale * LOG2E.value)
-    # 168 registers a thread for 12 warps fill the SM's 64K; the partitions then move them to
-    # the consumers (240 each) from the loader (24)
-    launch(_paged_prefill_gluon_kernel, (Hq, num_tiles), key, args,
-           {"HQ": Hq, "G": Hq // Hkv, "num_warps": 4, "maxnreg": 168})
+    meta = {"HQ": Hq, "G": Hq // Hkv, "num_warps": 4, "maxnreg": 168}
+    return (Hq, num_tiles), ints, meta
 
 
+def paged_prefill_gluon_fwd(q, k_cache, v_cache, block_table, query_start, seq_lens, k, v, out,
+                            lse, grid, ints, meta, key=None) -> None:
+    """Launch the Gluon kernel into ``out [N, Hq, D]`` and ``lse [N, Hq]`` (contiguous) with
+    ``gluon_plan``'s ``grid``, ``ints`` and ``meta``; the caller took ``prefill_gluon``'s rule.
+    ``key``: what determines the binary (the arguments' signature), so later calls launch it
+    directly (``_launch``); None: through the JIT."""
+    descs = (_rows2d(q, int(HALF)), _pool2d(k_cache), _pool2d(v_cache), _rows2d(k, int(BLOCK_N)),
+             _rows2d(v, int(BLOCK_N)), _rows2d(out, int(HALF)))
+    launch(_paged_prefill_gluon_kernel, grid, key,
+           (*descs, out, lse, block_table, query_start, seq_lens, *ints), meta)
