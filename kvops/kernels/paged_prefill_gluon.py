@@ -108,11 +108,14 @@ if HAVE_GLUON:
         holes = (j < n_pre) & (mapped == 0)
         if (k0 + BLOCK_N > lim) | (k0 + BLOCK_N - 1 > q_pos0) | holes:
             kpos = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            ok = (kpos[None, :] <= q_pos[:, None]) & (kpos < lim)[None, :]
+            s = gl.where((kpos[None, :] <= q_pos[:, None]) & (kpos < lim)[None, :], s,
+                         -float("inf"))
+            # the branches pass scores on, not a mask: a boolean tile carried out of a branch
+            # lives in registers as packed bits, unpacked an element at a time (that took
+            # more instructions than the tile's softmax)
             if holes:
                 pg = gl.load(p_bt + kpos // S, mask=kpos < lim, other=-1)
-                ok = ok & ((pg >= 0) & (pg < P))[None, :]
-            s = gl.where(ok, s, -float("inf"))
+                s = gl.where(((pg >= 0) & (pg < P))[None, :], s, -float("inf"))
         return s
 
     @gluon.jit
@@ -262,45 +265,47 @@ if HAVE_GLUON:
             ph = (j // STAGES) & 1
             k_buf = k_bufs.index(st)
             v_buf = v_bufs.index(st)
-            mbarrier.wait(k_empty.index(st), ph ^ 1)
-            mbarrier.expect(k_ready.index(st), 2 * kp_desc.block_type.nbytes)
             if j < n_pre:
+                # the boxes' pages are read before the wait: their latency hides behind it
                 row0 = _box_row(p_bt, j * BLOCK_N, hi_pre, S, P, page_rows, pool_rows)
                 row1 = _box_row(p_bt, j * BLOCK_N + BOX, hi_pre, S, P, page_rows, pool_rows)
-                _tma_load(kp_desc, [row0, kvh * D], k_ready.index(st),
-                                                k_buf.slice(0, BOX))
-                _tma_load(kp_desc, [row1, kvh * D], k_ready.index(st),
-                                                k_buf.slice(BOX, BOX))
+                mbarrier.wait(k_empty.index(st), ph ^ 1)
+                mbarrier.expect(k_ready.index(st), 2 * kp_desc.block_type.nbytes)
+                _tma_load(kp_desc, [row0, kvh * D], k_ready.index(st), k_buf.slice(0, BOX))
+                _tma_load(kp_desc, [row1, kvh * D], k_ready.index(st), k_buf.slice(BOX, BOX))
                 mbarrier.wait(v_empty.index(st), ph ^ 1)
                 mbarrier.expect(v_ready.index(st), 2 * vp_desc.block_type.nbytes)
-                _tma_load(vp_desc, [row0, kvh * D], v_ready.index(st),
-                                                v_buf.slice(0, BOX))
-                _tma_load(vp_desc, [row1, kvh * D], v_ready.index(st),
-                                                v_buf.slice(BOX, BOX))
+                _tma_load(vp_desc, [row0, kvh * D], v_ready.index(st), v_buf.slice(0, BOX))
+                _tma_load(vp_desc, [row1, kvh * D], v_ready.index(st), v_buf.slice(BOX, BOX))
             else:
                 row = q_lo + (j - n_pre) * BLOCK_N
-                _tma_load(kn_desc, [row, kvh * D], k_ready.index(st),
-                                                k_buf)
+                mbarrier.wait(k_empty.index(st), ph ^ 1)
+                mbarrier.expect(k_ready.index(st), 2 * kp_desc.block_type.nbytes)
+                _tma_load(kn_desc, [row, kvh * D], k_ready.index(st), k_buf)
                 mbarrier.wait(v_empty.index(st), ph ^ 1)
                 mbarrier.expect(v_ready.index(st), 2 * vp_desc.block_type.nbytes)
-                _tma_load(vn_desc, [row, kvh * D], v_ready.index(st),
-                                                v_buf)
+                _tma_load(vn_desc, [row, kvh * D], v_ready.index(st), v_buf)
 
     @gluon.jit
-    def _bad_pages(p_bt, pos0, seq_len, P, S):
+    def _bad_pages(p_bt, pg, pos0, seq_len, P, S, layout: gl.constexpr):
         """Whether a page holding positions ``[0, pos0)`` (the prefix) and one holding
-        ``[pos0, seq_len)`` (the chunk) has an id outside ``[0, P)``: one pass over the table."""
-        layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        ``[pos0, seq_len)`` (the chunk) has an id outside ``[0, P)``: one pass over the table,
+        whose first 128 entries ``pg`` the caller loaded. One reduction a block: the prefix's
+        count (at most 128) and 256 times the chunk's in one sum."""
         end = gl.cdiv(seq_len, S)
         split = pos0 // S                    # pages before it hold prefix keys only
+        o = gl.arange(0, 128, layout=layout)
         bad_pre = 0
         bad_chunk = 0
         for j in range(0, end, 128):
-            o_j = j + gl.arange(0, 128, layout=layout)
-            pg = gl.load(p_bt + o_j, mask=o_j < end, other=0)
+            if j > 0:
+                pg = gl.load(p_bt + j + o, mask=j + o < end, other=0)
+            o_j = j + o
             bad = (o_j < end) & ((pg < 0) | (pg >= P))
-            bad_pre += gl.sum((bad & (o_j * S < pos0)).to(gl.int32), axis=0)
-            bad_chunk += gl.sum((bad & (o_j >= split)).to(gl.int32), axis=0)
+            both = gl.sum((bad & (o_j * S < pos0)).to(gl.int32)
+                          + (bad & (o_j >= split)).to(gl.int32) * 256, axis=0)
+            bad_pre += both % 256
+            bad_chunk += both // 256
         return bad_pre, bad_chunk
 
     @gluon.jit(do_not_specialize=["N", "B", "num_tiles"])
@@ -311,14 +316,25 @@ if HAVE_GLUON:
         D: gl.constexpr = kn_desc.block_type.shape[1]
         h = gl.program_id(0)
         i_t = num_tiles - 1 - gl.program_id(1)            # last tiles (the longest) first
-        # the sequence, as the Triton kernel finds it (a Gluon kernel calls Gluon functions only)
+        # the sequence, as the Triton kernel finds it (a Gluon kernel calls Gluon functions
+        # only): the last ``b`` whose first tile ``T_b`` is at or below ``i_t``, found with its
+        # length in one reduction of ``b << 32 | seq_lens[b]`` (one round trip to memory where
+        # reading the length after the search would take a second)
         layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        count = 0
+        best = h.to(gl.int64) * 0 - 1
         for start in range(0, B + 1, SEQ_CHUNK):
             o_b = start + gl.arange(0, SEQ_CHUNK, layout=layout)
             qs = gl.minimum(gl.maximum(gl.load(QS + o_b, mask=o_b <= B, other=N), 0), N)
-            count += gl.sum(((qs // BLOCK_M + o_b <= i_t) & (o_b <= B)).to(gl.int32), axis=0)
-        i_b = gl.minimum(gl.maximum(count - 1, 0), B)
+            sl = gl.minimum(gl.maximum(gl.load(SL + o_b, mask=o_b < B, other=0), 0), L * S)
+            key = (o_b.to(gl.int64) << 32) | sl.to(gl.int64)
+            best = gl.maximum(best, gl.max(gl.where((qs // BLOCK_M + o_b <= i_t) & (o_b <= B),
+                                                    key, -1), axis=0))
+        seq_len = (best - ((best >> 32) << 32)).to(gl.int32)
+        i_b = gl.maximum(best >> 32, 0).to(gl.int32)
+        # the sequence's first 128 pages, read beside its query range
+        p_bt = BT + i_b.to(gl.int64) * stride_bt
+        o_p = gl.arange(0, 128, layout=layout)
+        pg = gl.load(p_bt + o_p, mask=(o_p < L) & (i_b < B), other=0)
         q_lo = gl.minimum(gl.maximum(gl.load(QS + i_b), 0), N)
         q_hi = gl.minimum(gl.maximum(gl.load(QS + gl.minimum(i_b + 1, B)), q_lo), N)
         q_hi = gl.where(i_b == B, N, q_hi)                # B: the padding rows after the last
@@ -357,14 +373,12 @@ if HAVE_GLUON:
             mbarrier.expect(q_bars.index(wg), q_desc.block_type.nbytes)
             _tma_load(q_desc, [t_row + wg * HALF, h * D], q_bars.index(wg), q_bufs.index(wg))
         nq = q_hi - q_lo
-        seq_len = gl.minimum(gl.maximum(gl.load(SL + i_b), 0), L * S)
         pos0 = seq_len - nq          # negative only for more queries than context (bad input)
-        p_bt = BT + i_b.to(gl.int64) * stride_bt
         # the chunk's keys from the rows where their pages are all mapped, else from the pages
         # (an unmapped one left out), as without the rows; a chunk longer than its context
         # takes the pages too, where rows at negative positions see no key (out 0, lse -inf),
         # as in the Triton kernel
-        bad_pre, bad_chunk = _bad_pages(p_bt, pos0, seq_len, P, S)
+        bad_pre, bad_chunk = _bad_pages(p_bt, pg, pos0, seq_len, P, S, layout)
         rows_ok = (bad_chunk == 0) & (pos0 >= 0)
         hi_pre = gl.where(rows_ok, pos0, gl.maximum(
             gl.minimum(pos0 + t_row + BLOCK_M - q_lo, seq_len), 0))
