@@ -84,8 +84,9 @@ def build_ir(signature: dict, constants: dict) -> None:
     _frontend(_source(signature, constants), {"num_warps": 4, "num_stages": 3})
 
 
-def gluon_source(D: int = 128, dtype=None):
-    """The Gluon prefill kernel's source for Llama-3-8B's heads (32/8) at head dim ``D``."""
+def gluon_source(D: int = 128, dtype=None, S: int = 64):
+    """The Gluon prefill kernel's source for Llama-3-8B's heads (32/8) at head dim ``D`` and
+    pages of ``S`` tokens (the pool's boxes: ``box_rows``)."""
     import torch
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -98,7 +99,7 @@ def gluon_source(D: int = 128, dtype=None):
         return f"tensordesc<{ty}[{rows},{D}],{g._layout(rows, D, dtype)!r}>"
 
     fn = g._paged_prefill_gluon_kernel
-    sig = dict(q_desc=desc(int(g.HALF)), kp_desc=desc(int(g.BOX)), vp_desc=desc(int(g.BOX)),
+    sig = dict(q_desc=desc(int(g.HALF)), kp_desc=desc(g.box_rows(S)), vp_desc=desc(g.box_rows(S)),
                kn_desc=desc(int(g.BLOCK_N)), vn_desc=desc(int(g.BLOCK_N)),
                o_desc=desc(int(g.HALF)), out_ptr="*" + ty,
                lse_ptr="*fp32", BT="*i32", QS="*i32", SL="*i32")
@@ -110,9 +111,9 @@ def gluon_source(D: int = 128, dtype=None):
                                                (names.index("G"),): 4})
 
 
-def build_gluon_ir(D: int = 128, dtype=None) -> None:
+def build_gluon_ir(D: int = 128, dtype=None, S: int = 64) -> None:
     """The Gluon kernel's frontend IR for ``sm_90`` (raises the compiler's error)."""
-    _frontend(gluon_source(D, dtype), {"num_warps": 4, "maxnreg": 168})
+    _frontend(gluon_source(D, dtype, S), {"num_warps": 4, "maxnreg": 168})
 
 
 # an sm_90 SM (H100, H200): shared memory, of which each resident block reserves 1 KiB, and
@@ -165,15 +166,16 @@ def main():
     ap.add_argument("--new-rows", action="store_true", help="the chunk's own rows given")
     ap.add_argument("--off64", action="store_true", help="64-bit element offsets")
     ap.add_argument("--gluon", action="store_true",
-                    help="the Gluon kernel's resources (D 64 and 128, bf16) instead")
+                    help="the Gluon kernel's resources (D 64 and 128, bf16, at --page) instead")
     args = ap.parse_args()
     if args.gluon:
         print(f"triton {triton.__version__}, sm_90, the Gluon prefill kernel, Llama-3-8B heads, "
-              "bf16; registers: the launch's cap (the partitions set their own)\n"
+              f"bf16, S {args.page}; registers: the launch's cap (the partitions set their own)\n"
               "| D | registers | stack bytes | shared bytes | programs an SM |\n"
               "|---:|---:|---:|---:|---:|")
         for D in (64, 128):
-            r = resources(None, None, 4, 0, gluon_source(D), {"num_warps": 4, "maxnreg": 168})
+            r = resources(None, None, 4, 0, gluon_source(D, S=args.page),
+                          {"num_warps": 4, "maxnreg": 168})
             r["per_sm"] = programs_per_sm(r["shared"], r["registers"], 12)
             print(f"| {D} | {r['registers']} | {r['stack']} | {r['shared']} | {r['per_sm']} |")
         return

@@ -21,8 +21,10 @@ import pytest
 # pool descriptors, with or without the chunk's own rows, those by pointers or descriptors,
 # 32- or 64-bit element offsets
 PREFILL_PATHS = [c for c in itertools.product([False, True], repeat=5) if c[1] or not c[2]]
-# (D, dtype) of the Gluon prefill kernel (``prefill_gluon``'s head dims and dtypes)
-GLUON_PATHS = [(64, "bfloat16"), (128, "bfloat16"), (128, "float16")]
+# (D, dtype, S) of the Gluon prefill kernel (``prefill_gluon``'s head dims and dtypes; pages
+# of 64 take two boxes a key tile, of 16 eight)
+GLUON_PATHS = [(64, "bfloat16", 64), (128, "bfloat16", 64), (128, "float16", 64),
+               (128, "bfloat16", 16), (64, "bfloat16", 32)]
 
 
 def build_all() -> dict:
@@ -43,15 +45,16 @@ def build_all() -> dict:
 
     from bench.kernel_build import build_gluon_ir
     from kvops.kernels.paged_prefill_gluon import HAVE_GLUON
-    for D, dtype in GLUON_PATHS:
+    for D, dtype, S in GLUON_PATHS:
+        name = f"gluon{D}{dtype}S{S}"
         if not HAVE_GLUON:
-            got[f"gluon{D}{dtype}"] = "ImportError: no Gluon Hopper ops in this triton"
+            got[name] = "ImportError: no Gluon Hopper ops in this triton"
             continue
         try:
-            build_gluon_ir(D, getattr(torch, dtype))
-            got[f"gluon{D}{dtype}"] = None
+            build_gluon_ir(D, getattr(torch, dtype), S)
+            got[name] = None
         except Exception as exc:  # noqa: BLE001 - reported to the test, which names it
-            got[f"gluon{D}{dtype}"] = f"{type(exc).__name__}: {exc}"[:2000]
+            got[name] = f"{type(exc).__name__}: {exc}"[:2000]
     return got
 
 
@@ -77,11 +80,11 @@ def test_paged_prefill_builds_for_hopper(built, path):
     assert err is None, err
 
 
-@pytest.mark.parametrize("D,dtype", GLUON_PATHS, ids=lambda x: str(x))
-def test_gluon_prefill_builds_for_hopper(built, D, dtype):
+@pytest.mark.parametrize("D,dtype,S", GLUON_PATHS, ids=lambda x: str(x))
+def test_gluon_prefill_builds_for_hopper(built, D, dtype, S):
     """The Gluon kernel's frontend on this triton: its Hopper ops' names and signatures move
     between triton versions (3.9 renamed the TMA load), and only an sm_90 GPU runs it."""
-    err = built[f"gluon{D}{dtype}"]
+    err = built[f"gluon{D}{dtype}S{S}"]
     if err is not None and err.startswith(("ImportError", "ModuleNotFoundError")):
         pytest.skip(f"this triton builds IR another way: {err[:200]}")
     assert err is None, err

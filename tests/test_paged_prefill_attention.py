@@ -824,8 +824,11 @@ def test_tma_direct_launch_matches_the_jit(monkeypatch, descriptors, S, rows):
     ((9, 0), torch.bfloat16, 128, 64, 0, True, True, 1, True),
     ((9, 0), torch.float16, 64, 128, 0, True, True, 1, True),
     ((9, 0), torch.bfloat16, 128, 192, 0, True, True, 1, True),    # three boxes a page
-    ((9, 0), torch.bfloat16, 128, 16, 0, True, True, 1, False),    # a box spans pages
-    ((9, 0), torch.bfloat16, 128, 96, 0, True, True, 1, False),
+    ((9, 0), torch.bfloat16, 128, 16, 0, True, True, 1, True),     # eight pages a key tile
+    ((9, 0), torch.bfloat16, 128, 96, 0, True, True, 1, True),     # boxes of 32 rows
+    ((9, 0), torch.bfloat16, 128, 48, 0, True, True, 1, True),     # boxes of 16 rows
+    ((9, 0), torch.bfloat16, 128, 8, 0, True, True, 1, False),     # boxes under 16 rows
+    ((9, 0), torch.bfloat16, 128, 24, 0, True, True, 1, False),
     ((9, 0), torch.bfloat16, 256, 64, 0, True, True, 1, False),    # the accumulators' registers
     ((9, 0), torch.bfloat16, 96, 64, 0, True, True, 1, False),
     ((9, 0), torch.float32, 128, 64, 0, True, True, 1, False),
@@ -935,7 +938,11 @@ def gluon_calls(monkeypatch):
     ([(300, 400), (300, 100), (0, 333)], 64, 4, 128, torch.bfloat16, True, False, 0),
     ([(300, 400), (300, 100), (0, 333)], 128, 1, 128, torch.float16, False, True, 2),
     ([(1000, 129), (5, 256), (0, 0), (191, 1)], 128, 2, 64, torch.bfloat16, True, False, 5),
-], ids=["one-token", "mixed", "mixed-hole-interleaved", "long", "long-S128", "far-prefix"])
+    ([(0, 130), (64, 64), (63, 200), (129, 7)], 16, 4, 128, torch.bfloat16, True, False, 3),
+    ([(300, 400), (300, 100), (0, 333)], 32, 2, 64, torch.float16, True, True, 0),
+    ([(1000, 129), (5, 256), (0, 0), (191, 1)], 48, 4, 128, torch.bfloat16, False, False, 2),
+], ids=["one-token", "mixed", "mixed-hole-interleaved", "long", "long-S128", "far-prefix",
+        "mixed-hole-S16", "long-hole-interleaved-S32", "far-prefix-S48"])
 def test_gluon_kernel_matches_oracle(gluon_calls, chunks, S, G, D, dtype, hole, interleaved, pad):
     """The Gluon kernel (the rule's choice on sm_90 with the chunk's rows, forced here) against the float64
     oracle: empty, page-boundary and mid-page prefixes, a shared prefix, chunks of 1 to 400
@@ -997,15 +1004,16 @@ def test_gluon_chunk_longer_than_its_context_finishes(gluon_calls):
 
 def test_gluon_and_triton_kernels_agree_on_an_8k_prefill(gluon_calls):
     """One 8k prefill from nothing and its last 512-token chunk over a 7.5k prefix, at
-    Llama-3-8B's heads: the Gluon kernel's rows within bf16 rounding of the Triton kernel's."""
-    for prefix, new in ((0, 8192), (7680, 512)):
-        case = make_case([(prefix, new)], 64, 8, 4, 128, torch.bfloat16, "cuda", seed=new)
+    Llama-3-8B's heads, at pages of 64 and of 16 (the engine's): the Gluon kernel's rows within
+    bf16 rounding of the Triton kernel's."""
+    for S, prefix, new in ((64, 0, 8192), (64, 7680, 512), (16, 7680, 512)):
+        case = make_case([(prefix, new)], S, 8, 4, 128, torch.bfloat16, "cuda", seed=new)
         k, v = new_rows(case)
         got = paged_prefill_attention_fwd(**case, k=k, v=v)
         want = paged_prefill_attention_fwd(**case, k=k, v=v, gluon=False)
-        assert_close("out", got[0].float(), want[0].float(), 2e-2, 2e-2, f"{prefix}+{new}")
-        assert_close("lse", got[1], want[1], 1e-3, 1e-3, f"{prefix}+{new}")
-    assert len(gluon_calls) == 2
+        assert_close("out", got[0].float(), want[0].float(), 2e-2, 2e-2, f"S{S} {prefix}+{new}")
+        assert_close("lse", got[1], want[1], 1e-3, 1e-3, f"S{S} {prefix}+{new}")
+    assert len(gluon_calls) == 3
 
 
 def _bad_inputs():

@@ -724,7 +724,7 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, news, scale, 
         gluon = GLUON and structural and nsp == 1 and not forced
     elif gluon and not structural:
         raise ValueError("gluon: expected an sm_90 device, 16-bit K/V, D 64 or 128, pages of a "
-                         "multiple of 64, no window, the chunk's rows and descriptor-fit "
+                         "multiple of 16, no window, the chunk's rows and descriptor-fit "
                          "tensors")
     if gluon:
         grid, ints, meta = gluon_plan(q, k_cache, block_table, scale)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import torch
 import triton.language as tl
@@ -72,9 +73,16 @@ from kvops.kernels._launch import launch
 BLOCK_M = tl.constexpr(128)    # query rows a program (two consumer warpgroups of HALF)
 HALF = tl.constexpr(64)
 BLOCK_N = tl.constexpr(128)    # keys a stage
-BOX = tl.constexpr(64)         # pool rows a descriptor box (a tile is two; pages hold whole boxes)
+BOX = tl.constexpr(64)         # most pool rows a descriptor box holds (``box_rows``)
 STAGES = tl.constexpr(2)       # K and V buffers in the ring (32 KiB each at D 128)
 SEQ_CHUNK = tl.constexpr(128)  # sequence starts read at once while finding a tile's sequence
+
+
+def box_rows(S: int) -> int:
+    """Pool rows a descriptor box loads at pages of ``S`` tokens: the largest power of two
+    dividing both ``S`` and ``BOX`` (a box never crosses a page; a key tile is
+    ``BLOCK_N // box_rows(S)`` boxes, at least 16 rows each: ``prefill_gluon``)."""
+    return math.gcd(S, int(BOX))
 
 
 def prefill_gluon(capability: tuple[int, int], dtype: torch.dtype, D: int, S: int, window: int,
@@ -82,12 +90,13 @@ def prefill_gluon(capability: tuple[int, int], dtype: torch.dtype, D: int, S: in
     """Whether a call runs the Gluon kernel: Gluon's Hopper ops present (``HAVE_GLUON``), an
     sm_90 device (warpgroup MMA is Hopper's alone), 16-bit K/V, D 64 or 128 (a consumer holds
     64 x D float32 accumulators and 64 x 128 scores in its 240 registers), pages of a multiple
-    of BOX tokens (a box is one page's rows), no sliding window, the chunk's rows given,
+    of 16 tokens (a key tile from a prefix's pages is at most eight boxes of one page's
+    rows: ``box_rows``), no sliding window, the chunk's rows given,
     descriptor-fit pools and rows (``aligned``), a call the Triton kernel would not split
     (``splits`` 1: the Gluon kernel has no split partials), and at most 65,535 query ``tiles``
     (``N // 128 + B + 1``: the grid's second dimension)."""
     return (HAVE_GLUON and capability == (9, 0) and dtype in (torch.float16, torch.bfloat16)
-            and D in (64, 128) and S % int(BOX) == 0 and window == 0 and rows and aligned
+            and D in (64, 128) and S % 16 == 0 and window == 0 and rows and aligned
             and splits == 1 and tiles <= 65535)
 
 
@@ -260,30 +269,48 @@ if HAVE_GLUON:
               mapped, S, P, page_rows, pool_rows, kvh, scale_log2, q_desc, kp_desc, vp_desc,
               kn_desc, vn_desc, o_desc):
         D: gl.constexpr = k_bufs.type.shape[2]
+        R: gl.constexpr = kp_desc.block_type.shape[0]    # pool rows a box (``box_rows``)
+        NB: gl.constexpr = BLOCK_N // R
         for j in range(n_kv):
             st = j % STAGES
             ph = (j // STAGES) & 1
             k_buf = k_bufs.index(st)
             v_buf = v_bufs.index(st)
             if j < n_pre:
-                # the boxes' pages are read before the wait: their latency hides behind it
-                row0 = _box_row(p_bt, j * BLOCK_N, hi_pre, S, P, page_rows, pool_rows)
-                row1 = _box_row(p_bt, j * BLOCK_N + BOX, hi_pre, S, P, page_rows, pool_rows)
-                mbarrier.wait(k_empty.index(st), ph ^ 1)
-                mbarrier.expect(k_ready.index(st), 2 * kp_desc.block_type.nbytes)
-                _tma_load(kp_desc, [row0, kvh * D], k_ready.index(st), k_buf.slice(0, BOX))
-                _tma_load(kp_desc, [row1, kvh * D], k_ready.index(st), k_buf.slice(BOX, BOX))
-                mbarrier.wait(v_empty.index(st), ph ^ 1)
-                mbarrier.expect(v_ready.index(st), 2 * vp_desc.block_type.nbytes)
-                _tma_load(vp_desc, [row0, kvh * D], v_ready.index(st), v_buf.slice(0, BOX))
-                _tma_load(vp_desc, [row1, kvh * D], v_ready.index(st), v_buf.slice(BOX, BOX))
+                if NB == 2:
+                    # the boxes' pages are read before the wait: their latency hides behind it
+                    row0 = _box_row(p_bt, j * BLOCK_N, hi_pre, S, P, page_rows, pool_rows)
+                    row1 = _box_row(p_bt, j * BLOCK_N + R, hi_pre, S, P, page_rows, pool_rows)
+                    mbarrier.wait(k_empty.index(st), ph ^ 1)
+                    mbarrier.expect(k_ready.index(st), kn_desc.block_type.nbytes)
+                    _tma_load(kp_desc, [row0, kvh * D], k_ready.index(st), k_buf.slice(0, R))
+                    _tma_load(kp_desc, [row1, kvh * D], k_ready.index(st), k_buf.slice(R, R))
+                    mbarrier.wait(v_empty.index(st), ph ^ 1)
+                    mbarrier.expect(v_ready.index(st), vn_desc.block_type.nbytes)
+                    _tma_load(vp_desc, [row0, kvh * D], v_ready.index(st), v_buf.slice(0, R))
+                    _tma_load(vp_desc, [row1, kvh * D], v_ready.index(st), v_buf.slice(R, R))
+                else:     # smaller pages: a box a page, each page id read again for V (L1)
+                    mbarrier.wait(k_empty.index(st), ph ^ 1)
+                    mbarrier.expect(k_ready.index(st), kn_desc.block_type.nbytes)
+                    for i in gl.static_range(NB):
+                        row = _box_row(p_bt, j * BLOCK_N + i * R, hi_pre, S, P, page_rows,
+                                       pool_rows)
+                        _tma_load(kp_desc, [row, kvh * D], k_ready.index(st),
+                                  k_buf.slice(i * R, R))
+                    mbarrier.wait(v_empty.index(st), ph ^ 1)
+                    mbarrier.expect(v_ready.index(st), vn_desc.block_type.nbytes)
+                    for i in gl.static_range(NB):
+                        row = _box_row(p_bt, j * BLOCK_N + i * R, hi_pre, S, P, page_rows,
+                                       pool_rows)
+                        _tma_load(vp_desc, [row, kvh * D], v_ready.index(st),
+                                  v_buf.slice(i * R, R))
             else:
                 row = q_lo + (j - n_pre) * BLOCK_N
                 mbarrier.wait(k_empty.index(st), ph ^ 1)
-                mbarrier.expect(k_ready.index(st), 2 * kp_desc.block_type.nbytes)
+                mbarrier.expect(k_ready.index(st), kn_desc.block_type.nbytes)
                 _tma_load(kn_desc, [row, kvh * D], k_ready.index(st), k_buf)
                 mbarrier.wait(v_empty.index(st), ph ^ 1)
-                mbarrier.expect(v_ready.index(st), 2 * vp_desc.block_type.nbytes)
+                mbarrier.expect(v_ready.index(st), vn_desc.block_type.nbytes)
                 _tma_load(vn_desc, [row, kvh * D], v_ready.index(st), v_buf)
 
     @gluon.jit
@@ -423,11 +450,12 @@ def _rows2d(t: torch.Tensor, box: int):
 
 def _pool2d(cache: torch.Tensor):
     """A descriptor over a pool ``[P, S, Hkv, D]`` as rows of ``Hkv * D`` (page ``p``'s first
-    row ``p * stride(0) / (Hkv * D)``), loading ``[BOX, D]`` boxes."""
+    row ``p * stride(0) / (Hkv * D)``), loading ``[box_rows(S), D]`` boxes."""
     P, S, Hkv, D = cache.shape
     F = Hkv * D
     rows = (P - 1) * (cache.stride(0) // F) + S
-    return _descriptor(cache, [rows, F], [F, 1], [int(BOX), D], _layout(int(BOX), D, cache.dtype))
+    R = box_rows(S)
+    return _descriptor(cache, [rows, F], [F, 1], [R, D], _layout(R, D, cache.dtype))
 
 
 def gluon_plan(q, k_cache, block_table, scale: float):
