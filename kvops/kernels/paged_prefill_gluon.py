@@ -256,12 +256,24 @@ if HAVE_GLUON:
     def _box_row(p_bt, p, hi_pre, S, P, page_rows, pool_rows):
         """The pool row of prefix position ``p``'s box, or ``pool_rows`` (out of bounds: the
         box reads zeros) past the prefix or on an unmapped page."""
-        row = pool_rows
-        if p < hi_pre:
-            pg = gl.load(p_bt + p // S)
-            if (pg >= 0) & (pg < P):
-                row = pg * page_rows + p % S
-        return row
+        pg = gl.load(p_bt + p // S, mask=p < hi_pre, other=-1)     # no branch: a tile's
+        return gl.where((pg >= 0) & (pg < P), pg * page_rows + p % S, pool_rows)   # loads overlap
+
+    @gluon.jit
+    def _boxes(desc, bar, buf, col, r0, r1, r2, r3, r4, r5, r6, r7, NB: gl.constexpr):
+        """A key tile's ``NB`` (2, 4 or 8) boxes from pool rows ``r0``..: box ``i`` into rows
+        ``[i * R, (i + 1) * R)`` of ``buf``."""
+        R: gl.constexpr = BLOCK_N // NB
+        _tma_load(desc, [r0, col], bar, buf.slice(0, R))
+        _tma_load(desc, [r1, col], bar, buf.slice(R, R))
+        if NB > 2:
+            _tma_load(desc, [r2, col], bar, buf.slice(2 * R, R))
+            _tma_load(desc, [r3, col], bar, buf.slice(3 * R, R))
+        if NB > 4:
+            _tma_load(desc, [r4, col], bar, buf.slice(4 * R, R))
+            _tma_load(desc, [r5, col], bar, buf.slice(5 * R, R))
+            _tma_load(desc, [r6, col], bar, buf.slice(6 * R, R))
+            _tma_load(desc, [r7, col], bar, buf.slice(7 * R, R))
 
     @gluon.jit
     def _load(out_ptr, lse_ptr, p_bt, q_bufs, k_bufs, v_bufs, q_bars, k_ready, k_empty,
@@ -277,33 +289,33 @@ if HAVE_GLUON:
             k_buf = k_bufs.index(st)
             v_buf = v_bufs.index(st)
             if j < n_pre:
-                if NB == 2:
-                    # the boxes' pages are read before the wait: their latency hides behind it
-                    row0 = _box_row(p_bt, j * BLOCK_N, hi_pre, S, P, page_rows, pool_rows)
-                    row1 = _box_row(p_bt, j * BLOCK_N + R, hi_pre, S, P, page_rows, pool_rows)
-                    mbarrier.wait(k_empty.index(st), ph ^ 1)
-                    mbarrier.expect(k_ready.index(st), kn_desc.block_type.nbytes)
-                    _tma_load(kp_desc, [row0, kvh * D], k_ready.index(st), k_buf.slice(0, R))
-                    _tma_load(kp_desc, [row1, kvh * D], k_ready.index(st), k_buf.slice(R, R))
-                    mbarrier.wait(v_empty.index(st), ph ^ 1)
-                    mbarrier.expect(v_ready.index(st), vn_desc.block_type.nbytes)
-                    _tma_load(vp_desc, [row0, kvh * D], v_ready.index(st), v_buf.slice(0, R))
-                    _tma_load(vp_desc, [row1, kvh * D], v_ready.index(st), v_buf.slice(R, R))
-                else:     # smaller pages: a box a page, each page id read again for V (L1)
-                    mbarrier.wait(k_empty.index(st), ph ^ 1)
-                    mbarrier.expect(k_ready.index(st), kn_desc.block_type.nbytes)
-                    for i in gl.static_range(NB):
-                        row = _box_row(p_bt, j * BLOCK_N + i * R, hi_pre, S, P, page_rows,
-                                       pool_rows)
-                        _tma_load(kp_desc, [row, kvh * D], k_ready.index(st),
-                                  k_buf.slice(i * R, R))
-                    mbarrier.wait(v_empty.index(st), ph ^ 1)
-                    mbarrier.expect(v_ready.index(st), vn_desc.block_type.nbytes)
-                    for i in gl.static_range(NB):
-                        row = _box_row(p_bt, j * BLOCK_N + i * R, hi_pre, S, P, page_rows,
-                                       pool_rows)
-                        _tma_load(vp_desc, [row, kvh * D], v_ready.index(st),
-                                  v_buf.slice(i * R, R))
+                # the boxes' page ids are read before the wait (their latency hides behind
+                # it) and held for V: one round trip a tile, not one a box
+                p0 = j * BLOCK_N
+                r0 = _box_row(p_bt, p0, hi_pre, S, P, page_rows, pool_rows)
+                r1 = _box_row(p_bt, p0 + R, hi_pre, S, P, page_rows, pool_rows)
+                r2 = r0
+                r3 = r0
+                r4 = r0
+                r5 = r0
+                r6 = r0
+                r7 = r0
+                if NB > 2:
+                    r2 = _box_row(p_bt, p0 + 2 * R, hi_pre, S, P, page_rows, pool_rows)
+                    r3 = _box_row(p_bt, p0 + 3 * R, hi_pre, S, P, page_rows, pool_rows)
+                if NB > 4:
+                    r4 = _box_row(p_bt, p0 + 4 * R, hi_pre, S, P, page_rows, pool_rows)
+                    r5 = _box_row(p_bt, p0 + 5 * R, hi_pre, S, P, page_rows, pool_rows)
+                    r6 = _box_row(p_bt, p0 + 6 * R, hi_pre, S, P, page_rows, pool_rows)
+                    r7 = _box_row(p_bt, p0 + 7 * R, hi_pre, S, P, page_rows, pool_rows)
+                mbarrier.wait(k_empty.index(st), ph ^ 1)
+                mbarrier.expect(k_ready.index(st), kn_desc.block_type.nbytes)
+                _boxes(kp_desc, k_ready.index(st), k_buf, kvh * D, r0, r1, r2, r3, r4, r5, r6,
+                       r7, NB)
+                mbarrier.wait(v_empty.index(st), ph ^ 1)
+                mbarrier.expect(v_ready.index(st), vn_desc.block_type.nbytes)
+                _boxes(vp_desc, v_ready.index(st), v_buf, kvh * D, r0, r1, r2, r3, r4, r5, r6,
+                       r7, NB)
             else:
                 row = q_lo + (j - n_pre) * BLOCK_N
                 mbarrier.wait(k_empty.index(st), ph ^ 1)
