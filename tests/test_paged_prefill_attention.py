@@ -961,6 +961,19 @@ def test_gluon_kernel_matches_oracle(gluon_calls, chunks, S, G, D, dtype, hole, 
     check_against_oracle(out, lse, case, f"gluon-{chunks}-S{S}-G{G}-D{D}-{dtype}-{hole}")
 
 
+@pytest.mark.parametrize("block", [540, 563], ids=["prefix", "chunk"])
+def test_gluon_finds_a_hole_past_the_first_page_block(gluon_calls, block):
+    """A 9064-token sequence at pages of 16 (567 page ids: the page check's second block of
+    512) with one unmapped page there, in the prefix (its keys left out, the chunk from its
+    rows) or among the chunk's keys (the chunk from its pages), against the oracle."""
+    case = make_case([(9000, 64)], 16, 2, 4, 128, torch.bfloat16, "cuda", seed=block)
+    case["block_table"][0, block] = -1
+    k, v = new_rows(case)
+    out, lse = paged_prefill_attention_fwd(**case, k=k, v=v, gluon=True)
+    assert gluon_calls
+    check_against_oracle(out, lse, case, f"gluon-hole-block-{block}")
+
+
 def test_gluon_direct_launch_matches_the_jit(gluon_calls, monkeypatch):
     """The Gluon kernel launched through its compiled launcher (``_launch``: the first call of
     a signature goes through the JIT, the next ones direct) gives the JIT's rows bit for bit,

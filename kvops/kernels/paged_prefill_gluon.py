@@ -1,28 +1,28 @@
 """Gluon kernel for ``kvops.paged_prefill_attention`` on Hopper (sm_90): warp-specialized, with
-the chunk's own rows given, pages of a multiple of 64 tokens, no window.
+the chunk's own rows given, pages of a multiple of 16 tokens, no window.
 
 A program takes 128 query rows of one sequence's chunk and one query head. Three partitions
 share it: two consumer warpgroups of 64 rows each (the default partition and a 4-warp worker)
 and one loader warp. The loader fills a ring of ``STAGES`` K and V buffers of 128 keys
-through the tensor copy engine: first the sequence's prefix from its pages (two 64-row boxes a
-tile through a descriptor over the pool's rows; an unmapped page or a key past the prefix reads
-out of bounds, so zeros), then the chunk's own rows from a descriptor over ``k``, ``v``
-(tiles aligned to the chunk's start, so the causal diagonal is the query tile's own). Each
-consumer issues tile ``j + 1``'s QK^T before tile ``j``'s PV and runs ``j + 1``'s softmax
-while PV is in flight (two warpgroup MMAs in flight), with registers moved to the consumers
-(240 each, 24 for the loader). Where the rows are not usable (a page of the chunk's keys is
-unmapped) the prefix loop runs over the chunk's keys too, from the pages, as the Triton kernel
-does.
+through the tensor copy engine: first the sequence's prefix from its pages (``128 /
+box_rows(S)`` boxes a tile, each one page's rows, through a descriptor over the pool's rows;
+an unmapped page or a key past the prefix reads out of bounds, so zeros; a tile's page ids
+are read before the stage's wait and held for K and V), then the chunk's own rows from a
+descriptor over ``k``, ``v`` (tiles aligned to the chunk's start, so the causal diagonal is
+the query tile's own). Each consumer issues tile ``j + 1``'s QK^T before tile ``j``'s PV and
+runs ``j + 1``'s softmax while PV is in flight (two warpgroup MMAs in flight), with registers
+moved to the consumers (240 each, 24 for the loader). Where the rows are not usable (a page of
+the chunk's keys is unmapped) the prefix loop runs over the chunk's keys too, from the pages,
+as the Triton kernel does.
 
-Against the Triton kernel (64-row tiles of one warpgroup, the compiler's schedule), on the H100
-with the chunk's rows at pages of 64: an 8k prefill from nothing 947.5 against 1219.2 us (580
-TFLOP/s, 0.96x SDPA's cuDNN), 2048 tokens over 4k 306.6 against 409.3, 512 over 16k (Qwen2.5-7B)
-220.9 against 329.6; 512 from nothing 16.9 against 16.0, where the program's fixed cost (finding
-its sequence, checking its pages) outweighs four key tiles
-(bench/results/2026-12-07-0800-paged_prefill_attention-partial-S64-new-rows-gluon.md). Eager
-calls cost more host time than the Triton kernel's (84.8 against 49.2 us a call with six
-descriptors made through Gluon's checked constructor; ``_descriptor`` skips those checks, a
-saving not measured on a GPU; docs/paged_ops.md).
+On the H100 with the chunk's rows, pages of 64 / 16: an 8k prefill from nothing 912.3 / 922.4
+us (603 / 596 TFLOP/s, 1.08x / 1.06x SDPA's cuDNN), 2048 tokens over 4k 283.4 / 300.4, 512
+over 16k (Qwen2.5-7B) 230.5 / 241.4, 512 from nothing 13.7 / 14.1 against cuDNN's 12.7
+(bench/results/2026-12-07-0915-paged_prefill_attention-partial-new-rows-gluon-S16-S64.md; the
+Triton kernel at pages of 16: 1949.5, 638.1, 455.3, 21.5). Masks are applied inside their
+branches, which pass scores on: a boolean tile carried out of a branch is kept as packed bits
+and unpacked an element at a time, which cost a third of a consumer's instructions
+(bench/results/2026-12-07-0858-paged_prefill-gluon-profile-h100.md).
 
 Keys that are masked in a tile (past the prefix, past the chunk, or on an unmapped page) get
 -inf scores, and where such keys sit in a tile their V rows are zeroed in shared memory before
