@@ -255,9 +255,10 @@ if HAVE_GLUON:
     @gluon.jit
     def _box_row(p_bt, p, hi_pre, S, P, page_rows, pool_rows):
         """The pool row of prefix position ``p``'s box, or ``pool_rows`` (out of bounds: the
-        box reads zeros) past the prefix or on an unmapped page."""
-        pg = gl.load(p_bt + p // S, mask=p < hi_pre, other=-1)     # no branch: a tile's
-        return gl.where((pg >= 0) & (pg < P), pg * page_rows + p % S, pool_rows)   # loads overlap
+        box reads zeros) past the prefix or on an unmapped page. Branch-free, so a tile's
+        page-id loads are in flight together."""
+        pg = gl.load(p_bt + p // S, mask=p < hi_pre, other=-1)
+        return gl.where((pg >= 0) & (pg < P), pg * page_rows + p % S, pool_rows)
 
     @gluon.jit
     def _boxes(desc, bar, buf, col, r0, r1, r2, r3, r4, r5, r6, r7, NB: gl.constexpr):
