@@ -192,19 +192,21 @@ def far_page_scores_fwd(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tenso
 
 
 def far_page_select_fwd(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor,
-                        num_far: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+                        num_far: torch.Tensor, top_k: int,
+                        signature=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores and choice (rows of at most ``CHOICE_MAX_PAGES`` pages): one launch in eager
     calls, where the last block of each row to finish makes the row's choice (``_splitk.arrive``
     on counters kept per stream), or the scoring and choice kernels one after the other while a
     CUDA graph is captured. The scores live in the stream's scratch. Returns index int32 and
-    score float32 [B, top_k], as :func:`far_page_top_fwd`."""
+    score float32 [B, top_k], as :func:`far_page_top_fwd`. ``signature``: the op's, of the
+    four tensors and ``top_k``, else computed here."""
     B, N = q.shape[0], k_min.shape[1]
     if B * N == 0:
         return far_page_top_fwd(far_page_scores_fwd(q, k_min, k_max, num_far), top_k)
     scores, count = split_scratch(q.device, ((2, B, N),), B)
     if count is None:
         return far_page_top_fwd(far_page_scores_fwd(q, k_min, k_max, num_far, out=scores), top_k)
-    key = ("select", sig(q), sig(k_min), sig(k_max), sig(num_far), top_k)
+    key = ("select", signature or (sig(q), sig(k_min), sig(k_max), sig(num_far), top_k))
     plan = _PLANS.get(key) or keep_plan(_PLANS, key, _scores_plan(q, k_min, k_max, num_far,
                                                                   top_k, None, None))
     grid, bin_key, ints, meta, copy_q, ready = plan

@@ -79,11 +79,15 @@ def default_blocks(entries: int, F: int, S: int, device: torch.device) -> tuple[
 _PLANS: dict = {}
 
 
-def _launch(k_cache, pages, rows, k_min, k_max, block_t, block_f, num_warps) -> None:
+def _launch(k_cache, pages, rows, k_min, k_max, block_t, block_f, num_warps,
+            signature=None) -> None:
     """Launch by a plan (blocks, grid, strides, binary key) kept per argument signature and
-    knobs."""
+    knobs: ``signature``, the op's (what its checks read, which fixes the plan), else the
+    signatures of the five tensors."""
     tensors = (k_cache, pages, rows, k_min, k_max)
-    key = (tuple(sig(t) for t in tensors), block_t, block_f, num_warps)
+    if signature is None:
+        signature = tuple(sig(t) for t in tensors)
+    key = (signature, block_t, block_f, num_warps)
     plan = _PLANS.get(key) or keep_plan(_PLANS, key, _plan(*tensors, block_t, block_f,
                                                            num_warps))
     if plan is _NOTHING:
@@ -119,25 +123,28 @@ def _plan(k_cache, pages, rows, k_min, k_max, block_t, block_f, num_warps):
 
 def far_page_summarize_fwd(k_cache: torch.Tensor, pages: torch.Tensor, *,
                            block_t: int | None = None, block_f: int | None = None,
-                           num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           num_warps: int | None = None,
+                           signature=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the page-bounds kernel. Inputs are already checked by the op.
 
     k_cache [P, S, Hkv, D] (each page's [Hkv, D] dense); pages int32 [B, N]. Returns k_min,
     k_max [B, N, Hkv, D] in the cache dtype. Keyword knobs override the tile (tests, benches);
-    ``block_t`` and ``block_f`` must be powers of two.
+    ``block_t`` and ``block_f`` must be powers of two. ``signature``: the op's, of ``k_cache``
+    and ``pages`` (the outputs are fresh, so it fixes theirs), else computed here.
     """
     B, N = pages.shape
     k_min = torch.empty((B, N, *k_cache.shape[2:]), device=k_cache.device, dtype=k_cache.dtype)
     k_max = torch.empty_like(k_min)
-    _launch(k_cache, pages, None, k_min, k_max, block_t, block_f, num_warps)
+    _launch(k_cache, pages, None, k_min, k_max, block_t, block_f, num_warps, signature)
     return k_min, k_max
 
 
 def far_page_summarize_into_fwd(k_cache: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor,
                                 k_min: torch.Tensor, k_max: torch.Tensor, *,
                                 block_t: int | None = None, block_f: int | None = None,
-                                num_warps: int | None = None) -> None:
+                                num_warps: int | None = None, signature=None) -> None:
     """Launch the page-bounds kernel storing entry ``(b, n)`` at row ``rows[b, n]`` of
     ``k_min, k_max [B, R, Hkv, D]`` (each row's ``[Hkv, D]`` dense); rows outside ``[0, R)``
-    store nothing. Inputs are already checked by the op."""
-    _launch(k_cache, pages, rows, k_min, k_max, block_t, block_f, num_warps)
+    store nothing. Inputs are already checked by the op (``signature``: its, of the five
+    tensors, else computed here)."""
+    _launch(k_cache, pages, rows, k_min, k_max, block_t, block_f, num_warps, signature)

@@ -72,19 +72,20 @@ def rank_launch(J: int) -> tuple[int, int]:
 
 
 def far_view_rank_fwd(scores: torch.Tensor, summarized: torch.Tensor, select: torch.Tensor,
-                      empty_key: int) -> tuple[torch.Tensor, torch.Tensor]:
+                      empty_key: int, signature=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the ranking kernel. Inputs are already checked by the op.
 
     scores float32 [L, B, J + 1] (last dim contiguous); summarized bool [B, J] (contiguous);
     select int32 [L, B, C] (contiguous); ``empty_key``: the key of an empty entry (above
-    ``-2**63``). Returns keys int64 [L, B, C] and changed bool [L, B].
+    ``-2**63``). Returns keys int64 [L, B, C] and changed bool [L, B]. ``signature``: the
+    op's, of the three tensors, else computed here.
     """
     L, B, C = select.shape
     keys = torch.empty((L, B, C), device=scores.device, dtype=torch.int64)
     changed = torch.empty((L, B), device=scores.device, dtype=torch.bool)
     if L * B == 0:
         return keys, changed
-    key = (sig(scores), sig(summarized), sig(select), empty_key)
+    key = (signature or (sig(scores), sig(summarized), sig(select)), empty_key)
     plan = _PLANS.get(key) or keep_plan(_PLANS, key, _plan(scores, summarized, select,
                                                            empty_key))
     bin_key, ints, meta = plan

@@ -120,11 +120,11 @@ _checked = CheckedSignatures(_check)
 
 
 def _impl(q, k_min, k_max, num_far, top_k):
-    _checked((sig(q), sig(k_min), sig(k_max), sig(num_far), top_k),
-             q, k_min, k_max, num_far, top_k)
+    key = (sig(q), sig(k_min), sig(k_max), sig(num_far), top_k)
+    _checked(key, q, k_min, k_max, num_far, top_k)
     if use_triton(q.device):
         if choice_in_kernel(k_min.shape[1]):
-            return far_page_select_fwd(q, k_min, k_max, num_far, top_k)
+            return far_page_select_fwd(q, k_min, k_max, num_far, top_k, key)
         return _top(far_page_scores_fwd(q, k_min, k_max, num_far), top_k)
     return far_page_select_ref(q, k_min, k_max, num_far, top_k)
 

@@ -59,11 +59,12 @@ _checked = CheckedSignatures(_check)
 
 
 def _impl(k_cache, pages):
-    _checked((sig(k_cache), sig(pages)), k_cache, pages)
+    key = (sig(k_cache), sig(pages))
+    _checked(key, k_cache, pages)
     if validate():
         _checks.index_range("pages", pages, 0, k_cache.shape[0], allow=-1)
     if use_triton(k_cache.device):
-        return far_page_summarize_fwd(k_cache, pages)
+        return far_page_summarize_fwd(k_cache, pages, signature=key)
     return far_page_summarize_ref(k_cache, pages)
 
 
@@ -130,13 +131,13 @@ _checked_into = CheckedSignatures(_check_into)
 
 
 def _impl_into(k_cache, pages, rows, k_min, k_max):
-    _checked_into((sig(k_cache), sig(pages), sig(rows), sig(k_min), sig(k_max)),
-                  k_cache, pages, rows, k_min, k_max)
+    key = (sig(k_cache), sig(pages), sig(rows), sig(k_min), sig(k_max))
+    _checked_into(key, k_cache, pages, rows, k_min, k_max)
     if validate():
         _checks.index_range("pages", pages, 0, k_cache.shape[0], allow=-1)
         _checks.index_range("rows", rows, 0, k_min.shape[1])
     if use_triton(k_cache.device):
-        far_page_summarize_into_fwd(k_cache, pages, rows, k_min, k_max)
+        far_page_summarize_into_fwd(k_cache, pages, rows, k_min, k_max, signature=key)
         return
     far_page_summarize_into_ref(k_cache, pages, rows, k_min, k_max)
 

@@ -81,11 +81,12 @@ _checked = CheckedSignatures(_check)
 
 
 def _impl(scores, summarized, select):
-    _checked((sig(scores), sig(summarized), sig(select)), scores, summarized, select)
+    key = (sig(scores), sig(summarized), sig(select))
+    _checked(key, scores, summarized, select)
     if validate():
         _checks.index_range("select", select, -1, summarized.shape[1])
     if use_triton(scores.device):
-        return far_view_rank_fwd(scores, summarized, select, EMPTY_KEY)
+        return far_view_rank_fwd(scores, summarized, select, EMPTY_KEY, key)
     return far_view_rank_ref(scores, summarized, select)
 
 
