@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import statistics
 import time
 
 import torch
@@ -222,9 +223,14 @@ def sweep(models, news, prefixes, with_flex):
     return table(headers, rows), ratios
 
 
+CHUNK_ROUNDS = 7   # interleaved rounds of (whole, chunks): the GPU's speed drifts within a run
+
+
 def chunked(model="llama3-8b", total=8192, chunk=512):
     """One ``total``-token prefill against the same sequence in ``chunk``-token calls, each over
-    the K/V the earlier chunks left (all calls replayed in one graph)."""
+    the K/V the earlier chunks left (all calls replayed in one graph), timed in CHUNK_ROUNDS
+    interleaved rounds: the medians of the whole's and the chunks' times and of each round's
+    ratio, with the ratio's range; then the chunks with their key ranges split in 2 and 4."""
     Hq, Hkv, D = HEADS[model]
     case = make_case(Hq, Hkv, D, 0, total)
     whole = lambda: torch.ops.kvops.paged_prefill_attention(**case)
@@ -240,14 +246,18 @@ def chunked(model="llama3-8b", total=8192, chunk=512):
     err = (got.float() - whole()[0].float()).abs().max().item()
     assert err < 2e-2, f"chunked prefill differs from the whole: {err}"
     all_parts = lambda: [torch.ops.kvops.paged_prefill_attention(**p) for p in parts]
-    t_whole = time_graph(whole)[1]
-    t_parts = time_graph(all_parts)[1]
+    t_whole, t_parts = [], []
+    for _ in range(CHUNK_ROUNDS):
+        t_whole.append(time_graph(whole)[1])
+        t_parts.append(time_graph(all_parts)[1])
+    ratios = sorted(p / w for p, w in zip(t_parts, t_whole))
     # the chunks' key ranges split as the rule does not (a chunk's 128 programs fill the SMs
     # once, one program an SM): what the split rule leaves on the table
     from kvops.kernels.paged_prefill_attention import paged_prefill_attention_fwd
     t_split = {n: time_graph(lambda n=n: [paged_prefill_attention_fwd(**p, num_splits=n)
                                           for p in parts])[1] for n in (2, 4)}
-    return t_whole, t_parts, t_split
+    return (statistics.median(t_whole), statistics.median(t_parts),
+            (statistics.median(ratios), ratios[0], ratios[-1]), t_split)
 
 
 def tune(shapes):
@@ -345,11 +355,12 @@ def main():
         ratios += r
     rows = [b.splitlines()[2] for b in bodies]
     body = "\n".join(bodies[0].splitlines()[:2] + rows)
-    t_whole, t_parts, t_split = chunked()
+    t_whole, t_parts, (ratio, lo, hi), t_split = chunked()
     goals = [f"- worst shape against the best peer: {min(r[3] for r in ratios):.2f}x "
              f"(goal >= 0.9x)",
              f"- 8k prefill in 512-token chunks: {t_parts:.1f} us against {t_whole:.1f} us "
-             f"whole, {t_parts / t_whole:.2f}x (goal <= 1.15x)",
+             f"whole (medians of {CHUNK_ROUNDS} interleaved rounds), {ratio:.3f}x "
+             f"(rounds {lo:.3f}-{hi:.3f}; goal <= 1.15x)",
              "- the chunks with their key ranges split in "
              + ", ".join(f"{n}: {t:.1f} us ({t / t_whole:.2f}x)" for n, t in t_split.items())]
     how = ("; descriptor plans launched through the JIT" if args.jit_descriptors else "") + (
