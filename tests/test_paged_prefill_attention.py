@@ -941,8 +941,9 @@ def gluon_calls(monkeypatch):
     ([(0, 130), (64, 64), (63, 200), (129, 7)], 16, 4, 128, torch.bfloat16, True, False, 3),
     ([(300, 400), (300, 100), (0, 333)], 32, 2, 64, torch.float16, True, True, 0),
     ([(1000, 129), (5, 256), (0, 0), (191, 1)], 48, 4, 128, torch.bfloat16, False, False, 2),
+    ([(300, 400), (64, 64), (0, 333)], 16, 8, 64, torch.bfloat16, False, True, 1),
 ], ids=["one-token", "mixed", "mixed-hole-interleaved", "long", "long-S128", "far-prefix",
-        "mixed-hole-S16", "long-hole-interleaved-S32", "far-prefix-S48"])
+        "mixed-hole-S16", "long-hole-interleaved-S32", "far-prefix-S48", "mixed-interleaved-S16-D64"])
 def test_gluon_kernel_matches_oracle(gluon_calls, chunks, S, G, D, dtype, hole, interleaved, pad):
     """The Gluon kernel (the rule's choice on sm_90 with the chunk's rows, forced here) against the float64
     oracle: empty, page-boundary and mid-page prefixes, a shared prefix, chunks of 1 to 400
