@@ -232,26 +232,6 @@ if HAVE_GLUON:
             p_o = out_ptr + (o_rows.to(gl.int64) * HQ + h)[:, None] * D + o_d[None, :]
             gl.store(p_o, out, mask=(o_rows < q_hi)[:, None])
 
-    # the partitions' entry points: warp_specialize takes one function a partition, and the
-    # workers' (the second consumer's and the loader's) share one signature
-    @gluon.jit
-    def _first(out_ptr, lse_ptr, p_bt, q_bufs, k_bufs, v_bufs, q_bars, k_ready, k_empty,
-               v_ready, v_empty, h, HQ, t_row, q_lo, q_hi, pos0, nq, n_pre, hi_pre, n_kv,
-               mapped, S, P, page_rows, pool_rows, kvh, scale_log2, q_desc, kp_desc, vp_desc,
-               kn_desc, vn_desc, o_desc):
-        _consume(out_ptr, lse_ptr, p_bt, q_bufs, k_bufs, v_bufs, q_bars, k_ready, k_empty,
-                 v_ready, v_empty, h, HQ, t_row, q_lo, q_hi, pos0, nq, n_pre, hi_pre, n_kv,
-                 mapped, S, P, scale_log2, o_desc, 0)
-
-    @gluon.jit
-    def _second(out_ptr, lse_ptr, p_bt, q_bufs, k_bufs, v_bufs, q_bars, k_ready, k_empty,
-                v_ready, v_empty, h, HQ, t_row, q_lo, q_hi, pos0, nq, n_pre, hi_pre, n_kv,
-                mapped, S, P, page_rows, pool_rows, kvh, scale_log2, q_desc, kp_desc, vp_desc,
-                kn_desc, vn_desc, o_desc):
-        _consume(out_ptr, lse_ptr, p_bt, q_bufs, k_bufs, v_bufs, q_bars, k_ready, k_empty,
-                 v_ready, v_empty, h, HQ, t_row, q_lo, q_hi, pos0, nq, n_pre, hi_pre, n_kv,
-                 mapped, S, P, scale_log2, o_desc, 1)
-
     @gluon.jit
     def _box_row(p_bt, p, hi_pre, S, P, page_rows, pool_rows):
         """The pool row of prefix position ``p``'s box, or ``pool_rows`` (out of bounds: the
@@ -277,10 +257,8 @@ if HAVE_GLUON:
             _tma_load(desc, [r7, col], bar, buf.slice(7 * R, R))
 
     @gluon.jit
-    def _load(out_ptr, lse_ptr, p_bt, q_bufs, k_bufs, v_bufs, q_bars, k_ready, k_empty,
-              v_ready, v_empty, h, HQ, t_row, q_lo, q_hi, pos0, nq, n_pre, hi_pre, n_kv,
-              mapped, S, P, page_rows, pool_rows, kvh, scale_log2, q_desc, kp_desc, vp_desc,
-              kn_desc, vn_desc, o_desc):
+    def _load(p_bt, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, q_lo, n_pre, hi_pre,
+              n_kv, S, P, page_rows, pool_rows, kvh, kp_desc, vp_desc, kn_desc, vn_desc):
         D: gl.constexpr = k_bufs.type.shape[2]
         R: gl.constexpr = kp_desc.block_type.shape[0]    # pool rows a box (``box_rows``)
         NB: gl.constexpr = BLOCK_N // R
@@ -428,11 +406,20 @@ if HAVE_GLUON:
         # pages unmapped where the prefix loop reads: its tiles check each key's page
         mapped = ((bad_pre == 0) & rows_ok).to(gl.int32)
 
-        args = (out_ptr, lse_ptr, p_bt, q_bufs, k_bufs, v_bufs, q_bars, k_ready, k_empty,
-                v_ready, v_empty, h, HQ, t_row, q_lo, q_hi, pos0, nq, n_pre, hi_pre,
-                n_pre + n_chunk, mapped, S, P, page_rows, pool_rows, h // G, scale_log2,
-                q_desc, kp_desc, vp_desc, kn_desc, vn_desc, o_desc)
-        gl.warp_specialize([(_first, args), (_second, args), (_load, args)], [4, 1], [240, 24])
+        n_kv = n_pre + n_chunk
+        # the consumers (the default partition and a worker, one warpgroup index each) and the
+        # loader
+        gl.warp_specialize([
+            (_consume, (out_ptr, lse_ptr, p_bt, q_bufs, k_bufs, v_bufs, q_bars, k_ready, k_empty,
+                        v_ready, v_empty, h, HQ, t_row, q_lo, q_hi, pos0, nq, n_pre, hi_pre,
+                        n_kv, mapped, S, P, scale_log2, o_desc, 0)),
+            (_consume, (out_ptr, lse_ptr, p_bt, q_bufs, k_bufs, v_bufs, q_bars, k_ready, k_empty,
+                        v_ready, v_empty, h, HQ, t_row, q_lo, q_hi, pos0, nq, n_pre, hi_pre,
+                        n_kv, mapped, S, P, scale_log2, o_desc, 1)),
+            (_load, (p_bt, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, q_lo, n_pre,
+                     hi_pre, n_kv, S, P, page_rows, pool_rows, h // G, kp_desc, vp_desc,
+                     kn_desc, vn_desc)),
+        ], [4, 1], [240, 24])
 
 
 @functools.cache
