@@ -137,7 +137,7 @@ if HAVE_GLUON:
         return p, alpha, m_new, l_i
 
     @gluon.jit
-    def _zero_tail(v_buf, j, n_pre, hi_pre, pos0, nq, D: gl.constexpr):
+    def _zero_tail(v_buf, j, n_pre, hi_pre, nq):
         """Zero the V rows of tile ``j`` past its run's end (rows the loader read from past the
         prefix or the chunk, where a NaN would reach PV)."""
         if j < n_pre:
@@ -196,7 +196,7 @@ if HAVE_GLUON:
             s_tok = warpgroup_mma(q_smem, k_bufs.index(nxt % STAGES).permute((1, 0)), s,
                                   use_acc=False, is_async=True)
             mbarrier.wait(v_ready.index(st), (j // STAGES) & 1)
-            _zero_tail(v_bufs.index(st), j, n_pre, hi_pre, pos0, nq, D)
+            _zero_tail(v_bufs.index(st), j, n_pre, hi_pre, nq)
             acc_tok = warpgroup_mma(p_op, v_bufs.index(st), acc, is_async=True)
             s = warpgroup_mma_wait(1, deps=(s_tok, ))
             mbarrier.arrive(k_empty.index(nxt % STAGES), count=1)
@@ -210,7 +210,7 @@ if HAVE_GLUON:
 
         last = n_kv - 1
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-        _zero_tail(v_bufs.index(last % STAGES), last, n_pre, hi_pre, pos0, nq, D)
+        _zero_tail(v_bufs.index(last % STAGES), last, n_pre, hi_pre, nq)
         acc_tok = warpgroup_mma(p_op, v_bufs.index(last % STAGES), acc, is_async=True)
         acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
         mbarrier.arrive(v_empty.index(last % STAGES), count=1)
