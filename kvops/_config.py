@@ -82,13 +82,16 @@ def interpreting() -> bool:
     return _check_flag(os.environ.get("TRITON_INTERPRET", "0"))
 
 
-def use_triton(device: torch.device) -> bool:
-    """Whether an op on tensors of ``device`` runs its Triton kernel (else the reference)."""
-    if _backend.value == "torch":
+def use_triton(on: torch.device | torch.Tensor) -> bool:
+    """Whether an op on tensors of device ``on`` (or on the device of tensor ``on``: an op's
+    call asks with its first tensor, which skips making a device object) runs its Triton
+    kernel (else the reference)."""
+    backend = _backend.value
+    if backend == "torch":
         return False
-    if device.type == "cuda":
+    if on.is_cuda if isinstance(on, torch.Tensor) else on.type == "cuda":
         return True
-    if _backend.value == "triton":
+    if backend == "triton":
         if not interpreting():
             raise RuntimeError(
                 "kvops backend 'triton' on CPU tensors needs TRITON_INTERPRET=1 in the environment "

@@ -1,7 +1,9 @@
 """An eager op call computes each tensor argument's signature (``kvops._checks.signature``:
-shape, strides, dtype, device, alignment; about 0.5 us of host time each) at most once: the
-key its checks are cached by is the key its launch plan is kept by. The kernels' launches are
-stubbed out; what is counted is the host path of the bench's eager calls (bench/bench_eager.py)."""
+shape, strides, dtype, device, alignment; about 0.5 us of host time each) at most once, and
+none when its arguments match the previous call's (``CheckedSignatures``' C++ check): the key
+its checks are cached by is the key its launch plan is kept by. The kernels' launches are
+stubbed out; what is counted is the host path of the bench's eager calls (bench/bench_eager.py).
+Then the signature cache itself: every difference a signature holds gives another key."""
 
 from __future__ import annotations
 
@@ -81,7 +83,63 @@ def test_an_eager_call_signs_each_argument_once(calls, counted, case):
     assert len(counted) <= n * tensor_arguments(op), (
         f"{case}: {len(counted)} signatures for {n} call(s) of {tensor_arguments(op)} "
         "tensor arguments")
+    if n == 1:        # the same signature again: recognized without computing one
+        counted.clear()
+        call()
+        assert not counted, f"{case}: a repeated call signed {len(counted)} tensors"
 
 
 def test_the_table_names_every_eager_case(calls):
     assert set(calls) == set(CALLS)
+
+
+def test_checked_signatures_key_every_difference_and_check_each_signature_once():
+    from kvops.ops._library import CheckedSignatures
+
+    checked = []
+
+    def check(a, b, x, y):
+        checked.append((a.shape, None if b is None else b.dtype, x, y))
+        return len(checked)
+
+    sign = CheckedSignatures(check)
+    a = torch.zeros(4, 8)
+    b = torch.zeros(3, dtype=torch.int32)
+    key, value = sign(a, b, 2.0, None)
+    assert value == 1
+    assert sign(torch.ones(4, 8), b.clone(), 2.0, None) == (key, 1)     # other tensors, same signature
+    assert len(checked) == 1
+    buf = torch.zeros(40)
+    variants = [
+        (torch.zeros(4, 9), b, 2.0, None),                    # shape
+        (torch.zeros(8, 4).t(), b, 2.0, None),                # strides
+        (torch.zeros(4, 8, dtype=torch.float64), b, 2.0, None),   # dtype
+        (buf[1:33].view(4, 8), b, 2.0, None),                 # 4-byte offset: not 16-byte aligned
+        (a, None, 2.0, None),                                 # an optional tensor left out
+        (a, b, 3.0, None),                                    # another scalar
+        (a, b, 2.0, 5),                                       # an optional scalar given
+        (a.requires_grad_(False).unsqueeze(0)[0], b, 2.0, None),  # the same signature as a view
+    ]
+    keys = [sign(*args)[0] for args in variants]
+    assert len(set(keys[:-1])) == len(keys) - 1 and key not in keys[:-1]
+    assert keys[-1] == key
+    assert len(checked) == len(variants)                      # the view matched: no check
+    for args, k in zip(variants, keys):                       # each seen once: no check again
+        assert sign(*args)[0] == k
+    assert len(checked) == len(variants)
+
+
+def test_a_failed_check_keeps_nothing():
+    from kvops.ops._library import CheckedSignatures
+
+    def check(a):
+        if a.dim() != 2:
+            raise ValueError("a: expected 2 dims")
+
+    sign = CheckedSignatures(check)
+    key, _ = sign(torch.zeros(2, 2))
+    with pytest.raises(ValueError):
+        sign(torch.zeros(2))
+    with pytest.raises(ValueError):
+        sign(torch.zeros(2))
+    assert sign(torch.ones(2, 2))[0] == key

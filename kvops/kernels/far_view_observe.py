@@ -19,7 +19,7 @@ import triton.language as tl
 from kvops._checks import signature as sig
 from kvops.kernels._attention import dot
 from kvops.kernels._common import dot_precision, next_pow2
-from kvops.kernels._launch import keep_plan, launch
+from kvops.kernels._launch import Launch, keep_plan
 
 
 @triton.jit
@@ -82,19 +82,17 @@ def far_view_observe_fwd(q, far_k, far_bias, lse, select, scores, live, ema: flo
     if signature is None:
         signature = tuple(sig(t) for t in (q, far_k, far_bias, lse, select, scores, live))
     key = (signature, ema, scale)
-    plan = _PLANS.get(key) or keep_plan(_PLANS, key, _plan(q, far_k, lse, scores, live,
-                                                           ema, scale, signature))
-    bin_key, ints, meta = plan
+    plan = _PLANS.get(key) or keep_plan(_PLANS, key, _plan(q, far_k, far_bias, lse, select,
+                                                           scores, live, ema, scale))
     live_arg = live.view(torch.uint8) if live is not None else select   # unread without live
-    launch(_far_view_observe_kernel, (R,), bin_key,
-           (q, far_k, far_bias, lse, select, scores, live_arg, mass, *ints), meta)
+    plan(q, far_k, far_bias, lse, select, scores, live_arg, mass)
     return mass
 
 
-_PLANS: dict = {}   # launch plans (binary key, runtime arguments, constants) by signature
+_PLANS: dict = {}   # launches (``_launch.Launch``) by signature
 
 
-def _plan(q, far_k, lse, scores, live, ema, scale, signature):
+def _plan(q, far_k, far_bias, lse, select, scores, live, ema, scale):
     R, Hq, D = q.shape
     C, Hkv = far_k.shape[1], far_k.shape[2]
     G = Hq // Hkv
@@ -104,8 +102,9 @@ def _plan(q, far_k, lse, scores, live, ema, scale, signature):
     meta = dict(HKV=Hkv, G=G, D=D, BLOCK_G=block_g, BLOCK_C=block_c, BLOCK_D=block_d,
                 HAS_LIVE=live is not None, PRECISION=dot_precision(q.dtype), num_warps=warps)
     # the binary specializes on the strides and ints above, the constants and each pointer's
-    # 16-byte alignment: the last field of the seven tensors' signatures (a row slice of a
-    # layer's selection moves with the layer); mass is fresh, always aligned
+    # 16-byte alignment of each pointer (a row slice of a layer's selection moves with the
+    # layer; the op's signature holds it too); mass is fresh, always aligned
     bin_key = ("observe", q.device, q.dtype, ints[:9], tuple(meta.values()),
-               tuple(t[-1] for t in signature[:7] if t is not None))
-    return bin_key, ints, meta
+               tuple(t.data_ptr() % 16 == 0 for t in (q, far_k, far_bias, lse, select, scores,
+                                                      live) if t is not None))
+    return Launch(_far_view_observe_kernel, (R,), bin_key, ints, meta)

@@ -13,7 +13,7 @@ from kvops._config import use_triton, validate
 from kvops.kernels.elastic_attention import elastic_attention_fwd
 from kvops.layouts import codecs
 from kvops.layouts.pairs import base_pair_view
-from kvops.ops._library import CheckedSignatures, register, sig
+from kvops.ops._library import CheckedSignatures, register
 from kvops.ops._reference import softmax_attend
 
 
@@ -141,12 +141,10 @@ _checked = CheckedSignatures(_check)
 
 def _impl(q, k_cache, v_cache, block_table, seq_lens, block_mode=None, base_span=None,
           scale=None):
-    key = (sig(q), sig(k_cache), sig(v_cache), sig(block_table), sig(seq_lens), sig(block_mode),
-           sig(base_span), scale)
-    _checked(key, q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, scale)
+    key, _ = _checked(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, scale)
     if validate():
         _validate(k_cache, block_table, seq_lens, block_mode, base_span)
-    if use_triton(q.device):
+    if use_triton(q):
         if block_mode is not None or base_span is not None:
             for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
                 if c.numel() and c.data_ptr() % 4:

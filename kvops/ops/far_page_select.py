@@ -46,7 +46,7 @@ from kvops.kernels.far_page_select import (
     far_page_scores_fwd,
     far_page_select_fwd,
 )
-from kvops.ops._library import CheckedSignatures, register, sig
+from kvops.ops._library import CheckedSignatures, register
 
 
 def _check(q, k_min, k_max, num_far, top_k) -> None:
@@ -120,9 +120,8 @@ _checked = CheckedSignatures(_check)
 
 
 def _impl(q, k_min, k_max, num_far, top_k):
-    key = (sig(q), sig(k_min), sig(k_max), sig(num_far), top_k)
-    _checked(key, q, k_min, k_max, num_far, top_k)
-    if use_triton(q.device):
+    key, _ = _checked(q, k_min, k_max, num_far, top_k)
+    if use_triton(q):
         if choice_in_kernel(k_min.shape[1]):
             return far_page_select_fwd(q, k_min, k_max, num_far, top_k, key)
         return _top(far_page_scores_fwd(q, k_min, k_max, num_far), top_k)

@@ -26,7 +26,7 @@ from torch import Tensor
 from kvops import _checks
 from kvops._config import use_triton, validate
 from kvops.kernels.far_page_summarize import far_page_summarize_fwd, far_page_summarize_into_fwd
-from kvops.ops._library import CheckedSignatures, register, sig
+from kvops.ops._library import CheckedSignatures, register
 
 
 def _check(k_cache, pages) -> None:
@@ -59,11 +59,10 @@ _checked = CheckedSignatures(_check)
 
 
 def _impl(k_cache, pages):
-    key = (sig(k_cache), sig(pages))
-    _checked(key, k_cache, pages)
+    key, _ = _checked(k_cache, pages)
     if validate():
         _checks.index_range("pages", pages, 0, k_cache.shape[0], allow=-1)
-    if use_triton(k_cache.device):
+    if use_triton(k_cache):
         return far_page_summarize_fwd(k_cache, pages, signature=key)
     return far_page_summarize_ref(k_cache, pages)
 
@@ -131,12 +130,11 @@ _checked_into = CheckedSignatures(_check_into)
 
 
 def _impl_into(k_cache, pages, rows, k_min, k_max):
-    key = (sig(k_cache), sig(pages), sig(rows), sig(k_min), sig(k_max))
-    _checked_into(key, k_cache, pages, rows, k_min, k_max)
+    key, _ = _checked_into(k_cache, pages, rows, k_min, k_max)
     if validate():
         _checks.index_range("pages", pages, 0, k_cache.shape[0], allow=-1)
         _checks.index_range("rows", rows, 0, k_min.shape[1])
-    if use_triton(k_cache.device):
+    if use_triton(k_cache):
         far_page_summarize_into_fwd(k_cache, pages, rows, k_min, k_max, signature=key)
         return
     far_page_summarize_into_ref(k_cache, pages, rows, k_min, k_max)

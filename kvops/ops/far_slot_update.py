@@ -11,7 +11,7 @@ from torch import Tensor
 from kvops import _checks
 from kvops._config import use_triton, validate
 from kvops.kernels.far_slot_update import far_slot_update_fwd
-from kvops.ops._library import CheckedSignatures, register, sig
+from kvops.ops._library import CheckedSignatures, register
 from kvops.ops.paged_gather_merged import paged_gather_merged_ref
 
 
@@ -117,11 +117,10 @@ _checked = CheckedSignatures(_check)
 
 def _impl(new, block_table, k_cache, v_cache, index, far_k, far_v, far_bias):
     args = (new, block_table, k_cache, v_cache, index, far_k, far_v, far_bias)
-    key = tuple(sig(t) for t in args)
-    _checked(key, *args)
+    key, _ = _checked(*args)
     if validate():
         _validate(new, block_table, index, k_cache.shape[0])
-    if use_triton(k_cache.device):
+    if use_triton(k_cache):
         far_slot_update_fwd(*args, signature=key)
         return
     far_slot_update_ref(*args)

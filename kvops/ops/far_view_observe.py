@@ -12,7 +12,7 @@ from torch import Tensor
 from kvops import _checks
 from kvops._config import use_triton, validate
 from kvops.kernels.far_view_observe import far_view_observe_fwd
-from kvops.ops._library import CheckedSignatures, register, sig
+from kvops.ops._library import CheckedSignatures, register
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # far slots times head dim of one KV head's keys, which the kernel holds as one tile (cap 64 at
@@ -97,12 +97,10 @@ _checked = CheckedSignatures(_check)
 
 
 def _impl(q, far_k, far_bias, lse, select, scores, live=None, ema=0.9, scale=None):
-    key = (sig(q), sig(far_k), sig(far_bias), sig(lse), sig(select), sig(scores),
-           None if live is None else sig(live), ema)
-    _checked(key, q, far_k, far_bias, lse, select, scores, live, ema)
+    key, _ = _checked(q, far_k, far_bias, lse, select, scores, live, ema)
     if validate():
         _checks.index_range("select", select, 0, scores.shape[1], allow=-1)
-    if use_triton(q.device):
+    if use_triton(q):
         scale = q.shape[2] ** -0.5 if scale is None else scale
         return far_view_observe_fwd(q, far_k, far_bias, lse, select, scores, live, ema, scale,
                                     signature=key)

@@ -12,7 +12,7 @@ from torch import Tensor
 from kvops import _checks
 from kvops._config import use_triton, validate
 from kvops.kernels.far_view_rank import far_view_rank_fwd
-from kvops.ops._library import CheckedSignatures, register, sig
+from kvops.ops._library import CheckedSignatures, register
 
 # an empty entry's key: below every utility's key (-inf's included), and its low 32 bits are
 # -1, so keys.astype(int32) are selection entries (chunk ids, -1 for empty)
@@ -81,11 +81,10 @@ _checked = CheckedSignatures(_check)
 
 
 def _impl(scores, summarized, select):
-    key = (sig(scores), sig(summarized), sig(select))
-    _checked(key, scores, summarized, select)
+    key, _ = _checked(scores, summarized, select)
     if validate():
         _checks.index_range("select", select, -1, summarized.shape[1])
-    if use_triton(scores.device):
+    if use_triton(scores):
         return far_view_rank_fwd(scores, summarized, select, EMPTY_KEY, key)
     return far_view_rank_ref(scores, summarized, select)
 

@@ -11,7 +11,7 @@ from torch import Tensor
 from kvops import _checks
 from kvops._config import use_triton, validate
 from kvops.kernels.far_view_summarize import far_view_summarize_fwd
-from kvops.ops._library import CheckedSignatures, register, sig
+from kvops.ops._library import CheckedSignatures, register
 
 
 def _check(k_cache, v_cache, chunk_table) -> None:
@@ -44,14 +44,13 @@ _checked = CheckedSignatures(_check)
 
 
 def _impl(k_cache, v_cache, chunk_table):
-    key = (sig(k_cache), sig(v_cache), sig(chunk_table))
-    _checked(key, k_cache, v_cache, chunk_table)
+    key, _ = _checked(k_cache, v_cache, chunk_table)
     if validate():
         P = k_cache.shape[0]
         _checks.index_range("chunk_table[..., 0] (first page)", chunk_table[..., 0], 0, P, allow=-1)
         live = chunk_table[chunk_table[..., 0] >= 0]
         _checks.index_range("chunk_table (pages of a non-empty chunk)", live, 0, P)
-    if use_triton(k_cache.device):
+    if use_triton(k_cache):
         return far_view_summarize_fwd(k_cache, v_cache, chunk_table, signature=key)
     return far_view_summarize_ref(k_cache, v_cache, chunk_table)
 

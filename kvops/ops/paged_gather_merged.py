@@ -11,7 +11,7 @@ from torch import Tensor
 from kvops import _checks
 from kvops._config import use_triton, validate
 from kvops.kernels.paged_gather_merged import paged_gather_merged_fwd
-from kvops.ops._library import CheckedSignatures, register, sig
+from kvops.ops._library import CheckedSignatures, register
 
 
 def _check(k_cache, v_cache, trains, num_trains, k_out, v_out) -> None:
@@ -84,11 +84,10 @@ _checked = CheckedSignatures(_check)
 
 
 def _impl(k_cache, v_cache, trains, num_trains, k_out, v_out):
-    key = (sig(k_cache), sig(v_cache), sig(trains), sig(num_trains), sig(k_out), sig(v_out))
-    _checked(key, k_cache, v_cache, trains, num_trains, k_out, v_out)
+    key, _ = _checked(k_cache, v_cache, trains, num_trains, k_out, v_out)
     if validate():
         _validate_trains(trains, num_trains, k_cache.shape[0], k_out.shape[0])
-    if use_triton(k_cache.device):
+    if use_triton(k_cache):
         paged_gather_merged_fwd(k_cache, v_cache, trains, num_trains, k_out, v_out,
                                 signature=key)
         return

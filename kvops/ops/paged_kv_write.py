@@ -11,7 +11,7 @@ from torch import Tensor
 from kvops import _checks
 from kvops._config import use_triton, validate
 from kvops.kernels.paged_kv_write import paged_kv_write_fwd
-from kvops.ops._library import CheckedSignatures, register, sig
+from kvops.ops._library import CheckedSignatures, register
 
 SLOT_DTYPES = (torch.int32, torch.int64)
 
@@ -57,11 +57,10 @@ _checked = CheckedSignatures(_check)
 
 
 def _impl(k, v, k_cache, v_cache, slot_mapping):
-    key = (sig(k), sig(v), sig(k_cache), sig(v_cache), sig(slot_mapping))
-    _checked(key, k, v, k_cache, v_cache, slot_mapping)
+    key, _ = _checked(k, v, k_cache, v_cache, slot_mapping)
     if validate():
         _validate(k_cache, slot_mapping)
-    if use_triton(k_cache.device):
+    if use_triton(k_cache):
         paged_kv_write_fwd(k, v, k_cache, v_cache, slot_mapping, signature=key)
         return
     paged_kv_write_ref(k, v, k_cache, v_cache, slot_mapping)

@@ -11,7 +11,7 @@ from torch import Tensor
 from kvops import _checks
 from kvops._config import use_triton, validate
 from kvops.kernels.paged_prefill_attention import paged_prefill_attention_fwd
-from kvops.ops._library import CheckedSignatures, register, sig
+from kvops.ops._library import CheckedSignatures, register
 
 # the flash tile's float32 accumulator at D 512 would need a split-D or 8-warp kernel variant
 PREFILL_MAX_HEAD_DIM = 256
@@ -157,12 +157,10 @@ _checked = CheckedSignatures(_check)
 
 def _impl(q, k_cache, v_cache, block_table, query_start, seq_lens, scale=None, window=0, k=None,
           v=None):
-    key = (sig(q), sig(k_cache), sig(v_cache), sig(block_table), sig(query_start),
-           sig(seq_lens), scale, window, sig(k), sig(v))
-    _checked(key, q, k_cache, v_cache, block_table, query_start, seq_lens, scale, window, k, v)
+    key, _ = _checked(q, k_cache, v_cache, block_table, query_start, seq_lens, scale, window, k, v)
     if validate():
         _validate(q, k_cache, block_table, query_start, seq_lens, k, v, v_cache)
-    if use_triton(q.device):
+    if use_triton(q):
         return paged_prefill_attention_fwd(q, k_cache, v_cache, block_table, query_start,
                                            seq_lens, scale, window, k=k, v=v, signature=key)
     return paged_prefill_attention_ref(q, k_cache, v_cache, block_table, query_start, seq_lens,

@@ -11,7 +11,7 @@ from kvops._config import use_triton, validate
 from kvops.kernels.base_pairs import refine_base_pairs_fwd
 from kvops.layouts import codecs
 from kvops.layouts.pairs import base_pair_view, check_pair_rows
-from kvops.ops._library import CheckedSignatures, register, sig
+from kvops.ops._library import CheckedSignatures, register
 from kvops.ops.pack_base_pairs import check_pair_args
 
 ROWS = "(dst_a,dst_b,base_page)"
@@ -34,10 +34,10 @@ _checked = CheckedSignatures(lambda *args: check_pair_args(*args, ROWS))
 
 
 def _impl(cache, pairs, backing, codec=None):
-    codec = _checked((sig(cache), sig(pairs), sig(backing), codec), cache, pairs, backing, codec)
+    _, codec = _checked(cache, pairs, backing, codec)
     if validate():
         check_pair_rows("pairs", pairs, cache.shape[0], "refine")
-    if use_triton(cache.device):
+    if use_triton(cache):
         refine_base_pairs_fwd(cache, pairs, backing, codec)
         return
     refine_base_pairs_ref(cache, pairs, backing, codec)

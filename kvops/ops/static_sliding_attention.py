@@ -11,7 +11,7 @@ from torch import Tensor
 from kvops import _checks
 from kvops._config import use_triton, validate
 from kvops.kernels.static_sliding_attention import static_sliding_attention_fwd
-from kvops.ops._library import CheckedSignatures, register, sig
+from kvops.ops._library import CheckedSignatures, register
 from kvops.ops._reference import softmax_attend
 
 NHD_HINT = ("K/V windows are [B, W, Hkv, D] (token-major); a transformers cache tensor is "
@@ -115,12 +115,10 @@ def static_sliding_attention_ref(
 
 
 def _impl(q, k, v, win_start, win_len, far_k=None, far_v=None, far_bias=None, scale=None):
-    key = (sig(q), sig(k), sig(v), sig(win_start), sig(win_len), sig(far_k), sig(far_v),
-           sig(far_bias), scale)
-    _checked(key, q, k, v, win_start, win_len, far_k, far_v, far_bias, scale)
+    key, _ = _checked(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale)
     if validate():
         _validate(k, win_start, win_len)
-    if use_triton(q.device):
+    if use_triton(q):
         return static_sliding_attention_fwd(q, k, v, win_start, win_len, far_k, far_v, far_bias,
                                             scale, signature=key)
     return static_sliding_attention_ref(q, k, v, win_start, win_len, far_k, far_v, far_bias,
