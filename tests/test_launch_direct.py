@@ -115,3 +115,39 @@ def test_no_key_always_takes_the_jit(fake_triton):
     for _ in range(3):
         call(_noop, key=None)
     assert log == ["jit"] * 3 and not _launch._BINS
+
+
+def test_a_plans_launch_goes_straight_to_the_c_entry_once_it_took_the_arguments(fake_triton):
+    log, acc = fake_triton
+    acc["_noop"] = ("c",)
+    run = _launch.Launch(_noop, (1,), "k", (1,), {"BLOCK": 16})
+    x = torch.zeros(1)
+    run(x)                            # the JIT compiles; launch() keeps the binary
+    run(x)                            # launch() probes the conventions; the C entry takes it
+    assert log == ["jit", "c"] and run._c is not None
+    _launch._BINS.clear()             # no key lookup any more
+    run(x)
+    assert log == ["jit", "c", "c"]
+    _launch._STATE["direct"] = False  # KVOPS_DIRECT_LAUNCH=0's state: the JIT again
+    run(x)
+    assert log[-1] == "jit"
+
+
+def test_a_plans_launch_takes_the_jit_while_a_launch_hook_is_installed(fake_triton, monkeypatch):
+    log, acc = fake_triton
+    acc["_noop"] = ("c",)
+    run = _launch.Launch(_noop, (1,), "k", (1,), {"BLOCK": 16})
+    run(torch.zeros(1))
+    run(torch.zeros(1))
+    monkeypatch.setattr(_launch, "_no_hooks", lambda: False)
+    run(torch.zeros(1))
+    assert log == ["jit", "c", "jit"]
+
+
+def test_a_plans_launch_without_a_key_always_takes_the_jit(fake_triton):
+    log, acc = fake_triton
+    acc["_noop"] = ("c",)
+    run = _launch.Launch(_noop, (1,), None, (1,), {"BLOCK": 16})
+    for _ in range(3):
+        run(torch.zeros(1))
+    assert log == ["jit"] * 3 and run._c is None

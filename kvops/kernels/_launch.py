@@ -44,12 +44,10 @@ except (ImportError, AttributeError):   # older triton keeps the hooks on Compil
 
 def _no_hooks() -> bool:
     """Whether no launch hook is installed (profilers install them): None, or an empty chain
-    (triton 3.9 keeps a ``HookChain`` there)."""
-    for name in (_ENTER, _EXIT):
-        hook = getattr(_RUNTIME, name, None)
-        if hook is not None and getattr(hook, "calls", True):
-            return False
-    return True
+    (triton 3.6 and newer keep a ``HookChain`` there)."""
+    enter, leave = _RUNTIME.launch_enter_hook, _RUNTIME.launch_exit_hook
+    return ((enter is None or not getattr(enter, "calls", True))
+            and (leave is None or not getattr(leave, "calls", True)))
 
 
 def keep_plan(plans: dict, key, plan):
@@ -77,6 +75,17 @@ def _conventions(compiled):
     return ("c", "tail", "plain") if c_ok else ("tail", "plain")
 
 
+def _c_entry(compiled) -> tuple:
+    """What a launch through the C entry point passes besides the grid, stream and arguments:
+    (the entry, the function handle, cooperative-grid and PDL flags, packed metadata)."""
+    run = compiled.run
+    return (run.launch, compiled.function, run.launch_cooperative_grid, run.launch_pdl,
+            compiled.packed_metadata)
+
+
+_PAD = {1: (1, 1), 2: (1,), 3: ()}     # a grid's missing dimensions
+
+
 def _call(mode, compiled, g, stream, args, tail):
     packed = getattr(compiled, "packed_metadata", None)
     if mode == "c":
@@ -97,35 +106,35 @@ def launch(kernel, grid: tuple, key, args: tuple, meta: dict) -> None:
     ``key`` must determine everything triton specializes on and ``meta`` itself (see the module
     doc): shapes, strides, dtypes, pointer alignments and the constants, or a token that a
     cached launch plan holding all of them owns."""
-    if key is not None and _STATE["direct"] and isinstance(kernel, JITFunction):
+    if key is not None and _STATE["direct"]:
         hit = _BINS.get((id(kernel), key))   # id: a JITFunction hashes in Python
         if hit is not None and _no_hooks():
-            compiled, tail, mode, _ = hit
-            g = grid + (1,) * (3 - len(grid))
+            g = grid + _PAD[len(grid)]
             stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+            c = hit[4]
+            if c is not None:     # the hot path of every eager call: the C entry point
+                c[0](g[0], g[1], g[2], stream, c[1], c[2], c[3], None, None, c[4], None, None,
+                     None, *args, *hit[1])
+                return
+            compiled, tail, mode, _, _ = hit
             if mode == "jit":      # no convention took this binary's arguments
                 kernel[grid](*args, **meta)
                 return
             if mode is not None:
-                if mode == "c":     # inlined: the hot path of every eager call
-                    run = compiled.run
-                    run.launch(g[0], g[1], g[2], stream, compiled.function,
-                               run.launch_cooperative_grid, run.launch_pdl, None, None,
-                               compiled.packed_metadata, None, None, None, *args, *tail)
-                else:
-                    _call(mode, compiled, g, stream, args, tail)
+                _call(mode, compiled, g, stream, args, tail)
                 return
             for candidate in _conventions(compiled):
                 try:       # a launcher that rejects its arguments launches nothing
                     _call(candidate, compiled, g, stream, args, tail)
                 except Exception:  # noqa: BLE001 - any refusal: try the next convention
                     continue
-                _BINS[(id(kernel), key)] = (compiled, tail, candidate, kernel)
+                _BINS[(id(kernel), key)] = (compiled, tail, candidate, kernel,
+                                            _c_entry(compiled) if candidate == "c" else None)
                 _STATE["mode"] = candidate
                 return
             # no convention takes this binary's arguments (descriptor arguments on a triton
             # whose C entry does not expand them, say): it keeps the JIT path, the rest do not
-            _BINS[(id(kernel), key)] = (compiled, tail, "jit", kernel)
+            _BINS[(id(kernel), key)] = (compiled, tail, "jit", kernel, None)
             kernel[grid](*args, **meta)
             return
     compiled = kernel[grid](*args, **meta)
@@ -137,7 +146,34 @@ def launch(kernel, grid: tuple, key, args: tuple, meta: dict) -> None:
         return                       # a parameter left to its default: keep the JIT path
     if len(_BINS) >= MAX_BINS:
         _BINS.clear()
-    _BINS[(id(kernel), key)] = (compiled, tuple(meta[n] for n in names), None, kernel)
+    _BINS[(id(kernel), key)] = (compiled, tuple(meta[n] for n in names), None, kernel, None)
+
+
+class Launch:
+    """One launch whose kernel, grid, binary key, trailing integers and constants are fixed
+    (what a launch plan holds). Calling it with the leading runtime arguments launches
+    ``kernel[grid](*args, *ints, **meta)`` through :func:`launch`; once the compiled kernel
+    takes its C entry point, straight through that entry, with no key lookup, grid padding or
+    argument tuple made in Python (1.4 us of host time a call less on the CPU machines, where
+    Python runs about twice as fast as on the GPU machines' hosts)."""
+
+    __slots__ = ("kernel", "grid", "key", "ints", "meta", "_c")
+
+    def __init__(self, kernel, grid: tuple, key, ints: tuple, meta: dict):
+        self.kernel, self.grid, self.key, self.ints, self.meta = kernel, grid, key, ints, meta
+        self._c = None
+
+    def __call__(self, *args):
+        c = self._c
+        if c is not None and _STATE["direct"] and _no_hooks():
+            c[0](c[1], c[2], c[3], torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice()),
+                 c[4], c[5], c[6], None, None, c[7], None, None, None, *args, *c[8])
+            return
+        launch(self.kernel, self.grid, self.key, (*args, *self.ints), self.meta)
+        hit = _BINS.get((id(self.kernel), self.key)) if self.key is not None else None
+        if hit is not None and hit[4] is not None:      # the C entry took the arguments
+            entry, g = hit[4], self.grid + _PAD[len(self.grid)]
+            self._c = (entry[0], *g, *entry[1:], (*self.ints, *hit[1]))
 
 
 # "direct": compiled launches on; "mode": the convention the last first direct launch found

@@ -131,21 +131,22 @@ def load_capture_form(ready: list) -> bool:
     return True
 
 
-def launch_split(kernel, grid: tuple, head: tuple, count, spare, tail: tuple, unfused: tuple,
-                 fused, merge, ready: list) -> None:
-    """Launch a split kernel whose runtime arguments are ``(*head, counters, *tail)``, ``head``
-    ending in its partials, out and lse (``split_outputs``'s tensors): with ``count`` (the
-    counters ``split_outputs`` gave) its one-launch form (``fused``: its constants and binary
-    key), after the two-launch form on a plan's first call (``load_capture_form``); without,
-    the two-launch form: ``unfused`` (binary key, constants) with ``spare``, any int32 tensor,
-    in the counters' place (that form never reads it), then the merge by ``merge``
-    (``merge_plan``; None unsplit)."""
+def launch_split(kernel, grid: tuple, head: tuple, count, spare, rest: tuple, ints: tuple,
+                 unfused: tuple, fused, merge, ready: list) -> None:
+    """Launch a split kernel whose runtime arguments are ``(*head, counters, *rest, *ints)``,
+    ``head`` ending in its partials, out and lse (``split_outputs``'s tensors), ``ints`` the
+    plan's integers: with ``count`` (the counters ``split_outputs`` gave) its one-launch form
+    (``fused``, a :class:`~kvops.kernels._launch.Launch` holding ``ints``), after the
+    two-launch form on a plan's first call (``load_capture_form``); without, the two-launch
+    form: ``unfused`` (binary key, constants) with ``spare``, any int32 tensor, in the
+    counters' place (that form never reads it), then the merge by ``merge`` (``merge_plan``;
+    None unsplit)."""
     if count is None or load_capture_form(ready):
-        launch(kernel, grid, unfused[0], (*head, spare, *tail), unfused[1])
+        launch(kernel, grid, unfused[0], (*head, spare, *rest, *ints), unfused[1])
         if merge is not None:
             merge_split_outputs(merge, *head[-4:])
     if count is not None:      # one launch: the last split of each group merges it
-        launch(kernel, grid, fused[1], (*head, count, *tail), fused[0])
+        fused(*head, count, *rest)
 
 
 def default_num_splits(pairs: int, n: int, block_n: int, tile_bytes: int, sms: int) -> int:

@@ -86,12 +86,15 @@ def _kept_key(device: torch.device):
     a call must allocate fresh (the module doc's cases, capture aside: callers test it first)."""
     if not ENABLED or device.type != "cuda":
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index != torch._C._cuda_getDevice() or (
-            torch.are_deterministic_algorithms_enabled()
+    current = torch._C._cuda_getDevice()
+    if (device.index is not None and device.index != current) or (
+            torch._C._get_deterministic_algorithms()
             and torch.utils.deterministic.fill_uninitialized_memory):
         return None
-    return (index, torch._C._cuda_getCurrentRawStream(index), threading.get_ident())
+    return (current, torch._C._cuda_getCurrentRawStream(current), _thread())
+
+
+_thread = threading.get_ident
 
 
 def split_scratch(device: torch.device, shapes: tuple, n: int) -> tuple:
@@ -100,8 +103,8 @@ def split_scratch(device: torch.device, shapes: tuple, n: int) -> tuple:
     zeros for one launch that counts on them and leaves them zero, or None while the current
     stream captures a CUDA graph (a captured launch merges by a second kernel instead: zeroing
     fresh counters would add a node to every replay). Returns the views followed by the
-    counters; a repeated request is one cache hit."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    counters; a repeated request is one cache hit (every eager split decode call makes one)."""
+    if device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing():
         return (*_fresh(device, shapes), None)
     key = _kept_key(device)
     entry = _BUFS.get(key) if key is not None else None

@@ -72,7 +72,7 @@ from kvops.kernels._common import (
     kv_tile_bytes,
     next_pow2,
 )
-from kvops.kernels._launch import keep_plan, launch
+from kvops.kernels._launch import Launch, keep_plan, launch
 from kvops.kernels._splitk import (
     default_num_splits,
     launch_split,
@@ -771,8 +771,8 @@ def _plan(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, sca
     merge = fused = None
     if nsp > 1:
         merge = merge_plan(B, Hq, nsp, D, q.dtype, pdl, q.device)
-        fused = (dict(meta, PDL_TRIGGER=False, FUSED_MERGE=True, BLOCK_S=next_pow2(nsp)),
-                 object())
+        fused = Launch(_elastic_decode_kernel, (B * Hkv, nsp), object(), (scale * LOG2E, *ints),
+                       dict(meta, PDL_TRIGGER=False, FUSED_MERGE=True, BLOCK_S=next_pow2(nsp)))
     # the plan's own tokens key its compiled kernels (see static_sliding_attention._plan)
     return (B, Hq, D, nsp, scale * LOG2E, ints, meta, (B * Hkv, nsp), halves_table, halves,
             merge, fused, object(), [])
@@ -828,5 +828,5 @@ def elastic_attention_fwd(
     launch_split(_elastic_decode_kernel, grid,
                  (q, k_cache, v_cache, table, seq_lens, block_mode, base_span, part_o, part_l,
                   out, lse),
-                 count, seq_lens, (scale_log2, *ints), (token, meta), fused, merge, ready)
+                 count, seq_lens, (), (scale_log2, *ints), (token, meta), fused, merge, ready)
     return out, lse

@@ -30,7 +30,7 @@ from kvops._checks import signature as sig
 from kvops.kernels._attention import dot, load_query_group
 from kvops.kernels._common import dot_precision, next_pow2
 from kvops.kernels._keys import score_bits, score_key
-from kvops.kernels._launch import keep_plan, launch
+from kvops.kernels._launch import Launch, keep_plan, launch
 from kvops.kernels._splitk import arrive, load_capture_form
 from kvops.kernels._workspace import split_scratch
 
@@ -207,20 +207,27 @@ def far_page_select_fwd(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tenso
     if count is None:
         return far_page_top_fwd(far_page_scores_fwd(q, k_min, k_max, num_far, out=scores), top_k)
     key = ("select", signature or (sig(q), sig(k_min), sig(k_max), sig(num_far), top_k))
-    plan = _PLANS.get(key) or keep_plan(_PLANS, key, _scores_plan(q, k_min, k_max, num_far,
-                                                                  top_k, None, None))
-    grid, bin_key, ints, meta, copy_q, ready = plan
+    plan = _PLANS.get(key) or keep_plan(_PLANS, key, _select_plan(q, k_min, k_max, num_far,
+                                                                  top_k))
+    chosen, copy_q, ready = plan
     if load_capture_form(ready):   # the kernels a captured call launches, loaded outside it
         far_page_top_fwd(far_page_scores_fwd(q, k_min, k_max, num_far, out=scores), top_k)
     q = q.contiguous() if copy_q else q
     index = torch.empty((B, top_k), device=q.device, dtype=torch.int32)
     score = torch.empty((B, top_k), device=q.device, dtype=torch.float32)
-    launch(_far_page_scores_kernel, grid, bin_key,
-           (q, k_min, k_max, num_far, scores, index, score, count, *ints), meta)
+    chosen(q, k_min, k_max, num_far, scores, index, score, count)
     return index, score
 
 
 _PLANS: dict = {}   # launch plans (grid, binary key, runtime integers, constants) by signature
+
+
+def _select_plan(q, k_min, k_max, num_far, top_k):
+    """The one-launch form's :class:`~kvops.kernels._launch.Launch`, whether q is copied
+    first, and the list ``load_capture_form`` marks."""
+    grid, bin_key, ints, meta, copy_q, ready = _scores_plan(q, k_min, k_max, num_far, top_k,
+                                                            None, None)
+    return Launch(_far_page_scores_kernel, grid, bin_key, ints, meta), copy_q, ready
 
 
 def _scores_plan(q, k_min, k_max, num_far, top_k, block_n, num_warps):

@@ -19,7 +19,7 @@ import triton.language as tl
 from kvops._checks import signature as sig
 from kvops.kernels._common import next_pow2
 from kvops.kernels._keys import score_key
-from kvops.kernels._launch import keep_plan, launch
+from kvops.kernels._launch import Launch, keep_plan
 
 _TAKEN = -(2 ** 63)             # a key already taken into the top: below any empty key
 _ABOVE = 2 ** 63 - 1
@@ -88,14 +88,11 @@ def far_view_rank_fwd(scores: torch.Tensor, summarized: torch.Tensor, select: to
     key = (signature or (sig(scores), sig(summarized), sig(select)), empty_key)
     plan = _PLANS.get(key) or keep_plan(_PLANS, key, _plan(scores, summarized, select,
                                                            empty_key))
-    bin_key, ints, meta = plan
-    launch(_far_view_rank_kernel, (L * B,), bin_key,
-           (scores, summarized.view(torch.uint8), select, keys, changed.view(torch.int8), *ints),
-           meta)
+    plan(scores, summarized.view(torch.uint8), select, keys, changed.view(torch.int8))
     return keys, changed
 
 
-_PLANS: dict = {}   # launch plans (binary key, runtime integers, constants) by signature
+_PLANS: dict = {}   # launches (``_launch.Launch``) by signature
 
 
 def _plan(scores, summarized, select, empty_key):
@@ -108,4 +105,4 @@ def _plan(scores, summarized, select, empty_key):
     # keys and changed are fresh, so always 16-byte aligned
     bin_key = (scores.device, ints, C, empty_key,
                tuple(t.data_ptr() % 16 for t in (scores, summarized, select)))
-    return bin_key, ints, meta
+    return Launch(_far_view_rank_kernel, (L * B,), bin_key, ints, meta)

@@ -50,7 +50,7 @@ from kvops.kernels._common import (
     nvidia_ptx,
     sm_count,
 )
-from kvops.kernels._launch import keep_plan
+from kvops.kernels._launch import Launch, keep_plan
 from kvops.kernels._splitk import arrive, launch_split, merge_plan, merge_rows, split_outputs
 from kvops.kernels.paged_prefill_gluon import gluon_plan, paged_prefill_gluon_fwd, prefill_gluon
 
@@ -612,7 +612,7 @@ def paged_prefill_attention_fwd(
             tuple(_rows_descriptor(t, meta["BLOCK_N"]) for t in news) if meta["NEW_TMA"] else
             news)
     launch_split(_paged_prefill_kernel, grid, (*tensors, part_o, part_l, out, lse), count,
-                 seq_lens, (*descs, *rows, *(news or (k_cache, v_cache)), *ints), (token, meta),
+                 seq_lens, (*descs, *rows, *(news or (k_cache, v_cache))), ints, (token, meta),
                  fused, merge, ready)
     return out, lse
 
@@ -747,5 +747,6 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, news, scale, 
     fused = None
     if nsp > 1:   # the one-launch form: its own constants, so its own binary key
         f_meta = dict(meta, FUSED_MERGE=True, BLOCK_S=next_pow2(nsp))
-        fused = (f_meta, None if token is None else ("fused", *token))
+        fused = Launch(_paged_prefill_kernel, (num_tiles, Hkv, nsp),
+                       None if token is None else ("fused", *token), ints, f_meta)
     return (num_tiles, Hkv, nsp), nsp, ints, meta, merge, fused, token, []

@@ -39,7 +39,7 @@ from kvops.kernels._common import (
     kv_tile_bytes,
     next_pow2,
 )
-from kvops.kernels._launch import keep_plan
+from kvops.kernels._launch import Launch, keep_plan
 from kvops.kernels._splitk import (
     default_num_splits,
     launch_split,
@@ -229,9 +229,9 @@ def _plan(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale, knobs):
     if has_far:
         far_strides = (far_k.stride(0), far_k.stride(1), far_k.stride(2),
                        far_v.stride(0), far_v.stride(1), far_v.stride(2), far_bias.stride(0))
-    else:   # the kernel reads no far pointer; it gets k, v and lse (valid, of the right type)
-        far_strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-                       v.stride(2), 1)
+    else:   # the kernel reads no far pointer: it gets None (no argument for the launcher to
+        # resolve) and these strides
+        far_strides = (0, 0, 0, 0, 0, 0, 1)
     if nsp == 1:
         o_strides = (Hq * D, D, 0, Hq, 1)
     else:
@@ -250,7 +250,8 @@ def _plan(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale, knobs):
         merge = merge_plan(B, Hq, nsp, D, q.dtype, pdl, q.device)
         # the plan's own tokens key its compiled kernels: a plan made again (another rule,
         # patched constants in tests) never launches a binary compiled for the old one
-        fused = (dict(meta, USE_PDL=False, FUSED_MERGE=True, BLOCK_S=next_pow2(nsp)), object())
+        fused = Launch(_sliding_window_kernel, (B * Hkv, nsp), object(), (scale * LOG2E_F, *ints),
+                       dict(meta, USE_PDL=False, FUSED_MERGE=True, BLOCK_S=next_pow2(nsp)))
     # ready: empty until an eager call has also loaded the two-launch form (``load_capture_form``)
     return (B, Hq, D, nsp, scale * LOG2E_F, ints, meta, (B * Hkv, nsp), merge, fused, object(),
             [])
@@ -286,9 +287,7 @@ def static_sliding_attention_fwd(
     B, Hq, D, nsp, scale_log2, ints, meta, grid, merge, fused, token, ready = plan
     out, lse, part_o, part_l, count = split_outputs(B, Hq, D, nsp, q.dtype, q.device,
                                                     grid[0])
-    if far_k is None:
-        far_k, far_v, far_bias = k, v, lse
     launch_split(_sliding_window_kernel, grid,
                  (q, k, v, win_start, win_len, far_k, far_v, far_bias, part_o, part_l, out, lse),
-                 count, win_len, (scale_log2, *ints), (token, meta), fused, merge, ready)
+                 count, win_len, (), (scale_log2, *ints), (token, meta), fused, merge, ready)
     return out, lse
