@@ -177,7 +177,7 @@ def far_page_scores_fwd(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tenso
     over query heads, ``[1]`` the bounds summed over them; ``-inf`` past num_far.
     """
     B, N = q.shape[0], k_min.shape[1]
-    scores = torch.empty((2, B, N), device=q.device, dtype=torch.float32) if out is None else out
+    scores = torch.empty(2, B, N, device=q.device, dtype=torch.float32) if out is None else out
     if B * N == 0:
         return scores
     key = ("scores", sig(q), sig(k_min), sig(k_max), sig(num_far), block_n, num_warps)
@@ -213,8 +213,8 @@ def far_page_select_fwd(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tenso
     if load_capture_form(ready):   # the kernels a captured call launches, loaded outside it
         far_page_top_fwd(far_page_scores_fwd(q, k_min, k_max, num_far, out=scores), top_k)
     q = q.contiguous() if copy_q else q
-    index = torch.empty((B, top_k), device=q.device, dtype=torch.int32)
-    score = torch.empty((B, top_k), device=q.device, dtype=torch.float32)
+    index = torch.empty(B, top_k, device=q.device, dtype=torch.int32)
+    score = torch.empty(B, top_k, device=q.device, dtype=torch.float32)
     chosen(q, k_min, k_max, num_far, scores, index, score, count)
     return index, score
 
@@ -281,8 +281,8 @@ def far_page_top_fwd(scores: torch.Tensor, top_k: int) -> tuple[torch.Tensor, to
     -inf) and score float32 [B, top_k].
     """
     _, B, N = scores.shape
-    index = torch.empty((B, top_k), device=scores.device, dtype=torch.int32)
-    score = torch.empty((B, top_k), device=scores.device, dtype=torch.float32)
+    index = torch.empty(B, top_k, device=scores.device, dtype=torch.int32)
+    score = torch.empty(B, top_k, device=scores.device, dtype=torch.float32)
     if B == 0:
         return index, score
     key = ("top", sig(scores), top_k)

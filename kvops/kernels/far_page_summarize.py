@@ -133,7 +133,7 @@ def far_page_summarize_fwd(k_cache: torch.Tensor, pages: torch.Tensor, *,
     and ``pages`` (the outputs are fresh, so it fixes theirs), else computed here.
     """
     B, N = pages.shape
-    k_min = torch.empty((B, N, *k_cache.shape[2:]), device=k_cache.device, dtype=k_cache.dtype)
+    k_min = torch.empty(B, N, *k_cache.shape[2:], device=k_cache.device, dtype=k_cache.dtype)
     k_max = torch.empty_like(k_min)
     _launch(k_cache, pages, None, k_min, k_max, block_t, block_f, num_warps, signature)
     return k_min, k_max

@@ -76,7 +76,7 @@ def far_view_observe_fwd(q, far_k, far_bias, lse, select, scores, live, ema: flo
     """Launch the observe kernel; inputs are already checked by the op. Returns ``mass
     float32 [R, C]`` and updates ``scores`` in place."""
     R, C = q.shape[0], far_k.shape[1]
-    mass = torch.empty((R, C), dtype=torch.float32, device=q.device)
+    mass = torch.empty(R, C, dtype=torch.float32, device=q.device)
     if R == 0:
         return mass
     if signature is None:

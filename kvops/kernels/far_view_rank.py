@@ -81,8 +81,8 @@ def far_view_rank_fwd(scores: torch.Tensor, summarized: torch.Tensor, select: to
     op's, of the three tensors, else computed here.
     """
     L, B, C = select.shape
-    keys = torch.empty((L, B, C), device=scores.device, dtype=torch.int64)
-    changed = torch.empty((L, B), device=scores.device, dtype=torch.bool)
+    keys = torch.empty(L, B, C, device=scores.device, dtype=torch.int64)
+    changed = torch.empty(L, B, device=scores.device, dtype=torch.bool)
     if L * B == 0:
         return keys, changed
     key = (signature or (sig(scores), sig(summarized), sig(select)), empty_key)

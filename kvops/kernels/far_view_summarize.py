@@ -99,8 +99,8 @@ def far_view_summarize_fwd(
     plan = _PLANS.get(key) or keep_plan(_PLANS, key, _plan(k_cache, v_cache, chunk_table,
                                                            block_t, block_f, num_warps))
     shape, grid, bin_key, ints, meta = plan
-    k_sum = torch.empty(shape, device=k_cache.device, dtype=k_cache.dtype)
-    v_sum = torch.empty(shape, device=v_cache.device, dtype=v_cache.dtype)
+    k_sum = torch.empty(*shape, device=k_cache.device, dtype=k_cache.dtype)
+    v_sum = torch.empty(*shape, device=v_cache.device, dtype=v_cache.dtype)
     if grid is not None:
         launch(_far_view_summarize_kernel, grid, bin_key,
                (k_cache, v_cache, chunk_table, k_sum, v_sum, *ints), meta)
