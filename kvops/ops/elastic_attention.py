@@ -145,7 +145,8 @@ def _impl(q, k_cache, v_cache, block_table, seq_lens, block_mode=None, base_span
     if validate():
         _validate(k_cache, block_table, seq_lens, block_mode, base_span)
     if use_triton(q):
-        if block_mode is not None or base_span is not None:
+        if ((k_cache.data_ptr() | v_cache.data_ptr()) & 3
+                and (block_mode is not None or base_span is not None)):
             for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
                 if c.numel() and c.data_ptr() % 4:
                     raise ValueError(f"{name}: BASE rows are read as 32-bit words: expected a "
