@@ -13,10 +13,9 @@ rounds' ratios.
 The attention rows use Llama-3-8B heads (Hq 32, Hkv 8, D 128), bf16, B 4, 512 tokens (pages of
 16). Copy and pool ops use the same pool; their peers are torch's own indexing ops.
 
-On a CPU machine the bench measures what it can of the host path: the dispatcher and the
-cached checks (an op call minus its PyTorch reference on tiny tensors), and each launcher's own
-Python (plan lookup, allocations) with the Triton launch stubbed out, beside SDPA's dispatch on
-the same tiny tensors.
+On a CPU machine the bench times every op's CUDA host path with the compiled kernel's launch
+faked (``cuda_path_on_cpu``): the dispatcher, the checks, the plans, the allocations and the
+launch glue, beside SDPA's whole call on one-token CPU tensors.
 
     python3 -m bench.bench_eager            # writes bench/results/<date>-eager.md on CUDA
 """
@@ -24,6 +23,7 @@ the same tiny tensors.
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -153,51 +153,87 @@ def cuda_rows():
     return headers, rows
 
 
-def cpu_rows():
-    """The host path up to the kernel, on CPU tensors: each op's dispatcher, cached checks and
-    glue with its PyTorch reference stubbed out (it returns preallocated outputs), and the two
-    decode launchers' own Python (plan lookup, allocations, the merge plan) with the Triton
-    launch stubbed out, beside SDPA's whole call on one-token tensors."""
+class _FakeRun:
+    """A compiled launcher whose C entry point takes any arguments and launches nothing."""
+
+    launch_cooperative_grid = launch_pdl = False
+    global_scratch_size = profile_scratch_size = 0
+
+    def launch(self, *args):
+        pass
+
+    def __call__(self, *args):
+        pass
+
+
+class _FakeCompiled:
+    run, function, packed_metadata = _FakeRun(), 0, None
+
+
+@contextlib.contextmanager
+def cuda_path_on_cpu():
+    """Run each op's CUDA host path on CPU tensors: the ops take their kernels (``use_triton``),
+    the device looks like an H100 (132 SMs, sm_90), the JIT (or the interpreter) hands back a
+    compiled kernel whose C launch does nothing, the stream queries answer 0 and split scratch
+    is kept per request, as on a GPU. Everything else runs as it does there: the checks and
+    their signature cache, the launch plans and rules, the output allocations and the launch
+    glue. The launch plans and kept binaries made inside are dropped on exit."""
     import importlib
+    import pkgutil
 
-    import kvops.kernels._splitk as splitk
-    import kvops.kernels.elastic_attention as ea
-    import kvops.kernels.static_sliding_attention as ssa
+    from triton.runtime.jit import KernelInterface
 
-    dev = torch.device("cpu")
+    import kvops.kernels
+    import kvops.ops
+    from kvops.kernels import _common, _launch
+
+    mods = [importlib.import_module(f"{pkg.__name__}.{m.name}")
+            for pkg in (kvops.kernels, kvops.ops) for m in pkgutil.iter_modules(pkg.__path__)]
+    props = _common.DeviceProps(132, 232448, (9, 0), True)
+    kept: dict = {}
+
+    def scratch(device, shapes, n):
+        if (shapes, n) not in kept:
+            kept[shapes, n] = (*(torch.empty(s) for s in shapes), torch.zeros(n, dtype=torch.int32))
+        return kept[shapes, n]
+
+    fakes = dict(use_triton=lambda on: True, device_props=lambda device: props,
+                 sm_count=lambda device: props.sms, split_scratch=scratch)
+    patches = [(m, name, fake) for m in mods for name, fake in fakes.items() if hasattr(m, name)]
+    patches += [(m, "_PLANS", {}) for m in mods if isinstance(getattr(m, "_PLANS", None), dict)]
+    # every triton kernel object (JIT, interpreted, Gluon) launches through KernelInterface
+    patches += [(KernelInterface, "__getitem__", lambda kernel, grid: lambda *a, **kw: _FakeCompiled()),
+                (_launch, "JITFunction", KernelInterface),
+                (_launch, "_BINS", {}), (_launch, "_STATE", dict(_launch._STATE, direct=True)),
+                (torch._C, "_cuda_getCurrentRawStream", lambda device: 0),
+                (torch._C, "_cuda_getDevice", lambda: 0)]
+    missing = object()
+    olds = []
+    try:
+        for obj, name, value in patches:
+            olds.append((obj, name, getattr(obj, name, missing)))
+            setattr(obj, name, value)
+        yield
+    finally:
+        for obj, name, old in reversed(olds):
+            if old is missing:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+
+
+def cpu_rows():
+    """Every op's CUDA host path on CPU tensors (``cuda_path_on_cpu``: checks, plans,
+    allocations and launch glue as on a GPU, the compiled kernel's C launch faked), beside SDPA's
+    whole call on one-token CPU tensors. The CPU machines run this Python about twice as fast as
+    the GPU machines' hosts; what it tracks is the Python an eager call adds."""
     tiny = [torch.randn(1, HQ, 1, D), torch.randn(1, HKV, 1, D), torch.randn(1, HKV, 1, D)]
     t_sdpa = eager_times(lambda: F.scaled_dot_product_attention(*tiny, enable_gqa=True), **LOOP)[0]
     rows = []
-    for name, (op, _, _) in cases(dev, dtype=torch.float16).items():
-        opname = name.split()[0]
-        mod = importlib.import_module(f"kvops.ops.{opname}")
-        ref_name = f"{opname}_ref"
-        saved = getattr(mod, ref_name)
-        outs = op()            # the real outputs once, returned by the stub afterwards
-        setattr(mod, ref_name, lambda *a, _o=outs, **k: _o)
-        try:
-            rows.append([name, "dispatcher + cached checks + glue", eager_times(op, **LOOP)[0], t_sdpa])
-        finally:
-            setattr(mod, ref_name, saved)
-    stub = lambda *a, **kw: None
-    saved = (ea.launch, splitk.launch)
-    ea.launch = splitk.launch = stub
-    try:
-        B, ctx = 4, 512
-        q = torch.randn(B, HQ, D)
-        k = torch.randn(B, ctx, HKV, D)
-        ws = torch.zeros(B, dtype=torch.int32)
-        wl = torch.full((B,), ctx, dtype=torch.int32)
-        kc = torch.randn(B * ctx // S, S, HKV, D)
-        table_ = torch.arange(B * ctx // S, dtype=torch.int32).view(B, ctx // S)
-        for name, fn in (
-            ("static_sliding_attention", lambda: ssa.static_sliding_attention_fwd(q, k, k, ws, wl)),
-            ("elastic_attention", lambda: ea.elastic_attention_fwd(q, kc, kc, table_, wl)),
-        ):
-            rows.append([name, "launcher Python (launch stubbed)", eager_times(fn, **LOOP)[0], t_sdpa])
-    finally:
-        ea.launch, splitk.launch = saved
-    return ["op", "part", "host us", "sdpa host us (CPU, one token)"], rows
+    with cuda_path_on_cpu():
+        for name, (op, _, _) in cases(torch.device("cpu")).items():
+            rows.append([name, eager_times(op, **LOOP)[0], t_sdpa])
+    return ["op", "host us (CUDA path, launch faked)", "sdpa host us (CPU, one token)"], rows
 
 
 def main():
@@ -223,14 +259,15 @@ def main():
         import cProfile
         import pstats
 
-        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        op = cases(dev)["static_sliding_attention"][0]
-        eager_times(op, iters=200, warmup=30)
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(500):
-            op()
-        prof.disable()
+        cuda = torch.cuda.is_available()
+        with contextlib.nullcontext() if cuda else cuda_path_on_cpu():
+            op = cases(torch.device("cuda" if cuda else "cpu"))["static_sliding_attention"][0]
+            eager_times(op, iters=200, warmup=30)
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(500):
+                op()
+            prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(14)
 
 

@@ -143,3 +143,25 @@ def test_a_failed_check_keeps_nothing():
     with pytest.raises(ValueError):
         sign(torch.zeros(2))
     assert sign(torch.ones(2, 2))[0] == key
+
+
+def test_the_cuda_host_path_runs_on_cpu_and_leaves_nothing_behind():
+    """bench_eager's CPU mode: every call takes its CUDA host path to a faked C launch, and the
+    plans, kept binaries and launch state made inside are gone afterwards."""
+    from bench import bench_eager
+    from kvops.kernels import _launch
+    from kvops.kernels import static_sliding_attention as ssa
+
+    ops_mod = sys.modules["kvops.ops.static_sliding_attention"]
+    state, bins, plans, rule = dict(_launch._STATE), _launch._BINS, ssa._PLANS, ops_mod.use_triton
+    with bench_eager.cuda_path_on_cpu():
+        for op, _, _ in bench_eager.cases(torch.device("cpu")).values():
+            for _ in range(3):       # the JIT, the conventions' probe, the C entry
+                op()
+        assert _launch._STATE["mode"] == "c" and ssa._PLANS
+        fused = [p[9] for p in ssa._PLANS.values() if p[9] is not None]
+        assert fused and all(f._c is not None for f in fused)
+    assert (_launch._STATE, _launch._BINS, ssa._PLANS, ops_mod.use_triton) == (
+        state, bins, plans, rule)
+    headers, rows = bench_eager.cpu_rows()
+    assert len(rows) == len(CALLS) and all(r[1] > 0 for r in rows)
