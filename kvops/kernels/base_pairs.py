@@ -23,8 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kvops._checks import signature as sig
 from kvops.kernels._common import hw_fp8, next_pow2
-from kvops.kernels._launch import launch
+from kvops.kernels._launch import Launch, keep_plan
 from kvops.layouts.codecs import CODEC_IDS
 
 
@@ -155,38 +156,55 @@ PACK_LAUNCH = (8192, 16)
 REFINE_LAUNCH = {"hi8": (8192, 8), "hi8r": (8192, 8), "e4m3": (8192, 16)}
 
 
-def _launch(kernel, cache, pairs, backing, codec, block, num_warps, default, **extra):
+_PLANS: dict = {}   # launches (``_launch.Launch``) by kernel, argument signature and knobs
+
+
+def _launch(kernel, cache, pairs, backing, codec, block, num_warps, default, signature,
+            hw=None):
     N = pairs.shape[0]
     if N == 0:
         return
+    if signature is None:
+        signature = (sig(cache), sig(pairs), sig(backing), codec)
+    key = (id(kernel), signature, block, num_warps, hw)
+    plan = _PLANS.get(key) or keep_plan(_PLANS, key, _plan(kernel, cache, pairs, backing, codec,
+                                                           block, num_warps, default, hw))
+    plan(cache.view(torch.int16), pairs,
+         backing.view(torch.int16) if backing.element_size() == 2 else backing)
+
+
+def _plan(kernel, cache, pairs, backing, codec, block, num_warps, default, hw):
+    N = pairs.shape[0]
     _, S, Hkv, D = cache.shape
     E = S * Hkv * D
-    back = backing.view(torch.int16) if backing.element_size() == 2 else backing
-    cache16 = cache.view(torch.int16)
     ints = (cache.stride(0), pairs.stride(0), pairs.stride(1), E)
     meta = dict(CODEC=CODEC_IDS[codec], BLOCK=block or min(next_pow2(E), default[0]),
-                num_warps=num_warps or default[1], **extra)
-    key = (ints, cache.dtype, cache.device, back.dtype, tuple(sorted(meta.items())),
+                num_warps=num_warps or default[1])
+    if kernel is _pack_pairs_kernel:
+        meta["HW_FP8"] = hw_fp8(cache.device) if hw is None else hw
+    back_dtype = torch.int16 if backing.element_size() == 2 else backing.dtype
+    key = (ints, cache.dtype, cache.device, back_dtype, tuple(sorted(meta.items())),
            cache.data_ptr() % 16, pairs.data_ptr() % 16, backing.data_ptr() % 16)
-    launch(kernel, (N,), key, (cache16, pairs, back, *ints), meta)
+    return Launch(kernel, (N,), key, ints, meta)
 
 
 def pack_base_pairs_fwd(cache: torch.Tensor, pairs: torch.Tensor, backing: torch.Tensor,
                         codec: str, *, block: int | None = None, num_warps: int | None = None,
-                        hw: bool | None = None) -> None:
+                        hw: bool | None = None, signature=None) -> None:
     """Pack pairs in place. cache [P, S, Hkv, D] (16-bit, pages contiguous); pairs int32 [N, 3]
     rows (src_a, src_b, dst); backing [N, 2, S, Hkv, D] contiguous (uint8 for hi8/hi8r, the
     cache dtype for e4m3). Inputs are already checked by the op; ``block``/``num_warps`` override
     the defaults (benchmarks use them), ``hw`` the e4m3 encoder choice
-    (:func:`kvops.kernels._common.hw_fp8`)."""
+    (:func:`kvops.kernels._common.hw_fp8`). A launch is kept per argument signature
+    (``signature``: the op's, else one is computed here) and knobs."""
     _launch(_pack_pairs_kernel, cache, pairs, backing, codec, block, num_warps, PACK_LAUNCH,
-            HW_FP8=hw_fp8(cache.device) if hw is None else hw)
+            signature, hw)
 
 
 def refine_base_pairs_fwd(cache: torch.Tensor, pairs: torch.Tensor, backing: torch.Tensor,
                           codec: str, *, block: int | None = None,
-                          num_warps: int | None = None) -> None:
+                          num_warps: int | None = None, signature=None) -> None:
     """Refine pairs in place: pairs int32 [N, 3] rows (dst_a, dst_b, base_page); other arguments
     as in :func:`pack_base_pairs_fwd`."""
     _launch(_refine_pairs_kernel, cache, pairs, backing, codec, block, num_warps,
-            REFINE_LAUNCH[codec])
+            REFINE_LAUNCH[codec], signature)

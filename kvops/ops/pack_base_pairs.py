@@ -54,11 +54,11 @@ _checked = CheckedSignatures(lambda *args: check_pair_args(*args, ROWS))
 
 
 def _impl(cache, pairs, backing, codec=None):
-    _, codec = _checked(cache, pairs, backing, codec)
+    key, codec = _checked(cache, pairs, backing, codec)
     if validate():
         check_pair_rows("pairs", pairs, cache.shape[0], "pack")
     if use_triton(cache):
-        pack_base_pairs_fwd(cache, pairs, backing, codec)
+        pack_base_pairs_fwd(cache, pairs, backing, codec, signature=key)
         return
     pack_base_pairs_ref(cache, pairs, backing, codec)
 

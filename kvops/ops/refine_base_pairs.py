@@ -34,11 +34,11 @@ _checked = CheckedSignatures(lambda *args: check_pair_args(*args, ROWS))
 
 
 def _impl(cache, pairs, backing, codec=None):
-    _, codec = _checked(cache, pairs, backing, codec)
+    key, codec = _checked(cache, pairs, backing, codec)
     if validate():
         check_pair_rows("pairs", pairs, cache.shape[0], "refine")
     if use_triton(cache):
-        refine_base_pairs_fwd(cache, pairs, backing, codec)
+        refine_base_pairs_fwd(cache, pairs, backing, codec, signature=key)
         return
     refine_base_pairs_ref(cache, pairs, backing, codec)
 
