@@ -10,6 +10,10 @@ to its launcher, on triton 3.6 to the launcher's C entry point (``_conventions``
 costs 7.3 us of host time on the H200's host, against 12.3 through the compiled launcher's
 Python wrapper (``bench/results/2026-12-03-1730-eager-parts.md``).
 
+A launch plan holds its launches as :class:`Launch` objects (kernel, grid, key, trailing
+integers, constants): after the first direct launch a call hands its arguments straight to the
+C entry point, without the key lookup.
+
 Under the interpreter, when a launch hook is installed (profilers), when ``key`` is None, or
 when ``KVOPS_DIRECT_LAUNCH=0``, every launch goes through the JIT. A kernel object that is not
 a ``JITFunction`` (Gluon's is one too; a test's spy is not) is always called through

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from kvops._checks import signature as sig
 from kvops.kernels._common import next_pow2, sm_count
-from kvops.kernels._launch import keep_plan, launch
+from kvops.kernels._launch import Launch, keep_plan
 
 
 @triton.jit
@@ -92,9 +92,7 @@ def _launch(k_cache, pages, rows, k_min, k_max, block_t, block_f, num_warps,
                                                            num_warps))
     if plan is _NOTHING:
         return
-    grid, bin_key, ints, meta = plan
-    launch(_far_page_summarize_kernel, grid, bin_key,
-           (k_cache, pages, pages if rows is None else rows, k_min, k_max, *ints), meta)
+    plan(k_cache, pages, pages if rows is None else rows, k_min, k_max)
 
 
 _NOTHING = ()      # the plan of a call with no entries
@@ -118,7 +116,7 @@ def _plan(k_cache, pages, rows, k_min, k_max, block_t, block_f, num_warps):
                 num_warps=num_warps or 4)
     bin_key = (k_cache.dtype, k_cache.device, rows.dtype, ints, tuple(meta.items()),
                tuple(t.data_ptr() % 16 for t in (k_cache, pages, rows, k_min, k_max)))
-    return (B * N * num_f,), bin_key, ints, meta
+    return Launch(_far_page_summarize_kernel, (B * N * num_f,), bin_key, ints, meta)
 
 
 def far_page_summarize_fwd(k_cache: torch.Tensor, pages: torch.Tensor, *,

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from kvops._checks import signature as sig
 from kvops.kernels._common import check_copy_block, next_pow2, page_copy_block
-from kvops.kernels._launch import keep_plan, launch
+from kvops.kernels._launch import Launch, keep_plan
 
 
 @triton.jit
@@ -115,7 +115,7 @@ def _plan(new, block_table, k_cache, v_cache, block_e, num_warps):
     meta = dict(S=S, E=E, BLOCK_K=next_pow2(K), BLOCK_E=block_e,
                 num_warps=num_warps or rule_warps)
     # the plan's own token keys its compiled kernel (see static_sliding_attention._plan)
-    return (B, K), ints, meta, object()
+    return Launch(_far_slot_update_kernel, (B, K), object(), ints, meta)
 
 
 def far_slot_update_fwd(new: torch.Tensor, block_table: torch.Tensor, k_cache: torch.Tensor,
@@ -138,5 +138,4 @@ def far_slot_update_fwd(new: torch.Tensor, block_table: torch.Tensor, k_cache: t
     key = (signature, block_e, num_warps)
     plan = _PLANS.get(key) or keep_plan(
         _PLANS, key, _plan(new, block_table, k_cache, v_cache, block_e, num_warps))
-    grid, ints, meta, token = plan
-    launch(_far_slot_update_kernel, grid, token, (*tensors, *ints), meta)
+    plan(*tensors)

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from kvops._checks import signature as sig
 from kvops.kernels._common import next_pow2, sm_count
-from kvops.kernels._launch import keep_plan, launch
+from kvops.kernels._launch import Launch, keep_plan
 
 
 @triton.jit
@@ -98,12 +98,11 @@ def far_view_summarize_fwd(
     key = (signature, block_t, block_f, num_warps)
     plan = _PLANS.get(key) or keep_plan(_PLANS, key, _plan(k_cache, v_cache, chunk_table,
                                                            block_t, block_f, num_warps))
-    shape, grid, bin_key, ints, meta = plan
+    shape, run = plan
     k_sum = torch.empty(*shape, device=k_cache.device, dtype=k_cache.dtype)
     v_sum = torch.empty(*shape, device=v_cache.device, dtype=v_cache.dtype)
-    if grid is not None:
-        launch(_far_view_summarize_kernel, grid, bin_key,
-               (k_cache, v_cache, chunk_table, k_sum, v_sum, *ints), meta)
+    if run is not None:
+        run(k_cache, v_cache, chunk_table, k_sum, v_sum)
     return k_sum, v_sum
 
 
@@ -112,7 +111,7 @@ def _plan(k_cache, v_cache, chunk_table, block_t, block_f, num_warps):
     B, C, M = chunk_table.shape
     shape = (B, C, Hkv, D)
     if B * C == 0:
-        return shape, None, None, None, None
+        return shape, None
     F = Hkv * D
     dt, df = default_blocks(B * C, F, S, k_cache.device)
     block_t, block_f = min(block_t or dt, S), block_f or df
@@ -125,4 +124,4 @@ def _plan(k_cache, v_cache, chunk_table, block_t, block_f, num_warps):
     bin_key = (k_cache.shape, k_cache.dtype, k_cache.device, chunk_table.shape, ints,
                tuple(meta.values()),
                tuple(t.data_ptr() % 16 for t in (k_cache, v_cache, chunk_table)))
-    return shape, (B * C * num_f,), bin_key, ints, meta
+    return shape, Launch(_far_view_summarize_kernel, (B * C * num_f,), bin_key, ints, meta)

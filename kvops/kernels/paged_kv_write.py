@@ -17,7 +17,7 @@ import triton.language as tl
 
 from kvops._checks import signature as sig
 from kvops.kernels._common import next_pow2, sm_count
-from kvops.kernels._launch import keep_plan, launch
+from kvops.kernels._launch import Launch, keep_plan
 
 # Values a program moves per tensor (K or V): 4096 (8 KiB of 16-bit data), and at least
 # PROGRAMS_PER_SM programs an SM where N allows, so small steps still spread over the GPU.
@@ -93,8 +93,7 @@ def paged_kv_write_fwd(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     key = (signature, block_t, block_c, num_warps)
     plan = _PLANS.get(key) or keep_plan(_PLANS, key, _plan(*tensors, block_t, block_c,
                                                            num_warps))
-    grid, bin_key, ints, meta = plan
-    launch(_paged_kv_write_kernel, grid, bin_key, (*tensors, *ints), meta)
+    plan(*tensors)
 
 
 def _plan(k, v, k_cache, v_cache, slot_mapping, block_t, block_c, num_warps):
@@ -110,4 +109,4 @@ def _plan(k, v, k_cache, v_cache, slot_mapping, block_t, block_c, num_warps):
     meta = dict(S=S, ROW=row, PARTS=parts, HD=Hkv * D, BLOCK_T=bt, BLOCK_C=bc, num_warps=nw)
     key = (ints[1:], k.dtype, k.device, slot_mapping.dtype, tuple(meta.values()),   # N: unspecialized
            tuple(t.data_ptr() % 16 for t in (k, v, k_cache, v_cache, slot_mapping)))
-    return grid, key, ints, meta
+    return Launch(_paged_kv_write_kernel, grid, key, ints, meta)
