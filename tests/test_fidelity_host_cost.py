@@ -157,15 +157,16 @@ def test_warm_compiles_what_the_transitions_launch(kernel_device, monkeypatch):
     inside a step. Checked through the launch keys under the Triton backend."""
     import kvops
     import kvops.kernels.base_pairs as bp
+    from kvops.kernels._launch import Launch
 
     keys = []
-    real = bp.launch
+    real = Launch.__call__
 
-    def spy(kernel, grid, key, args, meta):
-        keys.append((kernel, key))
-        return real(kernel, grid, key, args, meta)
+    def spy(self, *args):
+        keys.append((self.kernel, self.key))
+        return real(self, *args)
 
-    monkeypatch.setattr(bp, "launch", spy)
+    monkeypatch.setattr(Launch, "__call__", spy)
     with kvops.backend("triton"):
         pager, fid = world(1, 2, 64, 2, D, str(kernel_device), hkv=HKV)
         before = [c.clone() for c in fid.caches]
