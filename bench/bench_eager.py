@@ -198,7 +198,10 @@ def cuda_path_on_cpu():
         return kept[shapes, n]
 
     fakes = dict(use_triton=lambda on: True, device_props=lambda device: props,
-                 sm_count=lambda device: props.sms, split_scratch=scratch)
+                 sm_count=lambda device: props.sms, split_scratch=scratch,
+                 cuda_capability=lambda device: props.capability,
+                 max_shared_memory=lambda device: props.smem,
+                 nvidia_ptx=lambda device: True, hw_fp8=lambda device: True)
     patches = [(m, name, fake) for m in mods for name, fake in fakes.items() if hasattr(m, name)]
     patches += [(m, "_PLANS", {}) for m in mods if isinstance(getattr(m, "_PLANS", None), dict)]
     # every triton kernel object (JIT, interpreted, Gluon) launches through KernelInterface

@@ -165,3 +165,28 @@ def test_the_cuda_host_path_runs_on_cpu_and_leaves_nothing_behind():
         state, bins, plans, rule)
     headers, rows = bench_eager.cpu_rows()
     assert len(rows) == len(CALLS) and all(r[1] > 0 for r in rows)
+
+
+def test_two_alternating_signatures_and_an_unaligned_call_sign_nothing_again(monkeypatch):
+    """An engine writing the pool and then a transport arena alternates two signatures: after
+    their first calls neither is signed again, and a call with an unaligned tensor between them
+    (signed in full every time) evicts neither."""
+    from kvops.ops import _library
+
+    signed = []
+    real = _library.sig
+    monkeypatch.setattr(_library, "sig", lambda t: signed.append(t) or real(t))
+    sign = _library.CheckedSignatures(lambda a, b: None)
+    pool, arena = torch.zeros(8, 4), torch.zeros(2, 4)
+    rows = torch.zeros(3)
+    odd = torch.zeros(13)[1:4]                        # 4 bytes past an aligned start
+    k_pool, k_arena = sign(pool, rows)[0], sign(arena, rows)[0]
+    k_odd = sign(pool, odd)[0]
+    signed.clear()
+    for _ in range(3):
+        assert sign(pool, rows)[0] == k_pool and sign(arena, rows)[0] == k_arena
+    assert not signed
+    assert sign(pool, odd)[0] == k_odd and len(signed) == 2      # unaligned: signed in full
+    signed.clear()
+    assert sign(arena, rows)[0] == k_arena and sign(pool, rows)[0] == k_pool
+    assert not signed

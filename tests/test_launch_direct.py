@@ -151,3 +151,17 @@ def test_a_plans_launch_without_a_key_always_takes_the_jit(fake_triton):
     for _ in range(3):
         run(torch.zeros(1))
     assert log == ["jit"] * 3 and run._c is None
+
+
+@pytest.mark.parametrize("mode", ["tail", "plain"])
+def test_a_plans_launch_keeps_a_wrapper_convention_too(fake_triton, mode):
+    """Where the C entry refuses (another triton), the convention probed is kept the same way."""
+    log, acc = fake_triton
+    acc["_noop"] = (mode,)
+    run = _launch.Launch(_noop, (1,), "k", (1,), {"BLOCK": 16})
+    x = torch.zeros(1)
+    run(x)
+    run(x)
+    _launch._BINS.clear()
+    run(x)
+    assert log == ["jit", mode, mode] and run._c is not None

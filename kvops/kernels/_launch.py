@@ -40,10 +40,8 @@ MAX_PLANS = 4096   # launch plans a launcher keeps (a serving process sees a han
 try:
     from triton import knobs as _knobs
     _RUNTIME = _knobs.runtime
-    _ENTER, _EXIT = "launch_enter_hook", "launch_exit_hook"
 except (ImportError, AttributeError):   # older triton keeps the hooks on CompiledKernel
     from triton.compiler.compiler import CompiledKernel as _RUNTIME
-    _ENTER, _EXIT = "launch_enter_hook", "launch_exit_hook"
 
 
 def _no_hooks() -> bool:
@@ -157,9 +155,10 @@ class Launch:
     """One launch whose kernel, grid, binary key, trailing integers and constants are fixed
     (what a launch plan holds). Calling it with the leading runtime arguments launches
     ``kernel[grid](*args, *ints, **meta)`` through :func:`launch`; once the compiled kernel
-    takes its C entry point, straight through that entry, with no key lookup, grid padding or
-    argument tuple made in Python (1.4 us of host time a call less on the CPU machines, where
-    Python runs about twice as fast as on the GPU machines' hosts)."""
+    took its arguments directly, straight through its launcher (its C entry point on triton
+    3.6), with no key lookup, grid padding or argument tuple made in Python (1.4 us of host time
+    a call less on the CPU machines, where Python runs about twice as fast as on the GPU
+    machines' hosts)."""
 
     __slots__ = ("kernel", "grid", "key", "ints", "meta", "_c")
 
@@ -170,14 +169,22 @@ class Launch:
     def __call__(self, *args):
         c = self._c
         if c is not None and _STATE["direct"] and _no_hooks():
-            c[0](c[1], c[2], c[3], torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice()),
-                 c[4], c[5], c[6], None, None, c[7], None, None, None, *args, *c[8])
+            stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+            if c[0] is not None:     # the C entry point
+                c[0](c[1], c[2], c[3], stream, c[4], c[5], c[6], None, None, c[7], None, None,
+                     None, *args, *c[8])
+            else:                    # the launcher's Python wrapper
+                _call(c[1], c[2], c[3], stream, (*args, *self.ints), c[4])
             return
         launch(self.kernel, self.grid, self.key, (*args, *self.ints), self.meta)
         hit = _BINS.get((id(self.kernel), self.key)) if self.key is not None else None
-        if hit is not None and hit[4] is not None:      # the C entry took the arguments
-            entry, g = hit[4], self.grid + _PAD[len(self.grid)]
-            self._c = (entry[0], *g, *entry[1:], (*self.ints, *hit[1]))
+        if hit is None or hit[2] not in ("c", "tail", "plain"):
+            return                   # not yet probed, or the JIT's alone
+        compiled, tail, mode, _, entry = hit
+        g = self.grid + _PAD[len(self.grid)]
+        # the compiled kernel rides along: it owns the module its function handle lives in
+        self._c = ((entry[0], *g, *entry[1:], (*self.ints, *tail), compiled) if entry else
+                   (None, mode, compiled, g, tail))
 
 
 # "direct": compiled launches on; "mode": the convention the last first direct launch found

@@ -219,7 +219,8 @@ def far_page_select_fwd(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tenso
     return index, score
 
 
-_PLANS: dict = {}   # launch plans (grid, binary key, runtime integers, constants) by signature
+_PLANS: dict = {}   # launch plans by signature: the scoring launch's (grid, binary key, runtime
+# integers, constants, q copied, ready) and the one-launch form's (Launch, q copied, ready)
 
 
 def _select_plan(q, k_min, k_max, num_far, top_k):

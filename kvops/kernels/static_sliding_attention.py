@@ -273,8 +273,8 @@ def static_sliding_attention_fwd(
     Returns out [B, Hq, D] (q.dtype) and lse float32 [B, Hq].
     The keyword-only knobs override the launch rule (``sliding_launch``, and ``far_tile`` for
     ``far_block_n``; benchmarks and tests use them). A launch's plan (rule, strides,
-    constants) is kept per argument signature: ``signature`` is the op's
-    (``kvops.ops._library.sig`` of every argument), else one is computed here.
+    constants) is kept per argument signature: ``signature`` is the op's (the int key its
+    ``CheckedSignatures`` names the arguments' signature by), else one is computed here.
     """
     knobs = (block_n, num_splits, num_warps, num_stages, pdl, far_block_n)
     if signature is not None and knobs == _NO_KNOBS:
