@@ -228,8 +228,9 @@ def cuda_path_on_cpu():
 def cpu_rows():
     """Every op's CUDA host path on CPU tensors (``cuda_path_on_cpu``: checks, plans,
     allocations and launch glue as on a GPU, the compiled kernel's C launch faked), the best of
-    three timed loops an op, beside SDPA's whole call on one-token CPU tensors. The CPU machines run this Python about twice as fast as
-    the GPU machines' hosts; what it tracks is the Python an eager call adds."""
+    three timed loops an op, beside SDPA's whole call on one-token CPU tensors. The CPU
+    machines run this Python about twice as fast as the GPU machines' hosts; what it tracks is
+    the Python an eager call adds."""
     tiny = [torch.randn(1, HQ, 1, D), torch.randn(1, HKV, 1, D), torch.randn(1, HKV, 1, D)]
     t_sdpa = eager_times(lambda: F.scaled_dot_product_attention(*tiny, enable_gqa=True), **LOOP)[0]
     rows = []
