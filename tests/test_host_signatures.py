@@ -1,6 +1,6 @@
 """An eager op call computes each tensor argument's signature (``kvops._checks.signature``:
 shape, strides, dtype, device, alignment; about 0.5 us of host time each) at most once, and
-none when its arguments match the previous call's (``CheckedSignatures``' C++ check): the key
+none when its arguments match a recent call's (``CheckedSignatures``' C++ check): the key
 its checks are cached by is the key its launch plan is kept by. The kernels' launches are
 stubbed out; what is counted is the host path of the bench's eager calls (bench/bench_eager.py).
 Then the signature cache itself: every difference a signature holds gives another key."""
