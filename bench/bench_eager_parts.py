@@ -19,9 +19,9 @@ import torch.nn.functional as F
 
 import kvops  # noqa: F401  (registers the ops)
 from bench.common import eager_times, table
+from kvops._checks import signature as sig
 from kvops.kernels import _launch, _splitk, _workspace
 from kvops.kernels import static_sliding_attention as ssa
-from kvops.ops._library import sig
 
 HQ, HKV, D = 32, 8, 128
 LOOP = dict(iters=2000, warmup=50)
@@ -55,7 +55,7 @@ def rows(B: int = 4, ctx: int = 512):
     meta, token = (fused.meta, fused.key) if fused is not None else (meta, token)
     args = (q, k, v, ws, wl, None, None, None, part_o, part_l, out, lse, count, scale_log2, *ints)
     ptr_args = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
-    compiled, tail, mode, _, _ = _compiled_stage1()
+    compiled, tail, mode, _ = _compiled_stage1()
     g = grid + (1,) * (3 - len(grid))
     stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
     head = (g[0], g[1], g[2], stream, compiled.function, getattr(compiled, "packed_metadata", None),

@@ -77,11 +77,13 @@ def _conventions(compiled):
     return ("c", "tail", "plain") if c_ok else ("tail", "plain")
 
 
-def _c_entry(compiled) -> tuple:
-    """What a launch through the C entry point passes besides the grid, stream and arguments:
-    (the entry, the function handle, cooperative-grid and PDL flags, packed metadata)."""
+def _c_entry(compiled, g: tuple) -> tuple:
+    """What a launch of ``compiled`` over grid ``g`` through the C entry point passes before the
+    stream, and then after it up to the arguments (``_call``'s "c" form, taken apart for
+    ``Launch``): (the entry, the grid's three sizes, the function handle, the cooperative-grid
+    and PDL flags, the packed metadata)."""
     run = compiled.run
-    return (run.launch, compiled.function, run.launch_cooperative_grid, run.launch_pdl,
+    return (run.launch, *g, compiled.function, run.launch_cooperative_grid, run.launch_pdl,
             compiled.packed_metadata)
 
 
@@ -113,12 +115,7 @@ def launch(kernel, grid: tuple, key, args: tuple, meta: dict) -> None:
         if hit is not None and _no_hooks():
             g = grid + _PAD[len(grid)]
             stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
-            c = hit[4]
-            if c is not None:     # the hot path of every eager call: the C entry point
-                c[0](g[0], g[1], g[2], stream, c[1], c[2], c[3], None, None, c[4], None, None,
-                     None, *args, *hit[1])
-                return
-            compiled, tail, mode, _, _ = hit
+            compiled, tail, mode, _ = hit
             if mode == "jit":      # no convention took this binary's arguments
                 kernel[grid](*args, **meta)
                 return
@@ -130,13 +127,12 @@ def launch(kernel, grid: tuple, key, args: tuple, meta: dict) -> None:
                     _call(candidate, compiled, g, stream, args, tail)
                 except Exception:  # noqa: BLE001 - any refusal: try the next convention
                     continue
-                _BINS[(id(kernel), key)] = (compiled, tail, candidate, kernel,
-                                            _c_entry(compiled) if candidate == "c" else None)
+                _BINS[(id(kernel), key)] = (compiled, tail, candidate, kernel)
                 _STATE["mode"] = candidate
                 return
             # no convention takes this binary's arguments (descriptor arguments on a triton
             # whose C entry does not expand them, say): it keeps the JIT path, the rest do not
-            _BINS[(id(kernel), key)] = (compiled, tail, "jit", kernel, None)
+            _BINS[(id(kernel), key)] = (compiled, tail, "jit", kernel)
             kernel[grid](*args, **meta)
             return
     compiled = kernel[grid](*args, **meta)
@@ -148,7 +144,7 @@ def launch(kernel, grid: tuple, key, args: tuple, meta: dict) -> None:
         return                       # a parameter left to its default: keep the JIT path
     if len(_BINS) >= MAX_BINS:
         _BINS.clear()
-    _BINS[(id(kernel), key)] = (compiled, tuple(meta[n] for n in names), None, kernel, None)
+    _BINS[(id(kernel), key)] = (compiled, tuple(meta[n] for n in names), None, kernel)
 
 
 class Launch:
@@ -170,7 +166,7 @@ class Launch:
         c = self._c
         if c is not None and _STATE["direct"] and _no_hooks():
             stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
-            if c[0] is not None:     # the C entry point
+            if c[0] is not None:     # the C entry point, as ``_call``'s "c" form calls it
                 c[0](c[1], c[2], c[3], stream, c[4], c[5], c[6], None, None, c[7], None, None,
                      None, *args, *c[8])
             else:                    # the launcher's Python wrapper
@@ -180,10 +176,10 @@ class Launch:
         hit = _BINS.get((id(self.kernel), self.key)) if self.key is not None else None
         if hit is None or hit[2] not in ("c", "tail", "plain"):
             return                   # not yet probed, or the JIT's alone
-        compiled, tail, mode, _, entry = hit
+        compiled, tail, mode, _ = hit
         g = self.grid + _PAD[len(self.grid)]
         # the compiled kernel rides along: it owns the module its function handle lives in
-        self._c = ((entry[0], *g, *entry[1:], (*self.ints, *tail), compiled) if entry else
+        self._c = ((*_c_entry(compiled, g), (*self.ints, *tail), compiled) if mode == "c" else
                    (None, mode, compiled, g, tail))
 
 

@@ -141,7 +141,7 @@ def launch_split(kernel, grid: tuple, head: tuple, count, spare, rest: tuple, in
     form: ``unfused`` (binary key, constants) with ``spare``, any int32 tensor, in the
     counters' place (that form never reads it), then the merge by ``merge`` (``merge_plan``;
     None unsplit)."""
-    if count is None or not ready and load_capture_form(ready):
+    if count is None or load_capture_form(ready):
         launch(kernel, grid, unfused[0], (*head, spare, *rest, *ints), unfused[1])
         if merge is not None:
             merge_split_outputs(merge, *head[-4:])

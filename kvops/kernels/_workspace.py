@@ -91,10 +91,7 @@ def _kept_key(device: torch.device):
             torch._C._get_deterministic_algorithms()
             and torch.utils.deterministic.fill_uninitialized_memory):
         return None
-    return (current, torch._C._cuda_getCurrentRawStream(current), _thread())
-
-
-_thread = threading.get_ident
+    return (current, torch._C._cuda_getCurrentRawStream(current), threading.get_ident())
 
 
 def split_scratch(device: torch.device, shapes: tuple, n: int) -> tuple:

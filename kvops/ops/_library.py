@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvops._checks import signature as sig  # noqa: F401  (re-exported for the ops)
+from kvops._checks import signature as sig
 
 LIB = torch.library.Library("kvops", "DEF")
 
@@ -100,12 +100,8 @@ class CheckedSignatures:
     def __call__(self, *args):
         last = self._last
         if last is not None:
-            guards, tensors_of, others_of, others, found = last
-            if others_of(args) == others:
-                tensors = tensors_of(args)
-                if guards.check(*tensors) and not functools.reduce(
-                        operator.or_, map(_data_ptr, tensors)) & 15:
-                    return found
+            if _matches(last, args):
+                return last[4]
             prev = self._prev
             if prev is not None and _matches(prev, args):
                 self._last, self._prev = prev, last
@@ -121,9 +117,9 @@ class CheckedSignatures:
                 self._seen.clear()
             self._seen[full] = hit
         found, entry = hit
-        if entry is None:
-            entry = hit[1] = _entry(args, found)
-        if entry is not None and entry is not self._last:
+        if entry is None:         # False: this signature has no quick check
+            entry = hit[1] = _entry(args, found) or False
+        if entry and entry is not self._last:
             self._last, self._prev = entry, self._last
         return found
 
