@@ -152,29 +152,33 @@ def test_kernel_matches_oracle(kernel_device, poison, shape, num_splits, block_n
     check_against_oracle(out, lse, case, case_id(*dims) + f"-splits{num_splits}-bn{block_n}")
 
 
+@pytest.mark.parametrize("B,splits", [(2, 1), (1, 2)])
 @pytest.mark.parametrize("S", [16, 64, 128])
-def test_native_dense_shape_matches_oracle(kernel_device, S, monkeypatch):
+def test_native_dense_shape_matches_oracle(kernel_device, S, B, splits, monkeypatch):
     """The native path's dense launch shape (``native_dense_tile``: 128-row tiles, 4 warps,
-    unsplit, ``DENSE_STAGES``) against the oracle: a page id a row at S 16, two one-page halves
-    a tile at S 64, one page a tile at S 128; sequences ending mid-tile and one of length 0.
-    On the interpreter's 4 SMs the 4 (sequence, KV head) programs fill one wave, so the
-    launcher picks the shape itself; on a GPU it is forced."""
-    dims = (2, 768 // S, S, 2, 4, 128, torch.float16, "native")
-    case = make_case(*dims, device=kernel_device, seed=S, zero_row=True)
+    ``DENSE_STAGES``, unsplit or in two splits) against the oracle: a page id a row at S 16, two
+    one-page halves a tile at S 64, one page a tile at S 128; sequences ending mid-tile and one
+    of length 0 (unsplit). On the interpreter's 4 SMs 4 (sequence, KV head) programs fill one wave, so
+    the launcher picks the shape itself (2 sequences unsplit, 1 in two splits); on a GPU it is
+    forced."""
+    dims = (B, 768 // S, S, 2, 4, 128, torch.float16, "native")
+    case = make_case(*dims, device=kernel_device, seed=S, zero_row=B > 1)
     spy = LaunchSpy(ea._elastic_decode_kernel)
     monkeypatch.setattr(ea, "_elastic_decode_kernel", spy)
-    knobs = {} if kernel_device.type == "cpu" else dict(block_n=128, num_warps=4, num_splits=1,
+    knobs = {} if kernel_device.type == "cpu" else dict(block_n=128, num_warps=4,
+                                                   num_splits=splits,
                                                    num_stages=ea.DENSE_STAGES)
     out, lse = elastic_attention_fwd(**case, **knobs)
     check_against_oracle(out, lse, case, case_id(*dims) + "-dense")
-    (grid, kwargs), = spy.launches
-    assert grid == (4, 1)
+    grid, kwargs = spy.launches[-1]
+    assert grid == (2 * B, splits)
     assert (kwargs["BLOCK_N"], kwargs["num_warps"], kwargs["num_stages"]) == (128, 4, 5)
 
 
 @pytest.mark.parametrize("pairs,G,D,dtype,want", [
-    (4, 4, 128, torch.float16, 128),                  # one full wave of the 4 SMs
-    (4, 16, 96, torch.bfloat16, 128),                 # D 65-128 pad to 128-row tiles
+    (4, 4, 128, torch.float16, (128, 1)),             # one full wave of the 4 SMs
+    (4, 16, 96, torch.bfloat16, (128, 1)),            # D 65-128 pad to 128-row tiles
+    (2, 4, 128, torch.float16, (128, 2)),             # two splits fill the wave
     (3, 4, 128, torch.float16, None),                 # 75 % of a wave
     (5, 4, 128, torch.float16, None),                 # more than one wave
     (4, 32, 128, torch.float16, None),                # query groups over 16 heads
@@ -184,7 +188,7 @@ def test_native_dense_shape_matches_oracle(kernel_device, S, monkeypatch):
 ])
 def test_native_dense_shape_only_where_it_was_measured_to_win(pairs, G, D, dtype, want):
     """``native_dense_tile`` on the interpreter's 4 SMs (``sm_count``)."""
-    assert native_dense_tile(pairs, G, D, dtype.itemsize, CPU_PROPS) == want
+    assert native_dense_tile(pairs, G, D, dtype.itemsize, CPU_PROPS, 1024) == want
 
 
 @requires_cuda

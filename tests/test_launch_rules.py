@@ -88,12 +88,34 @@ def test_elastic_launch_table(args, want):
 
 
 def test_native_dense_tile_needs_one_full_wave_and_the_shared_memory():
-    assert native_dense_tile(128, 4, 128, 2, H200) == 128
+    assert native_dense_tile(128, 4, 128, 2, H200) == (128, 1)
     assert native_dense_tile(100, 4, 128, 2, H200) is None          # 76 % of the SMs
     assert native_dense_tile(200, 4, 128, 2, H200) is None          # two waves, 76 % full
-    assert native_dense_tile(256, 4, 128, 2, H200) == 64            # two waves, 97 %: 64 rows
+    assert native_dense_tile(256, 4, 128, 2, H200) == (64, 1)       # two waves, 97 %: 64 rows
     assert native_dense_tile(300, 4, 128, 2, H200) is None          # three waves
     assert native_dense_tile(128, 4, 128, 2, A100) is None
+
+
+@pytest.mark.parametrize("pairs,rows,want", [
+    (64, 2048, (128, 2)),       # 8/1 at B 64 x 2k: two splits fill 97 % of the wave
+    (64, 4096, (128, 2)),       # Qwen2.5-7B's 28/4 at B 16 x 4k
+    (53, 2048, (128, 2)),       # 80 %
+    (52, 2048, None),           # 79 %
+    (67, 2048, None),           # two splits make two waves
+    (64, 256, None),            # a split of 128 rows: one tile
+    (64, 512, (128, 2)),        # two tiles a split
+    (64, None, None),           # rows unknown
+    (8, 16384, None),           # B 1 x 16k would need 16 splits: one-warp programs
+])
+def test_native_dense_tile_splits_in_two_where_that_fills_the_wave(pairs, rows, want):
+    assert native_dense_tile(pairs, 8, 128, 2, H200, rows) == want
+
+
+def test_elastic_launch_takes_the_split_dense_shape_on_the_native_path_only():
+    native = elastic_launch(0, 64, 1, 8, 128, 16, 128, 2, H200)
+    assert (native.block_n, native.splits, native.warps, native.stages) == (128, 2, 4, 5)
+    mixed = elastic_launch(1, 64, 1, 8, 128, 16, 128, 2, H200)
+    assert (mixed.block_n, mixed.warps) == (32, 1)
 
 
 @pytest.mark.parametrize("pairs,n,block_n,tile,sms,want", [

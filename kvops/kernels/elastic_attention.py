@@ -608,26 +608,35 @@ SMEM_BUDGET = 160 * 1024    # bytes of K/V stages a program may hold (the H200 a
 WAVE_FILL = 0.8         # least busy share of the SMs for the native dense shape
 DENSE_STAGES = 5        # native dense shape: two buffered 64 KiB tiles
 DENSE_SMEM = 192 * 1024     # least shared memory a program may use for it (it takes 134-146 KiB)
+DENSE_SPLITS = 2        # splits a pair of the dense shape where one a pair fills under half a wave
 
 
-def native_dense_tile(pairs: int, G: int, D: int, itemsize: int,
-                      props: DeviceProps) -> int | None:
-    """Rows of the native path's dense launch shape (128-row tiles, 4 warps, unsplit,
-    ``DENSE_STAGES``: the static kernel's shape with two 64 KiB tiles in flight), or None to
-    keep 16-row one-warp split programs. Taken where it was measured to win (docs/tuning.md):
+def native_dense_tile(pairs: int, G: int, D: int, itemsize: int, props: DeviceProps,
+                      rows: int | None = None) -> tuple[int, int] | None:
+    """``(rows a tile, splits)`` of the native path's dense launch shape (128-row tiles, 4
+    warps, ``DENSE_STAGES``: the static kernel's shape with two 64 KiB tiles in flight), or None
+    to keep 16-row one-warp split programs. Taken where it was measured to win (docs/tuning.md):
     16-bit K/V of D 65-128, query groups of at most 16 heads, a GPU that lets a program use
-    ``DENSE_SMEM``, and one program a (sequence, KV head) filling one wave of the SMs to at
-    least ``WAVE_FILL`` with 128-row tiles, or two waves with 64-row tiles (two programs an SM,
-    so again one wave)."""
+    ``DENSE_SMEM``, and programs filling one wave of the SMs to at least ``WAVE_FILL``: one a
+    (sequence, KV head) with 128-row tiles, or with 64-row tiles where they fill two waves (two
+    programs an SM, so again one wave), or, where one a pair fills under half a wave and the
+    sequences' ``rows`` (None: unknown) give each of two splits at least two tiles, two a pair
+    with 128-row tiles (``DENSE_SPLITS``). Splitting further is left to the one-warp programs
+    (B 1 x 16k in 16 dense splits: 24.0 us against 22.7)."""
     if itemsize != 2 or next_pow2(D) != 128 or next_pow2(G) > 16:
         return None
     if props.smem < DENSE_SMEM:
         return None
+    block_n = kv_block_n(D, itemsize)
     waves, fill = grid_waves(pairs, props.sms)
-    if fill < WAVE_FILL or waves > 2:
-        return None
-    # two waves' worth of programs: half tiles, two programs an SM in one wave
-    return kv_block_n(D, itemsize) if waves == 1 else kv_block_n(D, itemsize) // 2
+    if fill >= WAVE_FILL and waves <= 2:
+        # two waves' worth of programs: half tiles, two programs an SM in one wave
+        return (block_n, 1) if waves == 1 else (block_n // 2, 1)
+    waves, fill = grid_waves(DENSE_SPLITS * pairs, props.sms)
+    if (waves == 1 and fill >= WAVE_FILL and rows is not None
+            and rows >= 2 * DENSE_SPLITS * block_n):
+        return block_n, DENSE_SPLITS
+    return None
 
 
 def default_num_stages(mode: int, programs_per_sm: float, tile_bytes: int) -> int:
@@ -697,9 +706,9 @@ def elastic_launch(mode: int, B: int, Hkv: int, G: int, NB: int, S: int, D: int,
     ``default_base_stages``, ``default_num_warps``, ``weighted_from`` (docs/tuning.md)."""
     pairs = max(B, 1) * Hkv
     if mode == 0 and all(k is None for k in (block_n, splits, warps, stages)):
-        dense = native_dense_tile(pairs, G, D, itemsize, props)
+        dense = native_dense_tile(pairs, G, D, itemsize, props, NB * S)
         if dense is not None:
-            block_n, splits, warps, stages = dense, 1, 4, DENSE_STAGES
+            (block_n, splits), warps, stages = dense, 4, DENSE_STAGES
     block_n = block_n or (BLOCK_N if mode == 0 else BLOCK_N_MIXED)
     tile_bytes = kv_tile_bytes(block_n, D, itemsize)
     if splits is None:
