@@ -650,6 +650,24 @@ def test_unaligned_pool_raises_on_the_kernel_path(kernel_device):
             torch.ops.kvops.elastic_attention(**dict(ok, **{name: shifted}))
 
 
+def test_pool_alignment_is_checked_every_call_of_an_unaligned_signature(kernel_device):
+    """A signature records whether each tensor is 16-byte aligned, not 4-byte: a pool four bytes
+    off a 16-byte boundary is read, and one of the same signature two bytes off is refused on
+    its own call, after the first one's checks were kept."""
+    ok = make_case(2, 3, 8, 2, 2, 32, torch.float16, "structured", kernel_device, seed=2)
+    c = ok["k_cache"]
+    buf = torch.empty(c.numel() + 8, dtype=c.dtype, device=c.device)
+    four = buf[2:2 + c.numel()].view(c.shape)          # 4 bytes past the 16-byte boundary
+    four.copy_(c)
+    two = buf[1:1 + c.numel()].view(c.shape)           # 2 bytes past it
+    with kvops.backend("triton"):
+        out, lse = torch.ops.kvops.elastic_attention(**dict(ok, k_cache=four))
+        check_against_oracle(out, lse, dict(ok, k_cache=four), "pool-4-bytes-off")
+        two.copy_(c)
+        with pytest.raises(ValueError, match="k_cache: .*4-byte aligned"):
+            torch.ops.kvops.elastic_attention(**dict(ok, k_cache=two))
+
+
 @requires_cuda
 @pytest.mark.parametrize("S", [8, 16, 64])
 def test_general_path_16_row_tiles_on_cuda(S):

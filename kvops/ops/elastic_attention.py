@@ -65,6 +65,11 @@ def _check(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, sc
                                  f"page stride, got {c.stride(0)}")
     if scale is not None and not isinstance(scale, float):
         raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+    # whether a call of this signature checks the pools' 4-byte alignment (BASE rows are read
+    # as 32-bit words): a signature holds whether each tensor is 16-byte aligned, so pools that
+    # are need no per-call check
+    return ((block_mode is not None or base_span is not None)
+            and bool((k_cache.data_ptr() | v_cache.data_ptr()) & 15))
 
 
 def _validate(k_cache, block_table, seq_lens, block_mode, base_span) -> None:
@@ -141,12 +146,12 @@ _checked = CheckedSignatures(_check)
 
 def _impl(q, k_cache, v_cache, block_table, seq_lens, block_mode=None, base_span=None,
           scale=None):
-    key, _ = _checked(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, scale)
+    key, word_check = _checked(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span,
+                               scale)
     if validate():
         _validate(k_cache, block_table, seq_lens, block_mode, base_span)
     if use_triton(q):
-        if ((k_cache.data_ptr() | v_cache.data_ptr()) & 3
-                and (block_mode is not None or base_span is not None)):
+        if word_check and (k_cache.data_ptr() | v_cache.data_ptr()) & 3:
             for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
                 if c.numel() and c.data_ptr() % 4:
                     raise ValueError(f"{name}: BASE rows are read as 32-bit words: expected a "
