@@ -555,6 +555,7 @@ def _paged_prefill_kernel(
 
 
 _PLANS: dict = {}
+_RULES = (None,) * 5 + (True,) + (None,) * 4      # no knob given: every rule's own choice
 
 
 def paged_prefill_attention_fwd(
@@ -591,7 +592,8 @@ def paged_prefill_attention_fwd(
                      *(sig(t) for t in news or ()))
     knobs = (block_m, block_n, num_warps, num_stages, num_splits, prefetch, tma, new_tma, off64,
              gluon)
-    key = (signature, knobs)
+    # the op's int signature keys the rules' plan; knobs or a signature made here key their own
+    key = signature if knobs == _RULES and type(signature) is int else (signature, knobs)
     plan = _PLANS.get(key) or keep_plan(_PLANS, key,
                                         _plan(*tensors, news, scale, window, knobs))
     grid, nsp, ints, meta, merge, fused, token, ready = plan

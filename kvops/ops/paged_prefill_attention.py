@@ -188,8 +188,7 @@ def paged_prefill_attention(
     v: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Causal attention of packed query chunks of many sequences over their paged prefixes
-    (``torch.ops.kvops.paged_prefill_attention``; chunked prefill).
-    sequences over their paged prefixes (chunked prefill), as FlashInfer's
+    (``torch.ops.kvops.paged_prefill_attention``; chunked prefill), as FlashInfer's
     ``BatchPrefillWithPagedKVCache`` and vLLM's varlen paged attention do.
 
     - q [N, Hq, D] (float16, bfloat16 or float32; the last dim contiguous): the new tokens of B
