@@ -165,3 +165,106 @@ def test_a_plans_launch_keeps_a_wrapper_convention_too(fake_triton, mode):
     _launch._BINS.clear()
     run(x)
     assert log == ["jit", mode, mode] and run._c is not None
+
+
+# A compiled launcher of triton 3.6's form for kernels with tensor descriptors: the Python
+# wrapper (``wrap_handle_tensordesc``) holds the C entry in its closure and encodes every
+# descriptor on every call through this module's ``make_tensordesc_arg``.
+ENCODED: list = []
+
+
+def make_tensordesc_arg(desc, metadata):
+    ENCODED.append((desc.base.data_ptr(), tuple(desc.shape), metadata))
+    return [("map", desc.base.data_ptr(), tuple(desc.block)), *desc.shape, *desc.strides]
+
+
+def _wrapper(launcher, tensordesc_indices, tensordesc_meta):
+    def inner(*args):
+        head, rest = list(args[:13]), args[13:]
+        for i, a in enumerate(rest):
+            head.extend(make_tensordesc_arg(a, tensordesc_meta[i]) if i in tensordesc_indices
+                        else [a])
+        return launcher(*head)
+    return inner
+
+
+def _desc_fn(A, B, X, N, BLOCK: tl.constexpr):
+    pass
+
+
+_desc_kernel = JITFunction(_desc_fn)
+
+
+@pytest.fixture
+def fake_described(monkeypatch):
+    """JIT launches of ``_desc_kernel`` logged as "jit", answered by a compiled kernel whose
+    C-convention launcher is ``_wrapper``'s closure over a C entry logging what it gets."""
+    log = []
+    run = type("Run", (), dict(launch_cooperative_grid=False, launch_pdl=False,
+                               global_scratch_size=0, profile_scratch_size=0))()
+    run.launch = _wrapper(lambda *a: log.append(("c", a)), {0, 1}, [{"box": 1}, {"box": 2}])
+    compiled = type("Compiled", (), dict(function=7, packed_metadata="pm", run=run))()
+
+    def jit_launch(kernel, grid):
+        def go(*args, **meta):
+            log.append(("jit", args))
+            return compiled
+        return go
+
+    monkeypatch.setattr(JITFunction, "__getitem__", jit_launch)
+    monkeypatch.setattr(_launch, "_BINS", {})
+    monkeypatch.setattr(_launch, "_STATE", {"direct": True, "mode": None})
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 5, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    ENCODED.clear()
+    return log
+
+
+def _described():
+    make = lambda t, shape, strides, box, layout: type("D", (), dict(
+        base=t, shape=shape, strides=strides, block=box, layout=layout))()
+    return _launch.DescribedLaunch(_desc_kernel, (3,), "k", (9,), {"BLOCK": 16},
+                                   (([2, 4], "la"), ([1, 4], "lb")), make)
+
+
+def test_a_described_launch_encodes_each_descriptor_once_per_address_and_shape(fake_described):
+    log = fake_described
+    run = _described()
+    a, b, x = torch.zeros(8, 4), torch.zeros(6, 4), torch.zeros(2)
+    spec = lambda t: (t, [t.shape[0], 4], [4, 1])
+    run((spec(a), spec(b)), x)              # the JIT compiles; launch() keeps the binary
+    run((spec(a), spec(b)), x)              # the C convention through the wrapper: it encodes
+    assert [e[0] for e in log] == ["jit", "c"] and run._c is not None
+    assert len(ENCODED) == 2
+    for _ in range(3):                      # the C entry itself: two encodings, kept
+        run((spec(a), spec(b)), x)
+    assert len(ENCODED) == 4 and [e[0] for e in log] == ["jit"] + ["c"] * 4
+    # what the C entry gets: grid, stream, function, flags, metadata, the encodings with their
+    # shapes and strides, the other arguments, the ints and the constexpr tail
+    want = (3, 1, 1, 5, 7, False, False, None, None, "pm", None, None, None,
+            ("map", a.data_ptr(), (2, 4)), 8, 4, 4, 1, ("map", b.data_ptr(), (1, 4)), 6, 4, 4, 1,
+            x, 9, 16)
+    assert log[-1][1] == want == log[1][1]
+    assert [m for _, _, m in ENCODED] == [{"box": 1}, {"box": 2}] * 2
+    c = torch.zeros(8, 4)                   # another address at the first position
+    run((spec(c), spec(b)), x)
+    assert len(ENCODED) == 5 and ENCODED[-1][0] == c.data_ptr()
+    run((spec(a[:4]), spec(b)), x)          # the same address, another shape
+    assert len(ENCODED) == 6 and log[-1][1][14] == 4
+    _launch._STATE["direct"] = False        # KVOPS_DIRECT_LAUNCH=0: the JIT again
+    run((spec(a), spec(b)), x)
+    assert log[-1][0] == "jit"
+
+
+def test_a_described_launch_keeps_the_wrapper_where_its_form_is_unknown(fake_described,
+                                                                          monkeypatch):
+    """A launcher whose wrapper is not triton 3.6's (another triton) keeps encoding through
+    launch(): the descriptors' objects go to it on every call."""
+    log = fake_described
+    monkeypatch.setattr(_launch, "_descriptor_entry", lambda compiled, count: None)
+    run = _described()
+    a, x = torch.zeros(8, 4), torch.zeros(2)
+    for _ in range(4):
+        run(((a, [8, 4], [4, 1]), (a, [8, 4], [4, 1])), x)
+    assert run._c is None and [e[0] for e in log] == ["jit", "c", "c", "c"]
+    assert len(ENCODED) == 6

@@ -871,8 +871,8 @@ def test_gluon_descriptors_equal_the_checked_ones():
     # pages 128 rows of Hkv * D = 128 apart (K and V interleaved), the last page 64 rows
     want_pool = TensorDescriptor(pool, [5 * 128 + 64, 128], [128, 1],
                                  [64, 64], g._layout(64, 64, torch.float16))
-    assert g._rows2d(rows, 128) == want_rows
-    assert g._pool2d(pool) == want_pool
+    assert g._descriptor(*g._rows(rows), [128, 64], g._layout(128, 64, torch.bfloat16)) == want_rows
+    assert g._descriptor(*g._pool(pool), [64, 64], g._layout(64, 64, torch.float16)) == want_pool
 
 
 @pytest.mark.skipif(not HAVE_GLUON, reason="no Gluon Hopper ops in this triton")
@@ -881,11 +881,12 @@ def test_gluon_launch_passes_each_kernel_parameter(monkeypatch):
     the plan keeps the launch's grid, ints and constants, and a call hands the kernel each
     parameter by name, twice over one plan."""
     import kvops.kernels.paged_prefill_gluon as g
+    from kvops.kernels import _launch
     monkeypatch.setattr(prefill_kernel, "_PLANS", {})
     monkeypatch.setattr(prefill_kernel, "nvidia_ptx", lambda device: True)
     monkeypatch.setattr(prefill_kernel, "cuda_capability", lambda device: (9, 0))
     launches = []
-    monkeypatch.setattr(g, "launch", lambda kernel, grid, key, args, meta: launches.append(
+    monkeypatch.setattr(_launch, "launch", lambda kernel, grid, key, args, meta: launches.append(
         (kernel, grid, key, args, meta)))
     case = make_case([(70, 200), (0, 9)], 64, 2, 4, 128, torch.bfloat16, "cpu", seed=3)
     k, v = new_rows(case, garbage=0.0)
@@ -894,7 +895,8 @@ def test_gluon_launch_passes_each_kernel_parameter(monkeypatch):
     assert out.shape == (209, 8, 128) and lse.shape == (209, 8)
     assert len(prefill_kernel._PLANS) == 1 and len(launches) == 2
     kernel, grid, key, args, meta = launches[-1]
-    assert kernel is g._paged_prefill_gluon_kernel and key[0] == prefill_kernel.GLUON_PLAN
+    plan, = prefill_kernel._PLANS.values()
+    assert kernel is g._paged_prefill_gluon_kernel and key is plan[5].key
     named = dict(zip(kernel.arg_names, args))
     assert len(args) + 2 == len(kernel.arg_names) and set(meta) == {"HQ", "G", "num_warps",
                                                                     "maxnreg"}
@@ -907,6 +909,8 @@ def test_gluon_launch_passes_each_kernel_parameter(monkeypatch):
     assert named["out_ptr"] is out and named["lse_ptr"] is lse
     assert named["q_desc"].base is case["q"] and named["kn_desc"].base is k
     assert named["vp_desc"].base is case["v_cache"] and named["o_desc"].base is out
+    assert named["q_desc"].block_shape == [64, 128] and named["kp_desc"].block_shape == [64, 128]
+    assert named["vn_desc"].block_shape == [128, 128] and named["o_desc"].shape == [209, 1024]
     assert (meta["HQ"], meta["G"]) == (8, 4)
 
 

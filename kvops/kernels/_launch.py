@@ -23,6 +23,7 @@ a ``JITFunction`` (Gluon's is one too; a test's spy is not) is always called thr
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 from triton.runtime.jit import JITFunction
@@ -181,6 +182,88 @@ class Launch:
         # the compiled kernel rides along: it owns the module its function handle lives in
         self._c = ((*_c_entry(compiled, g), (*self.ints, *tail), compiled) if mode == "c" else
                    (None, mode, compiled, g, tail))
+
+
+MAX_DESCRIPTORS = 256     # encoded descriptors a DescribedLaunch keeps (a layer's pools, the
+                          # activations' recurring addresses)
+
+
+def _descriptor_entry(compiled, count: int):
+    """``(C entry, per-descriptor metadata, expansion)`` of a compiled kernel whose first
+    ``count`` parameters are tensor descriptors and whose C-convention launcher expands them in
+    Python on every call (triton 3.6's ``wrap_handle_tensordesc``: the C entry sits in its
+    closure, ``make_tensordesc_arg(desc, metadata)`` encodes one); None for another form."""
+    wrapper = compiled.run.launch
+    code, cells = getattr(wrapper, "__code__", None), getattr(wrapper, "__closure__", None)
+    if code is None or not cells:
+        return None
+    free = dict(zip(code.co_freevars, (c.cell_contents for c in cells)))
+    expand = getattr(sys.modules.get(getattr(wrapper, "__module__", None) or ""),
+                     "make_tensordesc_arg", None)
+    if (set(free) != {"launcher", "tensordesc_indices", "tensordesc_meta"}
+            or free["tensordesc_indices"] != set(range(count)) or not callable(free["launcher"])
+            or not free["tensordesc_meta"] or len(free["tensordesc_meta"]) != count
+            or None in free["tensordesc_meta"]
+            or getattr(getattr(expand, "__code__", None), "co_argcount", 0) != 2):
+        return None
+    return free["launcher"], tuple(free["tensordesc_meta"]), expand
+
+
+class DescribedLaunch:
+    """A :class:`Launch` of a kernel whose first parameters are tensor descriptors. A call
+    passes each descriptor as ``(tensor, shape, strides)`` (the 2-D view it describes); the
+    launch holds each one's box and shared layout (``boxes``) and ``make(tensor, shape, strides,
+    box, layout)``, which builds the descriptor object the JIT takes.
+
+    Triton's compiled launcher encodes every descriptor again on every call (a Python
+    expansion and ``cuTensorMapEncodeTiled`` each). Once the compiled kernel took its arguments
+    through the C entry, this launch encodes a descriptor only for an address, shape and
+    strides it has not seen at that position (the box, element type and swizzle are the
+    binary's), keeps the encoding, and hands the encodings with the other arguments straight
+    to the C entry. An encoding holds no reference to the tensor: it is the same bytes
+    whenever that memory has that shape again."""
+
+    __slots__ = ("kernel", "grid", "key", "ints", "meta", "boxes", "make", "_c", "_maps")
+
+    def __init__(self, kernel, grid: tuple, key, ints: tuple, meta: dict, boxes: tuple, make):
+        self.kernel, self.grid, self.key, self.ints, self.meta = kernel, grid, key, ints, meta
+        self.boxes, self.make = boxes, make
+        self._c = None
+        self._maps: dict = {}
+
+    def __call__(self, descs: tuple, *args):
+        c = self._c
+        if c is not None and _STATE["direct"] and _no_hooks():
+            maps, flat = self._maps, []
+            for i, (t, shape, strides) in enumerate(descs):
+                k = (i, t.data_ptr(), *shape, *strides)
+                m = maps.get(k)
+                if m is None:
+                    if len(maps) >= MAX_DESCRIPTORS:
+                        maps.clear()
+                    m = maps[k] = tuple(c[9](self.make(t, shape, strides, *self.boxes[i]),
+                                             c[8][i]))
+                flat += m
+            stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+            c[0](c[1], c[2], c[3], stream, c[4], c[5], c[6], None, None, c[7], None, None, None,
+                 *flat, *args, *c[10])
+            return
+        made = tuple(self.make(t, shape, strides, *box)
+                     for (t, shape, strides), box in zip(descs, self.boxes))
+        launch(self.kernel, self.grid, self.key, (*made, *args, *self.ints), self.meta)
+        hit = _BINS.get((id(self.kernel), self.key)) if self.key is not None else None
+        if hit is None or hit[2] != "c":
+            return                   # not yet probed, or a convention that encodes them itself
+        compiled, tail, _, _ = hit
+        entry = _descriptor_entry(compiled, len(self.boxes))
+        if entry is None:
+            return
+        raw, metas, expand = entry
+        g = self.grid + _PAD[len(self.grid)]
+        run = compiled.run
+        # the compiled kernel rides along: it owns the module its function handle lives in
+        self._c = (raw, *g, compiled.function, run.launch_cooperative_grid, run.launch_pdl,
+                   compiled.packed_metadata, metas, expand, (*self.ints, *tail), compiled)
 
 
 # "direct": compiled launches on; "mode": the convention the last first direct launch found

@@ -52,7 +52,12 @@ from kvops.kernels._common import (
 )
 from kvops.kernels._launch import Launch, keep_plan
 from kvops.kernels._splitk import arrive, launch_split, merge_plan, merge_rows, split_outputs
-from kvops.kernels.paged_prefill_gluon import gluon_plan, paged_prefill_gluon_fwd, prefill_gluon
+from kvops.kernels.paged_prefill_gluon import (
+    gluon_launch,
+    gluon_plan,
+    paged_prefill_gluon_fwd,
+    prefill_gluon,
+)
 
 # Splits of a tile's key range only while the tiles fill less than this share of the SMs, and
 # only as far as each split keeps at least MIN_SPLIT_TILES key tiles of the longest context.
@@ -600,7 +605,7 @@ def paged_prefill_attention_fwd(
     if token is GLUON_PLAN:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = torch.empty(N, Hq, dtype=torch.float32, device=q.device)
-        paged_prefill_gluon_fwd(*tensors, *news, out, lse, grid, ints, meta, (GLUON_PLAN, key))
+        paged_prefill_gluon_fwd(*tensors, *news, out, lse, fused)
         return out, lse
     # out [N, Hq, D] and lse [N, Hq] are a decode launch's outputs with N rows
     out, lse, part_o, part_l, count = split_outputs(N, Hq, D, nsp, q.dtype, q.device,
@@ -730,7 +735,8 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, news, scale, 
                          "tensors")
     if gluon:
         grid, ints, meta = gluon_plan(q, k_cache, block_table, scale)
-        return grid, 1, ints, meta, None, None, GLUON_PLAN, []
+        return (grid, 1, ints, meta, None, gluon_launch(grid, ints, meta, D, S, q.dtype),
+                GLUON_PLAN, [])
     ints = (N, B, P, L, page_rows, num_tiles, window, scale * LOG2E.value, nsp, *strides)
     meta = dict(S=S, HKV=Hkv, G=G, D=D, BLOCK_Q=block_q, BLOCK_M=bm, BLOCK_N=bn,
                 BLOCK_D=next_pow2(max(D, 16)), BLOCK_B=SEQ_CHUNK,

@@ -67,7 +67,7 @@ except ImportError:  # pragma: no cover - an older triton: the Triton kernel ser
     HAVE_GLUON = False
 
 from kvops.kernels._attention import LOG2E
-from kvops.kernels._launch import launch
+from kvops.kernels._launch import DescribedLaunch
 
 # (constexpr: the kernels read them; ``int()`` on the host)
 BLOCK_M = tl.constexpr(128)    # query rows a program (two consumer warpgroups of HALF)
@@ -441,21 +441,20 @@ def _descriptor(base: torch.Tensor, shape, strides, box, layout):
     return d
 
 
-def _rows2d(t: torch.Tensor, box: int):
-    """A descriptor over rows ``[N, H, D]`` (heads contiguous in a row) as ``[N, H * D]``,
-    loading ``[box, D]``: one head's ``box`` consecutive rows."""
+def _rows(t: torch.Tensor):
+    """What a descriptor over rows ``[N, H, D]`` (heads contiguous in a row) describes: the
+    tensor as ``[N, H * D]`` with its row stride (a box is one head's consecutive rows)."""
     N, H, D = t.shape
-    return _descriptor(t, [N, H * D], [t.stride(0), 1], [box, D], _layout(box, D, t.dtype))
+    return t, [N, H * D], [t.stride(0), 1]
 
 
-def _pool2d(cache: torch.Tensor):
-    """A descriptor over a pool ``[P, S, Hkv, D]`` as rows of ``Hkv * D`` (page ``p``'s first
-    row ``p * stride(0) / (Hkv * D)``), loading ``[box_rows(S), D]`` boxes."""
+def _pool(cache: torch.Tensor):
+    """What a descriptor over a pool ``[P, S, Hkv, D]`` describes: rows of ``Hkv * D`` values,
+    page ``p``'s first row ``p * stride(0) / (Hkv * D)`` (so a layer's slice of a bigger pool
+    and an interleaved K/V pool need no copy), up to the last page's last row."""
     P, S, Hkv, D = cache.shape
     F = Hkv * D
-    rows = (P - 1) * (cache.stride(0) // F) + S
-    R = box_rows(S)
-    return _descriptor(cache, [rows, F], [F, 1], [R, D], _layout(R, D, cache.dtype))
+    return cache, [(P - 1) * (cache.stride(0) // F) + S, F], [F, 1]
 
 
 def gluon_plan(q, k_cache, block_table, scale: float):
@@ -474,13 +473,21 @@ def gluon_plan(q, k_cache, block_table, scale: float):
     return (Hq, num_tiles), ints, meta
 
 
+def gluon_launch(grid: tuple, ints: tuple, meta: dict, D: int, S: int,
+                 dtype: torch.dtype) -> DescribedLaunch:
+    """The plan's launch of the Gluon kernel (``gluon_plan``'s ``grid``, ``ints``, ``meta``):
+    its six descriptors' boxes, ``[HALF, D]`` query and output rows, ``[box_rows(S), D]`` pool
+    rows and ``[BLOCK_N, D]`` new-token rows, and their layouts. The plan's own token keys the
+    binary."""
+    half, pool, new = (int(HALF), D), (box_rows(S), D), (int(BLOCK_N), D)
+    boxes = tuple((list(b), _layout(*b, dtype)) for b in (half, pool, pool, new, new, half))
+    return DescribedLaunch(_paged_prefill_gluon_kernel, grid, object(), ints, meta, boxes,
+                           _descriptor)
+
+
 def paged_prefill_gluon_fwd(q, k_cache, v_cache, block_table, query_start, seq_lens, k, v, out,
-                            lse, grid, ints, meta, key=None) -> None:
-    """Launch the Gluon kernel into ``out [N, Hq, D]`` and ``lse [N, Hq]`` (contiguous) with
-    ``gluon_plan``'s ``grid``, ``ints`` and ``meta``; the caller took ``prefill_gluon``'s rule.
-    ``key``: what determines the binary (the arguments' signature), so later calls launch it
-    directly (``_launch``); None: through the JIT."""
-    descs = (_rows2d(q, int(HALF)), _pool2d(k_cache), _pool2d(v_cache), _rows2d(k, int(BLOCK_N)),
-             _rows2d(v, int(BLOCK_N)), _rows2d(out, int(HALF)))
-    launch(_paged_prefill_gluon_kernel, grid, key,
-           (*descs, out, lse, block_table, query_start, seq_lens, *ints), meta)
+                            lse, run: DescribedLaunch) -> None:
+    """Launch the Gluon kernel into ``out [N, Hq, D]`` and ``lse [N, Hq]`` (contiguous) through
+    the plan's ``run`` (``gluon_launch``); the caller took ``prefill_gluon``'s rule."""
+    run((_rows(q), _pool(k_cache), _pool(v_cache), _rows(k), _rows(v), _rows(out)), out, lse,
+        block_table, query_start, seq_lens)
