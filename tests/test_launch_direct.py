@@ -64,18 +64,23 @@ def fake_triton(monkeypatch):
     conventions set by the test); launch state fresh; CUDA stream queries stubbed."""
     log, accepts = [], {}
 
-    def jit_launch(kernel, grid):
-        def run(*args, **meta):
-            log.append("jit")
-            return FakeCompiled(accepts.get(kernel.fn.__name__.removesuffix("_fn"), ()), log)
-        return run
+    def compile_(kernel, args):
+        log.append("jit")
+        return FakeCompiled(accepts.get(kernel.fn.__name__.removesuffix("_fn"), ()), log)
 
-    monkeypatch.setattr(JITFunction, "__getitem__", jit_launch)
+    _fake_jit(monkeypatch, compile_)
+    return log, accepts
+
+
+def _fake_jit(monkeypatch, compile_, stream=0):
+    """JIT launches answered by ``compile_(kernel, args)`` (the compiled kernel they return);
+    launch state fresh; the CUDA stream queries answer ``stream`` and device 0."""
+    monkeypatch.setattr(JITFunction, "__getitem__",
+                        lambda kernel, grid: lambda *args, **meta: compile_(kernel, args))
     monkeypatch.setattr(_launch, "_BINS", {})
     monkeypatch.setattr(_launch, "_STATE", {"direct": True, "mode": None})
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: stream, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
-    return log, accepts
 
 
 def call(kernel, key="k"):
@@ -204,18 +209,7 @@ def fake_described(monkeypatch):
                                global_scratch_size=0, profile_scratch_size=0))()
     run.launch = _wrapper(lambda *a: log.append(("c", a)), {0, 1}, [{"box": 1}, {"box": 2}])
     compiled = type("Compiled", (), dict(function=7, packed_metadata="pm", run=run))()
-
-    def jit_launch(kernel, grid):
-        def go(*args, **meta):
-            log.append(("jit", args))
-            return compiled
-        return go
-
-    monkeypatch.setattr(JITFunction, "__getitem__", jit_launch)
-    monkeypatch.setattr(_launch, "_BINS", {})
-    monkeypatch.setattr(_launch, "_STATE", {"direct": True, "mode": None})
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 5, raising=False)
-    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    _fake_jit(monkeypatch, lambda kernel, args: log.append(("jit", args)) or compiled, stream=5)
     ENCODED.clear()
     return log
 
