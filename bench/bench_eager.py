@@ -65,6 +65,7 @@ def cases(device, dtype=torch.bfloat16, B=4, ctx=512):
     backing = torch.empty(2, 2, S, HKV, D, dtype=back_dtype, device=device)
     slots = torch.arange(B, dtype=torch.int32, device=device) * S
     q_start = torch.arange(B + 1, dtype=torch.int32, device=device)
+    k_rows, v_rows = rnd(B, HKV, D), rnd(B, HKV, D)      # the chunk's own K/V rows
     ops = torch.ops.kvops
     # far-page retrieval (kvops.runtime.FarRetrieval): N far pages a sequence, top 8 of them
     N, K = L, 8
@@ -111,6 +112,10 @@ def cases(device, dtype=torch.bfloat16, B=4, ctx=512):
                                                                                q[:, :HKV]))),
         "paged_prefill_attention": (
             lambda: ops.paged_prefill_attention(q, kc, vc, table, q_start, seq), "sdpa", sdpa),
+        # as the engine calls it: the chunk's own K/V rows given (the Gluon kernel on sm_90)
+        "paged_prefill_attention (chunk rows)": (
+            lambda: ops.paged_prefill_attention(q, kc, vc, table, q_start, seq, k=k_rows,
+                                                v=v_rows), "sdpa", sdpa),
         "far_page_summarize": (lambda: ops.far_page_summarize(kc, far_pages), "sdpa", sdpa),
         "far_page_select": (lambda: ops.far_page_select(q, k_min, k_max, num_far, K), "sdpa",
                             sdpa),

@@ -254,11 +254,12 @@ def test_a_described_launch_keeps_the_wrapper_where_its_form_is_unknown(fake_des
                                                                           monkeypatch):
     """A launcher whose wrapper is not triton 3.6's (another triton) keeps encoding through
     launch(): the descriptors' objects go to it on every call."""
-    log = fake_described
-    monkeypatch.setattr(_launch, "_descriptor_entry", lambda compiled, count: None)
+    log, probes = fake_described, []
+    monkeypatch.setattr(_launch, "_descriptor_entry",
+                        lambda compiled, count: probes.append(count))
     run = _described()
     a, x = torch.zeros(8, 4), torch.zeros(2)
     for _ in range(4):
         run(((a, [8, 4], [4, 1]), (a, [8, 4], [4, 1])), x)
-    assert run._c is None and [e[0] for e in log] == ["jit", "c", "c", "c"]
-    assert len(ENCODED) == 6
+    assert run._c is False and probes == [2]          # probed once, after the C convention
+    assert [e[0] for e in log] == ["jit", "c", "c", "c"] and len(ENCODED) == 6

@@ -228,12 +228,12 @@ class DescribedLaunch:
     def __init__(self, kernel, grid: tuple, key, ints: tuple, meta: dict, boxes: tuple, make):
         self.kernel, self.grid, self.key, self.ints, self.meta = kernel, grid, key, ints, meta
         self.boxes, self.make = boxes, make
-        self._c = None
+        self._c = None               # None: not probed; False: no direct form
         self._maps: dict = {}
 
     def __call__(self, descs: tuple, *args):
         c = self._c
-        if c is not None and _STATE["direct"] and _no_hooks():
+        if c and _STATE["direct"] and _no_hooks():
             maps, flat = self._maps, []
             for i, (t, shape, strides) in enumerate(descs):
                 k = (i, t.data_ptr(), *shape, *strides)
@@ -251,12 +251,15 @@ class DescribedLaunch:
         made = tuple(self.make(t, shape, strides, *box)
                      for (t, shape, strides), box in zip(descs, self.boxes))
         launch(self.kernel, self.grid, self.key, (*made, *args, *self.ints), self.meta)
+        if c is not None:            # False: the launcher's form is not 3.6's; it encodes
+            return
         hit = _BINS.get((id(self.kernel), self.key)) if self.key is not None else None
-        if hit is None or hit[2] != "c":
-            return                   # not yet probed, or a convention that encodes them itself
-        compiled, tail, _, _ = hit
-        entry = _descriptor_entry(compiled, len(self.boxes))
+        if hit is None or hit[2] not in ("c", "tail", "plain", "jit"):
+            return                   # not yet probed
+        compiled, tail, mode, _ = hit
+        entry = _descriptor_entry(compiled, len(self.boxes)) if mode == "c" else None
         if entry is None:
+            self._c = False
             return
         raw, metas, expand = entry
         g = self.grid + _PAD[len(self.grid)]
