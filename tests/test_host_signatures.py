@@ -29,6 +29,7 @@ CALLS = {
     "refine_base_pairs": ("refine_base_pairs", 1),
     "paged_kv_write": ("paged_kv_write", 1),
     "paged_prefill_attention": ("paged_prefill_attention", 1),
+    "paged_prefill_attention (chunk rows)": ("paged_prefill_attention", 1),
     "far_page_summarize": ("far_page_summarize", 1),
     "far_page_select": ("far_page_select", 1),
     "far_slot_update (two calls)": ("far_slot_update", 2),

@@ -79,9 +79,9 @@ def far_view_observe_fwd(q, far_k, far_bias, lse, select, scores, live, ema: flo
     mass = torch.empty(R, C, dtype=torch.float32, device=q.device)
     if R == 0:
         return mass
-    if signature is None:
-        signature = tuple(sig(t) for t in (q, far_k, far_bias, lse, select, scores, live))
-    key = (signature, ema, scale)
+    # the op's int signature holds ema and the scale it was given (None: D's, in the shapes)
+    key = (signature if type(signature) is int else
+           (tuple(sig(t) for t in (q, far_k, far_bias, lse, select, scores, live)), ema, scale))
     plan = _PLANS.get(key) or keep_plan(_PLANS, key, _plan(q, far_k, far_bias, lse, select,
                                                            scores, live, ema, scale))
     live_arg = live.view(torch.uint8) if live is not None else select   # unread without live

@@ -20,7 +20,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_SLOT_ELEMS = 32768
 
 
-def _check(q, far_k, far_bias, lse, select, scores, live, ema) -> None:
+def _check(q, far_k, far_bias, lse, select, scores, live, ema, scale=None) -> None:
     _checks.tensor("q", q, rank=3, dtypes=DTYPES)
     dev = q.device
     R, Hq, D = q.shape
@@ -97,12 +97,13 @@ _checked = CheckedSignatures(_check)
 
 
 def _impl(q, far_k, far_bias, lse, select, scores, live=None, ema=0.9, scale=None):
-    key, _ = _checked(q, far_k, far_bias, lse, select, scores, live, ema)
+    # scale is part of the signature, so its int names the launch plan alone
+    key, _ = _checked(q, far_k, far_bias, lse, select, scores, live, ema, scale)
     if validate():
         _checks.index_range("select", select, 0, scores.shape[1], allow=-1)
     if use_triton(q):
-        scale = q.shape[2] ** -0.5 if scale is None else scale
-        return far_view_observe_fwd(q, far_k, far_bias, lse, select, scores, live, ema, scale,
+        return far_view_observe_fwd(q, far_k, far_bias, lse, select, scores, live, ema,
+                                    q.shape[2] ** -0.5 if scale is None else scale,
                                     signature=key)
     return far_view_observe_ref(q, far_k, far_bias, lse, select, scores, live, ema, scale)
 
