@@ -17,7 +17,8 @@ from kvops.ops._library import CheckedSignatures, register
 from kvops.ops._reference import softmax_attend
 
 
-def _check(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, scale) -> None:
+def _check_args(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span,
+                scale) -> None:
     _checks.tensor("q", q, rank=3, dtypes=_checks.KV_DTYPES)
     dev = q.device
     B, Hq, D = q.shape
@@ -65,9 +66,13 @@ def _check(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, sc
                                  f"page stride, got {c.stride(0)}")
     if scale is not None and not isinstance(scale, float):
         raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
-    # whether a call of this signature checks the pools' 4-byte alignment (BASE rows are read
-    # as 32-bit words): a signature holds whether each tensor is 16-byte aligned, so pools that
-    # are need no per-call check
+
+
+def _check(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, scale) -> bool:
+    """The checks of a real call, and whether a call of this signature checks the pools' 4-byte
+    alignment (BASE rows are read as 32-bit words): a signature holds whether each tensor is
+    16-byte aligned, so pools that are need no per-call check."""
+    _check_args(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, scale)
     return ((block_mode is not None or base_span is not None)
             and bool((k_cache.data_ptr() | v_cache.data_ptr()) & 15))
 
@@ -165,7 +170,7 @@ def _impl(q, k_cache, v_cache, block_table, seq_lens, block_mode=None, base_span
 
 def _fake(q, k_cache, v_cache, block_table, seq_lens, block_mode=None, base_span=None,
           scale=None):
-    _check(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, scale)
+    _check_args(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, scale)
     B, Hq, D = q.shape
     return q.new_empty((B, Hq, D)), q.new_empty((B, Hq), dtype=torch.float32)
 
