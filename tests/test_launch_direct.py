@@ -217,21 +217,22 @@ def fake_described(monkeypatch):
 def _described():
     make = lambda t, shape, strides, box, layout: type("D", (), dict(
         base=t, shape=shape, strides=strides, block=box, layout=layout))()
+    rows = lambda t: ([t.shape[0], 4], [4, 1])
     return _launch.DescribedLaunch(_desc_kernel, (3,), "k", (9,), {"BLOCK": 16},
-                                   (([2, 4], "la"), ([1, 4], "lb")), make)
+                                   ((rows, [2, 4], "la"), (rows, [1, 4], "lb")), make)
 
 
-def test_a_described_launch_encodes_each_descriptor_once_per_address_and_shape(fake_described):
+def test_a_described_launch_encodes_each_descriptor_once_per_address(fake_described):
     log = fake_described
     run = _described()
     a, b, x = torch.zeros(8, 4), torch.zeros(6, 4), torch.zeros(2)
-    spec = lambda t: (t, [t.shape[0], 4], [4, 1])
-    run((spec(a), spec(b)), x)              # the JIT compiles; launch() keeps the binary
-    run((spec(a), spec(b)), x)              # the C convention through the wrapper: it encodes
+    run((a, b), x)                          # the JIT compiles; launch() keeps the binary
+    run((a, b), x)                          # the C convention through the wrapper: it encodes
     assert [e[0] for e in log] == ["jit", "c"] and run._c is not None
+    assert log[0][1][0].base is a and log[0][1][1].layout == "lb"
     assert len(ENCODED) == 2
     for _ in range(3):                      # the C entry itself: two encodings, kept
-        run((spec(a), spec(b)), x)
+        run((a, b), x)
     assert len(ENCODED) == 4 and [e[0] for e in log] == ["jit"] + ["c"] * 4
     # what the C entry gets: grid, stream, function, flags, metadata, the encodings with their
     # shapes and strides, the other arguments, the ints and the constexpr tail
@@ -241,12 +242,12 @@ def test_a_described_launch_encodes_each_descriptor_once_per_address_and_shape(f
     assert log[-1][1] == want == log[1][1]
     assert [m for _, _, m in ENCODED] == [{"box": 1}, {"box": 2}] * 2
     c = torch.zeros(8, 4)                   # another address at the first position
-    run((spec(c), spec(b)), x)
+    run((c, b), x)
     assert len(ENCODED) == 5 and ENCODED[-1][0] == c.data_ptr()
-    run((spec(a[:4]), spec(b)), x)          # the same address, another shape
-    assert len(ENCODED) == 6 and log[-1][1][14] == 4
+    run((c, c[:6]), x)                      # an address seen at the other position only
+    assert len(ENCODED) == 6 and ENCODED[-1][2] == {"box": 2}
     _launch._STATE["direct"] = False        # KVOPS_DIRECT_LAUNCH=0: the JIT again
-    run((spec(a), spec(b)), x)
+    run((a, b), x)
     assert log[-1][0] == "jit"
 
 
@@ -260,6 +261,6 @@ def test_a_described_launch_keeps_the_wrapper_where_its_form_is_unknown(fake_des
     run = _described()
     a, x = torch.zeros(8, 4), torch.zeros(2)
     for _ in range(4):
-        run(((a, [8, 4], [4, 1]), (a, [8, 4], [4, 1])), x)
+        run((a, a), x)
     assert run._c is False and probes == [2]          # probed once, after the C convention
     assert [e[0] for e in log] == ["jit", "c", "c", "c"] and len(ENCODED) == 6

@@ -871,8 +871,10 @@ def test_gluon_descriptors_equal_the_checked_ones():
     # pages 128 rows of Hkv * D = 128 apart (K and V interleaved), the last page 64 rows
     want_pool = TensorDescriptor(pool, [5 * 128 + 64, 128], [128, 1],
                                  [64, 64], g._layout(64, 64, torch.float16))
-    assert g._descriptor(*g._rows(rows), [128, 64], g._layout(128, 64, torch.bfloat16)) == want_rows
-    assert g._descriptor(*g._pool(pool), [64, 64], g._layout(64, 64, torch.float16)) == want_pool
+    assert g._descriptor(rows, *g._rows(rows), [128, 64],
+                         g._layout(128, 64, torch.bfloat16)) == want_rows
+    assert g._descriptor(pool, *g._pool(pool), [64, 64],
+                         g._layout(64, 64, torch.float16)) == want_pool
 
 
 @pytest.mark.skipif(not HAVE_GLUON, reason="no Gluon Hopper ops in this triton")

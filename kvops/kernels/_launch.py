@@ -211,45 +211,49 @@ def _descriptor_entry(compiled, count: int):
 
 class DescribedLaunch:
     """A :class:`Launch` of a kernel whose first parameters are tensor descriptors. A call
-    passes each descriptor as ``(tensor, shape, strides)`` (the 2-D view it describes); the
-    launch holds each one's box and shared layout (``boxes``) and ``make(tensor, shape, strides,
-    box, layout)``, which builds the descriptor object the JIT takes.
+    passes the tensor each one describes; the launch holds, for each position, ``(describe,
+    box, layout)`` (``describe(tensor)`` gives the ``(shape, strides)`` the descriptor views it
+    as) and ``make(tensor, shape, strides, box, layout)``, which builds the descriptor object
+    the JIT takes.
 
-    Triton's compiled launcher encodes every descriptor again on every call (a Python
-    expansion and ``cuTensorMapEncodeTiled`` each). Once the compiled kernel took its arguments
-    through the C entry, this launch encodes a descriptor only for an address, shape and
-    strides it has not seen at that position (the box, element type and swizzle are the
-    binary's), keeps the encoding, and hands the encodings with the other arguments straight
-    to the C entry. An encoding holds no reference to the tensor: it is the same bytes
-    whenever that memory has that shape again."""
+    A launch plan fixes its tensors' shapes and strides (it is kept per argument signature), so
+    between its calls only the descriptors' addresses change. Triton's compiled launcher encodes
+    every descriptor again on every call (a Python expansion and ``cuTensorMapEncodeTiled``
+    each). Once the compiled kernel took its arguments through the C entry, this launch
+    encodes a descriptor only for an address it has not seen at that position (the box,
+    element type and swizzle are the binary's), keeps the encoding, and hands the encodings
+    with the other arguments straight to the C entry. An encoding holds no reference to the
+    tensor: it is the same bytes whenever that memory has that shape again."""
 
-    __slots__ = ("kernel", "grid", "key", "ints", "meta", "boxes", "make", "_c", "_maps")
+    __slots__ = ("kernel", "grid", "key", "ints", "meta", "descs", "make", "_c", "_maps")
 
-    def __init__(self, kernel, grid: tuple, key, ints: tuple, meta: dict, boxes: tuple, make):
+    def __init__(self, kernel, grid: tuple, key, ints: tuple, meta: dict, descs: tuple, make):
         self.kernel, self.grid, self.key, self.ints, self.meta = kernel, grid, key, ints, meta
-        self.boxes, self.make = boxes, make
+        self.descs, self.make = descs, make
         self._c = None               # None: not probed; False: no direct form
-        self._maps: dict = {}
+        self._maps = tuple({} for _ in descs)   # a position's encodings by address
 
-    def __call__(self, descs: tuple, *args):
+    def _made(self, i: int, t: torch.Tensor):
+        describe, box, layout = self.descs[i]
+        return self.make(t, *describe(t), box, layout)
+
+    def __call__(self, bases: tuple, *args):
         c = self._c
         if c and _STATE["direct"] and _no_hooks():
-            maps, flat = self._maps, []
-            for i, (t, shape, strides) in enumerate(descs):
-                k = (i, t.data_ptr(), *shape, *strides)
-                m = maps.get(k)
+            flat = []
+            for i, t in enumerate(bases):
+                maps = self._maps[i]
+                m = maps.get(t.data_ptr())
                 if m is None:
                     if len(maps) >= MAX_DESCRIPTORS:
                         maps.clear()
-                    m = maps[k] = tuple(c[9](self.make(t, shape, strides, *self.boxes[i]),
-                                             c[8][i]))
+                    m = maps[t.data_ptr()] = tuple(c[9](self._made(i, t), c[8][i]))
                 flat += m
             stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
             c[0](c[1], c[2], c[3], stream, c[4], c[5], c[6], None, None, c[7], None, None, None,
                  *flat, *args, *c[10])
             return
-        made = tuple(self.make(t, shape, strides, *box)
-                     for (t, shape, strides), box in zip(descs, self.boxes))
+        made = tuple(self._made(i, t) for i, t in enumerate(bases))
         launch(self.kernel, self.grid, self.key, (*made, *args, *self.ints), self.meta)
         if c is not None:            # False: the launcher's form is not 3.6's; it encodes
             return
@@ -257,7 +261,7 @@ class DescribedLaunch:
         if hit is None or hit[2] not in ("c", "tail", "plain", "jit"):
             return                   # not yet probed
         compiled, tail, mode, _ = hit
-        entry = _descriptor_entry(compiled, len(self.boxes)) if mode == "c" else None
+        entry = _descriptor_entry(compiled, len(self.descs)) if mode == "c" else None
         if entry is None:
             self._c = False
             return

@@ -442,19 +442,19 @@ def _descriptor(base: torch.Tensor, shape, strides, box, layout):
 
 
 def _rows(t: torch.Tensor):
-    """What a descriptor over rows ``[N, H, D]`` (heads contiguous in a row) describes: the
-    tensor as ``[N, H * D]`` with its row stride (a box is one head's consecutive rows)."""
+    """``(shape, strides)`` of a descriptor over rows ``[N, H, D]`` (heads contiguous in a row):
+    the tensor as ``[N, H * D]`` with its row stride (a box is one head's consecutive rows)."""
     N, H, D = t.shape
-    return t, [N, H * D], [t.stride(0), 1]
+    return [N, H * D], [t.stride(0), 1]
 
 
 def _pool(cache: torch.Tensor):
-    """What a descriptor over a pool ``[P, S, Hkv, D]`` describes: rows of ``Hkv * D`` values,
-    page ``p``'s first row ``p * stride(0) / (Hkv * D)`` (so a layer's slice of a bigger pool
-    and an interleaved K/V pool need no copy), up to the last page's last row."""
+    """``(shape, strides)`` of a descriptor over a pool ``[P, S, Hkv, D]``: rows of ``Hkv * D``
+    values, page ``p``'s first row ``p * stride(0) / (Hkv * D)`` (so a layer's slice of a
+    bigger pool and an interleaved K/V pool need no copy), up to the last page's last row."""
     P, S, Hkv, D = cache.shape
     F = Hkv * D
-    return cache, [(P - 1) * (cache.stride(0) // F) + S, F], [F, 1]
+    return [(P - 1) * (cache.stride(0) // F) + S, F], [F, 1]
 
 
 def gluon_plan(q, k_cache, block_table, scale: float):
@@ -476,12 +476,13 @@ def gluon_plan(q, k_cache, block_table, scale: float):
 def gluon_launch(grid: tuple, ints: tuple, meta: dict, D: int, S: int,
                  dtype: torch.dtype) -> DescribedLaunch:
     """The plan's launch of the Gluon kernel (``gluon_plan``'s ``grid``, ``ints``, ``meta``):
-    its six descriptors' boxes, ``[HALF, D]`` query and output rows, ``[box_rows(S), D]`` pool
-    rows and ``[BLOCK_N, D]`` new-token rows, and their layouts. The plan's own token keys the
-    binary."""
+    its six descriptors, ``[HALF, D]`` boxes of query and output rows, ``[box_rows(S), D]`` of
+    pool rows and ``[BLOCK_N, D]`` of new-token rows, with their layouts. The plan's own token
+    keys the binary."""
     half, pool, new = (int(HALF), D), (box_rows(S), D), (int(BLOCK_N), D)
-    boxes = tuple((list(b), _layout(*b, dtype)) for b in (half, pool, pool, new, new, half))
-    return DescribedLaunch(_paged_prefill_gluon_kernel, grid, object(), ints, meta, boxes,
+    descs = tuple((describe, list(box), _layout(*box, dtype)) for describe, box in (
+        (_rows, half), (_pool, pool), (_pool, pool), (_rows, new), (_rows, new), (_rows, half)))
+    return DescribedLaunch(_paged_prefill_gluon_kernel, grid, object(), ints, meta, descs,
                            _descriptor)
 
 
@@ -489,5 +490,4 @@ def paged_prefill_gluon_fwd(q, k_cache, v_cache, block_table, query_start, seq_l
                             lse, run: DescribedLaunch) -> None:
     """Launch the Gluon kernel into ``out [N, Hq, D]`` and ``lse [N, Hq]`` (contiguous) through
     the plan's ``run`` (``gluon_launch``); the caller took ``prefill_gluon``'s rule."""
-    run((_rows(q), _pool(k_cache), _pool(v_cache), _rows(k), _rows(v), _rows(out)), out, lse,
-        block_table, query_start, seq_lens)
+    run((q, k_cache, v_cache, k, v, out), out, lse, block_table, query_start, seq_lens)
