@@ -264,3 +264,22 @@ def test_a_described_launch_keeps_the_wrapper_where_its_form_is_unknown(fake_des
         run((a, a), x)
     assert run._c is False and probes == [2]          # probed once, after the C convention
     assert [e[0] for e in log] == ["jit", "c", "c", "c"] and len(ENCODED) == 6
+
+
+def test_a_described_launch_the_c_entry_refuses_goes_back_to_the_wrapper(fake_described):
+    """A C entry that refuses the encoded arguments (it launches nothing then) leaves the launch
+    on the wrapper's way for good, this call included."""
+    log = fake_described
+    run = _described()
+    a, x = torch.zeros(8, 4), torch.zeros(2)
+    run((a, a), x)
+    run((a, a), x)
+    raw = run._c[0]
+
+    def refusing(*args):
+        raise TypeError("refused")
+    run._c = (refusing, *run._c[1:])
+    run((a, a), x)                           # refused, then launched through the wrapper
+    assert run._c is False and [e[0] for e in log] == ["jit", "c", "c"]
+    run((a, a), x)
+    assert [e[0] for e in log] == ["jit", "c", "c", "c"] and raw is not None

@@ -250,9 +250,12 @@ class DescribedLaunch:
                     m = maps[t.data_ptr()] = tuple(c[9](self._made(i, t), c[8][i]))
                 flat += m
             stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
-            c[0](c[1], c[2], c[3], stream, c[4], c[5], c[6], None, None, c[7], None, None, None,
-                 *flat, *args, *c[10])
-            return
+            try:
+                c[0](c[1], c[2], c[3], stream, c[4], c[5], c[6], None, None, c[7], None, None,
+                     None, *flat, *args, *c[10])
+                return
+            except Exception:  # noqa: BLE001 - refused before launching: the wrapper's way
+                self._c = c = False
         made = tuple(self._made(i, t) for i, t in enumerate(bases))
         launch(self.kernel, self.grid, self.key, (*made, *args, *self.ints), self.meta)
         if c is not None:            # False: the launcher's form is not 3.6's; it encodes
