@@ -152,24 +152,25 @@ def test_kernel_matches_oracle(kernel_device, poison, shape, num_splits, block_n
     check_against_oracle(out, lse, case, case_id(*dims) + f"-splits{num_splits}-bn{block_n}")
 
 
-@pytest.mark.parametrize("B,splits", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("B,splits,forced", [(2, 1, False), (1, 2, False), (2, 2, True)])
 @pytest.mark.parametrize("S", [16, 64, 128])
-def test_native_dense_shape_matches_oracle(kernel_device, S, B, splits, monkeypatch):
+def test_native_dense_shape_matches_oracle(kernel_device, S, B, splits, forced, monkeypatch):
     """The native path's dense launch shape (``native_dense_tile``: 128-row tiles, 4 warps,
     ``DENSE_STAGES``, unsplit or in two splits) against the oracle: a page id a row at S 16, two
-    one-page halves a tile at S 64, one page a tile at S 128; sequences ending mid-tile and one
-    of length 0 (unsplit). On the interpreter's 4 SMs 4 (sequence, KV head) programs fill one wave, so
-    the launcher picks the shape itself (2 sequences unsplit, 1 in two splits); on a GPU it is
-    forced."""
+    one-page halves a tile at S 64, one page a tile at S 128; sequences ending mid-tile and, with
+    two sequences, one of length 0 (a split of it sees nothing). On the interpreter's 4 SMs,
+    4 (sequence, KV head) programs fill one wave, so the launcher picks the shape itself (2
+    sequences unsplit, 1 in two splits); on a GPU, and for 2 sequences in two splits, it is
+    forced. A split launch's first eager call also runs the two-launch form."""
     dims = (B, 768 // S, S, 2, 4, 128, torch.float16, "native")
     case = make_case(*dims, device=kernel_device, seed=S, zero_row=B > 1)
     spy = LaunchSpy(ea._elastic_decode_kernel)
     monkeypatch.setattr(ea, "_elastic_decode_kernel", spy)
-    knobs = {} if kernel_device.type == "cpu" else dict(block_n=128, num_warps=4,
-                                                   num_splits=splits,
-                                                   num_stages=ea.DENSE_STAGES)
+    knobs = ({} if kernel_device.type == "cpu" and not forced else
+             dict(block_n=128, num_warps=4, num_splits=splits, num_stages=ea.DENSE_STAGES))
     out, lse = elastic_attention_fwd(**case, **knobs)
-    check_against_oracle(out, lse, case, case_id(*dims) + "-dense")
+    check_against_oracle(out, lse, case, case_id(*dims) + f"-dense-splits{splits}")
+    assert len(spy.launches) == (1 if splits == 1 else 2)
     grid, kwargs = spy.launches[-1]
     assert grid == (2 * B, splits)
     assert (kwargs["BLOCK_N"], kwargs["num_warps"], kwargs["num_stages"]) == (128, 4, 5)

@@ -94,6 +94,21 @@ def test_kernel_on_a_wide_group(kernel_device):
         assert_close("scores", dev[5], want, 1e-5, 1e-5, str((R, C, Hkv, G, D)))
 
 
+def test_the_same_tensors_under_another_scale_or_ema_take_their_own(kernel_device):
+    """Scale and ema are part of the call's signature: calls on the same tensors alternating
+    them each give the reference's mass (a launch plan kept by the tensors alone would reuse
+    the first call's constants)."""
+    q, fk, fb, lse, sel, scores, alive = make_case(3, 6, 2, 2, 32, 20, seed=5)
+    dev = [t.to(kernel_device) for t in (q, fk, fb, lse, sel, scores, alive)]
+    for scale, ema in ((None, 0.9), (0.1, 0.9), (None, 0.9), (0.25, 0.5), (0.25, 0.9)):
+        want = dev[5].cpu().clone()
+        want_mass = far_view_observe_ref(q, fk, fb, lse, sel, want, alive, ema, scale)
+        with kvops.backend("triton"):
+            mass = torch.ops.kvops.far_view_observe(*dev, ema=ema, scale=scale)
+        assert_close("mass", mass.cpu(), want_mass, 1e-5, 1e-5, f"scale {scale} ema {ema}")
+        assert_close("scores", dev[5].cpu(), want, 1e-5, 1e-5, f"scale {scale} ema {ema}")
+
+
 def test_launch_rule_table():
     """A head's scores are one dot: both sides padded to at least 16, the head dim whole."""
     table = {(4, 16, 128): (16, 16, 128, 4), (8, 64, 256): (16, 64, 256, 4),

@@ -6,6 +6,8 @@ direct launches."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import triton.language as tl
@@ -176,6 +178,7 @@ def test_a_plans_launch_keeps_a_wrapper_convention_too(fake_triton, mode):
 # wrapper (``wrap_handle_tensordesc``) holds the C entry in its closure and encodes every
 # descriptor on every call through this module's ``make_tensordesc_arg``.
 ENCODED: list = []
+_BASE_ARGS_FORMAT_LEN = 13      # the C entry's leading arguments, as the 3.6 driver counts them
 
 
 def make_tensordesc_arg(desc, metadata):
@@ -283,3 +286,14 @@ def test_a_described_launch_the_c_entry_refuses_goes_back_to_the_wrapper(fake_de
     assert run._c is False and [e[0] for e in log] == ["jit", "c", "c"]
     run((a, a), x)
     assert [e[0] for e in log] == ["jit", "c", "c", "c"] and raw is not None
+
+
+def test_a_described_launch_needs_the_3_6_argument_count(fake_described, monkeypatch):
+    """A driver whose C entry takes another number of leading arguments is not 3.6's form: the
+    launch keeps triton's wrapper."""
+    monkeypatch.setattr(sys.modules[__name__], "_BASE_ARGS_FORMAT_LEN", 12)
+    run = _described()
+    a, x = torch.zeros(8, 4), torch.zeros(2)
+    for _ in range(3):
+        run((a, a), x)
+    assert run._c is False

@@ -984,7 +984,8 @@ def test_gluon_finds_a_hole_past_the_first_page_block(gluon_calls, block):
 def test_gluon_direct_launch_matches_the_jit(gluon_calls, monkeypatch):
     """The Gluon kernel launched through its compiled launcher (``_launch``: the first call of
     a signature goes through the JIT, the next ones direct) gives the JIT's rows bit for bit,
-    with fresh pools, tables and rows between calls (the descriptors are made each call)."""
+    with fresh pools, tables and rows between calls (each address's descriptors encoded once a
+    position), and each plan calls the C entry itself under triton 3.6."""
     from kvops.kernels import _launch
     monkeypatch.setattr(prefill_kernel, "_PLANS", {})
     # this test's binaries only: another test's one-call signature keeps no convention yet
@@ -1003,6 +1004,13 @@ def test_gluon_direct_launch_matches_the_jit(gluon_calls, monkeypatch):
     assert modes and all(m in ("c", "tail", "plain", "jit") for m in modes), modes
     for (o, lse), (wo, wl) in zip(got, want):
         assert torch.equal(o, wo) and torch.equal(lse, wl)
+    again = [torch.ops.kvops.paged_prefill_attention(**case) for case in cases]   # kept maps
+    for (o, lse), (wo, wl) in zip(again, want):
+        assert torch.equal(o, wo) and torch.equal(lse, wl)
+    import triton
+    if triton.__version__.startswith("3.6"):      # the direct form this launch is built for
+        runs = [p[5] for p in prefill_kernel._PLANS.values() if p[6] is prefill_kernel.GLUON_PLAN]
+        assert runs and all(isinstance(r._c, tuple) for r in runs), [r._c for r in runs]
 
 
 def test_gluon_chunk_longer_than_its_context_finishes(gluon_calls):

@@ -184,8 +184,9 @@ class Launch:
                    (None, mode, compiled, g, tail))
 
 
-MAX_DESCRIPTORS = 256     # encoded descriptors a DescribedLaunch keeps (a layer's pools, the
-                          # activations' recurring addresses)
+MAX_DESCRIPTORS = 256     # encoded descriptors a DescribedLaunch keeps a position (a layer's
+                          # pools, the activations' recurring addresses)
+_BASE_ARGS = 13           # the C entry's arguments before the kernel's (grid, stream, ...)
 
 
 def _descriptor_entry(compiled, count: int):
@@ -198,13 +199,14 @@ def _descriptor_entry(compiled, count: int):
     if code is None or not cells:
         return None
     free = dict(zip(code.co_freevars, (c.cell_contents for c in cells)))
-    expand = getattr(sys.modules.get(getattr(wrapper, "__module__", None) or ""),
-                     "make_tensordesc_arg", None)
+    driver = sys.modules.get(getattr(wrapper, "__module__", None) or "")
+    expand = getattr(driver, "make_tensordesc_arg", None)
     if (set(free) != {"launcher", "tensordesc_indices", "tensordesc_meta"}
             or free["tensordesc_indices"] != set(range(count)) or not callable(free["launcher"])
             or not free["tensordesc_meta"] or len(free["tensordesc_meta"]) != count
             or None in free["tensordesc_meta"]
-            or getattr(getattr(expand, "__code__", None), "co_argcount", 0) != 2):
+            or getattr(getattr(expand, "__code__", None), "co_argcount", 0) != 2
+            or getattr(driver, "_BASE_ARGS_FORMAT_LEN", None) != _BASE_ARGS):
         return None
     return free["launcher"], tuple(free["tensordesc_meta"]), expand
 
@@ -254,8 +256,8 @@ class DescribedLaunch:
                 c[0](c[1], c[2], c[3], stream, c[4], c[5], c[6], None, None, c[7], None, None,
                      None, *flat, *args, *c[10])
                 return
-            except Exception:  # noqa: BLE001 - refused before launching: the wrapper's way
-                self._c = c = False
+            except (TypeError, ValueError, OverflowError):   # arguments refused, nothing
+                self._c = c = False                            # launched: the wrapper's way
         made = tuple(self._made(i, t) for i, t in enumerate(bases))
         launch(self.kernel, self.grid, self.key, (*made, *args, *self.ints), self.meta)
         if c is not None:            # False: the launcher's form is not 3.6's; it encodes

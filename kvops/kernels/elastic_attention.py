@@ -620,9 +620,10 @@ def native_dense_tile(pairs: int, G: int, D: int, itemsize: int, props: DevicePr
     ``DENSE_SMEM``, and programs filling one wave of the SMs to at least ``WAVE_FILL``: one a
     (sequence, KV head) with 128-row tiles, or with 64-row tiles where they fill two waves (two
     programs an SM, so again one wave), or, where one a pair fills under half a wave and the
-    sequences' ``rows`` (None: unknown) give each of two splits at least two tiles, two a pair
-    with 128-row tiles (``DENSE_SPLITS``). Splitting further is left to the one-warp programs
-    (B 1 x 16k in 16 dense splits: 24.0 us against 22.7)."""
+    block table's span of ``rows`` (None: unknown; the lengths are on the device) gives each
+    of two splits at least two tiles, two a pair with 128-row tiles (``DENSE_SPLITS``).
+    Splitting further is left to the one-warp programs (B 1 x 16k in 16 dense splits: 24.0 us
+    against 22.7)."""
     if itemsize != 2 or next_pow2(D) != 128 or next_pow2(G) > 16:
         return None
     if props.smem < DENSE_SMEM:

@@ -431,7 +431,8 @@ def _layout(rows: int, D: int, dtype: torch.dtype):
 
 def _descriptor(base: torch.Tensor, shape, strides, box, layout):
     """Gluon's ``TensorDescriptor`` without its ``__post_init__`` checks (4 us of host time a
-    descriptor on the H100's host; six are made a call): ``prefill_gluon``'s ``aligned`` and
+    descriptor on the H100's host; a launch makes one for each new address of a position, and
+    six a call where triton's wrapper encodes them): ``prefill_gluon``'s ``aligned`` and
     the op's checks already hold what they assert (16-byte bases and strides, rank, a
     contiguous last dim). The fields' defaults (padding, and what newer triton adds) are the
     class's own."""
