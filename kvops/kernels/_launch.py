@@ -12,7 +12,9 @@ Python wrapper (``bench/results/2026-12-03-1730-eager-parts.md``).
 
 A launch plan holds its launches as :class:`Launch` objects (kernel, grid, key, trailing
 integers, constants): after the first direct launch a call hands its arguments straight to the
-C entry point, without the key lookup.
+C entry point, without the key lookup. A kernel whose first parameters are tensor descriptors
+(the Gluon prefill's) is held as a :class:`DescribedLaunch`, which also keeps the descriptors'
+encodings by address instead of having triton's launcher encode them on every call.
 
 Under the interpreter, when a launch hook is installed (profilers), when ``key`` is None, or
 when ``KVOPS_DIRECT_LAUNCH=0``, every launch goes through the JIT. A kernel object that is not
