@@ -2,7 +2,7 @@
 # One check-and-benchmark pass on a GPU machine, as the device tool runs it: each part under its
 # own time cap, its log in $OUT/<part>.log, every results file it records copied to $OUT, and a
 # short table of the parts last. Parts are named on the command line (default: all, in order):
-#   bench/gpu_pass.sh suite tests fidelity farret elastic elastic_steady engine tp tp_more transformers elastic_ablations
+#   bench/gpu_pass.sh suite tests ops eager heads fidelity farret elastic elastic_steady engine tp tp_more transformers elastic_ablations
 #   (and prefill, prefill_s64, sharegpt, ceilings, engine_reversed; mooncake_a, mooncake_b, mooncake_c: one Mooncake window a call)
 # and everything under $OUT is packed into $OUT/gpu-pass.tgz at the end.
 # The device machine's copied .git can lag the tree it runs, so a call names the tree's commit:
@@ -31,6 +31,22 @@ tests() {
         tests/test_far_view_policy.py tests/test_engine_elastic.py tests/test_evals_elastic.py \
         tests/test_far_slot_update.py tests/test_far_retrieval_policy.py tests/test_fidelity_host_cost.py \
         tests/test_op_contract.py
+}
+ops() {        # the ops' and launchers' CUDA tests (about 2 minutes once compiled; the first
+    # compiles of a fresh machine take longer)
+    part ops 280 python3 -m pytest -q -n 14 --timeout 270 -rfE -p no:cacheprovider \
+        tests/test_far_view_observe.py tests/test_far_view_rank.py tests/test_far_page_ops.py \
+        tests/test_far_view_summarize.py tests/test_far_slot_update.py tests/test_paged_kv_write.py \
+        tests/test_base_pairs.py tests/test_elastic_attention.py tests/test_static_sliding_attention.py \
+        tests/test_split_merge.py tests/test_op_contract.py tests/test_launch_direct.py \
+        tests/test_host_signatures.py tests/test_paged_prefill_attention.py tests/test_workspace.py \
+        tests/test_launch_rules.py
+}
+eager() {      # every op's eager host time beside SDPA's (issue 19's table)
+    part eager 90 python3 -m bench.bench_eager
+}
+heads() {      # the decode ops over the quick sweep's head configs against the best SDPA backend
+    part heads 150 python3 -m bench.bench_heads --quick
 }
 suite() {      # the whole suite (issue 18's "passes on the device"); about 7 minutes on 16 workers
     part suite 560 python3 -m pytest -q -n 16 --timeout 500 -rfE -p no:cacheprovider
