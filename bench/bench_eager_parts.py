@@ -127,9 +127,8 @@ def _c_args(compiled, head, full):
     """The Triton 3.6 launcher's C entry point's arguments (what ``CudaLauncher.__call__``
     passes it, scratch buffers None), with tensors and with raw pointers."""
     run = compiled.run
-    gx, gy, gz, stream, function, packed, lmeta, enter, exit_ = head
-    fixed = (gx, gy, gz, stream, function, run.launch_cooperative_grid, run.launch_pdl, None,
-             None, packed, lmeta, enter, exit_)
+    _, g, after = _launch._c_entry(compiled, head[:3])
+    fixed = (*g, head[3], *after)
     ptrs = tuple(a.data_ptr() if type(a) is torch.Tensor else a for a in full)
     print("scratch sizes", run.global_scratch_size, run.profile_scratch_size, flush=True)
     return fixed + tuple(full), fixed + ptrs

@@ -81,13 +81,20 @@ def _conventions(compiled):
 
 
 def _c_entry(compiled, g: tuple) -> tuple:
-    """What a launch of ``compiled`` over grid ``g`` through the C entry point passes before the
-    stream, and then after it up to the arguments (``_call``'s "c" form, taken apart for
-    ``Launch``): (the entry, the grid's three sizes, the function handle, the cooperative-grid
-    and PDL flags, the packed metadata)."""
+    """How a launch of ``compiled`` over the three-dimensional grid ``g`` calls the C entry
+    point: ``(entry, g, after)``, called as ``entry(*g, stream, *after, *arguments)``, where
+    ``after`` is the function handle, the cooperative-grid and PDL flags, no scratch buffers,
+    the packed metadata, and no launch metadata or hooks."""
     run = compiled.run
-    return (run.launch, *g, compiled.function, run.launch_cooperative_grid, run.launch_pdl,
-            compiled.packed_metadata)
+    return run.launch, g, (compiled.function, run.launch_cooperative_grid, run.launch_pdl,
+                           None, None, compiled.packed_metadata, None, None, None)
+
+
+def _probed(kernel, key):
+    """The kept binary of ``kernel`` under ``key`` once :func:`launch` found how to call it
+    (its mode a convention, or "jit"), else None."""
+    hit = _BINS.get((id(kernel), key)) if key is not None else None
+    return hit if hit is not None and hit[2] is not None else None
 
 
 _PAD = {1: (1, 1), 2: (1,), 3: ()}     # a grid's missing dimensions
@@ -96,9 +103,8 @@ _PAD = {1: (1, 1), 2: (1,), 3: ()}     # a grid's missing dimensions
 def _call(mode, compiled, g, stream, args, tail):
     packed = getattr(compiled, "packed_metadata", None)
     if mode == "c":
-        run = compiled.run
-        run.launch(g[0], g[1], g[2], stream, compiled.function, run.launch_cooperative_grid,
-                   run.launch_pdl, None, None, packed, None, None, None, *args, *tail)
+        entry, g, after = _c_entry(compiled, g)
+        entry(*g, stream, *after, *args, *tail)
     elif mode == "tail":
         compiled.run(g[0], g[1], g[2], stream, compiled.function, packed, None, None, None,
                      *args, *tail)
@@ -169,15 +175,14 @@ class Launch:
         c = self._c
         if c is not None and _STATE["direct"] and _no_hooks():
             stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
-            if c[0] is not None:     # the C entry point, as ``_call``'s "c" form calls it
-                c[0](c[1], c[2], c[3], stream, c[4], c[5], c[6], None, None, c[7], None, None,
-                     None, *args, *c[8])
+            if c[0] is not None:     # the C entry point (``_c_entry``)
+                c[0](*c[1], stream, *c[2], *args, *c[3])
             else:                    # the launcher's Python wrapper
                 _call(c[1], c[2], c[3], stream, (*args, *self.ints), c[4])
             return
         launch(self.kernel, self.grid, self.key, (*args, *self.ints), self.meta)
-        hit = _BINS.get((id(self.kernel), self.key)) if self.key is not None else None
-        if hit is None or hit[2] not in ("c", "tail", "plain"):
+        hit = _probed(self.kernel, self.key)
+        if hit is None or hit[2] == "jit":
             return                   # not yet probed, or the JIT's alone
         compiled, tail, mode, _ = hit
         g = self.grid + _PAD[len(self.grid)]
@@ -213,7 +218,7 @@ def _descriptor_entry(compiled, count: int):
     return free["launcher"], tuple(free["tensordesc_meta"]), expand
 
 
-class DescribedLaunch:
+class DescribedLaunch(Launch):
     """A :class:`Launch` of a kernel whose first parameters are tensor descriptors. A call
     passes the tensor each one describes; the launch holds, for each position, ``(describe,
     box, layout)`` (``describe(tensor)`` gives the ``(shape, strides)`` the descriptor views it
@@ -229,12 +234,11 @@ class DescribedLaunch:
     with the other arguments straight to the C entry. An encoding holds no reference to the
     tensor: it is the same bytes whenever that memory has that shape again."""
 
-    __slots__ = ("kernel", "grid", "key", "ints", "meta", "descs", "make", "_c", "_maps")
+    __slots__ = ("descs", "make", "_maps")
 
     def __init__(self, kernel, grid: tuple, key, ints: tuple, meta: dict, descs: tuple, make):
-        self.kernel, self.grid, self.key, self.ints, self.meta = kernel, grid, key, ints, meta
-        self.descs, self.make = descs, make
-        self._c = None               # None: not probed; False: no direct form
+        super().__init__(kernel, grid, key, ints, meta)   # _c: None until probed, then False
+        self.descs, self.make = descs, make               # where there is no direct form
         self._maps = tuple({} for _ in descs)   # a position's encodings by address
 
     def _made(self, i: int, t: torch.Tensor):
@@ -251,12 +255,11 @@ class DescribedLaunch:
                 if m is None:
                     if len(maps) >= MAX_DESCRIPTORS:
                         maps.clear()
-                    m = maps[t.data_ptr()] = tuple(c[9](self._made(i, t), c[8][i]))
+                    m = maps[t.data_ptr()] = tuple(c[4](self._made(i, t), c[3][i]))
                 flat += m
             stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
             try:
-                c[0](c[1], c[2], c[3], stream, c[4], c[5], c[6], None, None, c[7], None, None,
-                     None, *flat, *args, *c[10])
+                c[0](*c[1], stream, *c[2], *flat, *args, *c[5])
                 return
             except (TypeError, ValueError, OverflowError):   # arguments refused, nothing
                 self._c = c = False                            # launched: the wrapper's way
@@ -264,8 +267,8 @@ class DescribedLaunch:
         launch(self.kernel, self.grid, self.key, (*made, *args, *self.ints), self.meta)
         if c is not None:            # False: the launcher's form is not 3.6's; it encodes
             return
-        hit = _BINS.get((id(self.kernel), self.key)) if self.key is not None else None
-        if hit is None or hit[2] not in ("c", "tail", "plain", "jit"):
+        hit = _probed(self.kernel, self.key)
+        if hit is None:
             return                   # not yet probed
         compiled, tail, mode, _ = hit
         entry = _descriptor_entry(compiled, len(self.descs)) if mode == "c" else None
@@ -273,11 +276,10 @@ class DescribedLaunch:
             self._c = False
             return
         raw, metas, expand = entry
-        g = self.grid + _PAD[len(self.grid)]
-        run = compiled.run
-        # the compiled kernel rides along: it owns the module its function handle lives in
-        self._c = (raw, *g, compiled.function, run.launch_cooperative_grid, run.launch_pdl,
-                   compiled.packed_metadata, metas, expand, (*self.ints, *tail), compiled)
+        _, g, after = _c_entry(compiled, self.grid + _PAD[len(self.grid)])
+        # the C entry under triton's wrapper; the compiled kernel rides along: it owns the
+        # module its function handle lives in
+        self._c = (raw, g, after, metas, expand, (*self.ints, *tail), compiled)
 
 
 # "direct": compiled launches on; "mode": the convention the last first direct launch found
