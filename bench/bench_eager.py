@@ -199,10 +199,11 @@ class _FakeCompiled:
 def cuda_path_on_cpu():
     """Run each op's CUDA host path on CPU tensors: the ops take their kernels (``use_triton``),
     the device looks like an H100 (132 SMs, sm_90), the JIT (or the interpreter) hands back a
-    compiled kernel whose C launch does nothing, the stream queries answer 0 and split scratch
-    is kept per request, as on a GPU. Everything else runs as it does there: the checks and
-    their signature cache, the launch plans and rules, the output allocations and the launch
-    glue. The launch plans and kept binaries made inside are dropped on exit."""
+    compiled kernel whose C launch does nothing, and the device and stream queries answer as a
+    GPU's would (device 0, stream 0, not capturing), so ``kvops.kernels._workspace`` keeps split
+    scratch per stream as there. Everything else runs as it does there: the checks and their
+    signature cache, the launch plans and rules, the output allocations and the launch glue.
+    The launch plans, kept binaries and scratch made inside are dropped on exit."""
     import importlib
     import pkgutil
 
@@ -210,30 +211,26 @@ def cuda_path_on_cpu():
 
     import kvops.kernels
     import kvops.ops
-    from kvops.kernels import _common, _launch
+    from kvops.kernels import _common, _launch, _workspace
 
     mods = [importlib.import_module(f"{pkg.__name__}.{m.name}")
             for pkg in (kvops.kernels, kvops.ops) for m in pkgutil.iter_modules(pkg.__path__)]
     props = _common.DeviceProps(132, 232448, (9, 0), True)
-    kept: dict = {}
-
-    def scratch(device, shapes, n):
-        if (shapes, n) not in kept:
-            kept[shapes, n] = (*(torch.empty(s) for s in shapes), torch.zeros(n, dtype=torch.int32))
-        return kept[shapes, n]
-
     fakes = dict(use_triton=lambda on: True, device_props=lambda device: props,
-                 sm_count=lambda device: props.sms, split_scratch=scratch,
+                 sm_count=lambda device: props.sms,
                  cuda_capability=lambda device: props.capability,
                  max_shared_memory=lambda device: props.smem,
-                 nvidia_ptx=lambda device: True, hw_fp8=lambda device: True)
+                 nvidia_ptx=lambda device: True, hw_fp8=lambda device: True,
+                 _is_cuda=lambda device: True, _default_pool=lambda t: True)
     patches = [(m, name, fake) for m in mods for name, fake in fakes.items() if hasattr(m, name)]
     patches += [(m, "_PLANS", {}) for m in mods if isinstance(getattr(m, "_PLANS", None), dict)]
+    patches += [(_workspace, "_BUFS", {}), (_workspace, "_COUNTS", {})]
     # every triton kernel object (JIT, interpreted, Gluon) launches through KernelInterface
     patches += [(KernelInterface, "__getitem__", lambda kernel, grid: lambda *a, **kw: _FakeCompiled()),
                 (_launch, "JITFunction", KernelInterface),
                 (_launch, "_BINS", {}), (_launch, "_STATE", dict(_launch._STATE, direct=True)),
                 (torch._C, "_cuda_getCurrentRawStream", lambda device: 0),
+                (torch._C, "_cuda_isCurrentStreamCapturing", lambda: False),
                 (torch._C, "_cuda_getDevice", lambda: 0)]
     missing = object()
     olds = []

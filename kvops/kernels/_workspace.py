@@ -81,10 +81,22 @@ def _default_pool(t: torch.Tensor) -> bool:
     return False                      # not found or not readable: keep nothing
 
 
-def _kept_key(device: torch.device):
-    """The (device index, stream, thread) a kept buffer for ``device`` lives under, or None where
-    a call must allocate fresh (the module doc's cases, capture aside: callers test it first)."""
-    if not ENABLED or device.type != "cuda":
+_CUDA: dict = {}   # torch.device -> whether it is a CUDA device (``device.type`` builds a new
+                   # string every access: 0.3 us on the CPU machines, this lookup 0.06)
+
+
+def _is_cuda(device: torch.device) -> bool:
+    cuda = _CUDA.get(device)
+    if cuda is None:
+        cuda = _CUDA[device] = device.type == "cuda"
+    return cuda
+
+
+def _kept_key(device: torch.device, cuda: bool):
+    """The (device index, stream, thread) a kept buffer for ``device`` (``cuda``: whether it is
+    a CUDA device) lives under, or None where a call must allocate fresh (the module doc's
+    cases, capture aside: callers test it first)."""
+    if not ENABLED or not cuda:
         return None
     current = torch._C._cuda_getDevice()
     if (device.index is not None and device.index != current) or (
@@ -101,9 +113,10 @@ def split_scratch(device: torch.device, shapes: tuple, n: int) -> tuple:
     stream captures a CUDA graph (a captured launch merges by a second kernel instead: zeroing
     fresh counters would add a node to every replay). Returns the views followed by the
     counters; a repeated request is one cache hit (every eager split decode call makes one)."""
-    if device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing():
+    cuda = _is_cuda(device)
+    if cuda and torch._C._cuda_isCurrentStreamCapturing():
         return (*_fresh(device, shapes), None)
-    key = _kept_key(device)
+    key = _kept_key(device, cuda)
     entry = _BUFS.get(key) if key is not None else None
     if entry is not None:
         hit = entry[1].get((shapes, n))
