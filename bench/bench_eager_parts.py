@@ -49,10 +49,10 @@ def rows(B: int = 4, ctx: int = 512):
     op_mod = sys.modules["kvops.ops.static_sliding_attention"]
     key, _ = op_mod._checked(q, k, v, ws, wl, None, None, None, None)
     plan = ssa._PLANS[key]
-    Bp, Hq, Dp, nsp, scale_log2, ints, meta, grid, merge, fused, token, _ = plan
+    Bp, Hq, Dp, nsp, scale_log2, ints, meta, grid, merge, fused, unfused, _ = plan
     out, lse, part_o, part_l, count = ssa.split_outputs(B, HQ, D, nsp, dt, dev, grid[0])
     # the eager call's one launch: stage 1 with the merge by the last split (split launches)
-    meta, token = (fused.meta, fused.key) if fused is not None else (meta, token)
+    meta, token = (fused.meta, fused.key) if fused is not None else (unfused.meta, unfused.key)
     args = (q, k, v, ws, wl, None, None, None, part_o, part_l, out, lse, count, scale_log2, *ints)
     ptr_args = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
     compiled, tail, mode, _ = _compiled_stage1()
@@ -107,7 +107,8 @@ def rows(B: int = 4, ctx: int = 512):
             merge, part_o, part_l, out, lse)
     out_rows = [["splits", nsp, "", ""], ["stage-1 runtime args", len(args), "", ""]]
     for name, fn in pieces.items():
-        # the launcher launches through _splitk.launch_split and the plan's Launch
+        # the launcher launches through the plan's Launch objects (_splitk.launch_split), and
+        # the two-launch form's merge through _splitk.launch
         saved = _splitk.launch, _launch.Launch.__call__
         if isinstance(fn, _Stubbed):
             _splitk.launch = lambda *a, **kw: None

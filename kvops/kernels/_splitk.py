@@ -131,18 +131,19 @@ def load_capture_form(ready: list) -> bool:
     return True
 
 
-def launch_split(kernel, grid: tuple, head: tuple, count, spare, rest: tuple, ints: tuple,
-                 unfused: tuple, fused, merge, ready: list) -> None:
-    """Launch a split kernel whose runtime arguments are ``(*head, counters, *rest, *ints)``,
-    ``head`` ending in its partials, out and lse (``split_outputs``'s tensors), ``ints`` the
-    plan's integers: with ``count`` (the counters ``split_outputs`` gave) its one-launch form
-    (``fused``, a :class:`~kvops.kernels._launch.Launch` holding ``ints``), after the
-    two-launch form on a plan's first call (``load_capture_form``); without, the two-launch
-    form: ``unfused`` (binary key, constants) with ``spare``, any int32 tensor, in the
+def launch_split(head: tuple, count, spare, rest: tuple, unfused, fused, merge,
+                 ready: list) -> None:
+    """Launch a split kernel whose runtime arguments are ``(*head, counters, *rest)`` and then
+    the plan's integers, ``head`` ending in its partials, out and lse (``split_outputs``'s
+    tensors): with ``count`` (the counters ``split_outputs`` gave) its one-launch form
+    (``fused``), after the two-launch form on a plan's first call (``load_capture_form``);
+    without, the two-launch form: ``unfused`` with ``spare``, any int32 tensor, in the
     counters' place (that form never reads it), then the merge by ``merge`` (``merge_plan``;
-    None unsplit)."""
+    None unsplit). ``unfused`` and ``fused`` are the plan's
+    :class:`~kvops.kernels._launch.Launch` objects (each holds the integers, its binary key and
+    constants), so an unsplit call launches its binary's C entry as a split call does."""
     if count is None or load_capture_form(ready):
-        launch(kernel, grid, unfused[0], (*head, spare, *rest, *ints), unfused[1])
+        unfused(*head, spare, *rest)
         if merge is not None:
             merge_split_outputs(merge, *head[-4:])
     if count is not None:      # one launch: the last split of each group merges it

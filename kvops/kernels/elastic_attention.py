@@ -779,13 +779,15 @@ def _plan(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, sca
                   (block_table.numel(), NB, block_table.stride(0), block_mode.stride(0)),
                   dict(BLOCK=1024, PDL_TRIGGER=pdl_wait, num_warps=4))
     merge = fused = None
+    # the plan's own tokens key its compiled kernels (see static_sliding_attention._plan)
+    unfused = Launch(_elastic_decode_kernel, (B * Hkv, nsp), object(), (scale * LOG2E, *ints),
+                     meta)
     if nsp > 1:
         merge = merge_plan(B, Hq, nsp, D, q.dtype, pdl, q.device)
         fused = Launch(_elastic_decode_kernel, (B * Hkv, nsp), object(), (scale * LOG2E, *ints),
                        dict(meta, PDL_TRIGGER=False, FUSED_MERGE=True, BLOCK_S=next_pow2(nsp)))
-    # the plan's own tokens key its compiled kernels (see static_sliding_attention._plan)
     return (B, Hq, D, nsp, scale * LOG2E, ints, meta, (B * Hkv, nsp), halves_table, halves,
-            merge, fused, object(), [])
+            merge, fused, unfused, [])
 
 
 def elastic_attention_fwd(
@@ -819,8 +821,7 @@ def elastic_attention_fwd(
                sig(block_mode), sig(base_span), scale)
     plan = _PLANS.get(key) or keep_plan(_PLANS, key, _plan(
         q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, scale, knobs))
-    (B, Hq, D, nsp, scale_log2, ints, meta, grid, halves_table, halves, merge, fused, token,
-     ready) = plan
+    (B, Hq, D, nsp, _, _, _, grid, halves_table, halves, merge, fused, unfused, ready) = plan
     out, lse, part_o, part_l, count = split_outputs(B, Hq, D, nsp, q.dtype, q.device,
                                                     grid[0])
     if B == 0:
@@ -830,13 +831,11 @@ def elastic_attention_fwd(
         table = torch.empty(block_table.shape, dtype=torch.int32, device=block_table.device)
         if halves is not None:
             h_grid, h_ints, h_meta = halves
-            launch(_half_pages_kernel, h_grid, token, (block_table, block_mode, table, *h_ints),
-                   h_meta)
+            launch(_half_pages_kernel, h_grid, unfused.key,
+                   (block_table, block_mode, table, *h_ints), h_meta)
     # the kernel never reads the metadata of the other paths; pass valid pointers
     block_mode = block_table if block_mode is None else block_mode
     base_span = block_table if base_span is None else base_span
-    launch_split(_elastic_decode_kernel, grid,
-                 (q, k_cache, v_cache, table, seq_lens, block_mode, base_span, part_o, part_l,
-                  out, lse),
-                 count, seq_lens, (), (scale_log2, *ints), (token, meta), fused, merge, ready)
+    launch_split((q, k_cache, v_cache, table, seq_lens, block_mode, base_span, part_o, part_l,
+                  out, lse), count, seq_lens, (), unfused, fused, merge, ready)
     return out, lse

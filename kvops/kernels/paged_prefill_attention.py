@@ -601,7 +601,7 @@ def paged_prefill_attention_fwd(
     key = signature if knobs == _RULES and type(signature) is int else (signature, knobs)
     plan = _PLANS.get(key) or keep_plan(_PLANS, key,
                                         _plan(*tensors, news, scale, window, knobs))
-    grid, nsp, ints, meta, merge, fused, token, ready = plan
+    grid, nsp, ints, meta, merge, fused, token, ready, unfused = plan
     if token is GLUON_PLAN:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = torch.empty(N, Hq, dtype=torch.float32, device=q.device)
@@ -618,9 +618,8 @@ def paged_prefill_attention_fwd(
     rows = ((k_cache, v_cache) if news is None else
             tuple(_rows_descriptor(t, meta["BLOCK_N"]) for t in news) if meta["NEW_TMA"] else
             news)
-    launch_split(_paged_prefill_kernel, grid, (*tensors, part_o, part_l, out, lse), count,
-                 seq_lens, (*descs, *rows, *(news or (k_cache, v_cache))), ints, (token, meta),
-                 fused, merge, ready)
+    launch_split((*tensors, part_o, part_l, out, lse), count, seq_lens,
+                 (*descs, *rows, *(news or (k_cache, v_cache))), unfused, fused, merge, ready)
     return out, lse
 
 
@@ -736,7 +735,7 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, news, scale, 
     if gluon:
         grid, ints, meta = gluon_plan(q, k_cache, block_table, scale)
         return (grid, 1, ints, meta, None, gluon_launch(grid, ints, meta, D, S, q.dtype),
-                GLUON_PLAN, [])
+                GLUON_PLAN, [], None)
     ints = (N, B, P, L, page_rows, num_tiles, window, scale * LOG2E.value, nsp, *strides)
     meta = dict(S=S, HKV=Hkv, G=G, D=D, BLOCK_Q=block_q, BLOCK_M=bm, BLOCK_N=bn,
                 BLOCK_D=next_pow2(max(D, 16)), BLOCK_B=SEQ_CHUNK,
@@ -757,4 +756,5 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, news, scale, 
         f_meta = dict(meta, FUSED_MERGE=True, BLOCK_S=next_pow2(nsp))
         fused = Launch(_paged_prefill_kernel, (num_tiles, Hkv, nsp),
                        None if token is None else ("fused", *token), ints, f_meta)
-    return (num_tiles, Hkv, nsp), nsp, ints, meta, merge, fused, token, []
+    unfused = Launch(_paged_prefill_kernel, (num_tiles, Hkv, nsp), token, ints, meta)
+    return (num_tiles, Hkv, nsp), nsp, ints, meta, merge, fused, token, [], unfused

@@ -246,14 +246,16 @@ def _plan(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale, knobs):
                 USE_PDL=pdl, FUSED_MERGE=False, BLOCK_S=1, num_warps=lp.warps,
                 num_stages=lp.stages)
     merge = fused = None
+    # the plan's own tokens key its compiled kernels: a plan made again (another rule, patched
+    # constants in tests) never launches a binary compiled for the old one
+    unfused = Launch(_sliding_window_kernel, (B * Hkv, nsp), object(), (scale * LOG2E_F, *ints),
+                     meta)
     if nsp > 1:
         merge = merge_plan(B, Hq, nsp, D, q.dtype, pdl, q.device)
-        # the plan's own tokens key its compiled kernels: a plan made again (another rule,
-        # patched constants in tests) never launches a binary compiled for the old one
         fused = Launch(_sliding_window_kernel, (B * Hkv, nsp), object(), (scale * LOG2E_F, *ints),
                        dict(meta, USE_PDL=False, FUSED_MERGE=True, BLOCK_S=next_pow2(nsp)))
     # ready: empty until an eager call has also loaded the two-launch form (``load_capture_form``)
-    return (B, Hq, D, nsp, scale * LOG2E_F, ints, meta, (B * Hkv, nsp), merge, fused, object(),
+    return (B, Hq, D, nsp, scale * LOG2E_F, ints, meta, (B * Hkv, nsp), merge, fused, unfused,
             [])
 
 
@@ -284,10 +286,9 @@ def static_sliding_attention_fwd(
                sig(far_v), sig(far_bias), scale)
     plan = _PLANS.get(key) or keep_plan(
         _PLANS, key, _plan(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale, knobs))
-    B, Hq, D, nsp, scale_log2, ints, meta, grid, merge, fused, token, ready = plan
+    B, Hq, D, nsp, _, _, _, grid, merge, fused, unfused, ready = plan
     out, lse, part_o, part_l, count = split_outputs(B, Hq, D, nsp, q.dtype, q.device,
                                                     grid[0])
-    launch_split(_sliding_window_kernel, grid,
-                 (q, k, v, win_start, win_len, far_k, far_v, far_bias, part_o, part_l, out, lse),
-                 count, win_len, (), (scale_log2, *ints), (token, meta), fused, merge, ready)
+    launch_split((q, k, v, win_start, win_len, far_k, far_v, far_bias, part_o, part_l, out, lse),
+                 count, win_len, (), unfused, fused, merge, ready)
     return out, lse
