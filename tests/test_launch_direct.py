@@ -254,6 +254,27 @@ def test_a_described_launch_encodes_each_descriptor_once_per_address(fake_descri
     assert log[-1][0] == "jit"
 
 
+def test_a_described_launch_keeps_address_combinations_within_bounds(fake_described,
+                                                                      monkeypatch):
+    """Combinations of addresses are kept whole up to MAX_DESCRIPTORS; a combination made of
+    addresses each position has seen encodes nothing again, after the whole ones were dropped
+    too, and every call hands the C entry the encodings of its own addresses."""
+    log = fake_described
+    monkeypatch.setattr(_launch, "MAX_DESCRIPTORS", 3)
+    run = _described()
+    a, b, c, x = torch.zeros(8, 4), torch.zeros(6, 4), torch.zeros(8, 4), torch.zeros(2)
+    run((a, b), x)
+    run((a, b), x)                          # the wrapper encodes; the launch keeps nothing yet
+    base = len(ENCODED)
+    # the direct calls: two addresses a position, four combinations (one clear of the whole ones)
+    for pair in ((c, b), (a, c[:6]), (c, c[:6]), (a, b), (c, b), (a, c[:6])):
+        run(pair, x)
+        got = log[-1][1]
+        assert got[13][1] == pair[0].data_ptr() and got[18][1] == pair[1].data_ptr()
+    assert len(ENCODED) == base + 4 and len(run._flat) <= 3
+    assert all(len(m) <= 3 for m in run._maps)
+
+
 def test_a_described_launch_keeps_the_wrapper_where_its_form_is_unknown(fake_described,
                                                                           monkeypatch):
     """A launcher whose wrapper is not triton 3.6's (another triton) keeps encoding through

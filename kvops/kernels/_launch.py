@@ -98,6 +98,7 @@ def _probed(kernel, key):
 
 
 _PAD = {1: (1, 1), 2: (1,), 3: ()}     # a grid's missing dimensions
+_data_ptr = torch.Tensor.data_ptr
 
 
 def _call(mode, compiled, g, stream, args, tail):
@@ -192,7 +193,8 @@ class Launch:
 
 
 MAX_DESCRIPTORS = 256     # encoded descriptors a DescribedLaunch keeps a position (a layer's
-                          # pools, the activations' recurring addresses)
+                          # pools, the activations' recurring addresses), and combinations of
+                          # addresses it keeps whole
 _BASE_ARGS = 13           # the C entry's arguments before the kernel's (grid, stream, ...)
 
 
@@ -234,29 +236,44 @@ class DescribedLaunch(Launch):
     with the other arguments straight to the C entry. An encoding holds no reference to the
     tensor: it is the same bytes whenever that memory has that shape again."""
 
-    __slots__ = ("descs", "make", "_maps")
+    __slots__ = ("descs", "make", "_maps", "_flat")
 
     def __init__(self, kernel, grid: tuple, key, ints: tuple, meta: dict, descs: tuple, make):
         super().__init__(kernel, grid, key, ints, meta)   # _c: None until probed, then False
         self.descs, self.make = descs, make               # where there is no direct form
         self._maps = tuple({} for _ in descs)   # a position's encodings by address
+        self._flat: dict = {}     # every position's encodings by the tuple of addresses
 
     def _made(self, i: int, t: torch.Tensor):
         describe, box, layout = self.descs[i]
         return self.make(t, *describe(t), box, layout)
 
+    def _encoded(self, c: tuple, bases: tuple, ptrs: tuple) -> tuple:
+        """The C entry's arguments for the descriptors of ``bases`` (at addresses ``ptrs``):
+        each position's kept encoding, made where that position has not seen its address."""
+        flat = []
+        for i, (t, ptr) in enumerate(zip(bases, ptrs)):
+            maps = self._maps[i]
+            m = maps.get(ptr)
+            if m is None:
+                if len(maps) >= MAX_DESCRIPTORS:
+                    maps.clear()
+                m = maps[ptr] = tuple(c[4](self._made(i, t), c[3][i]))
+            flat += m
+        if len(self._flat) >= MAX_DESCRIPTORS:
+            self._flat.clear()
+        flat = self._flat[ptrs] = tuple(flat)
+        return flat
+
     def __call__(self, bases: tuple, *args):
         c = self._c
         if c and _STATE["direct"] and _no_hooks():
-            flat = []
-            for i, t in enumerate(bases):
-                maps = self._maps[i]
-                m = maps.get(t.data_ptr())
-                if m is None:
-                    if len(maps) >= MAX_DESCRIPTORS:
-                        maps.clear()
-                    m = maps[t.data_ptr()] = tuple(c[4](self._made(i, t), c[3][i]))
-                flat += m
+            # a call whose addresses all recur (a layer's pools, the activations' few
+            # addresses) is one lookup
+            ptrs = tuple(map(_data_ptr, bases))
+            flat = self._flat.get(ptrs)
+            if flat is None:
+                flat = self._encoded(c, bases, ptrs)
             stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
             try:
                 c[0](*c[1], stream, *c[2], *flat, *args, *c[5])
