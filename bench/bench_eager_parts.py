@@ -49,7 +49,7 @@ def rows(B: int = 4, ctx: int = 512):
     op_mod = sys.modules["kvops.ops.static_sliding_attention"]
     key, _ = op_mod._checked(q, k, v, ws, wl, None, None, None, None)
     plan = ssa._PLANS[key]
-    Bp, Hq, Dp, nsp, scale_log2, ints, meta, grid, merge, fused, unfused, _ = plan
+    Bp, Hq, Dp, nsp, scale_log2, ints, meta, grid, merge, fused, unfused, _, _ = plan
     out, lse, part_o, part_l, count = ssa.split_outputs(B, HQ, D, nsp, dt, dev, grid[0])
     # the eager call's one launch: stage 1 with the merge by the last split (split launches)
     meta, token = (fused.meta, fused.key) if fused is not None else (unfused.meta, unfused.key)

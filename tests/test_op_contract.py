@@ -152,3 +152,49 @@ def test_compiled_launch_path_matches_the_jit():
         _launch._STATE["direct"] = saved
     assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
     assert not torch.equal(first[0], fast[0])
+
+
+def _query_layouts(q):
+    """``q`` [B, H, D] as a contiguous tensor, a dense permuted one, a slice of wider rows and,
+    for B 1, a contiguous one whose size-1 dim has an odd stride."""
+    B, H, D = q.shape
+    permuted = q.transpose(0, 1).contiguous().transpose(0, 1)
+    wide = torch.zeros(B, H + 3, D, dtype=q.dtype, device=q.device)
+    wide[:, 1:H + 1] = q
+    odd = torch.empty(7 * H * D, dtype=q.dtype, device=q.device)[:H * D].as_strided(
+        (1, H, D), (7 * H * D, D, 1))
+    odd.copy_(q[:1])
+    return [("contiguous", q), ("permuted", permuted), ("slice", wide[:, 1:H + 1]),
+            ("size-1 odd stride", odd)]
+
+
+def test_attention_outputs_are_contiguous_whatever_the_query_layout(kernel_device):
+    """out [*, Hq, D] and lse [*, Hq] come back contiguous with the same values for a
+    contiguous query and for dense permuted, sliced and odd-strided ones (a contiguous query's
+    out is allocated like it)."""
+    device = kernel_device
+    g = torch.Generator().manual_seed(5)
+    P, S, Hkv, D, G = 8, 8, 2, 32, 2
+    kc, vc = (torch.randn(P, S, Hkv, D, generator=g).half().to(device) for _ in range(2))
+    table = torch.arange(6, dtype=torch.int32, device=device).view(2, 3)
+    seq = torch.tensor([20, 9], dtype=torch.int32, device=device)
+    k = kc.view(2, 4 * S, Hkv, D)
+    ws = torch.zeros(2, dtype=torch.int32, device=device)
+    calls = {
+        "static_sliding_attention": lambda q, n: torch.ops.kvops.static_sliding_attention(
+            q, k[:n], k[:n], ws[:n], seq[:n]),
+        "elastic_attention": lambda q, n: torch.ops.kvops.elastic_attention(
+            q, kc, vc, table[:n], seq[:n]),
+        "paged_prefill_attention": lambda q, n: torch.ops.kvops.paged_prefill_attention(
+            q, kc, vc, table[:1], torch.tensor([0, q.shape[0]], dtype=torch.int32,
+                                                device=device), seq[:1]),
+    }
+    q0 = torch.randn(2, Hkv * G, D, generator=g).half().to(device)
+    for name, call in calls.items():
+        for layout, q in _query_layouts(q0):
+            n = q.shape[0]
+            want = call(q0[:n].contiguous(), n)
+            got = call(q, n)
+            for w, t in zip(want, got):
+                assert t.is_contiguous() and t.shape == w.shape, (name, layout, t.stride())
+                torch.testing.assert_close(t, w, atol=0, rtol=0, msg=f"{name}, {layout}")

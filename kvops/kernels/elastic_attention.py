@@ -786,8 +786,9 @@ def _plan(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, sca
         merge = merge_plan(B, Hq, nsp, D, q.dtype, pdl, q.device)
         fused = Launch(_elastic_decode_kernel, (B * Hkv, nsp), object(), (scale * LOG2E, *ints),
                        dict(meta, PDL_TRIGGER=False, FUSED_MERGE=True, BLOCK_S=next_pow2(nsp)))
+    # like: out may be allocated as empty_like(q) (``split_outputs``)
     return (B, Hq, D, nsp, scale * LOG2E, ints, meta, (B * Hkv, nsp), halves_table, halves,
-            merge, fused, unfused, [])
+            merge, fused, unfused, [], q.is_contiguous())
 
 
 def elastic_attention_fwd(
@@ -821,9 +822,10 @@ def elastic_attention_fwd(
                sig(block_mode), sig(base_span), scale)
     plan = _PLANS.get(key) or keep_plan(_PLANS, key, _plan(
         q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, scale, knobs))
-    (B, Hq, D, nsp, _, _, _, grid, halves_table, halves, merge, fused, unfused, ready) = plan
+    (B, Hq, D, nsp, _, _, _, grid, halves_table, halves, merge, fused, unfused, ready,
+     like) = plan
     out, lse, part_o, part_l, count = split_outputs(B, Hq, D, nsp, q.dtype, q.device,
-                                                    grid[0])
+                                                    grid[0], q if like else None)
     if B == 0:
         return out, lse
     table = block_table

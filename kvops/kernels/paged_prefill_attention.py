@@ -601,15 +601,16 @@ def paged_prefill_attention_fwd(
     key = signature if knobs == _RULES and type(signature) is int else (signature, knobs)
     plan = _PLANS.get(key) or keep_plan(_PLANS, key,
                                         _plan(*tensors, news, scale, window, knobs))
-    grid, nsp, ints, meta, merge, fused, token, ready, unfused = plan
+    grid, nsp, ints, meta, merge, fused, token, ready, unfused, like = plan
     if token is GLUON_PLAN:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        out = (torch.empty_like(q) if like else
+               torch.empty_like(q, memory_format=torch.contiguous_format))
         lse = torch.empty(N, Hq, dtype=torch.float32, device=q.device)
         paged_prefill_gluon_fwd(*tensors, *news, out, lse, fused)
         return out, lse
     # out [N, Hq, D] and lse [N, Hq] are a decode launch's outputs with N rows
     out, lse, part_o, part_l, count = split_outputs(N, Hq, D, nsp, q.dtype, q.device,
-                                                    grid[0] * grid[1])
+                                                    grid[0] * grid[1], q if like else None)
     # the descriptors hold the tensors' addresses, so they are made each call (without TMA
     # the kernel never reads the first two arguments, without NEW the last two)
     descs = ((_pool_descriptor(k_cache, meta["BLOCK_N"]),
@@ -735,7 +736,7 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, news, scale, 
     if gluon:
         grid, ints, meta = gluon_plan(q, k_cache, block_table, scale)
         return (grid, 1, ints, meta, None, gluon_launch(grid, ints, meta, D, S, q.dtype),
-                GLUON_PLAN, [], None)
+                GLUON_PLAN, [], None, q.is_contiguous())
     ints = (N, B, P, L, page_rows, num_tiles, window, scale * LOG2E.value, nsp, *strides)
     meta = dict(S=S, HKV=Hkv, G=G, D=D, BLOCK_Q=block_q, BLOCK_M=bm, BLOCK_N=bn,
                 BLOCK_D=next_pow2(max(D, 16)), BLOCK_B=SEQ_CHUNK,
@@ -757,4 +758,6 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, news, scale, 
         fused = Launch(_paged_prefill_kernel, (num_tiles, Hkv, nsp),
                        None if token is None else ("fused", *token), ints, f_meta)
     unfused = Launch(_paged_prefill_kernel, (num_tiles, Hkv, nsp), token, ints, meta)
-    return (num_tiles, Hkv, nsp), nsp, ints, meta, merge, fused, token, [], unfused
+    # the last: out may be allocated as empty_like(q) (``split_outputs``)
+    return (num_tiles, Hkv, nsp), nsp, ints, meta, merge, fused, token, [], unfused, \
+        q.is_contiguous()

@@ -255,8 +255,9 @@ def _plan(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale, knobs):
         fused = Launch(_sliding_window_kernel, (B * Hkv, nsp), object(), (scale * LOG2E_F, *ints),
                        dict(meta, USE_PDL=False, FUSED_MERGE=True, BLOCK_S=next_pow2(nsp)))
     # ready: empty until an eager call has also loaded the two-launch form (``load_capture_form``)
+    # like: out may be allocated as empty_like(q) (``split_outputs``)
     return (B, Hq, D, nsp, scale * LOG2E_F, ints, meta, (B * Hkv, nsp), merge, fused, unfused,
-            [])
+            [], q.is_contiguous())
 
 
 def static_sliding_attention_fwd(
@@ -286,9 +287,9 @@ def static_sliding_attention_fwd(
                sig(far_v), sig(far_bias), scale)
     plan = _PLANS.get(key) or keep_plan(
         _PLANS, key, _plan(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale, knobs))
-    B, Hq, D, nsp, _, _, _, grid, merge, fused, unfused, ready = plan
+    B, Hq, D, nsp, _, _, _, grid, merge, fused, unfused, ready, like = plan
     out, lse, part_o, part_l, count = split_outputs(B, Hq, D, nsp, q.dtype, q.device,
-                                                    grid[0])
+                                                    grid[0], q if like else None)
     launch_split((q, k, v, win_start, win_len, far_k, far_v, far_bias, part_o, part_l, out, lse),
                  count, win_len, (), unfused, fused, merge, ready)
     return out, lse
