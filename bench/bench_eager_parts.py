@@ -49,10 +49,12 @@ def rows(B: int = 4, ctx: int = 512):
     op_mod = sys.modules["kvops.ops.static_sliding_attention"]
     key, _ = op_mod._checked(q, k, v, ws, wl, None, None, None, None)
     plan = ssa._PLANS[key]
-    Bp, Hq, Dp, nsp, scale_log2, ints, meta, grid, merge, fused, unfused, _, _ = plan
+    nsp, scale_log2, ints, grid, merge, fused = (plan.splits, plan.scale_log2, plan.ints,
+                                                 plan.grid, plan.merge, plan.fused)
     out, lse, part_o, part_l, count = ssa.split_outputs(B, HQ, D, nsp, dt, dev, grid[0])
     # the eager call's one launch: stage 1 with the merge by the last split (split launches)
-    meta, token = (fused.meta, fused.key) if fused is not None else (unfused.meta, unfused.key)
+    meta, token = (fused.meta, fused.key) if fused is not None else (plan.launch.meta,
+                                                                     plan.launch.key)
     args = (q, k, v, ws, wl, None, None, None, part_o, part_l, out, lse, count, scale_log2, *ints)
     ptr_args = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
     compiled, tail, mode, _ = _compiled_stage1()

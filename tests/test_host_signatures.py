@@ -160,7 +160,7 @@ def test_the_cuda_host_path_runs_on_cpu_and_leaves_nothing_behind():
             for _ in range(3):       # the JIT, the conventions' probe, the C entry
                 op()
         assert _launch._STATE["mode"] == "c" and ssa._PLANS
-        fused = [p[9] for p in ssa._PLANS.values() if p[9] is not None]
+        fused = [p.fused for p in ssa._PLANS.values() if p.fused is not None]
         assert fused and all(f._c is not None for f in fused)
     assert (_launch._STATE, _launch._BINS, ssa._PLANS, ops_mod.use_triton) == (
         state, bins, plans, rule)

@@ -724,7 +724,7 @@ def test_pool_past_int32_offsets_on_cuda():
     moved = dict(case, block_table=table, **big)
     prefill_kernel._PLANS.clear()
     out, lse = torch.ops.kvops.paged_prefill_attention(**moved)
-    assert [p[3]["OFF64"] for p in prefill_kernel._PLANS.values()] == [True]
+    assert [p.meta["OFF64"] for p in prefill_kernel._PLANS.values()] == [True]
     check_against_oracle(out, lse, case, "past-int32")
 
 
@@ -809,11 +809,11 @@ def test_tma_direct_launch_matches_the_jit(monkeypatch, descriptors, S, rows):
     torch.cuda.synchronize()
     assert len(descriptors) == (6 if S == 64 else 0)
     plans = list(prefill_kernel._PLANS.values())
-    assert plans and all(p[3]["NEW"] == rows and p[3]["NEW_TMA"] == rows for p in plans)
+    assert plans and all(p.meta["NEW"] == rows and p.meta["NEW_TMA"] == rows for p in plans)
     if _launch._STATE["direct"]:
         kernel = id(prefill_kernel._paged_prefill_kernel)
         for plan in plans:
-            token = plan[6]
+            token = plan.token
             assert token is not None
             assert _launch._BINS[(kernel, token)][2] in ("c", "tail", "plain")
     for (o, lse), (wo, wl) in zip(got, want):
@@ -898,7 +898,7 @@ def test_gluon_launch_passes_each_kernel_parameter(monkeypatch):
     assert len(prefill_kernel._PLANS) == 1 and len(launches) == 2
     kernel, grid, key, args, meta = launches[-1]
     plan, = prefill_kernel._PLANS.values()
-    assert kernel is g._paged_prefill_gluon_kernel and key is plan[5].key
+    assert kernel is g._paged_prefill_gluon_kernel and key is plan.launch.key
     named = dict(zip(kernel.arg_names, args))
     assert len(args) + 2 == len(kernel.arg_names) and set(meta) == {"HQ", "G", "num_warps",
                                                                     "maxnreg"}
@@ -1009,7 +1009,8 @@ def test_gluon_direct_launch_matches_the_jit(gluon_calls, monkeypatch):
         assert torch.equal(o, wo) and torch.equal(lse, wl)
     import triton
     if triton.__version__.startswith("3.6"):      # the direct form this launch is built for
-        runs = [p[5] for p in prefill_kernel._PLANS.values() if p[6] is prefill_kernel.GLUON_PLAN]
+        runs = [p.launch for p in prefill_kernel._PLANS.values()
+                if p.token is prefill_kernel.GLUON_PLAN]
         assert runs and all(isinstance(r._c, tuple) for r in runs), [r._c for r in runs]
 
 

@@ -131,23 +131,23 @@ def load_capture_form(ready: list) -> bool:
     return True
 
 
-def launch_split(head: tuple, count, spare, rest: tuple, unfused, fused, merge,
-                 ready: list) -> None:
+def launch_split(head: tuple, count, spare, rest: tuple, plan) -> None:
     """Launch a split kernel whose runtime arguments are ``(*head, counters, *rest)`` and then
     the plan's integers, ``head`` ending in its partials, out and lse (``split_outputs``'s
-    tensors): with ``count`` (the counters ``split_outputs`` gave) its one-launch form
-    (``fused``), after the two-launch form on a plan's first call (``load_capture_form``);
-    without, the two-launch form: ``unfused`` with ``spare``, any int32 tensor, in the
-    counters' place (that form never reads it), then the merge by ``merge`` (``merge_plan``;
-    None unsplit). ``unfused`` and ``fused`` are the plan's
-    :class:`~kvops.kernels._launch.Launch` objects (each holds the integers, its binary key and
-    constants), so an unsplit call launches its binary's C entry as a split call does."""
-    if count is None or load_capture_form(ready):
-        unfused(*head, spare, *rest)
-        if merge is not None:
-            merge_split_outputs(merge, *head[-4:])
+    tensors), by ``plan`` (a launcher's plan: its ``launch``, ``fused``, ``merge`` and
+    ``ready``): with ``count`` (the counters ``split_outputs`` gave) the one-launch form
+    (``plan.fused``), after the two-launch form on a plan's first call (``load_capture_form``);
+    without, the two-launch form: ``plan.launch`` with ``spare``, any int32 tensor, in the
+    counters' place (that form never reads it), then the merge by ``plan.merge``
+    (``merge_plan``; None unsplit). Both launches are :class:`~kvops.kernels._launch.Launch`
+    objects (each holds the integers, its binary key and constants), so an unsplit call
+    launches its binary's C entry as a split call does."""
+    if count is None or load_capture_form(plan.ready):
+        plan.launch(*head, spare, *rest)
+        if plan.merge is not None:
+            merge_split_outputs(plan.merge, *head[-4:])
     if count is not None:      # one launch: the last split of each group merges it
-        fused(*head, count, *rest)
+        plan.fused(*head, count, *rest)
 
 
 def default_num_splits(pairs: int, n: int, block_n: int, tile_bytes: int, sms: int) -> int:

@@ -731,6 +731,26 @@ def ptx_decode_ok(codec: int, props: DeviceProps) -> bool:
     return props.ptx
 
 
+class ElasticPlan(NamedTuple):
+    """What a call of one argument signature launches (``_plan``)."""
+
+    B: int
+    Hq: int
+    D: int
+    splits: int
+    scale_log2: float
+    ints: tuple          # the kernel's integer arguments after the scale
+    meta: dict           # its constants (the two-launch form's)
+    grid: tuple
+    halves_table: bool   # the general path's per-row ids (``_half_pages_kernel``) are made
+    halves: tuple | None     # that kernel's (grid, integers, constants); None for an empty table
+    merge: tuple | None  # ``merge_plan`` of the two-launch form (None unsplit)
+    fused: Launch | None     # the one-launch form (split plans)
+    launch: Launch       # the two-launch form's first launch (an unsplit plan's only one)
+    ready: list          # ``load_capture_form``'s: empty until the two-launch form ran eagerly
+    like_q: bool         # out allocated as ``empty_like(q)`` (``split_outputs``)
+
+
 _PLANS: dict = {}
 _NO_KNOBS = (None,) * 7
 
@@ -780,15 +800,14 @@ def _plan(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, sca
                   dict(BLOCK=1024, PDL_TRIGGER=pdl_wait, num_warps=4))
     merge = fused = None
     # the plan's own tokens key its compiled kernels (see static_sliding_attention._plan)
-    unfused = Launch(_elastic_decode_kernel, (B * Hkv, nsp), object(), (scale * LOG2E, *ints),
-                     meta)
+    first = Launch(_elastic_decode_kernel, (B * Hkv, nsp), object(), (scale * LOG2E, *ints),
+                   meta)
     if nsp > 1:
         merge = merge_plan(B, Hq, nsp, D, q.dtype, pdl, q.device)
         fused = Launch(_elastic_decode_kernel, (B * Hkv, nsp), object(), (scale * LOG2E, *ints),
                        dict(meta, PDL_TRIGGER=False, FUSED_MERGE=True, BLOCK_S=next_pow2(nsp)))
-    # like: out may be allocated as empty_like(q) (``split_outputs``)
-    return (B, Hq, D, nsp, scale * LOG2E, ints, meta, (B * Hkv, nsp), halves_table, halves,
-            merge, fused, unfused, [], q.is_contiguous())
+    return ElasticPlan(B, Hq, D, nsp, scale * LOG2E, ints, meta, (B * Hkv, nsp), halves_table,
+                       halves, merge, fused, first, [], q.is_contiguous())
 
 
 def elastic_attention_fwd(
@@ -822,22 +841,21 @@ def elastic_attention_fwd(
                sig(block_mode), sig(base_span), scale)
     plan = _PLANS.get(key) or keep_plan(_PLANS, key, _plan(
         q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, scale, knobs))
-    (B, Hq, D, nsp, _, _, _, grid, halves_table, halves, merge, fused, unfused, ready,
-     like) = plan
-    out, lse, part_o, part_l, count = split_outputs(B, Hq, D, nsp, q.dtype, q.device,
-                                                    grid[0], q if like else None)
-    if B == 0:
+    out, lse, part_o, part_l, count = split_outputs(
+        plan.B, plan.Hq, plan.D, plan.splits, q.dtype, q.device, plan.grid[0],
+        q if plan.like_q else None)
+    if plan.B == 0:
         return out, lse
     table = block_table
-    if halves_table:
+    if plan.halves_table:
         table = torch.empty(block_table.shape, dtype=torch.int32, device=block_table.device)
-        if halves is not None:
-            h_grid, h_ints, h_meta = halves
-            launch(_half_pages_kernel, h_grid, unfused.key,
+        if plan.halves is not None:
+            h_grid, h_ints, h_meta = plan.halves
+            launch(_half_pages_kernel, h_grid, plan.launch.key,
                    (block_table, block_mode, table, *h_ints), h_meta)
     # the kernel never reads the metadata of the other paths; pass valid pointers
     block_mode = block_table if block_mode is None else block_mode
     base_span = block_table if base_span is None else base_span
     launch_split((q, k_cache, v_cache, table, seq_lens, block_mode, base_span, part_o, part_l,
-                  out, lse), count, seq_lens, (), unfused, fused, merge, ready)
+                  out, lse), count, seq_lens, (), plan)
     return out, lse

@@ -37,6 +37,8 @@ KV head) to finish merges the tile's rows in the same launch (``_splitk.arrive``
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -559,6 +561,22 @@ def _paged_prefill_kernel(
             tl.atomic_xchg(Counts + i_t * HKV + i_h, 0)
 
 
+class PrefillPlan(NamedTuple):
+    """What a call of one argument signature and knobs launches (``_plan``)."""
+
+    grid: tuple
+    splits: int
+    ints: tuple          # the kernel's integer arguments
+    meta: dict           # its constants (the two-launch form's)
+    token: object        # the binary key's base; ``GLUON_PLAN`` for the Gluon kernel's plan
+    launch: Launch       # the two-launch form's first launch (an unsplit plan's only one; the
+                         # Gluon kernel's ``DescribedLaunch``)
+    fused: Launch | None     # the one-launch form (split plans)
+    merge: tuple | None  # ``merge_plan`` of the two-launch form (None unsplit)
+    ready: list          # ``load_capture_form``'s: empty until the two-launch form ran eagerly
+    like_q: bool         # out allocated as ``empty_like(q)`` (``split_outputs``)
+
+
 _PLANS: dict = {}
 _RULES = (None,) * 5 + (True,) + (None,) * 4      # no knob given: every rule's own choice
 
@@ -601,16 +619,17 @@ def paged_prefill_attention_fwd(
     key = signature if knobs == _RULES and type(signature) is int else (signature, knobs)
     plan = _PLANS.get(key) or keep_plan(_PLANS, key,
                                         _plan(*tensors, news, scale, window, knobs))
-    grid, nsp, ints, meta, merge, fused, token, ready, unfused, like = plan
-    if token is GLUON_PLAN:
-        out = (torch.empty_like(q) if like else
+    if plan.token is GLUON_PLAN:
+        out = (torch.empty_like(q) if plan.like_q else
                torch.empty_like(q, memory_format=torch.contiguous_format))
         lse = torch.empty(N, Hq, dtype=torch.float32, device=q.device)
-        paged_prefill_gluon_fwd(*tensors, *news, out, lse, fused)
+        paged_prefill_gluon_fwd(*tensors, *news, out, lse, plan.launch)
         return out, lse
     # out [N, Hq, D] and lse [N, Hq] are a decode launch's outputs with N rows
-    out, lse, part_o, part_l, count = split_outputs(N, Hq, D, nsp, q.dtype, q.device,
-                                                    grid[0] * grid[1], q if like else None)
+    meta = plan.meta
+    out, lse, part_o, part_l, count = split_outputs(
+        N, Hq, D, plan.splits, q.dtype, q.device, plan.grid[0] * plan.grid[1],
+        q if plan.like_q else None)
     # the descriptors hold the tensors' addresses, so they are made each call (without TMA
     # the kernel never reads the first two arguments, without NEW the last two)
     descs = ((_pool_descriptor(k_cache, meta["BLOCK_N"]),
@@ -620,7 +639,7 @@ def paged_prefill_attention_fwd(
             tuple(_rows_descriptor(t, meta["BLOCK_N"]) for t in news) if meta["NEW_TMA"] else
             news)
     launch_split((*tensors, part_o, part_l, out, lse), count, seq_lens,
-                 (*descs, *rows, *(news or (k_cache, v_cache))), unfused, fused, merge, ready)
+                 (*descs, *rows, *(news or (k_cache, v_cache))), plan)
     return out, lse
 
 
@@ -735,8 +754,9 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, news, scale, 
                          "tensors")
     if gluon:
         grid, ints, meta = gluon_plan(q, k_cache, block_table, scale)
-        return (grid, 1, ints, meta, None, gluon_launch(grid, ints, meta, D, S, q.dtype),
-                GLUON_PLAN, [], None, q.is_contiguous())
+        return PrefillPlan(grid, 1, ints, meta, GLUON_PLAN,
+                           gluon_launch(grid, ints, meta, D, S, q.dtype), None, None, [],
+                           q.is_contiguous())
     ints = (N, B, P, L, page_rows, num_tiles, window, scale * LOG2E.value, nsp, *strides)
     meta = dict(S=S, HKV=Hkv, G=G, D=D, BLOCK_Q=block_q, BLOCK_M=bm, BLOCK_N=bn,
                 BLOCK_D=next_pow2(max(D, 16)), BLOCK_B=SEQ_CHUNK,
@@ -757,7 +777,6 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, news, scale, 
         f_meta = dict(meta, FUSED_MERGE=True, BLOCK_S=next_pow2(nsp))
         fused = Launch(_paged_prefill_kernel, (num_tiles, Hkv, nsp),
                        None if token is None else ("fused", *token), ints, f_meta)
-    unfused = Launch(_paged_prefill_kernel, (num_tiles, Hkv, nsp), token, ints, meta)
-    # the last: out may be allocated as empty_like(q) (``split_outputs``)
-    return (num_tiles, Hkv, nsp), nsp, ints, meta, merge, fused, token, [], unfused, \
-        q.is_contiguous()
+    return PrefillPlan((num_tiles, Hkv, nsp), nsp, ints, meta, token,
+                       Launch(_paged_prefill_kernel, (num_tiles, Hkv, nsp), token, ints, meta),
+                       fused, merge, [], q.is_contiguous())

@@ -207,6 +207,24 @@ def sliding_launch(B: int, Hkv: int, W: int, D: int, itemsize: int, C: int,
     return SlidingLaunch(block_n, splits, warps or 4, stages or 3)
 
 
+class SlidingPlan(NamedTuple):
+    """What a call of one argument signature launches (``_plan``)."""
+
+    B: int
+    Hq: int
+    D: int
+    splits: int
+    scale_log2: float
+    ints: tuple          # the kernel's integer arguments after the scale
+    meta: dict           # its constants (the two-launch form's)
+    grid: tuple
+    merge: tuple | None  # ``merge_plan`` of the two-launch form (None unsplit)
+    fused: Launch | None     # the one-launch form (split plans)
+    launch: Launch       # the two-launch form's first launch (an unsplit plan's only one)
+    ready: list          # ``load_capture_form``'s: empty until the two-launch form ran eagerly
+    like_q: bool         # out allocated as ``empty_like(q)`` (``split_outputs``)
+
+
 _PLANS: dict = {}
 _NO_KNOBS = (None,) * 6
 
@@ -248,16 +266,14 @@ def _plan(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale, knobs):
     merge = fused = None
     # the plan's own tokens key its compiled kernels: a plan made again (another rule, patched
     # constants in tests) never launches a binary compiled for the old one
-    unfused = Launch(_sliding_window_kernel, (B * Hkv, nsp), object(), (scale * LOG2E_F, *ints),
-                     meta)
+    first = Launch(_sliding_window_kernel, (B * Hkv, nsp), object(), (scale * LOG2E_F, *ints),
+                   meta)
     if nsp > 1:
         merge = merge_plan(B, Hq, nsp, D, q.dtype, pdl, q.device)
         fused = Launch(_sliding_window_kernel, (B * Hkv, nsp), object(), (scale * LOG2E_F, *ints),
                        dict(meta, USE_PDL=False, FUSED_MERGE=True, BLOCK_S=next_pow2(nsp)))
-    # ready: empty until an eager call has also loaded the two-launch form (``load_capture_form``)
-    # like: out may be allocated as empty_like(q) (``split_outputs``)
-    return (B, Hq, D, nsp, scale * LOG2E_F, ints, meta, (B * Hkv, nsp), merge, fused, unfused,
-            [], q.is_contiguous())
+    return SlidingPlan(B, Hq, D, nsp, scale * LOG2E_F, ints, meta, (B * Hkv, nsp), merge, fused,
+                       first, [], q.is_contiguous())
 
 
 def static_sliding_attention_fwd(
@@ -287,9 +303,9 @@ def static_sliding_attention_fwd(
                sig(far_v), sig(far_bias), scale)
     plan = _PLANS.get(key) or keep_plan(
         _PLANS, key, _plan(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale, knobs))
-    B, Hq, D, nsp, _, _, _, grid, merge, fused, unfused, ready, like = plan
-    out, lse, part_o, part_l, count = split_outputs(B, Hq, D, nsp, q.dtype, q.device,
-                                                    grid[0], q if like else None)
+    out, lse, part_o, part_l, count = split_outputs(
+        plan.B, plan.Hq, plan.D, plan.splits, q.dtype, q.device, plan.grid[0],
+        q if plan.like_q else None)
     launch_split((q, k, v, win_start, win_len, far_k, far_v, far_bias, part_o, part_l, out, lse),
-                 count, win_len, (), unfused, fused, merge, ready)
+                 count, win_len, (), plan)
     return out, lse
