@@ -18,12 +18,14 @@ call and a replay of the same launch may differ in the last bits.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from kvops.kernels._common import DeviceProps, next_pow2
-from kvops.kernels._launch import launch
+from kvops.kernels._launch import Launch, launch
 from kvops.kernels._workspace import split_scratch
 
 
@@ -129,6 +131,27 @@ def load_capture_form(ready: list) -> bool:
         return False
     ready.append(True)
     return True
+
+
+class DecodePlan(NamedTuple):
+    """What a split decode launcher's call of one argument signature launches (its ``_plan``;
+    ``static_sliding_attention``, ``elastic_attention``)."""
+
+    B: int
+    Hq: int
+    D: int
+    splits: int
+    scale_log2: float
+    ints: tuple          # the kernel's integer arguments after the scale
+    meta: dict           # its constants (the two-launch form's)
+    grid: tuple
+    merge: tuple | None  # ``merge_plan`` of the two-launch form (None unsplit)
+    fused: Launch | None     # the one-launch form (split plans)
+    launch: Launch       # the two-launch form's first launch (an unsplit plan's only one)
+    ready: list          # ``load_capture_form``'s: empty until the two-launch form ran eagerly
+    like_q: bool         # out allocated as ``empty_like(q)`` (``split_outputs``)
+    halves_table: bool = False   # elastic's general path: per-row ids (``_half_pages_kernel``)
+    halves: tuple | None = None  # that kernel's (grid, integers, constants); None: none to make
 
 
 def launch_split(head: tuple, count, spare, rest: tuple, plan) -> None:

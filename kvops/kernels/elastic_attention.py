@@ -74,6 +74,7 @@ from kvops.kernels._common import (
 )
 from kvops.kernels._launch import Launch, keep_plan, launch
 from kvops.kernels._splitk import (
+    DecodePlan,
     default_num_splits,
     launch_split,
     merge_if_last,
@@ -731,26 +732,6 @@ def ptx_decode_ok(codec: int, props: DeviceProps) -> bool:
     return props.ptx
 
 
-class ElasticPlan(NamedTuple):
-    """What a call of one argument signature launches (``_plan``)."""
-
-    B: int
-    Hq: int
-    D: int
-    splits: int
-    scale_log2: float
-    ints: tuple          # the kernel's integer arguments after the scale
-    meta: dict           # its constants (the two-launch form's)
-    grid: tuple
-    halves_table: bool   # the general path's per-row ids (``_half_pages_kernel``) are made
-    halves: tuple | None     # that kernel's (grid, integers, constants); None for an empty table
-    merge: tuple | None  # ``merge_plan`` of the two-launch form (None unsplit)
-    fused: Launch | None     # the one-launch form (split plans)
-    launch: Launch       # the two-launch form's first launch (an unsplit plan's only one)
-    ready: list          # ``load_capture_form``'s: empty until the two-launch form ran eagerly
-    like_q: bool         # out allocated as ``empty_like(q)`` (``split_outputs``)
-
-
 _PLANS: dict = {}
 _NO_KNOBS = (None,) * 7
 
@@ -806,8 +787,8 @@ def _plan(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, sca
         merge = merge_plan(B, Hq, nsp, D, q.dtype, pdl, q.device)
         fused = Launch(_elastic_decode_kernel, (B * Hkv, nsp), object(), (scale * LOG2E, *ints),
                        dict(meta, PDL_TRIGGER=False, FUSED_MERGE=True, BLOCK_S=next_pow2(nsp)))
-    return ElasticPlan(B, Hq, D, nsp, scale * LOG2E, ints, meta, (B * Hkv, nsp), halves_table,
-                       halves, merge, fused, first, [], q.is_contiguous())
+    return DecodePlan(B, Hq, D, nsp, scale * LOG2E, ints, meta, (B * Hkv, nsp), merge, fused,
+                      first, [], q.is_contiguous(), halves_table, halves)
 
 
 def elastic_attention_fwd(

@@ -41,6 +41,7 @@ from kvops.kernels._common import (
 )
 from kvops.kernels._launch import Launch, keep_plan
 from kvops.kernels._splitk import (
+    DecodePlan,
     default_num_splits,
     launch_split,
     merge_if_last,
@@ -207,24 +208,6 @@ def sliding_launch(B: int, Hkv: int, W: int, D: int, itemsize: int, C: int,
     return SlidingLaunch(block_n, splits, warps or 4, stages or 3)
 
 
-class SlidingPlan(NamedTuple):
-    """What a call of one argument signature launches (``_plan``)."""
-
-    B: int
-    Hq: int
-    D: int
-    splits: int
-    scale_log2: float
-    ints: tuple          # the kernel's integer arguments after the scale
-    meta: dict           # its constants (the two-launch form's)
-    grid: tuple
-    merge: tuple | None  # ``merge_plan`` of the two-launch form (None unsplit)
-    fused: Launch | None     # the one-launch form (split plans)
-    launch: Launch       # the two-launch form's first launch (an unsplit plan's only one)
-    ready: list          # ``load_capture_form``'s: empty until the two-launch form ran eagerly
-    like_q: bool         # out allocated as ``empty_like(q)`` (``split_outputs``)
-
-
 _PLANS: dict = {}
 _NO_KNOBS = (None,) * 6
 
@@ -272,8 +255,8 @@ def _plan(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale, knobs):
         merge = merge_plan(B, Hq, nsp, D, q.dtype, pdl, q.device)
         fused = Launch(_sliding_window_kernel, (B * Hkv, nsp), object(), (scale * LOG2E_F, *ints),
                        dict(meta, USE_PDL=False, FUSED_MERGE=True, BLOCK_S=next_pow2(nsp)))
-    return SlidingPlan(B, Hq, D, nsp, scale * LOG2E_F, ints, meta, (B * Hkv, nsp), merge, fused,
-                       first, [], q.is_contiguous())
+    return DecodePlan(B, Hq, D, nsp, scale * LOG2E_F, ints, meta, (B * Hkv, nsp), merge, fused,
+                      first, [], q.is_contiguous())
 
 
 def static_sliding_attention_fwd(
