@@ -80,7 +80,8 @@ def rows(B: int = 4, ctx: int = 512):
                                                               None),
         "no-op op returning fresh out and lse": lambda: _noop(fresh=True)(
             q, k, v, ws, wl, None, None, None, None),
-        "split_outputs (all outputs)": lambda: ssa.split_outputs(B, HQ, D, nsp, dt, dev, grid[0]),
+        "split_outputs (all outputs)": lambda: ssa.split_outputs(
+            B, HQ, D, nsp, dt, dev, grid[0], q if plan.like_q else None),
         "sig(q)": lambda: sig(q),
         "signature key (9 args)": lambda: (sig(q), sig(k), sig(v), sig(ws), sig(wl), sig(None),
                                            sig(None), sig(None), None),

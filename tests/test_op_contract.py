@@ -169,32 +169,41 @@ def _query_layouts(q):
 
 
 def test_attention_outputs_are_contiguous_whatever_the_query_layout(kernel_device):
-    """out [*, Hq, D] and lse [*, Hq] come back contiguous with the same values for a
-    contiguous query and for dense permuted, sliced and odd-strided ones (a contiguous query's
-    out is allocated like it)."""
+    """out [*, Hq, D] and lse [*, Hq] come back with a new tensor's strides and the same values
+    for a contiguous query and for dense permuted, sliced and odd-strided ones (a query of
+    standard strides gets its out allocated like it), through the kernels (the interpreter on
+    the CPU; the prefill with the chunk's rows, the Gluon kernel on sm_90)."""
     device = kernel_device
     g = torch.Generator().manual_seed(5)
-    P, S, Hkv, D, G = 8, 8, 2, 32, 2
+    P, S, Hkv, D, G = 8, 16, 2, 64, 2
     kc, vc = (torch.randn(P, S, Hkv, D, generator=g).half().to(device) for _ in range(2))
     table = torch.arange(6, dtype=torch.int32, device=device).view(2, 3)
     seq = torch.tensor([20, 9], dtype=torch.int32, device=device)
-    k = kc.view(2, 4 * S, Hkv, D)
+    k, v = kc[:6].view(2, 3 * S, Hkv, D), vc[:6].view(2, 3 * S, Hkv, D)
     ws = torch.zeros(2, dtype=torch.int32, device=device)
+
+    def prefill(q, n, rows):   # q's n rows: sequence 0's last n tokens
+        starts = torch.tensor([0, n], dtype=torch.int32, device=device)
+        lens = torch.tensor([20], dtype=torch.int32, device=device)
+        new = dict(k=k[0, 20 - n:20], v=v[0, 20 - n:20]) if rows else {}
+        return torch.ops.kvops.paged_prefill_attention(q, kc, vc, table[:1], starts, lens, **new)
+
     calls = {
         "static_sliding_attention": lambda q, n: torch.ops.kvops.static_sliding_attention(
-            q, k[:n], k[:n], ws[:n], seq[:n]),
+            q, k[:n], v[:n], ws[:n], seq[:n]),
         "elastic_attention": lambda q, n: torch.ops.kvops.elastic_attention(
             q, kc, vc, table[:n], seq[:n]),
-        "paged_prefill_attention": lambda q, n: torch.ops.kvops.paged_prefill_attention(
-            q, kc, vc, table[:1], torch.tensor([0, q.shape[0]], dtype=torch.int32,
-                                                device=device), seq[:1]),
+        "paged_prefill_attention": lambda q, n: prefill(q, n, False),
+        "paged_prefill_attention (rows)": lambda q, n: prefill(q, n, True),
     }
     q0 = torch.randn(2, Hkv * G, D, generator=g).half().to(device)
-    for name, call in calls.items():
-        for layout, q in _query_layouts(q0):
-            n = q.shape[0]
-            want = call(q0[:n].contiguous(), n)
-            got = call(q, n)
-            for w, t in zip(want, got):
-                assert t.is_contiguous() and t.shape == w.shape, (name, layout, t.stride())
-                torch.testing.assert_close(t, w, atol=0, rtol=0, msg=f"{name}, {layout}")
+    with kvops.backend("triton"):
+        for name, call in calls.items():
+            for layout, q in _query_layouts(q0):
+                n = q.shape[0]
+                want = call(q0[:n].contiguous(), n)
+                got = call(q, n)
+                for w, t in zip(want, got):
+                    assert t.shape == w.shape and t.stride() == w.stride() == torch.empty(
+                        t.shape).stride(), (name, layout, t.stride())
+                    torch.testing.assert_close(t, w, atol=0, rtol=0, msg=f"{name}, {layout}")

@@ -239,8 +239,8 @@ class DescribedLaunch(Launch):
     __slots__ = ("descs", "make", "_maps", "_flat")
 
     def __init__(self, kernel, grid: tuple, key, ints: tuple, meta: dict, descs: tuple, make):
-        super().__init__(kernel, grid, key, ints, meta)   # _c: None until probed, then False
-        self.descs, self.make = descs, make               # where there is no direct form
+        super().__init__(kernel, grid, key, ints, meta)   # _c: None until probed, then the
+        self.descs, self.make = descs, make   # C entry's call, or False where there is none
         self._maps = tuple({} for _ in descs)   # a position's encodings by address
         self._flat: dict = {}     # every position's encodings by the tuple of addresses
 

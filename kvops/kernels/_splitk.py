@@ -197,6 +197,17 @@ def merge_warps(D: int) -> int:
     return 4 if D >= 128 else 2
 
 
+def standard_strides(t: torch.Tensor) -> bool:
+    """Whether ``t`` has exactly a new tensor's strides for its shape, so ``empty_like(t)`` is
+    one (``is_contiguous`` also holds for other strides on size-1 dims and for empty tensors,
+    which ``empty_like`` would copy)."""
+    expect, strides = 1, []
+    for n in reversed(t.shape):
+        strides.append(expect)
+        expect *= n
+    return t.stride() == tuple(reversed(strides))
+
+
 def split_outputs(B: int, Hq: int, D: int, nsp: int, dtype: torch.dtype, device: torch.device,
                   groups: int, like: torch.Tensor | None = None):
     """Outputs of a split-K decode launch: ``out [B, Hq, D]`` (``dtype``), ``lse [B, Hq]``
@@ -204,9 +215,10 @@ def split_outputs(B: int, Hq: int, D: int, nsp: int, dtype: torch.dtype, device:
     partials ``[B, Hq, nsp, D]`` / ``[B, Hq, nsp]`` in the stream's scratch (read by this call's
     merge only), and, for a split launch of ``groups`` (sequence, KV head) groups, the zeroed
     counters ``merge_if_last`` counts on, or None where the merge is a second launch (capture,
-    ``_workspace.split_scratch``). ``like``: a contiguous tensor of out's shape, dtype and
-    device (a contiguous query), whose ``empty_like`` is out (no keywords to parse: 0.3 us less
-    on the CPU machines). Returns (out, lse, part_o, part_l, counters)."""
+    ``_workspace.split_scratch``). ``like``: a tensor of out's shape, dtype and device with
+    ``[B, Hq, D]``'s standard strides (a query of them: ``standard_strides``), whose
+    ``empty_like`` is out (no keywords to parse: 0.3 us less on the CPU machines). Returns
+    (out, lse, part_o, part_l, counters)."""
     out = (torch.empty(B, Hq, D, device=device, dtype=dtype) if like is None else
            torch.empty_like(like))
     lse = torch.empty(B, Hq, device=device, dtype=torch.float32)

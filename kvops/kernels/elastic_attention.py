@@ -80,6 +80,7 @@ from kvops.kernels._splitk import (
     merge_if_last,
     merge_plan,
     split_outputs,
+    standard_strides,
     use_pdl,
 )
 from kvops.layouts.codecs import CODEC_IDS
@@ -788,7 +789,7 @@ def _plan(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, sca
         fused = Launch(_elastic_decode_kernel, (B * Hkv, nsp), object(), (scale * LOG2E, *ints),
                        dict(meta, PDL_TRIGGER=False, FUSED_MERGE=True, BLOCK_S=next_pow2(nsp)))
     return DecodePlan(B, Hq, D, nsp, scale * LOG2E, ints, meta, (B * Hkv, nsp), merge, fused,
-                      first, [], q.is_contiguous(), halves_table, halves)
+                      first, [], standard_strides(q), halves_table, halves)
 
 
 def elastic_attention_fwd(

@@ -53,7 +53,14 @@ from kvops.kernels._common import (
     sm_count,
 )
 from kvops.kernels._launch import Launch, keep_plan
-from kvops.kernels._splitk import arrive, launch_split, merge_plan, merge_rows, split_outputs
+from kvops.kernels._splitk import (
+    arrive,
+    launch_split,
+    merge_plan,
+    merge_rows,
+    split_outputs,
+    standard_strides,
+)
 from kvops.kernels.paged_prefill_gluon import (
     gluon_launch,
     gluon_plan,
@@ -756,7 +763,7 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, news, scale, 
         grid, ints, meta = gluon_plan(q, k_cache, block_table, scale)
         return PrefillPlan(grid, 1, ints, meta, GLUON_PLAN,
                            gluon_launch(grid, ints, meta, D, S, q.dtype), None, None, [],
-                           q.is_contiguous())
+                           standard_strides(q))
     ints = (N, B, P, L, page_rows, num_tiles, window, scale * LOG2E.value, nsp, *strides)
     meta = dict(S=S, HKV=Hkv, G=G, D=D, BLOCK_Q=block_q, BLOCK_M=bm, BLOCK_N=bn,
                 BLOCK_D=next_pow2(max(D, 16)), BLOCK_B=SEQ_CHUNK,
@@ -779,4 +786,4 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, news, scale, 
                        None if token is None else ("fused", *token), ints, f_meta)
     return PrefillPlan((num_tiles, Hkv, nsp), nsp, ints, meta, token,
                        Launch(_paged_prefill_kernel, (num_tiles, Hkv, nsp), token, ints, meta),
-                       fused, merge, [], q.is_contiguous())
+                       fused, merge, [], standard_strides(q))

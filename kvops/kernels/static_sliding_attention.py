@@ -47,6 +47,7 @@ from kvops.kernels._splitk import (
     merge_if_last,
     merge_plan,
     split_outputs,
+    standard_strides,
     use_pdl,
 )
 
@@ -256,7 +257,7 @@ def _plan(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale, knobs):
         fused = Launch(_sliding_window_kernel, (B * Hkv, nsp), object(), (scale * LOG2E_F, *ints),
                        dict(meta, USE_PDL=False, FUSED_MERGE=True, BLOCK_S=next_pow2(nsp)))
     return DecodePlan(B, Hq, D, nsp, scale * LOG2E_F, ints, meta, (B * Hkv, nsp), merge, fused,
-                      first, [], q.is_contiguous())
+                      first, [], standard_strides(q))
 
 
 def static_sliding_attention_fwd(
