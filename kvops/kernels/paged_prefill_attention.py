@@ -626,17 +626,14 @@ def paged_prefill_attention_fwd(
     key = signature if knobs == _RULES and type(signature) is int else (signature, knobs)
     plan = _PLANS.get(key) or keep_plan(_PLANS, key,
                                         _plan(*tensors, news, scale, window, knobs))
-    if plan.token is GLUON_PLAN:
-        out = (torch.empty_like(q) if plan.like_q else
-               torch.empty_like(q, memory_format=torch.contiguous_format))
-        lse = torch.empty(N, Hq, dtype=torch.float32, device=q.device)
-        paged_prefill_gluon_fwd(*tensors, *news, out, lse, plan.launch)
-        return out, lse
     # out [N, Hq, D] and lse [N, Hq] are a decode launch's outputs with N rows
-    meta = plan.meta
     out, lse, part_o, part_l, count = split_outputs(
         N, Hq, D, plan.splits, q.dtype, q.device, plan.grid[0] * plan.grid[1],
         q if plan.like_q else None)
+    if plan.token is GLUON_PLAN:      # unsplit: out and lse themselves, no counters
+        paged_prefill_gluon_fwd(*tensors, *news, out, lse, plan.launch)
+        return out, lse
+    meta = plan.meta
     # the descriptors hold the tensors' addresses, so they are made each call (without TMA
     # the kernel never reads the first two arguments, without NEW the last two)
     descs = ((_pool_descriptor(k_cache, meta["BLOCK_N"]),
