@@ -336,37 +336,26 @@ if HAVE_GLUON:
         i_t = num_tiles - 1 - gl.program_id(1)            # last tiles (the longest) first
         # the sequence, as the Triton kernel finds it (a Gluon kernel calls Gluon functions
         # only): the last ``b`` whose first tile ``T_b`` is at or below ``i_t``, found with its
-        # length and query range in reductions of ``b << 32 | value`` over the starts and
-        # lengths read at once, so the search is one round trip to memory. One sequence's
-        # first 128 pages are read in that round trip too (a batch's first sequence's; another
-        # sequence's pages follow once it is known): before a program's first key tile there
-        # is one round trip, not two (a 512-token prefill is about four tiles long)
+        # length in one reduction of ``b << 32 | seq_lens[b]`` (one round trip to memory where
+        # reading the length after the search would take a second)
         layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        o_p = gl.arange(0, 128, layout=layout)
-        pg = gl.load(BT + o_p, mask=(o_p < L) & (B > 0), other=0)
         best = h.to(gl.int64) * 0 - 1
-        best_lo = best
-        best_hi = best
         for start in range(0, B + 1, SEQ_CHUNK):
             o_b = start + gl.arange(0, SEQ_CHUNK, layout=layout)
             qs = gl.minimum(gl.maximum(gl.load(QS + o_b, mask=o_b <= B, other=N), 0), N)
-            qs1 = gl.minimum(gl.maximum(gl.load(QS + o_b + 1, mask=o_b < B, other=N), 0), N)
             sl = gl.minimum(gl.maximum(gl.load(SL + o_b, mask=o_b < B, other=0), 0), L * S)
-            ok = (qs // BLOCK_M + o_b <= i_t) & (o_b <= B)
-            b_hi = o_b.to(gl.int64) << 32
-            best = gl.maximum(best, gl.max(gl.where(ok, b_hi | sl.to(gl.int64), -1), axis=0))
-            best_lo = gl.maximum(best_lo, gl.max(gl.where(ok, b_hi | qs.to(gl.int64), -1),
-                                                 axis=0))
-            best_hi = gl.maximum(best_hi, gl.max(gl.where(ok, b_hi | qs1.to(gl.int64), -1),
-                                                 axis=0))
-        if best < 0:        # no sequence starts at or below this tile (bad query starts)
-            return
-        b_key = (best >> 32) << 32
-        seq_len = (best - b_key).to(gl.int32)
-        i_b = (best >> 32).to(gl.int32)
+            key = (o_b.to(gl.int64) << 32) | sl.to(gl.int64)
+            best = gl.maximum(best, gl.max(gl.where((qs // BLOCK_M + o_b <= i_t) & (o_b <= B),
+                                                    key, -1), axis=0))
+        seq_len = (best - ((best >> 32) << 32)).to(gl.int32)
+        i_b = gl.maximum(best >> 32, 0).to(gl.int32)
+        # the sequence's first 128 pages, read beside its query range
         p_bt = BT + i_b.to(gl.int64) * stride_bt
-        q_lo = (best_lo - b_key).to(gl.int32)
-        q_hi = gl.maximum((best_hi - b_key).to(gl.int32), q_lo)   # B: the padding rows' end, N
+        o_p = gl.arange(0, 128, layout=layout)
+        pg = gl.load(p_bt + o_p, mask=(o_p < L) & (i_b < B), other=0)
+        q_lo = gl.minimum(gl.maximum(gl.load(QS + i_b), 0), N)
+        q_hi = gl.minimum(gl.maximum(gl.load(QS + gl.minimum(i_b + 1, B)), q_lo), N)
+        q_hi = gl.where(i_b == B, N, q_hi)                # B: the padding rows after the last
         t_row = q_lo + (i_t - (q_lo // BLOCK_M + i_b)) * BLOCK_M
         if (t_row < q_lo) | (t_row >= q_hi):
             return
@@ -381,8 +370,6 @@ if HAVE_GLUON:
                      gl.full([BLOCK_M], -float("inf"), gl.float32, gl.SliceLayout(1, pad)),
                      mask=r < q_hi)
             return
-        if i_b > 0:
-            pg = gl.load(p_bt + o_p, mask=o_p < L, other=0)
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, D], q_desc.layout)
         k_bufs = gl.allocate_shared_memory(kn_desc.dtype, [STAGES, BLOCK_N, D], kn_desc.layout)
         v_bufs = gl.allocate_shared_memory(vn_desc.dtype, [STAGES, BLOCK_N, D], vn_desc.layout)
