@@ -69,22 +69,28 @@ def test_sliding_launch_keeps_given_knobs():
 ELASTIC = [
     ((0, 16, 8, 4, 256, 16, 128, H200), (128, 1, 4, 5, 5)),      # native dense: one wave
     ((0, 128, 1, 8, 64, 16, 128, H200), (128, 1, 4, 5, 5)),
-    ((0, 16, 8, 4, 256, 16, 128, A100), (16, 6, 1, 5, 5)),       # no dense shape on 163 KiB
+    ((0, 16, 8, 4, 256, 16, 128, A100), (16, 3, 1, 5, 5)),       # no dense shape on 163 KiB
     ((0, 1, 8, 4, 1024, 16, 128, H200), (16, 64, 1, 5, 5)),      # one sequence: 64 splits
     ((0, 128, 8, 4, 64, 16, 128, H200), (16, 1, 1, 5, 5)),
     ((0, 128, 2, 4, 64, 16, 128, H200), (64, 1, 4, 5, 5)),      # two waves: 64-row dense
-    ((0, 128, 3, 4, 64, 16, 128, H200), (16, 2, 1, 5, 5)),      # three waves: split one-warp
+    ((0, 128, 3, 4, 64, 16, 128, H200), (16, 1, 1, 5, 5)),      # three waves: one-warp programs
     ((1, 128, 8, 4, 256, 64, 128, H200), (32, 1, 1, 4, 5)),      # mixed, >= 6 programs an SM
     ((1, 64, 8, 4, 256, 16, 128, H200), (32, 1, 1, 5, 7)),      # BASE runs a buffer deeper
     ((2, 16, 8, 4, 1024, 16, 128, H200), (32, 4, 1, 5, 7)),
-    ((0, 4, 4, 2, 64, 16, 256, H200), (16, 32, 4, 5, 5)),        # D 256: 4 warps
+    ((0, 4, 4, 2, 64, 16, 256, H200), (16, 16, 4, 5, 5)),        # D 256: 4 warps
+    ((0, 16, 32, 1, 256, 16, 96, H200), (16, 1, 1, 5, 5)),       # Phi-3: 512 pairs, two tiles
+                                                                  # in flight each: unsplit
+    ((0, 1, 32, 1, 512, 16, 128, H200), (16, 16, 1, 5, 5)),      # MHA, one 8k sequence
+    ((0, 4, 4, 7, 2048, 16, 128, H200), (16, 33, 1, 5, 5)),      # Qwen2.5-7B B 4 x 32k
+    ((0, 16, 8, 4, 256, 16, 128, H200, 3), (16, 8, 1, 3, 3)),    # 3 stages: one tile in flight
 ]
 
 
 @pytest.mark.parametrize("args,want", ELASTIC, ids=[str(a[:7]) for a, _ in ELASTIC])
 def test_elastic_launch_table(args, want):
-    mode, B, Hkv, G, NB, S, D, props = args
-    assert tuple(elastic_launch(mode, B, Hkv, G, NB, S, D, 2, props))[:5] == want
+    mode, B, Hkv, G, NB, S, D, props, *stages = args
+    got = elastic_launch(mode, B, Hkv, G, NB, S, D, 2, props, stages=stages[0] if stages else None)
+    assert tuple(got)[:5] == want
 
 
 def test_native_dense_tile_needs_one_full_wave_and_the_shared_memory():

@@ -681,6 +681,21 @@ def weighted_from(mode: int, num_splits: int) -> int:
     return num_splits * LONG_SPLIT
 
 
+def in_flight_tiles(mode: int, stages: int | None) -> int:
+    """K/V tiles a program keeps in flight, for the split count's bytes an SM
+    (``default_num_splits``): on the native path its buffered tiles, ``(stages - 1) // 2``
+    (page ids load in the tile's own iteration, so the pipeliner buffers every other stage:
+    two tiles at 5 stages); the mixed paths count one tile (their split counts are measured
+    so). Counting one tile on the native path split one-warp programs twice as finely as
+    the 64 KiB an SM asks: on an H100, Phi-3's 32/32 heads at B 16 x 4k ran 2 splits at 0.933x
+    cuDNN and 1 at 0.959x; MHA B 1 x 8k 33 splits 0.989x, 16 1.039x; Qwen2.5-7B B 4 x 32k
+    64 splits 0.986x, 33 0.998x; D 256 at B 4 x 8k 33 splits 1.074x, 16 1.118x
+    (bench/results/2026-12-07-1645-elastic-native-splits-h100.md)."""
+    if mode != 0 or stages is None:
+        return 1
+    return max(1, (stages - 1) // 2)
+
+
 def default_num_warps(D: int, itemsize: int) -> int:
     """One warp a program while a row is at most 256 bytes (D <= 128 at 16 bits); wider rows
     take 4 warps, so a 16-row tile's operands stay in registers."""
@@ -714,8 +729,11 @@ def elastic_launch(mode: int, B: int, Hkv: int, G: int, NB: int, S: int, D: int,
             (block_n, splits), warps, stages = dense, 4, DENSE_STAGES
     block_n = block_n or (BLOCK_N if mode == 0 else BLOCK_N_MIXED)
     tile_bytes = kv_tile_bytes(block_n, D, itemsize)
+    if mode == 0:                   # one depth, whatever the programs an SM
+        stages = stages or default_num_stages(0, 0, tile_bytes)
     if splits is None:
-        splits = default_num_splits(pairs, NB * S, block_n, tile_bytes, props.sms)
+        splits = default_num_splits(pairs, NB * S, block_n,
+                                    tile_bytes * in_flight_tiles(mode, stages), props.sms)
     stages = stages or default_num_stages(mode, B * Hkv * splits / props.sms, tile_bytes)
     if mode == 0:                   # no BASE runs: one depth, and no recompile per base_stages
         base_stages = stages
