@@ -720,7 +720,7 @@ def elastic_launch(mode: int, B: int, Hkv: int, G: int, NB: int, S: int, D: int,
     """The launch of ``B * Hkv`` (sequence, KV head) programs over block tables of ``NB`` pages
     of ``S`` rows on path ``mode`` (0 native, 1 structured, 2 general); given knobs are kept:
     the native dense shape where ``native_dense_tile`` takes it, else ``BLOCK_N`` (native) or
-    ``BLOCK_N_MIXED`` rows, ``default_num_splits``, ``default_num_stages``,
+    ``BLOCK_N_MIXED`` rows, ``default_num_splits`` of ``in_flight_tiles``, ``default_num_stages``,
     ``default_base_stages``, ``default_num_warps``, ``weighted_from`` (docs/tuning.md)."""
     pairs = max(B, 1) * Hkv
     if mode == 0 and all(k is None for k in (block_n, splits, warps, stages)):
