@@ -4,7 +4,7 @@ Streaming read: a Triton kernel summing a 4 GiB bf16 buffer (each program reduce
 registers and adds one float32 to the output), best of the block sizes; device copy:
 ``torch.Tensor.copy_`` of 2 GiB (read and write counted: 4 GiB moved). Both as CUDA-graph
 replays, median. The other benches quote the H200's (``bench.common.READ_CEILING``,
-``COPY_CEILING``); this gives another card's own (bench/results/<date>-ceilings-<card>.md), to
+``COPY_CEILING``); this gives another card's own (bench/results/<date>-<HHMM>-ceilings-<card>.md), to
 read their fractions against.
 
     python -m bench.bench_ceilings

@@ -23,7 +23,7 @@ the ratios are the result, the absolute times depend on the host.
 Commit time is ``Frame.commit()`` only (the verbs are timed apart), thread CPU time (which
 leaves out preemption by other processes). ``--device cuda`` puts the pager's tables and the
 far view on the GPU, so a commit includes its upload and a pull its device ranking. Prints a
-short table last and writes ``bench/results/<date>-commit.md``.
+short table last and writes ``bench/results/<date>-<HHMM>-commit.md``.
 
     OMP_NUM_THREADS=1 taskset -c 1 python -m bench.bench_commit
     python -m bench.bench_commit --quick

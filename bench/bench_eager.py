@@ -17,7 +17,7 @@ On a CPU machine the bench times every op's CUDA host path with the compiled ker
 faked (``cuda_path_on_cpu``): the dispatcher, the checks, the plans, the allocations and the
 launch glue, beside SDPA's whole call on one-token CPU tensors.
 
-    python3 -m bench.bench_eager            # writes bench/results/<date>-eager.md on CUDA
+    python3 -m bench.bench_eager            # writes bench/results/<date>-<HHMM>-eager.md on CUDA
 """
 
 from __future__ import annotations

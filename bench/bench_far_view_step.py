@@ -12,7 +12,7 @@ store and utility scatters) runs in the steps where a chunk leaves the window. E
 whole step's share over 32 layers: CUDA-graph replay us (what a captured decode step pays) and
 eager host us per call (what an un-captured step's host pays), and the replay time per layer.
 
-    python -m bench.bench_far_view_step           # writes bench/results/<date>-far_view-step.md
+    python -m bench.bench_far_view_step           # writes bench/results/<date>-<HHMM>-far_view-step.md
     python -m bench.bench_far_view_step --smoke   # tiny CPU shapes, no timing: the code runs
 """
 

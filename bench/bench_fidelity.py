@@ -11,7 +11,7 @@ reported. GB/s: a demotion's device bytes (2 pages read, 1 page and the hi8 back
 a pair and cache) over its packs' time; a promotion's backing bytes (one page a pair and
 cache, host to device) over the side stream's time, since that copy bounds it.
 
-    python -m bench.bench_fidelity            # writes bench/results/<date>-fidelity.md
+    python -m bench.bench_fidelity            # writes bench/results/<date>-<HHMM>-fidelity.md
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ Each the fastest of its repetitions after a warm-up: ops and python ms from step
 counter, wall from steps without it (its Python per op is not the policy's).
 
     python -m bench.bench_fidelity_host                 # CPU: writes nothing, prints a table
-    python -m bench.bench_fidelity_host --device cuda   # also writes bench/results/<date>-fidelity-host.md
+    python -m bench.bench_fidelity_host --device cuda   # also writes a record in bench/results/
     python -m bench.bench_fidelity_host --device cuda --host-ahead 0   # first steps pin
 """
 

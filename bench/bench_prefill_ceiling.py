@@ -131,7 +131,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--heads", default="32,8,128", help="Hq,Hkv,D")
-    ap.add_argument("--record", action="store_true", help="write bench/results/<date>-<name>.md")
+    ap.add_argument("--record", action="store_true", help="write bench/results/<date>-<HHMM>-<name>.md")
     args = ap.parse_args()
     Hq, Hkv, D = (int(x) for x in args.heads.split(","))
     N = args.n

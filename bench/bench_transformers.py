@@ -33,7 +33,7 @@ Implementations: ``sdpa`` (``StaticCache``, transformers' SDPA), ``flex`` (``Sta
 chunks of 64, whose slots stay empty while the window holds the context) and ``paged-base``
 (``PagedCache`` with fidelity, half of every row's context demoted to BASE before the warm-up:
 ``elastic_attention``'s structured path). Goals: compiled >= 1.0x SDPA, eager step within 1.2x
-SDPA's. ``--record`` writes ``bench/results/<date>-<name>.md`` (after every row, so a run cut
+SDPA's. ``--record`` writes ``bench/results/<date>-<HHMM>-<name>.md`` (after every row, so a run cut
 short keeps its rows); the table prints last either way.
 """
 
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> list[list]:
                     help="measure every cell this many times, the impls in turn; the median "
                          "counts and the note gives the spread")
     ap.add_argument("--record", action="store_true",
-                    help="write bench/results/<date>-<name>.md (and a copy under $OUT)")
+                    help="write bench/results/<date>-<HHMM>-<name>.md (and a copy under $OUT)")
     ap.add_argument("--name", default="transformers-generate")
     a = ap.parse_args(argv)
     shape = LLAMA3_8B

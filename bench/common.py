@@ -113,7 +113,7 @@ def tbps(nbytes: float, us: float) -> float:
 
 
 def write_result(name: str, body: str) -> Path:
-    """Write ``bench/results/<date>-<name>.md`` (and a copy under $OUT) with the run's header."""
+    """Write ``bench/results/<date>-<HHMM>-<name>.md`` (and a copy under $OUT) with the run's header."""
     return write_record(RESULTS, name, body)
 
 

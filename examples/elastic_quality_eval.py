@@ -20,7 +20,7 @@ Perplexity: exp of the mean next-token NLL over the first N tokens of the KJV te
 Passkey: ``kvops.evals.passkey``'s prompts (a 5-digit key at depths 0..1 of filler text, chat
 format), retrieved when every digit of the key is the argmax.
 
-Writes ``bench/results/<date>-elastic-quality[-<tag>].md`` (and ``$OUT``). Run from the repo root.
+Writes ``bench/results/<date>-<HHMM>-elastic-quality[-<tag>].md`` (and ``$OUT``). Run from the repo root.
 """
 
 from __future__ import annotations

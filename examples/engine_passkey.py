@@ -8,7 +8,7 @@ after the prefill; ``pager+merge``: the window alone; ``paged``: the whole conte
 
     python -m examples.engine_passkey --contexts 2048 4096 --prompts 20
 
-Writes ``bench/results/<date>-engine-passkey-<contexts>[-<tag>].md`` (and ``$OUT``).
+Writes ``bench/results/<date>-<HHMM>-engine-passkey-<contexts>[-<tag>].md`` (and ``$OUT``).
 """
 
 from __future__ import annotations

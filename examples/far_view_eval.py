@@ -50,7 +50,7 @@ Configurations that see the same slots at the prompt length (``far64`` and ``far
 
 The evaluation itself lives in :mod:`kvops.evals.far_view` (configurations, attention paths,
 perplexity, churn) and :mod:`kvops.evals.passkey` (passkey, multikey); this script is its
-command line. Writes ``bench/results/<date>-far_view-<task>-<contexts>[-sequential][-<tag>].md``
+command line. Writes ``bench/results/<date>-<HHMM>-far_view-<task>-<contexts>[-sequential][-<tag>].md``
 (and ``$OUT``). Run from the repo root.
 """
 

@@ -13,7 +13,7 @@ tokens, and the perplexity is exp of the mean next-token NLL over tokens 2..N.
   sliding-window attention, the floor that the far view and fidelity control improve on.
   The first ``min(W, N) / 2`` tokens are prefilled, the rest decoded.
 
-Writes ``bench/results/<date>-smollm2-perplexity[-decode][-<contexts>].md`` (and ``$OUT``). Run
+Writes ``bench/results/<date>-<HHMM>-smollm2-perplexity[-decode][-<contexts>].md`` (and ``$OUT``). Run
 from the repo root.
 """
 

@@ -1,6 +1,6 @@
 """Markdown tables and dated run records.
 
-A record is one Markdown file ``<directory>/<date>-<name>.md`` headed by what makes a number
+A record is one Markdown file ``<directory>/<date>-<HHMM>-<name>.md`` headed by what makes a number
 reproducible: the UTC date and time, the device, the commit, the torch / triton / python versions
 and the command line. The benchmarks and examples write theirs to ``bench/results/``.
 """
@@ -50,16 +50,33 @@ def commit_id(cwd: str | Path = ".") -> str:
         return "unknown"
 
 
+_STARTED: dict[tuple[str, str], tuple[datetime.datetime, Path]] = {}
+
+
 def write_record(directory: str | Path, name: str, body: str) -> Path:
-    """Write ``<directory>/<date>-<name>.md`` (and a copy under ``$OUT`` when set) with the run's
-    header; returns the path. The commit is :func:`commit_id`'s (``KVOPS_COMMIT`` wins)."""
+    """Write ``<directory>/<date>-<HHMM>-<name>.md`` (and a copy under ``$OUT`` when set) with the
+    run's header; returns the path. The commit is :func:`commit_id`'s (``KVOPS_COMMIT`` wins).
+
+    The UTC time of the first write of ``name`` in this process names the file (``-2``, ``-3``
+    after it where another run took that minute's name), so two runs on one day (three parts of
+    a sweep, a bench run twice on one machine) are two files, and a bench that rewrites its
+    record after every row keeps rewriting one."""
     import triton
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     gpu = (torch.cuda.get_device_name() if torch.cuda.is_available()
            else f"none (CPU run, {platform.machine()}, {os.cpu_count()} cores)")
-    now = datetime.datetime.now(datetime.timezone.utc)
+    key = (str(directory.resolve()), name)
+    if key not in _STARTED:
+        now = datetime.datetime.now(datetime.timezone.utc)
+        path = directory / f"{now:%Y-%m-%d-%H%M}-{name}.md"
+        n = 1
+        while path.exists():
+            n += 1
+            path = directory / f"{now:%Y-%m-%d-%H%M}-{name}-{n}.md"
+        _STARTED[key] = now, path
+    now, path = _STARTED[key]
     header = "\n".join([
         f"# {name}",
         "",
@@ -71,7 +88,6 @@ def write_record(directory: str | Path, name: str, body: str) -> Path:
         "",
     ])
     text = header + body.rstrip() + "\n"
-    path = directory / f"{now:%Y-%m-%d}-{name}.md"
     path.write_text(text)
     if os.environ.get("OUT"):
         (Path(os.environ["OUT"]) / path.name).write_text(text)
