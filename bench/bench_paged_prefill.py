@@ -371,7 +371,7 @@ def main():
         "; the Triton kernel only" if args.no_gluon else "")
     text = (f"bf16, S {S}, one sequence{how}; pages in runs of {RUN}. us: median graph replay; host: "
             f"eager host us per call.\n\n" + body + "\n\nGoals:\n" + "\n".join(goals) + "\n")
-    partial = args.quick or args.news or args.prefixes or args.no_flex
+    partial = args.quick or args.news or args.prefixes or args.no_flex or args.no_chunked
     write_result("paged_prefill_attention" + ("-partial" if partial else "")
                  + (f"-S{S}" if S != 16 else "") + ("-jit-descriptors" if args.jit_descriptors else "")
                  + ("-new-rows" if args.new_rows else "") + ("-no-gluon" if args.no_gluon else ""),

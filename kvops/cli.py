@@ -289,18 +289,13 @@ def _replay(args, tp=None) -> int:
 
 
 def record(name: str, result: dict, table: str) -> str:
-    """``bench/results/<date>-<HHMM>-<name>.md``: date, device, commit (``commit_id``:
-    ``KVOPS_COMMIT`` wins), command and the table.
-
-    The time of day is in the name so that two runs on one day are two files."""
-    import datetime
-    from pathlib import Path
-
-    from kvops.evals.records import commit_id
+    """``bench/results/<date>-<HHMM>-<name>.md`` (``kvops.evals.records.record_path``: two runs
+    are two files): date, device, commit (``commit_id``: ``KVOPS_COMMIT`` wins), command and the
+    table."""
+    from kvops.evals.records import commit_id, record_path
 
     commit = commit_id()
-    now = datetime.datetime.now(datetime.timezone.utc)
-    path = Path("bench/results") / f"{now:%Y-%m-%d-%H%M}-{name}.md"
+    now, path = record_path("bench/results", name)
     path.parent.mkdir(parents=True, exist_ok=True)
     text = (f"# kvops replay: {name}\n\n- date: {now:%Y-%m-%d %H:%M} UTC\n"
             f"- device: {result['device_name']} ({result['dtype']}), torch {torch.__version__}\n"

@@ -9,7 +9,7 @@ import pytest
 
 from kvops.kernels._common import DeviceProps, grid_waves, kv_block_n
 from kvops.kernels._splitk import default_num_splits, merge_warps, use_pdl
-from kvops.kernels.elastic_attention import elastic_launch, native_dense_tile
+from kvops.kernels.elastic_attention import elastic_launch, in_flight_tiles, native_dense_tile
 from kvops.kernels.far_page_select import choice_in_kernel, choice_launch
 from kvops.kernels.far_view_rank import rank_launch
 from kvops.kernels.static_sliding_attention import far_tile, sliding_launch
@@ -83,6 +83,7 @@ ELASTIC = [
     ((0, 1, 32, 1, 512, 16, 128, H200), (16, 16, 1, 5, 5)),      # MHA, one 8k sequence
     ((0, 4, 4, 7, 2048, 16, 128, H200), (16, 33, 1, 5, 5)),      # Qwen2.5-7B B 4 x 32k
     ((0, 16, 8, 4, 256, 16, 128, H200, 3), (16, 8, 1, 3, 3)),    # 3 stages: one tile in flight
+    ((0, 16, 8, 4, 256, 16, 128, H200, 7), (16, 2, 1, 7, 7)),    # 7 stages: three
 ]
 
 
@@ -91,6 +92,11 @@ def test_elastic_launch_table(args, want):
     mode, B, Hkv, G, NB, S, D, props, *stages = args
     got = elastic_launch(mode, B, Hkv, G, NB, S, D, 2, props, stages=stages[0] if stages else None)
     assert tuple(got)[:5] == want
+
+
+def test_in_flight_tiles_counts_buffered_tiles_on_the_native_path_only():
+    assert [in_flight_tiles(0, st) for st in (1, 2, 3, 4, 5, 6, 7)] == [1, 1, 1, 1, 2, 2, 3]
+    assert in_flight_tiles(1, 5) == in_flight_tiles(2, 7) == in_flight_tiles(0, None) == 1
 
 
 def test_native_dense_tile_needs_one_full_wave_and_the_shared_memory():

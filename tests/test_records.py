@@ -31,11 +31,25 @@ def test_a_run_rewrites_its_own_record(fresh):
     assert [p.name for p in fresh.iterdir()] == [first.name]
 
 
-def test_another_run_in_the_same_minute_writes_its_own_file(fresh, monkeypatch):
-    at = datetime.datetime(2026, 12, 7, 16, 38, 5, tzinfo=datetime.timezone.utc)
-    clock = types.SimpleNamespace(now=lambda tz=None: at)
+def _clock(monkeypatch, *minutes):
+    """Stand records' clock still at 16:mm of 2026-12-07 for each of ``minutes`` in turn."""
+    times = iter(datetime.datetime(2026, 12, 7, 16, m, 5, tzinfo=datetime.timezone.utc)
+                 for m in minutes)
     monkeypatch.setattr(records, "datetime", types.SimpleNamespace(
-        datetime=clock, timezone=datetime.timezone))
+        datetime=types.SimpleNamespace(now=lambda tz=None: next(times)),
+        timezone=datetime.timezone))
+
+
+def test_a_rewrite_keeps_its_name_and_date(fresh, monkeypatch):
+    _clock(monkeypatch, 38, 41)
+    first = records.write_record(fresh, "sweep", "row 1")
+    again = records.write_record(fresh, "sweep", "row 1\nrow 2")
+    assert first == again and first.name == "2026-12-07-1638-sweep.md"
+    assert "- date: 2026-12-07 16:38 UTC" in again.read_text()
+
+
+def test_another_run_in_the_same_minute_writes_its_own_file(fresh, monkeypatch):
+    _clock(monkeypatch, 38, 38, 38)
     first = records.write_record(fresh, "sweep", "part 1")
     monkeypatch.setattr(records, "_STARTED", {})          # a second process
     second = records.write_record(fresh, "sweep", "part 2")
@@ -46,6 +60,13 @@ def test_another_run_in_the_same_minute_writes_its_own_file(fresh, monkeypatch):
     assert "- date: 2026-12-07 16:38 UTC" in second.read_text()
     assert [p.read_text().rstrip()[-6:] for p in (first, second, third)] == [
         "part 1", "part 2", "part 3"]
+
+
+def test_one_name_in_two_directories_is_two_records(fresh):
+    a = records.write_record(fresh / "a", "eager", "a")
+    b = records.write_record(fresh / "b", "eager", "b")
+    assert a.parent == fresh / "a" and b.parent == fresh / "b" and a.name == b.name
+    assert a.read_text().rstrip().endswith("a") and b.read_text().rstrip().endswith("b")
 
 
 def test_names_are_records_of_their_own_and_out_gets_a_copy(fresh, monkeypatch):

@@ -53,20 +53,14 @@ def commit_id(cwd: str | Path = ".") -> str:
 _STARTED: dict[tuple[str, str], tuple[datetime.datetime, Path]] = {}
 
 
-def write_record(directory: str | Path, name: str, body: str) -> Path:
-    """Write ``<directory>/<date>-<HHMM>-<name>.md`` (and a copy under ``$OUT`` when set) with the
-    run's header; returns the path. The commit is :func:`commit_id`'s (``KVOPS_COMMIT`` wins).
-
-    The UTC time of the first write of ``name`` in this process names the file (``-2``, ``-3``
-    after it where another run took that minute's name), so two runs on one day (three parts of
-    a sweep, a bench run twice on one machine) are two files, and a bench that rewrites its
-    record after every row keeps rewriting one."""
-    import triton
-
+def record_path(directory: str | Path, name: str) -> tuple[datetime.datetime, Path]:
+    """``(time, path)`` of this process's record ``name`` in ``directory``:
+    ``<directory>/<date>-<HHMM>-<name>.md`` named by the UTC time of the first call for it
+    (``-2``, ``-3`` after the name where another run took that minute's file), the same on
+    every later call. So two runs on one day (three parts of a sweep, a bench run twice on one
+    machine) are two files, and a bench that rewrites its record after every row keeps
+    rewriting its own."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    gpu = (torch.cuda.get_device_name() if torch.cuda.is_available()
-           else f"none (CPU run, {platform.machine()}, {os.cpu_count()} cores)")
     key = (str(directory.resolve()), name)
     if key not in _STARTED:
         now = datetime.datetime.now(datetime.timezone.utc)
@@ -76,7 +70,20 @@ def write_record(directory: str | Path, name: str, body: str) -> Path:
             n += 1
             path = directory / f"{now:%Y-%m-%d-%H%M}-{name}-{n}.md"
         _STARTED[key] = now, path
-    now, path = _STARTED[key]
+    return _STARTED[key]
+
+
+def write_record(directory: str | Path, name: str, body: str) -> Path:
+    """Write this process's record ``name`` (``record_path``) in ``directory``, and a copy under
+    ``$OUT`` when set, with the run's header (the date and time that name it); returns the path.
+    The commit is :func:`commit_id`'s (``KVOPS_COMMIT`` wins)."""
+    import triton
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    gpu = (torch.cuda.get_device_name() if torch.cuda.is_available()
+           else f"none (CPU run, {platform.machine()}, {os.cpu_count()} cores)")
+    now, path = record_path(directory, name)
     header = "\n".join([
         f"# {name}",
         "",

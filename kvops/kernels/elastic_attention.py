@@ -686,11 +686,11 @@ def in_flight_tiles(mode: int, stages: int | None) -> int:
     (``default_num_splits``): on the native path its buffered tiles, ``(stages - 1) // 2``
     (page ids load in the tile's own iteration, so the pipeliner buffers every other stage:
     two tiles at 5 stages); the mixed paths count one tile (their TARGET and BASE runs buffer
-    to different depths, and no other count was measured there). Counting one tile on the
-    native path split one-warp programs twice as finely as the 64 KiB an SM asks: on an H100,
-    Phi-3's 32/32 heads at B 16 x 4k ran 2 splits at 0.933x cuDNN and 1 at 0.959x; MHA B 1 x 8k
-    33 splits 0.989x, 16 1.039x; Qwen2.5-7B B 4 x 32k 64 splits 0.986x, 33 0.998x; D 256 at
-    B 4 x 8k 33 splits 1.074x, 16 1.118x
+    to different depths, and no other count was measured there). One tile counted on the
+    native path would split one-warp programs twice as finely as the 64 KiB an SM asks, and
+    that is slower: on an H100, Phi-3's 32/32 heads at B 16 x 4k 0.933x cuDNN in 2 splits, 0.959x
+    in 1 (the count with two tiles); MHA B 1 x 8k 0.989x in 33, 1.039x in 16; Qwen2.5-7B B 4 x 32k
+    0.986x in 64, 0.998x in 33; D 256 at B 4 x 8k 1.074x in 33, 1.118x in 16
     (bench/results/2026-12-07-1645-elastic-native-splits-h100.md)."""
     if mode != 0 or stages is None:
         return 1
