@@ -49,15 +49,14 @@ def rows(B: int = 4, ctx: int = 512):
     op_mod = sys.modules["kvops.ops.static_sliding_attention"]
     key, _ = op_mod._checked(q, k, v, ws, wl, None, None, None, None)
     plan = ssa._PLANS[key]
-    nsp, scale_log2, ints, grid, merge, fused = (plan.splits, plan.scale_log2, plan.ints,
-                                                 plan.grid, plan.merge, plan.fused)
+    nsp, grid, merge, fused = plan.splits, plan.launch.grid, plan.merge, plan.fused
     out, lse, part_o, part_l, count = ssa.split_outputs(B, HQ, D, nsp, dt, dev, grid[0])
     # the eager call's one launch: stage 1 with the merge by the last split (split launches)
     meta, token = (fused.meta, fused.key) if fused is not None else (plan.launch.meta,
                                                                      plan.launch.key)
-    args = (q, k, v, ws, wl, None, None, None, part_o, part_l, out, lse, count, scale_log2, *ints)
+    args = (q, k, v, ws, wl, None, None, None, part_o, part_l, out, lse, count, *plan.launch.ints)
     ptr_args = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
-    compiled, tail, mode, _ = _compiled_stage1()
+    compiled, tail, mode = _compiled_stage1()[:3]
     g = grid + (1,) * (3 - len(grid))
     stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
     head = (g[0], g[1], g[2], stream, compiled.function, getattr(compiled, "packed_metadata", None),

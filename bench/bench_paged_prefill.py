@@ -172,7 +172,7 @@ def sweep(models, news, prefixes, with_flex):
         ours = lambda c=case: torch.ops.kvops.paged_prefill_attention(**c)
         prefill_kernel._PLANS.clear()
         check_once(case, ours()[0])
-        gluon = any(p.token is prefill_kernel.GLUON_PLAN for p in prefill_kernel._PLANS.values())
+        gluon = any(p.gluon for p in prefill_kernel._PLANS.values())
         t_ours = time_graph(ours)[1]
         host, wall = eager_times(ours, iters=20)
         flops = 4 * Hq * D * visible_pairs(prefix, new)

@@ -724,7 +724,7 @@ def test_pool_past_int32_offsets_on_cuda():
     moved = dict(case, block_table=table, **big)
     prefill_kernel._PLANS.clear()
     out, lse = torch.ops.kvops.paged_prefill_attention(**moved)
-    assert [p.meta["OFF64"] for p in prefill_kernel._PLANS.values()] == [True]
+    assert [p.launch.meta["OFF64"] for p in prefill_kernel._PLANS.values()] == [True]
     check_against_oracle(out, lse, case, "past-int32")
 
 
@@ -809,11 +809,12 @@ def test_tma_direct_launch_matches_the_jit(monkeypatch, descriptors, S, rows):
     torch.cuda.synchronize()
     assert len(descriptors) == (6 if S == 64 else 0)
     plans = list(prefill_kernel._PLANS.values())
-    assert plans and all(p.meta["NEW"] == rows and p.meta["NEW_TMA"] == rows for p in plans)
+    assert plans and all(p.launch.meta["NEW"] == rows and p.launch.meta["NEW_TMA"] == rows
+                         for p in plans)
     if _launch._STATE["direct"]:
         kernel = id(prefill_kernel._paged_prefill_kernel)
         for plan in plans:
-            token = plan.token
+            token = plan.launch.key
             assert token is not None
             assert _launch._BINS[(kernel, token)][2] in ("c", "tail", "plain")
     for (o, lse), (wo, wl) in zip(got, want):
@@ -1010,7 +1011,7 @@ def test_gluon_direct_launch_matches_the_jit(gluon_calls, monkeypatch):
     import triton
     if triton.__version__.startswith("3.6"):      # the direct form this launch is built for
         runs = [p.launch for p in prefill_kernel._PLANS.values()
-                if p.token is prefill_kernel.GLUON_PLAN]
+                if p.gluon]
         assert runs and all(isinstance(r._c, tuple) for r in runs), [r._c for r in runs]
 
 

@@ -33,8 +33,9 @@ from triton.runtime.jit import JITFunction
 from kvops._config import interpreting
 
 _ENABLED = os.environ.get("KVOPS_DIRECT_LAUNCH", "1").strip() not in ("0", "false", "off")
-# (id(kernel), key) -> (compiled kernel, constexpr values, convention or None, kernel): the
-# entry holds the kernel, so no other object takes its id while the entry lives
+# (id(kernel), key) -> (compiled kernel, constexpr values, convention or None, kernel, the "c"
+# convention's fixed arguments after the stream or None): the entry holds the kernel, so no
+# other object takes its id while the entry lives
 _BINS: dict = {}
 MAX_BINS = 4096
 MAX_PLANS = 4096   # launch plans a launcher keeps (a serving process sees a handful of shapes)
@@ -101,11 +102,15 @@ _PAD = {1: (1, 1), 2: (1,), 3: ()}     # a grid's missing dimensions
 _data_ptr = torch.Tensor.data_ptr
 
 
-def _call(mode, compiled, g, stream, args, tail):
+def _call(mode, compiled, g, stream, args, tail, after=None):
+    """Launch ``compiled`` by convention ``mode``; ``after``: the "c" form's fixed arguments
+    after the stream (``_c_entry``), as the binary's ``_BINS`` entry keeps them, so a call does
+    not build them again."""
     packed = getattr(compiled, "packed_metadata", None)
     if mode == "c":
-        entry, g, after = _c_entry(compiled, g)
-        entry(*g, stream, *after, *args, *tail)
+        if after is None:
+            after = _c_entry(compiled, g)[2]
+        compiled.run.launch(*g, stream, *after, *args, *tail)
     elif mode == "tail":
         compiled.run(g[0], g[1], g[2], stream, compiled.function, packed, None, None, None,
                      *args, *tail)
@@ -125,24 +130,25 @@ def launch(kernel, grid: tuple, key, args: tuple, meta: dict) -> None:
         if hit is not None and _no_hooks():
             g = grid + _PAD[len(grid)]
             stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
-            compiled, tail, mode, _ = hit
+            compiled, tail, mode, _, after = hit
             if mode == "jit":      # no convention took this binary's arguments
                 kernel[grid](*args, **meta)
                 return
             if mode is not None:
-                _call(mode, compiled, g, stream, args, tail)
+                _call(mode, compiled, g, stream, args, tail, after)
                 return
             for candidate in _conventions(compiled):
+                after = _c_entry(compiled, g)[2] if candidate == "c" else None
                 try:       # a launcher that rejects its arguments launches nothing
-                    _call(candidate, compiled, g, stream, args, tail)
+                    _call(candidate, compiled, g, stream, args, tail, after)
                 except Exception:  # noqa: BLE001 - any refusal: try the next convention
                     continue
-                _BINS[(id(kernel), key)] = (compiled, tail, candidate, kernel)
+                _BINS[(id(kernel), key)] = (compiled, tail, candidate, kernel, after)
                 _STATE["mode"] = candidate
                 return
             # no convention takes this binary's arguments (descriptor arguments on a triton
             # whose C entry does not expand them, say): it keeps the JIT path, the rest do not
-            _BINS[(id(kernel), key)] = (compiled, tail, "jit", kernel)
+            _BINS[(id(kernel), key)] = (compiled, tail, "jit", kernel, None)
             kernel[grid](*args, **meta)
             return
     compiled = kernel[grid](*args, **meta)
@@ -154,7 +160,7 @@ def launch(kernel, grid: tuple, key, args: tuple, meta: dict) -> None:
         return                       # a parameter left to its default: keep the JIT path
     if len(_BINS) >= MAX_BINS:
         _BINS.clear()
-    _BINS[(id(kernel), key)] = (compiled, tuple(meta[n] for n in names), None, kernel)
+    _BINS[(id(kernel), key)] = (compiled, tuple(meta[n] for n in names), None, kernel, None)
 
 
 class Launch:
@@ -185,7 +191,7 @@ class Launch:
         hit = _probed(self.kernel, self.key)
         if hit is None or hit[2] == "jit":
             return                   # not yet probed, or the JIT's alone
-        compiled, tail, mode, _ = hit
+        compiled, tail, mode = hit[:3]
         g = self.grid + _PAD[len(self.grid)]
         # the compiled kernel rides along: it owns the module its function handle lives in
         self._c = ((*_c_entry(compiled, g), (*self.ints, *tail), compiled) if mode == "c" else
@@ -287,7 +293,7 @@ class DescribedLaunch(Launch):
         hit = _probed(self.kernel, self.key)
         if hit is None:
             return                   # not yet probed
-        compiled, tail, mode, _ = hit
+        compiled, tail, mode = hit[:3]
         entry = _descriptor_entry(compiled, len(self.descs)) if mode == "c" else None
         if entry is None:
             self._c = False

@@ -141,13 +141,10 @@ class DecodePlan(NamedTuple):
     Hq: int
     D: int
     splits: int
-    scale_log2: float
-    ints: tuple          # the kernel's integer arguments after the scale
-    meta: dict           # its constants (the two-launch form's)
-    grid: tuple
     merge: tuple | None  # ``merge_plan`` of the two-launch form (None unsplit)
     fused: Launch | None     # the one-launch form (split plans)
-    launch: Launch       # the two-launch form's first launch (an unsplit plan's only one)
+    launch: Launch       # the two-launch form's first launch (an unsplit plan's only one):
+                         # its grid, the scale and integers, the constants
     ready: list          # ``load_capture_form``'s: empty until the two-launch form ran eagerly
     like_q: bool         # out allocated as ``empty_like(q)`` (``split_outputs``)
     halves_table: bool = False   # elastic's general path: per-row ids (``_half_pages_kernel``)

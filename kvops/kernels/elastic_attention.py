@@ -807,8 +807,8 @@ def _plan(q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, sca
         merge = merge_plan(B, Hq, nsp, D, q.dtype, pdl, q.device)
         fused = Launch(_elastic_decode_kernel, (B * Hkv, nsp), object(), (scale * LOG2E, *ints),
                        dict(meta, PDL_TRIGGER=False, FUSED_MERGE=True, BLOCK_S=next_pow2(nsp)))
-    return DecodePlan(B, Hq, D, nsp, scale * LOG2E, ints, meta, (B * Hkv, nsp), merge, fused,
-                      first, [], standard_strides(q), halves_table, halves)
+    return DecodePlan(B, Hq, D, nsp, merge, fused, first, [], standard_strides(q), halves_table,
+                      halves)
 
 
 def elastic_attention_fwd(
@@ -843,7 +843,7 @@ def elastic_attention_fwd(
     plan = _PLANS.get(key) or keep_plan(_PLANS, key, _plan(
         q, k_cache, v_cache, block_table, seq_lens, block_mode, base_span, scale, knobs))
     out, lse, part_o, part_l, count = split_outputs(
-        plan.B, plan.Hq, plan.D, plan.splits, q.dtype, q.device, plan.grid[0],
+        plan.B, plan.Hq, plan.D, plan.splits, q.dtype, q.device, plan.launch.grid[0],
         q if plan.like_q else None)
     if plan.B == 0:
         return out, lse

@@ -108,8 +108,6 @@ TMA_DIRECT = True
 # whether the launch rule may choose the Gluon kernel (``prefill_gluon``); tests of the Triton
 # kernel's own plans turn it off
 GLUON = True
-# the binary-key slot of a plan that launches the Gluon kernel
-GLUON_PLAN = "gluon"
 
 # K/V tiles come through the tensor copy engine only where a key tile lies inside one page:
 # pages of at least this many tokens (the rule's BLOCK_N at D <= 128)
@@ -571,13 +569,11 @@ def _paged_prefill_kernel(
 class PrefillPlan(NamedTuple):
     """What a call of one argument signature and knobs launches (``_plan``)."""
 
-    grid: tuple
     splits: int
-    ints: tuple          # the kernel's integer arguments
-    meta: dict           # its constants (the two-launch form's)
-    token: object        # the binary key's base; ``GLUON_PLAN`` for the Gluon kernel's plan
+    gluon: bool          # the Gluon kernel's plan (unsplit)
     launch: Launch       # the two-launch form's first launch (an unsplit plan's only one; the
-                         # Gluon kernel's ``DescribedLaunch``)
+                         # Gluon kernel's ``DescribedLaunch``): its grid, integers, constants
+                         # and binary key
     fused: Launch | None     # the one-launch form (split plans)
     merge: tuple | None  # ``merge_plan`` of the two-launch form (None unsplit)
     ready: list          # ``load_capture_form``'s: empty until the two-launch form ran eagerly
@@ -628,12 +624,12 @@ def paged_prefill_attention_fwd(
                                         _plan(*tensors, news, scale, window, knobs))
     # out [N, Hq, D] and lse [N, Hq] are a decode launch's outputs with N rows
     out, lse, part_o, part_l, count = split_outputs(
-        N, Hq, D, plan.splits, q.dtype, q.device, plan.grid[0] * plan.grid[1],
+        N, Hq, D, plan.splits, q.dtype, q.device, plan.launch.grid[0] * plan.launch.grid[1],
         q if plan.like_q else None)
-    if plan.token is GLUON_PLAN:      # unsplit: out and lse themselves, no counters
+    if plan.gluon:                    # unsplit: out and lse themselves, no counters
         paged_prefill_gluon_fwd(*tensors, *news, out, lse, plan.launch)
         return out, lse
-    meta = plan.meta
+    meta = plan.launch.meta
     # the descriptors hold the tensors' addresses, so they are made each call (without TMA
     # the kernel never reads the first two arguments, without NEW the last two)
     descs = ((_pool_descriptor(k_cache, meta["BLOCK_N"]),
@@ -758,9 +754,8 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, news, scale, 
                          "tensors")
     if gluon:
         grid, ints, meta = gluon_plan(q, k_cache, block_table, scale)
-        return PrefillPlan(grid, 1, ints, meta, GLUON_PLAN,
-                           gluon_launch(grid, ints, meta, D, S, q.dtype), None, None, [],
-                           standard_strides(q))
+        return PrefillPlan(1, True, gluon_launch(grid, ints, meta, D, S, q.dtype), None, None,
+                           [], standard_strides(q))
     ints = (N, B, P, L, page_rows, num_tiles, window, scale * LOG2E.value, nsp, *strides)
     meta = dict(S=S, HKV=Hkv, G=G, D=D, BLOCK_Q=block_q, BLOCK_M=bm, BLOCK_N=bn,
                 BLOCK_D=next_pow2(max(D, 16)), BLOCK_B=SEQ_CHUNK,
@@ -781,6 +776,6 @@ def _plan(q, k_cache, v_cache, block_table, query_start, seq_lens, news, scale, 
         f_meta = dict(meta, FUSED_MERGE=True, BLOCK_S=next_pow2(nsp))
         fused = Launch(_paged_prefill_kernel, (num_tiles, Hkv, nsp),
                        None if token is None else ("fused", *token), ints, f_meta)
-    return PrefillPlan((num_tiles, Hkv, nsp), nsp, ints, meta, token,
+    return PrefillPlan(nsp, False,
                        Launch(_paged_prefill_kernel, (num_tiles, Hkv, nsp), token, ints, meta),
                        fused, merge, [], standard_strides(q))

@@ -256,8 +256,7 @@ def _plan(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale, knobs):
         merge = merge_plan(B, Hq, nsp, D, q.dtype, pdl, q.device)
         fused = Launch(_sliding_window_kernel, (B * Hkv, nsp), object(), (scale * LOG2E_F, *ints),
                        dict(meta, USE_PDL=False, FUSED_MERGE=True, BLOCK_S=next_pow2(nsp)))
-    return DecodePlan(B, Hq, D, nsp, scale * LOG2E_F, ints, meta, (B * Hkv, nsp), merge, fused,
-                      first, [], standard_strides(q))
+    return DecodePlan(B, Hq, D, nsp, merge, fused, first, [], standard_strides(q))
 
 
 def static_sliding_attention_fwd(
@@ -288,7 +287,7 @@ def static_sliding_attention_fwd(
     plan = _PLANS.get(key) or keep_plan(
         _PLANS, key, _plan(q, k, v, win_start, win_len, far_k, far_v, far_bias, scale, knobs))
     out, lse, part_o, part_l, count = split_outputs(
-        plan.B, plan.Hq, plan.D, plan.splits, q.dtype, q.device, plan.grid[0],
+        plan.B, plan.Hq, plan.D, plan.splits, q.dtype, q.device, plan.launch.grid[0],
         q if plan.like_q else None)
     launch_split((q, k, v, win_start, win_len, far_k, far_v, far_bias, part_o, part_l, out, lse),
                  count, win_len, (), plan)
