@@ -104,12 +104,10 @@ _data_ptr = torch.Tensor.data_ptr
 
 def _call(mode, compiled, g, stream, args, tail, after=None):
     """Launch ``compiled`` by convention ``mode``; ``after``: the "c" form's fixed arguments
-    after the stream (``_c_entry``), as the binary's ``_BINS`` entry keeps them, so a call does
-    not build them again."""
+    after the stream (``_c_entry``; given with that form), as the binary's ``_BINS`` entry
+    keeps them, so a call does not build them again."""
     packed = getattr(compiled, "packed_metadata", None)
     if mode == "c":
-        if after is None:
-            after = _c_entry(compiled, g)[2]
         compiled.run.launch(*g, stream, *after, *args, *tail)
     elif mode == "tail":
         compiled.run(g[0], g[1], g[2], stream, compiled.function, packed, None, None, None,
