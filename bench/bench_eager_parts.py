@@ -130,8 +130,8 @@ def _c_args(compiled, head, full):
     """The Triton 3.6 launcher's C entry point's arguments (what ``CudaLauncher.__call__``
     passes it, scratch buffers None), with tensors and with raw pointers."""
     run = compiled.run
-    _, g, after = _launch._c_entry(compiled, head[:3])
-    fixed = (*g, head[3], *after)
+    after = _launch._c_entry(compiled)[1]
+    fixed = (*head[:4], *after)   # grid, stream
     ptrs = tuple(a.data_ptr() if type(a) is torch.Tensor else a for a in full)
     print("scratch sizes", run.global_scratch_size, run.profile_scratch_size, flush=True)
     return fixed + tuple(full), fixed + ptrs

@@ -81,14 +81,14 @@ def _conventions(compiled):
     return ("c", "tail", "plain") if c_ok else ("tail", "plain")
 
 
-def _c_entry(compiled, g: tuple) -> tuple:
-    """How a launch of ``compiled`` over the three-dimensional grid ``g`` calls the C entry
-    point: ``(entry, g, after)``, called as ``entry(*g, stream, *after, *arguments)``, where
-    ``after`` is the function handle, the cooperative-grid and PDL flags, no scratch buffers,
-    the packed metadata, and no launch metadata or hooks."""
+def _c_entry(compiled) -> tuple:
+    """How a launch of ``compiled`` calls the C entry point: ``(entry, after)``, called as
+    ``entry(*grid, stream, *after, *arguments)`` with a three-dimensional grid, where ``after``
+    is the function handle, the cooperative-grid and PDL flags, no scratch buffers, the packed
+    metadata, and no launch metadata or hooks."""
     run = compiled.run
-    return run.launch, g, (compiled.function, run.launch_cooperative_grid, run.launch_pdl,
-                           None, None, compiled.packed_metadata, None, None, None)
+    return run.launch, (compiled.function, run.launch_cooperative_grid, run.launch_pdl,
+                        None, None, compiled.packed_metadata, None, None, None)
 
 
 def _probed(kernel, key):
@@ -136,7 +136,7 @@ def launch(kernel, grid: tuple, key, args: tuple, meta: dict) -> None:
                 _call(mode, compiled, g, stream, args, tail, after)
                 return
             for candidate in _conventions(compiled):
-                after = _c_entry(compiled, g)[2] if candidate == "c" else None
+                after = _c_entry(compiled)[1] if candidate == "c" else None
                 try:       # a launcher that rejects its arguments launches nothing
                     _call(candidate, compiled, g, stream, args, tail, after)
                 except Exception:  # noqa: BLE001 - any refusal: try the next convention
@@ -192,8 +192,11 @@ class Launch:
         compiled, tail, mode = hit[:3]
         g = self.grid + _PAD[len(self.grid)]
         # the compiled kernel rides along: it owns the module its function handle lives in
-        self._c = ((*_c_entry(compiled, g), (*self.ints, *tail), compiled) if mode == "c" else
-                   (None, mode, compiled, g, tail))
+        if mode == "c":
+            entry, after = _c_entry(compiled)
+            self._c = (entry, g, after, (*self.ints, *tail), compiled)
+        else:
+            self._c = (None, mode, compiled, g, tail)
 
 
 MAX_DESCRIPTORS = 256     # encoded descriptors a DescribedLaunch keeps a position (a layer's
@@ -297,7 +300,7 @@ class DescribedLaunch(Launch):
             self._c = False
             return
         raw, metas, expand = entry
-        _, g, after = _c_entry(compiled, self.grid + _PAD[len(self.grid)])
+        g, after = self.grid + _PAD[len(self.grid)], _c_entry(compiled)[1]
         # the C entry under triton's wrapper; the compiled kernel rides along: it owns the
         # module its function handle lives in
         self._c = (raw, g, after, metas, expand, (*self.ints, *tail), compiled)
