@@ -138,25 +138,31 @@ def cuda_rows():
     import statistics
 
     from bench.common import time_graph
+    from kvops.ops import _replay
 
     rows = []
     all_cases = cases(torch.device("cuda"))
     sdpa = all_cases["static_sliding_attention"][2]
     loop = dict(LOOP, iters=LOOP["iters"] // 2)
+    cxx = _replay.module() if _replay.installed() else None
     for name, (op, peer_name, peer) in all_cases.items():
         per_round = []
+        hits = cxx.stats()[0] if cxx else 0
         for _ in range(ROUNDS):
             per_round.append((*eager_times(op, **loop), *eager_times(peer, **loop),
                               eager_times(sdpa, **loop)[0]))
+        # whether the op's timed calls replayed (the C++ kernel; "-": not installed)
+        replayed = ("-" if cxx is None else
+                    "yes" if cxx.stats()[0] - hits >= ROUNDS * loop["iters"] else "no")
         host, wall, p_host, p_wall, s_host = (statistics.median(c) for c in zip(*per_round))
         to_peer = statistics.median(r[0] / r[2] for r in per_round)
         to_sdpa = statistics.median(r[0] / r[4] for r in per_round)
         graph, p_graph = time_graph(op)[1], time_graph(peer)[1]
-        rows.append([name, host, wall, graph, peer_name, p_host, p_wall, p_graph, s_host,
+        rows.append([name, replayed, host, wall, graph, peer_name, p_host, p_wall, p_graph, s_host,
                      to_peer, to_sdpa])
         print(rows[-1], flush=True)
-    headers = ["op", "host us", "wall us", "graph us", "peer", "peer host us", "peer wall us",
-               "peer graph us", "sdpa host us", "host / peer", "host / sdpa"]
+    headers = ["op", "replayed", "host us", "wall us", "graph us", "peer", "peer host us",
+               "peer wall us", "peer graph us", "sdpa host us", "host / peer", "host / sdpa"]
     return headers, rows
 
 
@@ -264,6 +270,7 @@ def cpu_rows():
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--name", default="eager", help="the results file's name (default: eager)")
     ap.add_argument("--profile", action="store_true",
                     help="also print where static_sliding_attention's host time goes (cProfile)")
     args = ap.parse_args()
@@ -272,8 +279,12 @@ def main():
     if torch.cuda.is_available():
         headers, rows = cuda_rows()
         text = table(headers, rows)
-        path = write_result("eager", "Llama-3-8B heads, bf16, B 4 x 512 (pages of 16).\n\n"
-                            + text)
+        from kvops.ops import _replay
+
+        kernel = ("the C++ replay kernel (kvops/ops/_replay.py)" if _replay.installed()
+                  else "the Python implementations")
+        path = write_result(args.name, "Llama-3-8B heads, bf16, B 4 x 512 (pages of 16). The ops' "
+                            f"CUDA kernel: {kernel}.\n\n" + text)
     else:
         headers, rows = cpu_rows()
         text = table(headers, rows)

@@ -2,7 +2,7 @@
 # One check-and-benchmark pass on a GPU machine, as the device tool runs it: each part under its
 # own time cap, its log in $OUT/<part>.log, every results file it records copied to $OUT, and a
 # short table of the parts last. Parts are named on the command line (default: all, in order):
-#   bench/gpu_pass.sh suite tests ops eager heads fidelity farret elastic elastic_steady engine tp tp_more transformers elastic_ablations
+#   bench/gpu_pass.sh suite tests ops replay eager heads fidelity farret elastic elastic_steady engine tp tp_more transformers elastic_ablations
 #   (and prefill, prefill_s64, sharegpt, ceilings, engine_reversed; mooncake_a, mooncake_b, mooncake_c: one Mooncake window a call)
 # and everything under $OUT is packed into $OUT/gpu-pass.tgz at the end.
 # The device machine's copied .git can lag the tree it runs, so a call names the tree's commit:
@@ -41,6 +41,14 @@ ops() {        # the ops' and launchers' CUDA tests (about 2 minutes once compil
         tests/test_split_merge.py tests/test_op_contract.py tests/test_launch_direct.py \
         tests/test_host_signatures.py tests/test_paged_prefill_attention.py tests/test_workspace.py \
         tests/test_launch_rules.py
+}
+replay() {     # the ops' C++ dispatch kernel: build it, check every op's replay against Python,
+    # then the eager table with it off and on
+    part build-kernel 240 python3 -m kvops build-kernel --verbose
+    part replay-tests 240 python3 -m pytest -q -n 8 --timeout 230 -rfE -p no:cacheprovider \
+        tests/test_replay.py tests/test_replay_spec.py
+    KVOPS_REPLAY=0 part eager-python 90 python3 -m bench.bench_eager --name eager-python
+    part eager-replay 90 python3 -m bench.bench_eager
 }
 eager() {      # every op's eager host time beside SDPA's (issue 19's table)
     part eager 90 python3 -m bench.bench_eager

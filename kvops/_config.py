@@ -20,6 +20,16 @@ import torch
 BACKENDS = ("auto", "torch", "triton")
 
 
+# Called with no arguments after either setting changes (the replay kernel, kvops/ops/_replay.py,
+# replays only under backend "auto" without validation)
+ON_CHANGE: list = []
+
+
+def _changed() -> None:
+    for hook in ON_CHANGE:
+        hook()
+
+
 class _Setting:
     """A value with a setter that doubles as a context manager restoring the old value."""
 
@@ -29,6 +39,7 @@ class _Setting:
     def set(self, value):
         self._stack.append(self.value)
         self.value = self._check(value)
+        _changed()
         return self
 
     def __enter__(self):
@@ -36,6 +47,7 @@ class _Setting:
 
     def __exit__(self, *exc):
         self.value = self._stack.pop()
+        _changed()
         return False
 
 

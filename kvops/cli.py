@@ -328,6 +328,22 @@ PRESSURE_POINT = ["--mode", "elastic", "--sweep", "12", "--configs", "elastic,pa
                   "--clock", "model", "--device", "cpu"]
 
 
+def build_kernel(argv: list[str]) -> int:
+    """``python -m kvops build-kernel [--verbose]``: compile the replay kernel and say where."""
+    ap = argparse.ArgumentParser(prog="kvops build-kernel",
+                                 description="build the ops' C++ dispatch kernel")
+    ap.add_argument("--verbose", action="store_true", help="print the compiler command")
+    args = ap.parse_args(argv)
+    from kvops.ops import _replay
+
+    path = _replay.build(verbose=args.verbose)
+    print(f"replay kernel: {path}")
+    print("installed at import" if _replay.wanted() and _replay.install() else
+          "not installed here (it needs a CUDA device, no TRITON_INTERPRET and KVOPS_REPLAY "
+          "not 0)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:                              # the main job
@@ -340,11 +356,15 @@ def main(argv: list[str] | None = None) -> int:
         from kvops.__main__ import demo_main
 
         return demo_main(argv[1:])
+    if argv[:1] == ["build-kernel"]:
+        return build_kernel(argv[1:])
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv.insert(0, "replay")
     ap = argparse.ArgumentParser(prog="kvops", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("demo", help="the attention-stack demo (python -m kvops demo --help)")
+    sub.add_parser("build-kernel", help="build the ops' C++ dispatch kernel (eager calls "
+                   "without Python; kvops/ops/_replay.py)")
     _replay_parser(sub)
     g = sub.add_parser("generate", help="text from SmolLM2 through the engine (greedy unless "
                        "--temperature)")

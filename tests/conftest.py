@@ -146,3 +146,13 @@ class LaunchSpy:
             self.launches.append((grid, kwargs))
             return self.kernel[grid](*args, **kwargs)
         return launch
+
+
+@pytest.fixture(autouse=True)
+def _fresh_recipes():
+    """Each test starts without replay recipes (kvops/ops/_replay.py): a test that patches a
+    launch rule or a kernel must see its patch run, not a recipe recorded before it."""
+    from kvops.ops import _replay
+
+    _replay.refresh()
+    yield

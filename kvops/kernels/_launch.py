@@ -16,6 +16,10 @@ C entry point, without the key lookup. A kernel whose first parameters are tenso
 (the Gluon prefill's) is held as a :class:`DescribedLaunch`, which also keeps the descriptors'
 encodings by address instead of having triton's launcher encode them on every call.
 
+While a thread records (:func:`recording`, what kvops/ops/_replay.py runs an op's first calls
+under), every launch it makes is noted: a launch through the C entry point as ``(compiled
+kernel, grid, parameters)``, any other as None (a launch the record cannot replay).
+
 Under the interpreter, when a launch hook is installed (profilers), when ``key`` is None, or
 when ``KVOPS_DIRECT_LAUNCH=0``, every launch goes through the JIT. A kernel object that is not
 a ``JITFunction`` (Gluon's is one too; a test's spy is not) is always called through
@@ -24,8 +28,10 @@ a ``JITFunction`` (Gluon's is one too; a test's spy is not) is always called thr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import threading
 
 import torch
 from triton.runtime.jit import JITFunction
@@ -102,6 +108,32 @@ _PAD = {1: (1, 1), 2: (1,), 3: ()}     # a grid's missing dimensions
 _data_ptr = torch.Tensor.data_ptr
 
 
+_REC = threading.local()     # .launches: the list the recording thread notes into
+
+
+@contextlib.contextmanager
+def recording():
+    """Note every launch this thread makes inside the block into the list it yields (see the
+    module doc); blocks nest, an inner one noting into its own list only."""
+    outer = getattr(_REC, "launches", None)
+    notes: list = []
+    _REC.launches = notes
+    _STATE["recording"] += 1
+    try:
+        yield notes
+    finally:
+        _STATE["recording"] -= 1
+        _REC.launches = outer
+
+
+def _note(compiled, g, params) -> None:
+    """Note a launch for this thread's :func:`recording`, if any: ``compiled`` None for a launch
+    not made through the C entry point."""
+    notes = getattr(_REC, "launches", None)
+    if notes is not None:
+        notes.append(None if compiled is None else (compiled, g, params))
+
+
 def _call(mode, compiled, g, stream, args, tail, after=None):
     """Launch ``compiled`` by convention ``mode``; ``after``: the "c" form's fixed arguments
     after the stream (``_c_entry``; given with that form), as the binary's ``_BINS`` entry
@@ -109,7 +141,12 @@ def _call(mode, compiled, g, stream, args, tail, after=None):
     packed = getattr(compiled, "packed_metadata", None)
     if mode == "c":
         compiled.run.launch(*g, stream, *after, *args, *tail)
-    elif mode == "tail":
+        if _STATE["recording"]:
+            _note(compiled, g, (*args, *tail))
+        return
+    if _STATE["recording"]:
+        _note(None, g, args)
+    if mode == "tail":
         compiled.run(g[0], g[1], g[2], stream, compiled.function, packed, None, None, None,
                      *args, *tail)
     else:
@@ -131,6 +168,8 @@ def launch(kernel, grid: tuple, key, args: tuple, meta: dict) -> None:
             compiled, tail, mode, _, after = hit
             if mode == "jit":      # no convention took this binary's arguments
                 kernel[grid](*args, **meta)
+                if _STATE["recording"]:
+                    _note(None, g, args)
                 return
             if mode is not None:
                 _call(mode, compiled, g, stream, args, tail, after)
@@ -148,8 +187,12 @@ def launch(kernel, grid: tuple, key, args: tuple, meta: dict) -> None:
             # whose C entry does not expand them, say): it keeps the JIT path, the rest do not
             _BINS[(id(kernel), key)] = (compiled, tail, "jit", kernel, None)
             kernel[grid](*args, **meta)
+            if _STATE["recording"]:
+                _note(None, g, args)
             return
     compiled = kernel[grid](*args, **meta)
+    if _STATE["recording"]:
+        _note(None, grid, args)
     if (key is None or not isinstance(kernel, JITFunction) or not _STATE["direct"]
             or compiled is None):
         return
@@ -182,6 +225,8 @@ class Launch:
             stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
             if c[0] is not None:     # the C entry point (``_c_entry``)
                 c[0](*c[1], stream, *c[2], *args, *c[3])
+                if _STATE["recording"]:
+                    _note(c[4], c[1], (*args, *c[3]))
             else:                    # the launcher's Python wrapper
                 _call(c[1], c[2], c[3], stream, (*args, *self.ints), c[4])
             return
@@ -284,6 +329,8 @@ class DescribedLaunch(Launch):
             stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
             try:
                 c[0](*c[1], stream, *c[2], *flat, *args, *c[5])
+                if _STATE["recording"]:   # descriptors: not replayed
+                    _note(None, c[1], args)
                 return
             except (TypeError, ValueError, OverflowError):   # arguments refused, nothing
                 self._c = c = False                            # launched: the wrapper's way
@@ -308,4 +355,5 @@ class DescribedLaunch(Launch):
 
 # "direct": compiled launches on; "mode": the convention the last first direct launch found
 # (``_conventions``; None until a direct launch ran), for tests and benches to read
-_STATE = {"direct": _ENABLED and not interpreting(), "mode": None}
+# "recording": how many threads are inside :func:`recording` (a launch reads it to skip noting)
+_STATE = {"direct": _ENABLED and not interpreting(), "mode": None, "recording": 0}

@@ -44,6 +44,9 @@ MAX_BUFFERS = 64
 _BUFS: dict = {}
 _COUNTS: dict = {}     # (device index, stream, thread) -> [int32 zeros, {n: view}]
 _ALIGN = 32            # floats: every view starts 128 bytes after the previous one's start
+# Called with no arguments whenever a kept buffer is replaced or freed: what holds a kept
+# buffer's address (the replay kernel's recipes, kvops/ops/_replay.py) lets it go
+ON_CHANGE: list = []
 
 
 def _round(n: int) -> int:
@@ -177,6 +180,7 @@ def _keep(kept: dict, key, buf) -> list:
     # a replaced buffer returns to the caching allocator, which hands it only to later work on
     # this stream: the calls already issued with it finish first
     entry = kept[key] = [buf, {}]
+    _changed()
     return entry
 
 
@@ -191,8 +195,20 @@ def _remember(entry: list, request, views):
     return views
 
 
+def _changed() -> None:
+    for hook in ON_CHANGE:
+        hook()
+
+
+def kept() -> tuple:
+    """The ``(start, end)`` byte addresses of every kept buffer."""
+    return tuple((b.data_ptr(), b.data_ptr() + b.numel() * b.element_size())
+                 for kept in (_BUFS, _COUNTS) for b, _ in kept.values())
+
+
 def clear() -> None:
     """Free every scratch buffer and counter buffer (the next call on each stream allocates
     again)."""
     _BUFS.clear()
     _COUNTS.clear()
+    _changed()

@@ -4,6 +4,7 @@
 Importing this package registers every ``torch.ops.kvops.*`` op.
 """
 
+from kvops.ops import _replay
 from kvops.ops.elastic_attention import elastic_attention
 from kvops.ops.far_page_select import far_page_select
 from kvops.ops.far_page_summarize import far_page_summarize, far_page_summarize_into
@@ -17,6 +18,8 @@ from kvops.ops.paged_kv_write import paged_kv_write
 from kvops.ops.paged_prefill_attention import paged_prefill_attention
 from kvops.ops.refine_base_pairs import refine_base_pairs
 from kvops.ops.static_sliding_attention import static_sliding_attention
+
+_replay.install_at_import()   # after every op is registered
 
 __all__ = ["elastic_attention", "far_page_select", "far_page_summarize",
            "far_page_summarize_into", "far_slot_update",

@@ -24,6 +24,10 @@ import torch
 from kvops._checks import signature as sig
 
 LIB = torch.library.Library("kvops", "DEF")
+# The Python implementations' CUDA registrations live in a library of their own, so that the
+# replay kernel (kvops/ops/_replay.py) can take their place and give it back.
+CUDA_LIB = torch.library.Library("kvops", "IMPL", "CUDA")
+IMPLS: dict[str, Callable] = {}     # op name -> its Python implementation
 
 # Checked argument signatures a cache keeps before it starts over (a serving process sees a
 # handful of shapes; a sweep of many shapes only re-checks).
@@ -35,9 +39,22 @@ def register(name: str, schema: str, impl: Callable, fake: Callable):
     fake and meta tensors; returns the op's default overload (what the public function calls)."""
     LIB.define(name + schema)
     LIB.impl(name, impl, "CPU")
-    LIB.impl(name, impl, "CUDA")
+    CUDA_LIB.impl(name, impl)
+    IMPLS[name] = impl
     torch.library.register_fake(f"kvops::{name}", fake, lib=LIB)
     return getattr(torch.ops.kvops, name).default
+
+
+def cuda_python(on: bool) -> None:
+    """Register (``on``) or drop every op's Python implementation as its CUDA kernel."""
+    global CUDA_LIB
+    if on and CUDA_LIB is None:
+        CUDA_LIB = torch.library.Library("kvops", "IMPL", "CUDA")
+        for name, impl in IMPLS.items():
+            CUDA_LIB.impl(name, impl)
+    elif not on and CUDA_LIB is not None:
+        CUDA_LIB._destroy()
+        CUDA_LIB = None
 
 
 def _picker(positions: tuple):

@@ -1,0 +1,412 @@
+"""The ops' CUDA kernel in C++ (``kvops/csrc/replay.cpp``): a repeated call replays its recorded
+launches without running Python.
+
+Why: an eager call through the Python implementation spends its host time in the dispatcher's
+way into Python (3.3 us on an H100 host), the output allocations through Python's argument
+parser (6.7 us for ``out`` and ``lse``) and the launch glue (7.5 us), where SDPA's whole call
+is 16-29 us (``bench/results/2026-12-07-1040-eager-parts-h100.md``). The C++ kernel does the
+same work from a recipe: it allocates the outputs with ``at::empty_strided`` and launches the
+compiled kernels with ``cuLaunchKernelEx``.
+
+**Recipes.** A call's signature is each tensor's dispatch keys, dtype, device, sizes, strides,
+requires_grad and address modulo 16, every other argument's value, and the current device,
+stream and thread. A call whose signature has no recipe runs the op's Python implementation
+(:func:`miss`) while this thread's launches and aten ops are noted. The record becomes a
+recipe when:
+
+- every launch went through a compiled kernel's C entry point (no JIT launch, no tensor
+  descriptors: the Gluon prefill runs Python), one CTA a program;
+- no aten op ran but allocations and views (a fill, a copy or a host read would not replay);
+- every pointer a launch takes is an argument's (its address, or inside exactly one argument),
+  a returned output's, or inside a kept scratch buffer (``kvops.kernels._workspace``); a
+  pointer equal to the address of two arguments is refused (the next call may pass two
+  tensors);
+- every output owns its storage, whole (no view of a larger allocation, no argument);
+- and the same recipe came from the signature's previous record: two records that agree hide
+  no address in a constant (outputs are fresh each call).
+
+A signature whose records give no recipe ``MAX_TRIES`` times runs Python from then on. A kept
+scratch buffer that is replaced or freed, or a change of backend or validation mode, drops
+every recipe (:func:`refresh`).
+
+**What runs Python.** Validation mode, backend "torch" or "triton", graph capture (the
+recipes' scratch is not the graph's), direct launches off (``KVOPS_DIRECT_LAUNCH=0``), and any
+signature without a recipe. Triton's launch hooks (proton) see no replayed launch: profile
+with ``KVOPS_REPLAY=0`` or CUPTI.
+
+**Building.** ``python -m kvops build-kernel`` compiles the kernel with the system's C++
+compiler against the installed torch (about a minute) into ``~/.cache/kvops`` (or
+``$KVOPS_CACHE``); ``import kvops`` installs it where it is built and CUDA is present, unless
+``KVOPS_REPLAY=0``. Without it every op's CUDA kernel is its Python implementation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import struct
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kvops import _config
+from kvops.kernels import _launch, _workspace
+from kvops.ops import _library
+
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "replay.cpp"
+NAME = "kvops_replay"
+ENABLED = os.environ.get("KVOPS_REPLAY", "1").strip().lower() not in ("0", "false", "off", "no")
+MAX_TRIES = 4          # records a signature gets to give a recipe
+MAX_PENDING = 4096     # signatures with a record awaiting its twin
+
+ARG, OUT, ABS, VAL = 0, 1, 2, 3     # a parameter's source (replay.cpp's Kind)
+
+# aten ops a recorded call may run: allocations (the outputs, the scratch's first call) and
+# views; anything else is work the recipe would not replay
+_FACTORIES = frozenset({
+    torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+    torch.ops.aten.new_empty.default, torch.ops.aten.new_empty_strided.default,
+    torch.ops.aten.detach.default, torch.ops.aten.alias.default,
+})
+_DEVICE_TYPES = ("cuda",)   # where recipes are made (the CPU tests add "cpu", with dry launches)
+_INT_BITS = {"i1": 8, "i8": 8, "i16": 16, "i32": 32, "i64": 64,
+             "u1": 8, "u8": 8, "u16": 16, "u32": 32, "u64": 64}
+_FLOAT_FORMATS = {"fp16": ("<e", "<H"), "fp32": ("<f", "<I"), "f32": ("<f", "<I"),
+                  "fp64": ("<d", "<Q")}
+
+
+class Refused(Exception):
+    """A record that gives no recipe (the message says why; tests read it)."""
+
+
+# ---- building and installing the C++ kernel --------------------------------------------------
+
+def _cache_dir() -> Path:
+    root = os.environ.get("KVOPS_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvops")
+    return Path(root)
+
+
+def _cuda_header_dir() -> Path | None:
+    """Triton's copy of ``cuda.h`` (the kernel needs its types only)."""
+    spec = importlib.util.find_spec("triton")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    d = Path(next(iter(spec.submodule_search_locations))) / "backends" / "nvidia" / "include"
+    return d if (d / "cuda.h").exists() else None
+
+
+def library_path() -> Path:
+    """Where the built kernel for this source, torch and Python lives."""
+    tag = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()
+                         + sys.version.encode()).hexdigest()[:16]
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    return _cache_dir() / f"replay-{tag}" / f"{NAME}{suffix}"
+
+
+def build_command(out: Path) -> list[str]:
+    """The compiler command that builds the kernel into ``out``."""
+    from torch.utils import cpp_extension as ext
+
+    cuda_h = _cuda_header_dir()
+    if cuda_h is None:
+        raise RuntimeError("building the replay kernel needs triton's cuda.h "
+                           "(triton/backends/nvidia/include), which this triton lacks")
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    # the flags that let this module's pybind11 share types with torch's (empty on torch >= 2.13)
+    pybind = getattr(ext, "_get_pybind11_abi_build_flags", list)()
+    cmd = [os.environ.get("CXX", "c++"), "-O2", "-std=c++17", "-shared", "-fPIC",
+           "-fvisibility=hidden", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+           f"-DTORCH_EXTENSION_NAME={NAME}", "-DTORCH_API_INCLUDE_EXTENSION_H", *pybind,
+           str(SOURCE), "-o", str(out), f"-I{cuda_h}", f"-I{sysconfig.get_paths()['include']}"]
+    cmd += [f"-I{p}" for p in ext.include_paths()]
+    cmd += [f"-L{p}" for p in ext.library_paths()]
+    cmd += [f"-Wl,-rpath,{p}" for p in ext.library_paths()]
+    cmd += ["-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python", "-ldl"]
+    return cmd
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the kernel (if this source, torch and Python have none yet); returns its path."""
+    out = library_path()
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    cmd = build_command(tmp)
+    if verbose:
+        print(" ".join(cmd), flush=True)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"building the replay kernel failed ({cmd[0]} exit {done.returncode}):\n"
+                           f"{done.stderr[-4000:]}")
+    os.replace(tmp, out)     # whole or absent: a concurrent import never loads half a file
+    return out
+
+
+_MODULE = None
+
+
+def module():
+    """The built kernel's module (loaded once), or None where it is not built."""
+    global _MODULE
+    if _MODULE is None:
+        path = library_path()
+        if not path.exists():
+            return None
+        spec = importlib.util.spec_from_file_location(NAME, path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        _MODULE = mod
+    return _MODULE
+
+
+def installed() -> bool:
+    """Whether the C++ kernel is every op's CUDA kernel now."""
+    return _STATE["installed"]
+
+
+def install() -> bool:
+    """Make the C++ kernel every op's CUDA kernel where it is built (returns whether it is)."""
+    if _STATE["installed"]:
+        return True
+    if not ENABLED:
+        return False
+    mod = module()
+    if mod is None:
+        return False
+    _library.cuda_python(False)
+    mod.install("kvops", "CUDA", sorted(_library.IMPLS), miss)
+    _STATE["installed"] = True
+    refresh()
+    return True
+
+
+def uninstall() -> None:
+    """Give every op's CUDA kernel back to its Python implementation."""
+    if not _STATE["installed"]:
+        return
+    _MODULE.uninstall("kvops")
+    _library.cuda_python(True)
+    _STATE["installed"] = False
+    _PENDING.clear()
+
+
+def refresh() -> None:
+    """Drop every recipe and decide again whether calls may replay (the settings in the module
+    doc); the hooks of ``_workspace`` and ``_config`` call it."""
+    _PENDING.clear()
+    if _MODULE is not None:
+        _MODULE.clear()
+        _MODULE.set_enabled(may_replay())
+
+
+def may_replay() -> bool:
+    return (_config.backend() == "auto" and not _config.validate()
+            and _launch._STATE["direct"])
+
+
+def wanted() -> bool:
+    """Whether this process installs a built kernel: CUDA present, the interpreter off and
+    ``KVOPS_REPLAY`` not saying no."""
+    return ENABLED and not _config.interpreting() and torch.cuda.is_available()
+
+
+# ---- recording -------------------------------------------------------------------------------
+
+class _Watch(TorchDispatchMode):
+    """Notes the first aten op a recorded call runs that is not an allocation or a view."""
+
+    def __init__(self):
+        super().__init__()
+        self.work = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.work is None and func not in _FACTORIES and not func.is_view:
+            self.work = func
+        return func(*args, **(kwargs or {}))
+
+
+# signature -> [tries, the last record's recipe or None]; "never": gives no recipe
+_PENDING: dict = {}
+REFUSED: dict = {}   # op name -> why its last refused record gave no recipe (tests, benches)
+
+
+def miss(name: str, signature, args: tuple):
+    """The C++ kernel's way into Python: run op ``name`` on ``args``; returns ``(result,
+    recipe)``, a recipe where ``signature`` (bytes, or None: do not record) has two records
+    that agree (module doc)."""
+    impl = _library.IMPLS[name.partition("::")[2]]
+    if signature is None:
+        return impl(*args), None
+    key = (name, signature)
+    state = _PENDING.get(key)
+    if state == "never":
+        return impl(*args), None
+    watch = _Watch()
+    with _launch.recording() as notes, watch:
+        result = impl(*args)
+    try:
+        if watch.work is not None:
+            raise Refused(f"ran {watch.work}")
+        recipe = make_recipe(args, result, notes, _workspace.kept())
+    except Refused as e:
+        recipe = None
+        REFUSED[name] = str(e)
+    tries, last = state if state is not None else (0, None)
+    if recipe is not None and recipe == last:
+        _PENDING.pop(key, None)
+        _OWNERS.update((id(c), c) for c, _, _ in notes)
+        return result, recipe
+    if tries + 1 >= MAX_TRIES:
+        _PENDING[key] = "never"
+    else:
+        if len(_PENDING) >= MAX_PENDING:
+            _PENDING.clear()
+        _PENDING[key] = (tries + 1, recipe)
+    return result, None
+
+
+_OWNERS: dict = {}   # id -> a compiled kernel a recipe launches (it owns its function handle)
+
+
+def _span(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s address to the end of its last element (0 when it has none)."""
+    if t.numel() == 0:
+        return 0
+    return (sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+def _outputs(result) -> tuple:
+    if result is None:
+        return ()
+    if isinstance(result, torch.Tensor):
+        return (result,)
+    return tuple(result)
+
+
+def make_recipe(args: tuple, result, notes: list, kept: tuple) -> tuple:
+    """The recipe of one recorded call (``replay.cpp``'s form): ``(device, outputs,
+    launches)``; raises :class:`Refused` where the record gives none (module doc).
+
+    ``notes``: the launches the call made (``_launch.recording``); ``kept``: the kept scratch
+    buffers' ``(start, end)`` addresses."""
+    tensors = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    if not tensors:
+        raise Refused("no tensor argument")
+    device = tensors[0][1].device
+    if device.type not in _DEVICE_TYPES:
+        raise Refused(f"arguments on {device}")
+    outs = _outputs(result)
+    arg_storages = {a.untyped_storage().data_ptr() for _, a in tensors if a.numel()}
+    seen = set()
+    out_specs = []
+    for j, t in enumerate(outs):
+        if not isinstance(t, torch.Tensor):
+            raise Refused(f"output {j} is not a tensor")
+        st = t.untyped_storage()
+        if (t.device != device or t._base is not None or t.storage_offset() != 0
+                or st.nbytes() != _span(t) or (t.numel() and st.data_ptr() in arg_storages)
+                or (t.numel() and st.data_ptr() in seen)):
+            raise Refused(f"output {j} does not own its storage whole")
+        seen.add(st.data_ptr())
+        out_specs.append((tuple(t.shape), tuple(t.stride()), t.dtype))
+    where = _Where(tensors, outs, kept)
+    launches = []
+    for n in notes:
+        if n is None:
+            raise Refused("a launch not through the C entry point")
+        launches.append(_launch_spec(*n, where))
+    return (-1 if device.index is None else device.index, tuple(out_specs), tuple(launches))
+
+
+class _Where:
+    """Finds the source of a pointer a launch took (``ARG``, ``OUT`` or ``ABS``)."""
+
+    def __init__(self, tensors, outs, kept):
+        self.args = [(i, a.data_ptr(), _span(a)) for i, a in tensors]
+        self.outs = [(j, t.data_ptr(), _span(t)) for j, t in enumerate(outs)]
+        self.kept = kept
+
+    def __call__(self, ptr: int) -> tuple:
+        exact = {i for i, base, _ in self.args if base == ptr}
+        if len(exact) == 1:
+            return (ARG, exact.pop(), 0)
+        if exact:
+            raise Refused(f"a pointer is the address of arguments {sorted(exact)}")
+        inside = [(i, ptr - base) for i, base, span in self.args if base < ptr < base + span]
+        if len(inside) == 1:
+            return (ARG, *inside[0])
+        if inside:
+            raise Refused(f"a pointer lies inside arguments {[i for i, _ in inside]}")
+        for j, base, span in self.outs:
+            if base <= ptr < base + max(span, 1):
+                return (OUT, j, ptr - base)
+        for start, end in self.kept:
+            if start <= ptr < end:
+                return (ABS, 0, ptr)
+        raise Refused(f"a pointer outside the arguments, outputs and kept scratch: {ptr:#x}")
+
+
+def _launch_spec(compiled, grid: tuple, params: tuple, where: _Where) -> tuple:
+    run = compiled.run
+    num_warps, num_ctas, shared = compiled.packed_metadata
+    if num_ctas != 1:
+        raise Refused(f"{compiled.name}: clusters of {num_ctas}")
+    if getattr(run, "global_scratch_size", 0) or getattr(run, "profile_scratch_size", 0):
+        raise Refused(f"{compiled.name}: launcher scratch")
+    types = list(compiled.src.signature.values())
+    if len(types) != len(params):
+        raise Refused(f"{compiled.name}: {len(params)} parameters for {len(types)} in the signature")
+    packed = []
+    for ty, value in zip(types, params):
+        packed_one = _param(ty, value, where)
+        if packed_one is not None:
+            packed.append(packed_one)
+    return (compiled.function, tuple(int(g) for g in grid), 32 * num_warps, shared,
+            bool(run.launch_pdl), bool(run.launch_cooperative_grid), tuple(packed))
+
+
+def _param(ty, value, where: _Where):
+    """One parameter's ``(kind, index, value)``, or None for a constexpr (not passed)."""
+    if not isinstance(ty, str):
+        raise Refused(f"a tuple parameter {ty}")
+    if ty == "constexpr":
+        return None
+    if ty.startswith("*"):
+        ptr = value.data_ptr() if isinstance(value, torch.Tensor) else value
+        if not isinstance(ptr, int) or ptr == 0:
+            raise Refused(f"a pointer parameter given {type(value).__name__}")
+        return where(ptr)
+    bits = _INT_BITS.get(ty)
+    if bits is not None:
+        if not isinstance(value, (int, bool)):
+            raise Refused(f"an {ty} parameter given {type(value).__name__}")
+        return (VAL, 0, int(value) & ((1 << bits) - 1))
+    fmt = _FLOAT_FORMATS.get(ty)
+    if fmt is not None:
+        return (VAL, 0, struct.unpack(fmt[1], struct.pack(fmt[0], float(value)))[0])
+    raise Refused(f"a parameter of type {ty}")
+
+
+# "installed": the C++ kernel is the ops' CUDA kernel
+_STATE = {"installed": False}
+_workspace.ON_CHANGE.append(refresh)
+_config.ON_CHANGE.append(refresh)
+
+
+def install_at_import() -> None:
+    """What ``import kvops`` runs: install the kernel where it is built, CUDA is present, the
+    interpreter is off and ``KVOPS_REPLAY`` does not say no."""
+    if wanted():
+        try:
+            install()
+        except (OSError, ImportError, RuntimeError) as e:   # a stale or broken build: Python
+            print(f"kvops: the replay kernel did not load ({e}); ops run Python "
+                  f"(python -m kvops build-kernel builds it again)", file=sys.stderr)

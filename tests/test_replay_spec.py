@@ -1,0 +1,284 @@
+"""The replay kernel's CPU-checkable parts (kvops/ops/_replay.py, kvops/csrc/replay.cpp).
+
+Recipes are made from fake records (a compiled kernel's launcher facts without a GPU), and the
+built C++ kernel runs on CPU tensors of test ops in dry mode, which logs each launch's
+configuration and parameter bytes instead of launching. tests/test_replay.py runs the real
+thing on CUDA against every op's Python implementation.
+"""
+
+from __future__ import annotations
+
+import shutil
+import struct
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvops.kernels import _launch
+from kvops.ops import _replay
+from kvops.ops._replay import ABS, ARG, OUT, VAL, Refused, make_recipe
+
+
+def fake_compiled(signature: dict, warps=4, ctas=1, shared=1024, pdl=False, coop=False,
+                  function=0xF00D, scratch=0):
+    run = SimpleNamespace(launch_pdl=pdl, launch_cooperative_grid=coop,
+                          global_scratch_size=scratch, profile_scratch_size=0)
+    return SimpleNamespace(run=run, packed_metadata=(warps, ctas, shared), function=function,
+                           src=SimpleNamespace(signature=signature), name="fake")
+
+
+SIG = {"x": "*bf16", "out": "*fp32", "n": "i32", "scale": "fp32", "BLOCK": "constexpr",
+       "flag": "i1", "off": "i64"}
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    monkeypatch.setattr(_replay, "_DEVICE_TYPES", ("cuda", "cpu"))
+
+
+def test_recipe_maps_every_parameter(on_cpu):
+    x = torch.zeros(4, 8, dtype=torch.bfloat16)
+    out = torch.empty(4, 8)
+    scratch = torch.empty(64)
+    s0 = scratch.data_ptr()
+    k = fake_compiled(SIG)
+    notes = [(k, (3, 1, 1), (x, out, -2, 0.5, 64, True, 2**40)),
+             (k, (1, 2, 1), (x.data_ptr() + 16, out.data_ptr() + 32, 7, -1.0, 64, False, -1)),
+             (k, (1, 1, 1), (x, s0 + 8, 1, 0.0, 64, 0, 0))]
+    device, outs, launches = make_recipe((x, 5, None), out, notes, ((s0, s0 + 256),))
+    assert device == -1 and outs == (((4, 8), (8, 1), torch.float32),)
+    fn, grid, block, shared, pdl, coop, params = launches[0]
+    assert (fn, grid, block, shared, pdl, coop) == (0xF00D, (3, 1, 1), 128, 1024, False, False)
+    f32 = struct.unpack("<I", struct.pack("<f", 0.5))[0]
+    assert params == ((ARG, 0, 0), (OUT, 0, 0), (VAL, 0, 2**32 - 2), (VAL, 0, f32), (VAL, 0, 1),
+                      (VAL, 0, 2**40))          # BLOCK (constexpr) is not passed
+    assert launches[1][6][:3] == ((ARG, 0, 16), (OUT, 0, 32), (VAL, 0, 7))
+    assert launches[1][6][4:] == ((VAL, 0, 0), (VAL, 0, 2**64 - 1))
+    assert launches[2][6][1] == (ABS, 0, s0 + 8)
+
+
+@pytest.mark.parametrize("case", ["jit", "outside", "two_args", "inside_two", "view_out",
+                                  "arg_out", "cluster", "scratch", "tuple", "descriptor",
+                                  "count", "cpu"])
+def test_recipe_refusals(on_cpu, monkeypatch, case):
+    base = torch.zeros(64)
+    x, y = base[:16], base[8:24]             # y starts inside x
+    out = torch.empty(4)
+    k = fake_compiled({"a": "*fp32", "b": "*fp32"})
+    args, result = (x,), out
+    notes = [(k, (1, 1, 1), (x, out))]
+    if case == "jit":
+        notes = [None]
+    elif case == "outside":
+        notes = [(k, (1, 1, 1), (x, torch.empty(4)))]
+    elif case == "two_args":
+        args = (x, x.view(4, 4))
+    elif case == "inside_two":
+        args = (x, y)
+        notes = [(k, (1, 1, 1), (base.data_ptr() + 4 * 12, out))]   # inside x and y
+    elif case == "view_out":
+        result = torch.empty(8)[:4]
+    elif case == "arg_out":
+        result = x
+    elif case == "cluster":
+        notes = [(fake_compiled({"a": "*fp32", "b": "*fp32"}, ctas=2), (1, 1, 1), (x, out))]
+    elif case == "scratch":
+        notes = [(fake_compiled({"a": "*fp32", "b": "*fp32"}, scratch=64), (1, 1, 1), (x, out))]
+    elif case == "tuple":
+        notes = [(fake_compiled({"a": "*fp32", "b": ("*fp32", "i32")}), (1, 1, 1), (x, out))]
+    elif case == "descriptor":
+        notes = [(fake_compiled({"a": "*fp32", "b": "tensordesc<fp32[16, 16]>"}), (1, 1, 1),
+                  (x, out))]
+    elif case == "count":
+        notes = [(k, (1, 1, 1), (x,))]
+    elif case == "cpu":
+        monkeypatch.setattr(_replay, "_DEVICE_TYPES", ("cuda",))
+    with pytest.raises(Refused):
+        make_recipe(args, result, notes, ())
+
+
+def test_recording_notes_only_its_thread_and_nests():
+    k = fake_compiled({"a": "i32"})
+    assert _launch._STATE["recording"] == 0
+    with _launch.recording() as outer:
+        _launch._note(k, (1, 1, 1), (1,))
+        with _launch.recording() as inner:
+            _launch._note(None, (1, 1, 1), (2,))
+        _launch._note(k, (2, 1, 1), (3,))
+    _launch._note(k, (1, 1, 1), (4,))          # nothing records: dropped
+    assert [n and n[2] for n in outer] == [(1,), (3,)] and inner == [None]
+    assert _launch._STATE["recording"] == 0
+
+
+def test_miss_keeps_a_recipe_after_two_agreeing_records(on_cpu, monkeypatch):
+    x = torch.zeros(8)
+    k = fake_compiled({"a": "*fp32", "b": "*fp32", "n": "i32"})
+    calls = []
+
+    def impl(t, n):
+        out = torch.empty(8)
+        _launch._note(k, (1, 1, 1), (t, out, n if len(calls) != 1 else n + 1))
+        calls.append(n)
+        return out
+
+    monkeypatch.setitem(_replay._library.IMPLS, "fake_op", impl)
+    _replay._PENDING.clear()
+    got = [_replay.miss("kvops::fake_op", b"sig", (x, 3))[1] for _ in range(4)]
+    # the second record disagrees with the first (its n differs), the third agrees with neither
+    # neighbour, the fourth agrees with the third
+    assert got[:3] == [None, None, None] and got[3] is not None
+    assert got[3][2][0][6] == ((ARG, 0, 0), (OUT, 0, 0), (VAL, 0, 3))
+    assert _replay.miss("kvops::fake_op", None, (x, 3))[1] is None     # unrecorded
+    _replay._PENDING.clear()
+
+
+def test_miss_refuses_work_and_gives_up(on_cpu, monkeypatch):
+    x = torch.zeros(8)
+    k = fake_compiled({"a": "*fp32", "b": "*fp32"})
+
+    def impl(t):
+        out = torch.empty(8)
+        out.zero_()                          # work a recipe would not replay
+        _launch._note(k, (1, 1, 1), (t, out))
+        return out
+
+    monkeypatch.setitem(_replay._library.IMPLS, "fake_fill", impl)
+    _replay._PENDING.clear()
+    for _ in range(_replay.MAX_TRIES + 2):
+        assert _replay.miss("kvops::fake_fill", b"s", (x,))[1] is None
+    assert _replay._PENDING[("kvops::fake_fill", b"s")] == "never"
+    _replay._PENDING.clear()
+
+
+# ---- the C++ kernel on CPU tensors, in dry mode --------------------------------------------
+
+def _compiler():
+    return shutil.which("c++") or shutil.which("g++")
+
+
+@pytest.fixture(scope="module")
+def cxx():
+    if _compiler() is None:
+        pytest.skip("no C++ compiler")
+    try:
+        _replay.build()
+    except RuntimeError as e:    # a toolchain that cannot build against this torch
+        pytest.skip(str(e)[:200])
+    return _replay.module()
+
+
+@pytest.fixture(scope="module")
+def test_ops(cxx):
+    lib = torch.library.Library("kvops_replay_test", "DEF")
+    lib.define("pair(Tensor x, Tensor? y, int n, float? s, str? c) -> (Tensor, Tensor)")
+    lib.define("scale(Tensor x, float s) -> Tensor")
+    lib.define("touch(Tensor(a!) x, int n) -> ()")
+    yield lib
+    cxx.uninstall("kvops_replay_test")
+    lib._destroy()
+
+
+def _install(cxx, miss):
+    cxx.uninstall("kvops_replay_test")
+    cxx.install("kvops_replay_test", "CPU", ["pair", "scale", "touch"], miss)
+    cxx.clear()
+
+
+def test_cpp_miss_path_converts_arguments_and_results(cxx, test_ops):
+    seen = []
+
+    def miss(name, signature, args):
+        seen.append((name, signature is not None, args))
+        if name.endswith("pair"):
+            x, y, n, s, c = args
+            if n < 0:
+                raise ValueError(f"n: expected >= 0, got {n}")
+            return (x + n, x * (s or 1.0)), None
+        if name.endswith("touch"):
+            args[0].add_(args[1])
+            return None, None
+        return args[0] * args[1], None
+
+    _install(cxx, miss)
+    x = torch.arange(4.0)
+    a, b = torch.ops.kvops_replay_test.pair(x, None, 2, 0.5, "hi")
+    assert torch.equal(a, x + 2) and torch.equal(b, x * 0.5)
+    name, keyed, args = seen[-1]
+    assert name == "kvops_replay_test::pair" and keyed
+    assert args[1] is None and args[2] == 2 and args[3] == 0.5 and args[4] == "hi"
+    assert torch.equal(torch.ops.kvops_replay_test.scale(x, 3.0), x * 3)
+    y = torch.zeros(3)
+    assert torch.ops.kvops_replay_test.touch(y, 5) is None and torch.equal(y, torch.full((3,), 5.0))
+    with pytest.raises(ValueError, match="n: expected >= 0, got -1"):
+        torch.ops.kvops_replay_test.pair(x, None, -1, None, None)
+    cxx.set_enabled(False)
+    torch.ops.kvops_replay_test.scale(x, 3.0)
+    assert seen[-1][1] is False              # disabled: unrecorded
+    cxx.set_enabled(True)
+
+
+def _recipe(launches):
+    return (-1, (((2, 3), (1, 2), torch.float32), ((5,), (1,), torch.int32)), launches)
+
+
+def test_cpp_replays_a_recipe_in_dry_mode(cxx, test_ops):
+    f32 = struct.unpack("<I", struct.pack("<f", 1.5))[0]
+    recipe = _recipe((
+        (0xABC, (2, 3, 1), 256, 4096, True, False,
+         ((ARG, 0, 8), (OUT, 1, 4), (VAL, 0, 2**32 - 1), (VAL, 0, f32), (ABS, 0, 0x7000))),
+        (0xDEF, (1, 1, 1), 32, 0, False, True, ((OUT, 0, 0),)),
+    ))
+    misses = []
+
+    def miss(name, signature, args):
+        misses.append(signature)
+        return (torch.zeros(2, 3), torch.zeros(5, dtype=torch.int32)), recipe
+
+    _install(cxx, miss)
+    cxx.set_dry(True)
+    try:
+        x = torch.arange(8.0)
+        hits0 = cxx.stats()[0]
+        torch.ops.kvops_replay_test.pair(x, None, 1, None, None)      # miss: keeps the recipe
+        assert len(misses) == 1 and cxx.recipes() == 1
+        cxx.take_dry_launches()
+        a, b = torch.ops.kvops_replay_test.pair(x, None, 1, None, None)   # hit
+        assert cxx.stats()[0] == hits0 + 1 and len(misses) == 1
+        assert a.shape == (2, 3) and a.stride() == (1, 2) and a.dtype == torch.float32
+        assert b.shape == (5,) and b.dtype == torch.int32
+        log = cxx.take_dry_launches()
+        assert len(log) == 2
+        fn, grid, block, shared, pdl, coop, slots, stream = log[0]
+        assert (fn, grid, block, shared, pdl, coop, stream) == (0xABC, (2, 3, 1), 256, 4096,
+                                                                 True, False, 0)
+        assert slots == [x.data_ptr() + 8, b.data_ptr() + 4, 2**32 - 1, f32, 0x7000, 0, 0]
+        assert log[1][6] == [a.data_ptr(), 0, 0] and log[1][5] is True
+        # another signature misses: another n, another shape, another address mod 16,
+        # requires_grad, a given optional
+        torch.ops.kvops_replay_test.pair(x, None, 2, None, None)
+        torch.ops.kvops_replay_test.pair(torch.arange(9.0), None, 1, None, None)
+        torch.ops.kvops_replay_test.pair(torch.arange(12.0)[1:9], None, 1, None, None)
+        torch.ops.kvops_replay_test.pair(x, x, 1, None, None)
+        assert len(misses) == 5
+        # the same signature from another tensor replays with that tensor's address
+        z = torch.arange(8.0) + 1
+        torch.ops.kvops_replay_test.pair(z, None, 1, None, None)
+        assert len(misses) == 5 and cxx.take_dry_launches()[-2][6][0] == z.data_ptr() + 8
+        cxx.clear()
+        torch.ops.kvops_replay_test.pair(x, None, 1, None, None)
+        assert len(misses) == 6
+    finally:
+        cxx.set_dry(False)
+        cxx.take_dry_launches()
+
+
+def test_cpp_rejects_a_malformed_recipe(cxx, test_ops):
+    def miss(name, signature, args):
+        bad = (-1, (), ((1, (1, 1, 1), 32, 0, False, False, ((OUT, 3, 0),)),))
+        return args[0] * args[1], bad
+
+    _install(cxx, miss)
+    with pytest.raises(RuntimeError, match="names output 3 of 0"):
+        torch.ops.kvops_replay_test.scale(torch.ones(2), 2.0)
+    assert cxx.recipes() == 0
