@@ -17,12 +17,6 @@ from tests.conftest import requires_cuda
 
 pytestmark = requires_cuda
 
-# calls a recipe may refuse, and why (tests/test_replay_spec.py checks the refusals)
-MAY_REFUSE = {
-    "paged_prefill_attention": "the Gluon kernel's tensor descriptors (sm_90) are not replayed",
-}
-
-
 @pytest.fixture(scope="module")
 def cxx():
     _replay.build()
@@ -106,8 +100,7 @@ def _check(func, args, kwargs, cxx, *, expect_hit: bool):
 @pytest.mark.parametrize("case", range(len(CALLS)), ids=[c[0] for c in CALLS])
 def test_every_op_replays_bit_exact(cxx, case):
     name, func, args, kwargs = CALLS[case]
-    base = func._schema.name.partition("::")[2]
-    _check(func, list(args), kwargs, cxx, expect_hit=base not in MAY_REFUSE)
+    _check(func, list(args), kwargs, cxx, expect_hit=True)
 
 
 def _first(name):

@@ -43,19 +43,52 @@ def test_recipe_maps_every_parameter(on_cpu):
     scratch = torch.empty(64)
     s0 = scratch.data_ptr()
     k = fake_compiled(SIG)
-    notes = [(k, (3, 1, 1), (x, out, -2, 0.5, 64, True, 2**40)),
-             (k, (1, 2, 1), (x.data_ptr() + 16, out.data_ptr() + 32, 7, -1.0, 64, False, -1)),
-             (k, (1, 1, 1), (x, s0 + 8, 1, 0.0, 64, 0, 0))]
+    notes = [(k, (3, 1, 1), (x, out, -2, 0.5, 64, True, 2**40), None),
+             (k, (1, 2, 1), (x.data_ptr() + 16, out.data_ptr() + 32, 7, -1.0, 64, False, -1), None),
+             (k, (1, 1, 1), (x, s0 + 8, 1, 0.0, 64, 0, 0), None)]
     device, outs, launches = make_recipe((x, 5, None), out, notes, ((s0, s0 + 256),))
     assert device == -1 and outs == (((4, 8), (8, 1), torch.float32),)
-    fn, grid, block, shared, pdl, coop, params = launches[0]
-    assert (fn, grid, block, shared, pdl, coop) == (0xF00D, (3, 1, 1), 128, 1024, False, False)
+    fn, grid, block, shared, pdl, coop, params, descs = launches[0]
+    assert (fn, grid, block, shared, pdl, coop, descs) == (0xF00D, (3, 1, 1), 128, 1024, False,
+                                                          False, ())
     f32 = struct.unpack("<I", struct.pack("<f", 0.5))[0]
     assert params == ((ARG, 0, 0), (OUT, 0, 0), (VAL, 0, 2**32 - 2), (VAL, 0, f32), (VAL, 0, 1),
                       (VAL, 0, 2**40))          # BLOCK (constexpr) is not passed
     assert launches[1][6][:3] == ((ARG, 0, 16), (OUT, 0, 32), (VAL, 0, 7))
     assert launches[1][6][4:] == ((VAL, 0, 0), (VAL, 0, 2**64 - 1))
     assert launches[2][6][1] == (ABS, 0, s0 + 8)
+
+
+def _tma_map():
+    try:
+        from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+    except ImportError:
+        pytest.skip("this triton has no TMA dtype map")
+    return TMA_DTYPE_DEVICE_TO_HOST
+
+
+def test_recipe_encodes_a_descriptor_as_triton_does(on_cpu):
+    host = _tma_map()
+    pool = torch.zeros(6, 16, 4, 64, dtype=torch.bfloat16)        # [P, S, H, D]
+    out = torch.empty(2, 64)
+    flat = pool.view(-1, 64)
+    desc = SimpleNamespace(base=flat, shape=[384, 64], strides=[64, 1], padding="zero")
+    meta = {"swizzle": 3, "elem_size": 2, "elem_type": 10, "block_size": [64, 64],
+            "fp4_padded": False}
+    k = fake_compiled({"kd": "tensordesc<bf16[64, 64]>", "o": "*fp32", "n": "i32"})
+    notes = [(k, (2, 1, 1), (desc, out, 5), (meta,))]
+    _, _, launches = make_recipe((flat, 3), out, notes, ())
+    params, descs = launches[0][6], launches[0][7]
+    assert params == ((4, 0, 0), (VAL, 0, 384), (VAL, 0, 64), (VAL, 0, 64), (VAL, 0, 1),
+                      (OUT, 0, 0), (VAL, 0, 5))
+    # innermost dimension first; strides in bytes, the outer one then dims * stride as
+    # fill_tma_descriptor computes it
+    assert descs == ((ARG, 0, 0, host[10], 3, 0, (64, 384), (128, 384 * 128), (64, 64)),)
+    with pytest.raises(Refused, match="metadata"):
+        make_recipe((flat, 3), out, [(k, (2, 1, 1), (desc, out, 5), None)], ())
+    with pytest.raises(Refused, match="TMA map"):
+        make_recipe((flat, 3), out, [(k, (2, 1, 1), (desc, out, 5),
+                                      (dict(meta, fp4_padded=True),))], ())
 
 
 @pytest.mark.parametrize("case", ["jit", "outside", "two_args", "inside_two", "view_out",
@@ -67,31 +100,31 @@ def test_recipe_refusals(on_cpu, monkeypatch, case):
     out = torch.empty(4)
     k = fake_compiled({"a": "*fp32", "b": "*fp32"})
     args, result = (x,), out
-    notes = [(k, (1, 1, 1), (x, out))]
+    notes = [(k, (1, 1, 1), (x, out), None)]
     if case == "jit":
         notes = [None]
     elif case == "outside":
-        notes = [(k, (1, 1, 1), (x, torch.empty(4)))]
+        notes = [(k, (1, 1, 1), (x, torch.empty(4)), None)]
     elif case == "two_args":
         args = (x, x.view(4, 4))
     elif case == "inside_two":
         args = (x, y)
-        notes = [(k, (1, 1, 1), (base.data_ptr() + 4 * 12, out))]   # inside x and y
+        notes = [(k, (1, 1, 1), (base.data_ptr() + 4 * 12, out), None)]   # inside x and y
     elif case == "view_out":
         result = torch.empty(8)[:4]
     elif case == "arg_out":
         result = x
     elif case == "cluster":
-        notes = [(fake_compiled({"a": "*fp32", "b": "*fp32"}, ctas=2), (1, 1, 1), (x, out))]
+        notes = [(fake_compiled({"a": "*fp32", "b": "*fp32"}, ctas=2), (1, 1, 1), (x, out), None)]
     elif case == "scratch":
-        notes = [(fake_compiled({"a": "*fp32", "b": "*fp32"}, scratch=64), (1, 1, 1), (x, out))]
+        notes = [(fake_compiled({"a": "*fp32", "b": "*fp32"}, scratch=64), (1, 1, 1), (x, out), None)]
     elif case == "tuple":
-        notes = [(fake_compiled({"a": "*fp32", "b": ("*fp32", "i32")}), (1, 1, 1), (x, out))]
+        notes = [(fake_compiled({"a": "*fp32", "b": ("*fp32", "i32")}), (1, 1, 1), (x, out), None)]
     elif case == "descriptor":
         notes = [(fake_compiled({"a": "*fp32", "b": "tensordesc<fp32[16, 16]>"}), (1, 1, 1),
-                  (x, out))]
+                  (x, out), None)]         # a descriptor without its metadata
     elif case == "count":
-        notes = [(k, (1, 1, 1), (x,))]
+        notes = [(k, (1, 1, 1), (x,), None)]
     elif case == "cpu":
         monkeypatch.setattr(_replay, "_DEVICE_TYPES", ("cuda",))
     with pytest.raises(Refused):
@@ -271,6 +304,28 @@ def test_cpp_replays_a_recipe_in_dry_mode(cxx, test_ops):
     finally:
         cxx.set_dry(False)
         cxx.take_dry_launches()
+
+
+def test_cpp_passes_a_descriptor_address_in_dry_mode(cxx, test_ops):
+    desc = (ARG, 0, 128, 10, 3, 0, (64, 384), (128, 49152), (64, 64))
+    recipe = (-1, (((3,), (1,), torch.float32),),
+              ((0x11, (1, 1, 1), 128, 0, False, False,
+                ((4, 0, 0), (VAL, 0, 384), (OUT, 0, 0)), (desc,)),))
+
+    def miss(name, signature, args):
+        return args[0] * args[1], recipe
+
+    _install(cxx, miss)
+    cxx.set_dry(True)
+    try:
+        x = torch.ones(64)
+        torch.ops.kvops_replay_test.scale(x, 2.0)
+        cxx.take_dry_launches()
+        out = torch.ops.kvops_replay_test.scale(x, 2.0)
+        (log,) = cxx.take_dry_launches()
+        assert log[6] == [x.data_ptr() + 128, 384, out.data_ptr(), 0, 0]
+    finally:
+        cxx.set_dry(False)
 
 
 def test_cpp_rejects_a_malformed_recipe(cxx, test_ops):

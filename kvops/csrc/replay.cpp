@@ -47,10 +47,32 @@ enum Kind : int64_t {
   OUT = 1,   // the address of output `index` plus `value` bytes
   ABS = 2,   // the address `value` (kept scratch)
   VAL = 3,   // the bits `value` (an integer, or a float's storage bits), little-endian
+  DESC = 4,  // the tensor map of the launch's descriptor `index` (passed by value, 128 bytes)
 };
 
 struct Param {
   int64_t kind, index, value;
+};
+
+struct alignas(64) Encoded {   // cuTensorMapEncodeTiled writes to 64-byte aligned memory
+  CUtensorMap map;
+  uint64_t address = 0;
+};
+
+// A tensor descriptor (TMA) parameter: the tensor it describes (`source` ARG or OUT, `index`,
+// `offset` bytes) and cuTensorMapEncodeTiled's other arguments, innermost dimension first, as
+// triton's fill_tma_descriptor passes them. Only the address changes between calls with one
+// signature, so the last encodings are kept by address.
+struct Desc {
+  int64_t source, index, offset;
+  int elem_type, swizzle, fill;
+  unsigned rank;
+  uint64_t dims[5], strides[5];
+  unsigned box[5];
+  static constexpr size_t KEEP = 8;
+  mutable std::mutex mutex;
+  mutable std::vector<Encoded> kept;   // at most KEEP, the next to replace at `next`
+  mutable size_t next = 0;
 };
 
 struct Launch {
@@ -59,6 +81,7 @@ struct Launch {
   unsigned block, shared;
   bool pdl, coop;
   std::vector<Param> params;
+  std::vector<std::unique_ptr<Desc>> descs;
 };
 
 struct Output {
@@ -169,11 +192,15 @@ bool sign(const torch::jit::Stack& stack, size_t n, Key& key) {
 using LaunchEx = CUresult (*)(const CUlaunchConfig*, CUfunction, void**, void**);
 using ErrorString = CUresult (*)(CUresult, const char**);
 using IsCapturing = CUresult (*)(CUstream, CUstreamCaptureStatus*);
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 
 struct Driver {
   LaunchEx launch = nullptr;
   ErrorString error = nullptr;
   IsCapturing capturing = nullptr;
+  EncodeTiled encode = nullptr;
   Driver() {
     void* lib = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
     if (!lib) lib = dlopen("libcuda.so.1", RTLD_LAZY);
@@ -181,6 +208,7 @@ struct Driver {
     launch = reinterpret_cast<LaunchEx>(dlsym(lib, "cuLaunchKernelEx"));
     error = reinterpret_cast<ErrorString>(dlsym(lib, "cuGetErrorString"));
     capturing = reinterpret_cast<IsCapturing>(dlsym(lib, "cuStreamIsCapturing"));
+    encode = reinterpret_cast<EncodeTiled>(dlsym(lib, "cuTensorMapEncodeTiled"));
   }
 };
 
@@ -222,10 +250,40 @@ bool capturing(uint64_t stream) {
 
 // ---- replaying a recipe ---------------------------------------------------------------------
 
+// The tensor map of `d` for `address`: a kept encoding, or a new one kept in place of the oldest.
+const CUtensorMap* encoded(const Desc& d, uint64_t address) {
+  std::lock_guard<std::mutex> lock(d.mutex);
+  for (const Encoded& e : d.kept)
+    if (e.address == address) return &e.map;
+  if (d.kept.size() < Desc::KEEP) d.kept.emplace_back();
+  Encoded& e = d.kept[d.next];
+  d.next = (d.next + 1) % Desc::KEEP;
+  const Driver& drv = driver();
+  TORCH_CHECK(drv.encode != nullptr, "kvops replay: cuTensorMapEncodeTiled is not available");
+  const cuuint32_t element_strides[5] = {1, 1, 1, 1, 1};
+  e.address = 0;
+  CUresult r = drv.encode(&e.map, static_cast<CUtensorMapDataType>(d.elem_type), d.rank,
+                          reinterpret_cast<void*>(address), d.dims, d.strides, d.box, element_strides,
+                          CU_TENSOR_MAP_INTERLEAVE_NONE, static_cast<CUtensorMapSwizzle>(d.swizzle),
+                          CU_TENSOR_MAP_L2_PROMOTION_L2_128B, static_cast<CUtensorMapFloatOOBfill>(d.fill));
+  if (r != CUDA_SUCCESS) {
+    const char* what = "unknown error";
+    if (drv.error) drv.error(r, &what);
+    TORCH_CHECK(false, "kvops replay: cuTensorMapEncodeTiled failed: ", what);
+  }
+  e.address = address;
+  return &e.map;
+}
+
 void launch(const Launch& l, const std::vector<uint64_t>& slots, uint64_t stream) {
   std::vector<void*> params(slots.size());
-  for (size_t i = 0; i < slots.size(); ++i) params[i] = const_cast<uint64_t*>(&slots[i]);
-  if (g_dry.load(std::memory_order_relaxed)) {
+  const bool dry = g_dry.load(std::memory_order_relaxed);
+  for (size_t i = 0; i < slots.size(); ++i) {
+    params[i] = const_cast<uint64_t*>(&slots[i]);
+    if (!dry && i < l.params.size() && l.params[i].kind == DESC)   // slots[i]: the address
+      params[i] = const_cast<CUtensorMap*>(encoded(*l.descs[l.params[i].index], slots[i]));
+  }
+  if (dry) {
     py::gil_scoped_acquire gil;
     py::list values;
     for (uint64_t s : slots) values.append(py::int_(s));
@@ -289,6 +347,12 @@ void replay(const Recipe& r, torch::jit::Stack* stack, size_t n, uint64_t stream
         case OUT:
           slots[i] = reinterpret_cast<uint64_t>(outs[p.index].data_ptr()) + p.value;
           break;
+        case DESC: {     // the described tensor's address (launch() passes its tensor map)
+          const Desc& d = *l.descs[p.index];
+          const at::Tensor& t = d.source == ARG ? (*stack)[base + d.index].toTensor() : outs[d.index];
+          slots[i] = reinterpret_cast<uint64_t>(t.data_ptr()) + d.offset;
+          break;
+        }
         default:
           slots[i] = static_cast<uint64_t>(p.value);
       }
@@ -375,7 +439,7 @@ void kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 }
 
 // A recipe from Python: (device, [(sizes, strides, dtype)], [(function, (gx, gy, gz), block,
-// shared, pdl, coop, [(kind, index, value)])]).
+// shared, pdl, coop, [(kind, index, value)], [descriptor])]), a descriptor as Desc reads it.
 std::shared_ptr<const Recipe> parse(py::handle spec) {
   py::tuple t = py::reinterpret_borrow<py::tuple>(spec);
   auto r = std::make_shared<Recipe>();
@@ -398,23 +462,54 @@ std::shared_ptr<const Recipe> parse(py::handle spec) {
     launch.shared = lt[3].cast<unsigned>();
     launch.pdl = lt[4].cast<bool>();
     launch.coop = lt[5].cast<bool>();
+    // descriptors: (source, index, offset, elem_type, swizzle, fill, dims, strides, box)
+    if (lt.size() > 7)
+      for (py::handle dh : lt[7]) {
+        py::tuple dt = py::reinterpret_borrow<py::tuple>(dh);
+        auto d = std::make_unique<Desc>();
+        d->source = dt[0].cast<int64_t>();
+        d->index = dt[1].cast<int64_t>();
+        d->offset = dt[2].cast<int64_t>();
+        d->elem_type = dt[3].cast<int>();
+        d->swizzle = dt[4].cast<int>();
+        d->fill = dt[5].cast<int>();
+        auto dims = dt[6].cast<std::vector<uint64_t>>();
+        auto strides = dt[7].cast<std::vector<uint64_t>>();
+        auto box = dt[8].cast<std::vector<unsigned>>();
+        TORCH_CHECK(!dims.empty() && dims.size() <= 5 && strides.size() == dims.size() && box.size() == dims.size(),
+                    "kvops replay: a descriptor's dims, strides and box must have one rank of 1 to 5");
+        TORCH_CHECK(d->source == ARG || d->source == OUT, "kvops replay: a descriptor's source must be ARG or OUT");
+        d->rank = static_cast<unsigned>(dims.size());
+        for (unsigned k = 0; k < d->rank; ++k) {
+          d->dims[k] = dims[k];
+          d->strides[k] = strides[k];
+          d->box[k] = box[k];
+        }
+        launch.descs.push_back(std::move(d));
+      }
     for (py::handle p : lt[6]) {
       py::tuple pt = py::reinterpret_borrow<py::tuple>(p);
       Param param{pt[0].cast<int64_t>(), pt[1].cast<int64_t>(), 0};
       // VAL and ABS carry 64 raw bits: take them from a Python int of either sign
       param.value = static_cast<int64_t>(PyLong_AsUnsignedLongLongMask(pt[2].ptr()));
       TORCH_CHECK(!PyErr_Occurred(), "kvops replay: a parameter's value must be an int");
-      TORCH_CHECK(param.kind >= ARG && param.kind <= VAL, "kvops replay: unknown parameter kind ", param.kind);
+      TORCH_CHECK(param.kind >= ARG && param.kind <= DESC, "kvops replay: unknown parameter kind ", param.kind);
       launch.params.push_back(param);
     }
     r->launches.push_back(std::move(launch));
   }
-  for (const Launch& l : r->launches)
+  for (const Launch& l : r->launches) {
+    for (const auto& d : l.descs)
+      TORCH_CHECK(d->source != OUT || (d->index >= 0 && d->index < static_cast<int64_t>(r->outputs.size())),
+                  "kvops replay: a descriptor names output ", d->index, " of ", r->outputs.size());
     for (const Param& p : l.params) {
       TORCH_CHECK(p.kind != OUT || (p.index >= 0 && p.index < static_cast<int64_t>(r->outputs.size())),
                   "kvops replay: a parameter names output ", p.index, " of ", r->outputs.size());
       TORCH_CHECK(p.kind != ARG || p.index >= 0, "kvops replay: a parameter names argument ", p.index);
+      TORCH_CHECK(p.kind != DESC || (p.index >= 0 && p.index < static_cast<int64_t>(l.descs.size())),
+                  "kvops replay: a parameter names descriptor ", p.index, " of ", l.descs.size());
     }
+  }
   return r;
 }
 

@@ -18,7 +18,8 @@ encodings by address instead of having triton's launcher encode them on every ca
 
 While a thread records (:func:`recording`, what kvops/ops/_replay.py runs an op's first calls
 under), every launch it makes is noted: a launch through the C entry point as ``(compiled
-kernel, grid, parameters)``, any other as None (a launch the record cannot replay).
+kernel, grid, parameters, descriptor metadata or None)``, any other as None (a launch the
+record cannot replay).
 
 Under the interpreter, when a launch hook is installed (profilers), when ``key`` is None, or
 when ``KVOPS_DIRECT_LAUNCH=0``, every launch goes through the JIT. A kernel object that is not
@@ -126,12 +127,13 @@ def recording():
         _REC.launches = outer
 
 
-def _note(compiled, g, params) -> None:
+def _note(compiled, g, params, descs=None) -> None:
     """Note a launch for this thread's :func:`recording`, if any: ``compiled`` None for a launch
-    not made through the C entry point."""
+    not made through the C entry point; ``descs``: the metadata of the tensor descriptors
+    leading ``params`` (a kernel with descriptor parameters)."""
     notes = getattr(_REC, "launches", None)
     if notes is not None:
-        notes.append(None if compiled is None else (compiled, g, params))
+        notes.append(None if compiled is None else (compiled, g, params, descs))
 
 
 def _call(mode, compiled, g, stream, args, tail, after=None):
@@ -329,8 +331,10 @@ class DescribedLaunch(Launch):
             stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
             try:
                 c[0](*c[1], stream, *c[2], *flat, *args, *c[5])
-                if _STATE["recording"]:   # descriptors: not replayed
-                    _note(None, c[1], args)
+                if _STATE["recording"]:   # the descriptors as the JIT takes them, and their
+                    # metadata (the replay kernel encodes them as triton's launcher does)
+                    made = tuple(self._made(i, t) for i, t in enumerate(bases))
+                    _note(c[6], c[1], (*made, *args, *c[5]), c[3])
                 return
             except (TypeError, ValueError, OverflowError):   # arguments refused, nothing
                 self._c = c = False                            # launched: the wrapper's way

@@ -14,8 +14,10 @@ stream and thread. A call whose signature has no recipe runs the op's Python imp
 (:func:`miss`) while this thread's launches and aten ops are noted. The record becomes a
 recipe when:
 
-- every launch went through a compiled kernel's C entry point (no JIT launch, no tensor
-  descriptors: the Gluon prefill runs Python), one CTA a program;
+- every launch went through a compiled kernel's C entry point (no JIT launch), one CTA a
+  program; a tensor descriptor (the Gluon prefill's) is encoded at replay from the described
+  tensor's address with the recorded shape, strides, box, element type and swizzle, the last
+  eight encodings kept a descriptor;
 - no aten op ran but allocations and views (a fill, a copy or a host read would not replay);
 - every pointer a launch takes is an argument's (its address, or inside exactly one argument),
   a returned output's, or inside a kept scratch buffer (``kvops.kernels._workspace``); a
@@ -65,7 +67,7 @@ ENABLED = os.environ.get("KVOPS_REPLAY", "1").strip().lower() not in ("0", "fals
 MAX_TRIES = 4          # records a signature gets to give a recipe
 MAX_PENDING = 4096     # signatures with a record awaiting its twin
 
-ARG, OUT, ABS, VAL = 0, 1, 2, 3     # a parameter's source (replay.cpp's Kind)
+ARG, OUT, ABS, VAL, DESC = 0, 1, 2, 3, 4     # a parameter's source (replay.cpp's Kind)
 
 # aten ops a recorded call may run: allocations (the outputs, the scratch's first call) and
 # views; anything else is work the recipe would not replay
@@ -262,7 +264,7 @@ def miss(name: str, signature, args: tuple):
     tries, last = state if state is not None else (0, None)
     if recipe is not None and recipe == last:
         _PENDING.pop(key, None)
-        _OWNERS.update((id(c), c) for c, _, _ in notes)
+        _OWNERS.update((id(n[0]), n[0]) for n in notes)
         return result, recipe
     if tries + 1 >= MAX_TRIES:
         _PENDING[key] = "never"
@@ -322,7 +324,7 @@ def make_recipe(args: tuple, result, notes: list, kept: tuple) -> tuple:
     for n in notes:
         if n is None:
             raise Refused("a launch not through the C entry point")
-        launches.append(_launch_spec(*n, where))
+        launches.append(_launch_spec(*n, where))   # (compiled, grid, params, descriptors)
     return (-1 if device.index is None else device.index, tuple(out_specs), tuple(launches))
 
 
@@ -354,7 +356,7 @@ class _Where:
         raise Refused(f"a pointer outside the arguments, outputs and kept scratch: {ptr:#x}")
 
 
-def _launch_spec(compiled, grid: tuple, params: tuple, where: _Where) -> tuple:
+def _launch_spec(compiled, grid: tuple, params: tuple, metas, where: _Where) -> tuple:
     run = compiled.run
     num_warps, num_ctas, shared = compiled.packed_metadata
     if num_ctas != 1:
@@ -364,13 +366,58 @@ def _launch_spec(compiled, grid: tuple, params: tuple, where: _Where) -> tuple:
     types = list(compiled.src.signature.values())
     if len(types) != len(params):
         raise Refused(f"{compiled.name}: {len(params)} parameters for {len(types)} in the signature")
-    packed = []
+    packed, descs = [], []
     for ty, value in zip(types, params):
+        if isinstance(ty, str) and ty.startswith("tensordesc"):
+            if metas is None or len(descs) >= len(metas):
+                raise Refused(f"{compiled.name}: a descriptor without its metadata")
+            desc, expanded = _descriptor(value, metas[len(descs)], where)
+            packed.append((DESC, len(descs), 0))
+            packed += expanded
+            descs.append(desc)
+            continue
         packed_one = _param(ty, value, where)
         if packed_one is not None:
             packed.append(packed_one)
     return (compiled.function, tuple(int(g) for g in grid), 32 * num_warps, shared,
-            bool(run.launch_pdl), bool(run.launch_cooperative_grid), tuple(packed))
+            bool(run.launch_pdl), bool(run.launch_cooperative_grid), tuple(packed), tuple(descs))
+
+
+def _tma_dtype_to_host() -> dict:
+    try:
+        from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+    except ImportError as e:     # another triton: descriptors are not replayed
+        raise Refused(f"this triton has no TMA dtype map ({e})") from None
+    return TMA_DTYPE_DEVICE_TO_HOST
+
+
+def _descriptor(desc, meta, where: _Where) -> tuple:
+    """A tensor descriptor's entry (``replay.cpp``'s Desc) and the parameters the launcher
+    passes after its tensor map (shape as i32, strides as i64), from the descriptor the JIT
+    takes and its compiled metadata, as triton 3.6's ``make_tensordesc_arg`` and
+    ``fill_tma_descriptor`` encode them (innermost dimension first, strides in bytes)."""
+    if meta is None or meta.get("fp4_padded"):
+        raise Refused("a descriptor the launcher does not encode as a TMA map")
+    base = getattr(desc, "base", None)
+    if not isinstance(base, torch.Tensor):
+        raise Refused(f"a descriptor over {type(base).__name__}")
+    shape, strides = [int(x) for x in desc.shape], [int(x) for x in desc.strides]
+    block = [int(x) for x in meta["block_size"]]
+    rank, size = len(block), int(meta["elem_size"])
+    if len(shape) != rank or len(strides) != rank or not 1 <= rank <= 5 or strides[-1] != 1:
+        raise Refused(f"a descriptor of shape {shape}, strides {strides}, block {block}")
+    dims = shape[::-1]
+    byte_strides = [size * strides[i] for i in range(rank - 2, -1, -1)]
+    byte_strides.append(dims[-1] * (size if rank == 1 else byte_strides[-1]))
+    kind, index, offset = where(base.data_ptr())
+    if kind not in (ARG, OUT):
+        raise Refused("a descriptor over kept scratch")
+    entry = (kind, index, offset, int(_tma_dtype_to_host()[int(meta["elem_type"])]),
+             int(meta["swizzle"]), 1 if desc.padding == "nan" else 0,
+             tuple(dims), tuple(byte_strides), tuple(block[::-1]))
+    expanded = [(VAL, 0, x & 0xFFFFFFFF) for x in shape] + [(VAL, 0, x & (2**64 - 1))
+                                                            for x in strides]
+    return entry, expanded
 
 
 def _param(ty, value, where: _Where):
