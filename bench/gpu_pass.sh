@@ -44,11 +44,11 @@ ops() {        # the ops' and launchers' CUDA tests (about 2 minutes once compil
 }
 replay() {     # the ops' C++ dispatch kernel: build it, check every op's replay against Python,
     # then the eager table with it off and on
-    part build-kernel 240 python3 -m kvops build-kernel --verbose
-    part replay-tests 240 python3 -m pytest -q -n 8 --timeout 230 -rfE -p no:cacheprovider \
+    part build-kernel 150 python3 -m kvops build-kernel --verbose
+    part replay-tests 200 python3 -m pytest -q -n 4 --timeout 190 -rfE -p no:cacheprovider \
         tests/test_replay.py tests/test_replay_spec.py
-    KVOPS_REPLAY=0 part eager-python 90 python3 -m bench.bench_eager --name eager-python
-    part eager-replay 90 python3 -m bench.bench_eager
+    part eager-replay 100 python3 -m bench.bench_eager
+    KVOPS_REPLAY=0 part eager-python 100 python3 -m bench.bench_eager --name eager-python
 }
 eager() {      # every op's eager host time beside SDPA's (issue 19's table)
     part eager 90 python3 -m bench.bench_eager
