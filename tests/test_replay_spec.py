@@ -133,7 +133,7 @@ def test_recipe_refusals(on_cpu, monkeypatch, case):
 
 def test_recording_notes_only_its_thread_and_nests():
     k = fake_compiled({"a": "i32"})
-    assert _launch._STATE["recording"] == 0
+    assert _launch._RECORDING == 0
     with _launch.recording() as outer:
         _launch._note(k, (1, 1, 1), (1,))
         with _launch.recording() as inner:
@@ -141,7 +141,7 @@ def test_recording_notes_only_its_thread_and_nests():
         _launch._note(k, (2, 1, 1), (3,))
     _launch._note(k, (1, 1, 1), (4,))          # nothing records: dropped
     assert [n and n[2] for n in outer] == [(1,), (3,)] and inner == [None]
-    assert _launch._STATE["recording"] == 0
+    assert _launch._RECORDING == 0
 
 
 def test_miss_keeps_a_recipe_after_two_agreeing_records(on_cpu, monkeypatch):
@@ -216,6 +216,7 @@ def _install(cxx, miss):
     cxx.uninstall("kvops_replay_test")
     cxx.install("kvops_replay_test", "CPU", ["pair", "scale", "touch"], miss)
     cxx.clear()
+    cxx.set_enabled(True)     # the interpreter's settings disable it (conftest refreshes)
 
 
 def test_cpp_miss_path_converts_arguments_and_results(cxx, test_ops):

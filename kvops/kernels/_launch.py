@@ -110,20 +110,25 @@ _data_ptr = torch.Tensor.data_ptr
 
 
 _REC = threading.local()     # .launches: the list the recording thread notes into
+_RECORDING = 0               # threads inside recording() (a launch reads it to skip noting)
+_RECORDING_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
 def recording():
     """Note every launch this thread makes inside the block into the list it yields (see the
     module doc); blocks nest, an inner one noting into its own list only."""
+    global _RECORDING
     outer = getattr(_REC, "launches", None)
     notes: list = []
     _REC.launches = notes
-    _STATE["recording"] += 1
+    with _RECORDING_LOCK:     # += on a global is no atomic step: a lost count drops notes
+        _RECORDING += 1
     try:
         yield notes
     finally:
-        _STATE["recording"] -= 1
+        with _RECORDING_LOCK:
+            _RECORDING -= 1
         _REC.launches = outer
 
 
@@ -143,10 +148,10 @@ def _call(mode, compiled, g, stream, args, tail, after=None):
     packed = getattr(compiled, "packed_metadata", None)
     if mode == "c":
         compiled.run.launch(*g, stream, *after, *args, *tail)
-        if _STATE["recording"]:
+        if _RECORDING:
             _note(compiled, g, (*args, *tail))
         return
-    if _STATE["recording"]:
+    if _RECORDING:
         _note(None, g, args)
     if mode == "tail":
         compiled.run(g[0], g[1], g[2], stream, compiled.function, packed, None, None, None,
@@ -170,7 +175,7 @@ def launch(kernel, grid: tuple, key, args: tuple, meta: dict) -> None:
             compiled, tail, mode, _, after = hit
             if mode == "jit":      # no convention took this binary's arguments
                 kernel[grid](*args, **meta)
-                if _STATE["recording"]:
+                if _RECORDING:
                     _note(None, g, args)
                 return
             if mode is not None:
@@ -189,11 +194,11 @@ def launch(kernel, grid: tuple, key, args: tuple, meta: dict) -> None:
             # whose C entry does not expand them, say): it keeps the JIT path, the rest do not
             _BINS[(id(kernel), key)] = (compiled, tail, "jit", kernel, None)
             kernel[grid](*args, **meta)
-            if _STATE["recording"]:
+            if _RECORDING:
                 _note(None, g, args)
             return
     compiled = kernel[grid](*args, **meta)
-    if _STATE["recording"]:
+    if _RECORDING:
         _note(None, grid, args)
     if (key is None or not isinstance(kernel, JITFunction) or not _STATE["direct"]
             or compiled is None):
@@ -227,7 +232,7 @@ class Launch:
             stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
             if c[0] is not None:     # the C entry point (``_c_entry``)
                 c[0](*c[1], stream, *c[2], *args, *c[3])
-                if _STATE["recording"]:
+                if _RECORDING:
                     _note(c[4], c[1], (*args, *c[3]))
             else:                    # the launcher's Python wrapper
                 _call(c[1], c[2], c[3], stream, (*args, *self.ints), c[4])
@@ -331,7 +336,7 @@ class DescribedLaunch(Launch):
             stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
             try:
                 c[0](*c[1], stream, *c[2], *flat, *args, *c[5])
-                if _STATE["recording"]:   # the descriptors as the JIT takes them, and their
+                if _RECORDING:   # the descriptors as the JIT takes them, and their
                     # metadata (the replay kernel encodes them as triton's launcher does)
                     made = tuple(self._made(i, t) for i, t in enumerate(bases))
                     _note(c[6], c[1], (*made, *args, *c[5]), c[3])
@@ -359,5 +364,4 @@ class DescribedLaunch(Launch):
 
 # "direct": compiled launches on; "mode": the convention the last first direct launch found
 # (``_conventions``; None until a direct launch ran), for tests and benches to read
-# "recording": how many threads are inside :func:`recording` (a launch reads it to skip noting)
-_STATE = {"direct": _ENABLED and not interpreting(), "mode": None, "recording": 0}
+_STATE = {"direct": _ENABLED and not interpreting(), "mode": None}
