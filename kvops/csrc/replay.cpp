@@ -54,9 +54,11 @@ struct Param {
   int64_t kind, index, value;
 };
 
+constexpr uint64_t NO_ADDRESS = ~0ull;   // an Encoded whose map is not valid
+
 struct alignas(64) Encoded {   // cuTensorMapEncodeTiled writes to 64-byte aligned memory
   CUtensorMap map;
-  uint64_t address = 0;
+  uint64_t address = NO_ADDRESS;
 };
 
 // A tensor descriptor (TMA) parameter: the tensor it describes (`source` ARG or OUT, `index`,
@@ -93,6 +95,7 @@ struct Recipe {
   int64_t device;
   std::vector<Output> outputs;
   std::vector<Launch> launches;
+  std::vector<at::Tensor> held;   // the kept scratch buffers ABS parameters point into
 };
 
 using Key = std::vector<int64_t>;
@@ -121,9 +124,11 @@ struct Installed {
 std::unordered_map<std::string, Installed> g_installed;   // under the GIL
 std::atomic<bool> g_enabled{true};     // false: every call goes to Python unrecorded
 std::atomic<bool> g_dry{false};        // true: launches are recorded in g_dry_log, not run
-std::atomic<int64_t> g_hits{0}, g_misses{0};
+std::atomic<int64_t> g_hits{0}, g_misses{0}, g_bad_recipes{0};
+std::string g_last_bad;                // why the last dropped recipe did not parse (GIL held)
 std::mutex g_dry_mutex;
-std::vector<py::tuple> g_dry_log;      // under g_dry_mutex and the GIL
+auto* g_dry_log = new std::vector<py::tuple>();   // under g_dry_mutex and the GIL; never freed
+                                                  // (no Python object is released at exit)
 size_t g_max_recipes = 4096;           // recipes an op keeps before it starts over
 
 // Tags keep one argument's entries from reading as another's.
@@ -261,7 +266,7 @@ const CUtensorMap* encoded(const Desc& d, uint64_t address) {
   const Driver& drv = driver();
   TORCH_CHECK(drv.encode != nullptr, "kvops replay: cuTensorMapEncodeTiled is not available");
   const cuuint32_t element_strides[5] = {1, 1, 1, 1, 1};
-  e.address = 0;
+  e.address = NO_ADDRESS;     // until the encoding succeeds
   CUresult r = drv.encode(&e.map, static_cast<CUtensorMapDataType>(d.elem_type), d.rank,
                           reinterpret_cast<void*>(address), d.dims, d.strides, d.box, element_strides,
                           CU_TENSOR_MAP_INTERLEAVE_NONE, static_cast<CUtensorMapSwizzle>(d.swizzle),
@@ -288,7 +293,7 @@ void launch(const Launch& l, const std::vector<uint64_t>& slots, uint64_t stream
     py::list values;
     for (uint64_t s : slots) values.append(py::int_(s));
     std::lock_guard<std::mutex> lock(g_dry_mutex);
-    g_dry_log.push_back(py::make_tuple(l.function, py::make_tuple(l.grid[0], l.grid[1], l.grid[2]),
+    g_dry_log->push_back(py::make_tuple(l.function, py::make_tuple(l.grid[0], l.grid[1], l.grid[2]),
                                        l.block, l.shared, l.pdl, l.coop, values, stream));
     return;
   }
@@ -372,14 +377,16 @@ void push_result(const c10::FunctionSchema& schema, py::handle result, torch::ji
     return;
   }
   if (returns.empty()) return;
-  py::tuple items = py::reinterpret_borrow<py::tuple>(result);
+  TORCH_CHECK(PySequence_Check(result.ptr()), "kvops replay: ", schema.name(),
+              " returned no sequence for its ", returns.size(), " results");
+  py::sequence items = py::reinterpret_borrow<py::sequence>(result);
   TORCH_CHECK(items.size() == returns.size(), "kvops replay: ", schema.name(), " returned ",
               items.size(), " values, its schema says ", returns.size());
   for (size_t i = 0; i < returns.size(); ++i)
     stack->push_back(torch::jit::toIValue(items[i], returns[i].type()));
 }
 
-std::shared_ptr<const Recipe> parse(py::handle spec);
+std::shared_ptr<const Recipe> parse(py::handle spec, const torch::jit::Stack& stack, size_t n);
 
 void kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const c10::FunctionSchema& schema = op.schema();
@@ -427,7 +434,16 @@ void kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
                                : py::object(py::none());
   py::tuple got = miss(name, signature, args).cast<py::tuple>();
   TORCH_CHECK(got.size() == 2, "kvops replay: the miss function must return (result, recipe)");
-  std::shared_ptr<const Recipe> recipe = keyed && !got[1].is_none() ? parse(got[1]) : nullptr;
+  std::shared_ptr<const Recipe> recipe;
+  if (keyed && !got[1].is_none()) {
+    try {   // the op has run (and written its outputs): a recipe that does not parse is dropped
+      recipe = parse(got[1], *stack, n);
+    } catch (const std::exception& e) {
+      if (PyErr_Occurred()) PyErr_Clear();
+      ++g_bad_recipes;
+      g_last_bad = e.what();
+    }
+  }
   torch::jit::drop(*stack, n);
   push_result(schema, got[0], stack);
   if (recipe) {
@@ -440,19 +456,28 @@ void kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 
 // A recipe from Python: (device, [(sizes, strides, dtype)], [(function, (gx, gy, gz), block,
 // shared, pdl, coop, [(kind, index, value)], [descriptor])]), a descriptor as Desc reads it.
-std::shared_ptr<const Recipe> parse(py::handle spec) {
-  py::tuple t = py::reinterpret_borrow<py::tuple>(spec);
+std::shared_ptr<const Recipe> parse(py::handle spec, const torch::jit::Stack& stack, size_t n) {
+  py::tuple t = spec.cast<py::tuple>();
+  TORCH_CHECK(t.size() == 4, "kvops replay: a recipe is (device, outputs, launches, held)");
   auto r = std::make_shared<Recipe>();
   r->device = t[0].cast<int64_t>();
+  const size_t base = stack.size() - n;
+  auto is_tensor_arg = [&](int64_t index) {
+    return index >= 0 && static_cast<size_t>(index) < n && stack[base + index].isTensor() &&
+           stack[base + index].toTensor().defined();
+  };
+  for (py::handle h : t[3]) r->held.push_back(torch::jit::toIValue(h, c10::TensorType::get()).toTensor());
   for (py::handle o : t[1]) {
-    py::tuple ot = py::reinterpret_borrow<py::tuple>(o);
-    PyObject* dtype = ot[2].ptr();
-    TORCH_CHECK(THPDtype_Check(dtype), "kvops replay: a recipe's output dtype must be a torch.dtype");
+    py::tuple ot = o.cast<py::tuple>();
+    PyObject* dtype = ot.size() == 3 ? ot[2].ptr() : nullptr;
+    TORCH_CHECK(ot.size() == 3 && THPDtype_Check(ot[2].ptr()),
+                "kvops replay: an output is (sizes, strides, torch.dtype)");
     r->outputs.push_back(Output{ot[0].cast<std::vector<int64_t>>(), ot[1].cast<std::vector<int64_t>>(),
                                 reinterpret_cast<THPDtype*>(dtype)->scalar_type});
   }
   for (py::handle l : t[2]) {
-    py::tuple lt = py::reinterpret_borrow<py::tuple>(l);
+    py::tuple lt = l.cast<py::tuple>();
+    TORCH_CHECK(lt.size() == 8, "kvops replay: a launch is (function, grid, block, shared, pdl, coop, params, descs)");
     Launch launch;
     launch.function = lt[0].cast<uint64_t>();
     auto grid = lt[1].cast<std::vector<int64_t>>();
@@ -463,9 +488,9 @@ std::shared_ptr<const Recipe> parse(py::handle spec) {
     launch.pdl = lt[4].cast<bool>();
     launch.coop = lt[5].cast<bool>();
     // descriptors: (source, index, offset, elem_type, swizzle, fill, dims, strides, box)
-    if (lt.size() > 7)
-      for (py::handle dh : lt[7]) {
-        py::tuple dt = py::reinterpret_borrow<py::tuple>(dh);
+    for (py::handle dh : lt[7]) {
+        py::tuple dt = dh.cast<py::tuple>();
+        TORCH_CHECK(dt.size() == 9, "kvops replay: a descriptor has nine fields");
         auto d = std::make_unique<Desc>();
         d->source = dt[0].cast<int64_t>();
         d->index = dt[1].cast<int64_t>();
@@ -488,7 +513,8 @@ std::shared_ptr<const Recipe> parse(py::handle spec) {
         launch.descs.push_back(std::move(d));
       }
     for (py::handle p : lt[6]) {
-      py::tuple pt = py::reinterpret_borrow<py::tuple>(p);
+      py::tuple pt = p.cast<py::tuple>();
+      TORCH_CHECK(pt.size() == 3, "kvops replay: a parameter is (kind, index, value)");
       Param param{pt[0].cast<int64_t>(), pt[1].cast<int64_t>(), 0};
       // VAL and ABS carry 64 raw bits: take them from a Python int of either sign
       param.value = static_cast<int64_t>(PyLong_AsUnsignedLongLongMask(pt[2].ptr()));
@@ -499,13 +525,17 @@ std::shared_ptr<const Recipe> parse(py::handle spec) {
     r->launches.push_back(std::move(launch));
   }
   for (const Launch& l : r->launches) {
-    for (const auto& d : l.descs)
+    for (const auto& d : l.descs) {
       TORCH_CHECK(d->source != OUT || (d->index >= 0 && d->index < static_cast<int64_t>(r->outputs.size())),
                   "kvops replay: a descriptor names output ", d->index, " of ", r->outputs.size());
+      TORCH_CHECK(d->source != ARG || is_tensor_arg(d->index), "kvops replay: a descriptor names argument ",
+                  d->index, ", not a tensor");
+    }
     for (const Param& p : l.params) {
       TORCH_CHECK(p.kind != OUT || (p.index >= 0 && p.index < static_cast<int64_t>(r->outputs.size())),
                   "kvops replay: a parameter names output ", p.index, " of ", r->outputs.size());
-      TORCH_CHECK(p.kind != ARG || p.index >= 0, "kvops replay: a parameter names argument ", p.index);
+      TORCH_CHECK(p.kind != ARG || is_tensor_arg(p.index), "kvops replay: a parameter names argument ",
+                  p.index, ", not a tensor");
       TORCH_CHECK(p.kind != DESC || (p.index >= 0 && p.index < static_cast<int64_t>(l.descs.size())),
                   "kvops replay: a parameter names descriptor ", p.index, " of ", l.descs.size());
     }
@@ -554,8 +584,8 @@ size_t recipes() {
 py::list take_dry_launches() {
   std::lock_guard<std::mutex> lock(g_dry_mutex);
   py::list out;
-  for (auto& t : g_dry_log) out.append(t);
-  g_dry_log.clear();
+  for (auto& t : *g_dry_log) out.append(t);
+  g_dry_log->clear();
   return out;
 }
 
@@ -571,6 +601,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_dry", [](bool on) { g_dry = on; }, "true: launches are logged (take_dry_launches), not run");
   m.def("take_dry_launches", &take_dry_launches);
   m.def("stats", []() { return py::make_tuple(g_hits.load(), g_misses.load()); }, "(hits, misses)");
+  m.def("bad_recipes", []() { return py::make_tuple(g_bad_recipes.load(), g_last_bad); },
+        "(recipes dropped because they did not parse, the last one's error)");
   m.def("set_max_recipes", [](size_t n) { g_max_recipes = n; });
   m.def("have_cuda", &have_cuda, "Whether this process has CUDA devices");
 }

@@ -201,8 +201,8 @@ def _changed() -> None:
 
 
 def kept() -> tuple:
-    """The ``(start, end)`` byte addresses of every kept buffer."""
-    return tuple((b.data_ptr(), b.data_ptr() + b.numel() * b.element_size())
+    """Every kept buffer as ``(start, end, buffer)``, start and end its byte addresses."""
+    return tuple((b.data_ptr(), b.data_ptr() + b.numel() * b.element_size(), b)
                  for kept in (_BUFS, _COUNTS) for b, _ in kept.values())
 
 

@@ -37,6 +37,9 @@ SIGNATURE_CACHE = 4096
 def register(name: str, schema: str, impl: Callable, fake: Callable):
     """Define ``kvops::<name><schema>`` with ``impl`` for CPU and CUDA tensors and ``fake`` for
     fake and meta tensors; returns the op's default overload (what the public function calls)."""
+    if CUDA_LIB is None:
+        raise RuntimeError(f"register({name!r}): ops are registered before the replay kernel "
+                           "is installed (kvops/ops/_replay.py)")
     LIB.define(name + schema)
     LIB.impl(name, impl, "CPU")
     CUDA_LIB.impl(name, impl)

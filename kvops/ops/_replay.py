@@ -47,11 +47,13 @@ from __future__ import annotations
 import hashlib
 import importlib.machinery
 import importlib.util
+import math
 import os
 import struct
 import subprocess
 import sys
 import sysconfig
+import warnings
 from pathlib import Path
 
 import torch
@@ -64,7 +66,9 @@ from kvops.ops import _library
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "replay.cpp"
 NAME = "kvops_replay"
 ENABLED = os.environ.get("KVOPS_REPLAY", "1").strip().lower() not in ("0", "false", "off", "no")
-MAX_TRIES = 4          # records a signature gets to give a recipe
+MAX_TRIES = 8          # records a signature gets to give a recipe (a first call compiles, a
+                       # second probes the launcher, and a descriptor launch's first direct
+                       # call notes no metadata: three records that give none)
 MAX_PENDING = 4096     # signatures with a record awaiting its twin
 
 ARG, OUT, ABS, VAL, DESC = 0, 1, 2, 3, 4     # a parameter's source (replay.cpp's Kind)
@@ -74,6 +78,7 @@ ARG, OUT, ABS, VAL, DESC = 0, 1, 2, 3, 4     # a parameter's source (replay.cpp'
 _FACTORIES = frozenset({
     torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
     torch.ops.aten.new_empty.default, torch.ops.aten.new_empty_strided.default,
+    torch.ops.aten.empty_like.default,
     torch.ops.aten.detach.default, torch.ops.aten.alias.default,
 })
 _DEVICE_TYPES = ("cuda",)   # where recipes are made (the CPU tests add "cpu", with dry launches)
@@ -122,7 +127,9 @@ def build_command(out: Path) -> list[str]:
                            "(triton/backends/nvidia/include), which this triton lacks")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     # the flags that let this module's pybind11 share types with torch's (empty on torch >= 2.13)
-    pybind = getattr(ext, "_get_pybind11_abi_build_flags", list)()
+    with warnings.catch_warnings():     # deprecated where it returns nothing
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pybind = getattr(ext, "_get_pybind11_abi_build_flags", list)()
     cmd = [os.environ.get("CXX", "c++"), "-O2", "-std=c++17", "-shared", "-fPIC",
            "-fvisibility=hidden", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
            f"-DTORCH_EXTENSION_NAME={NAME}", "-DTORCH_API_INCLUDE_EXTENSION_H", *pybind,
@@ -184,7 +191,12 @@ def install() -> bool:
     if mod is None:
         return False
     _library.cuda_python(False)
-    mod.install("kvops", "CUDA", sorted(_library.IMPLS), miss)
+    try:
+        mod.install("kvops", "CUDA", sorted(_library.IMPLS), miss)
+    except BaseException:
+        mod.uninstall("kvops")
+        _library.cuda_python(True)       # the ops keep a CUDA kernel: Python's
+        raise
     _STATE["installed"] = True
     refresh()
     return True
@@ -258,9 +270,9 @@ def miss(name: str, signature, args: tuple):
         if watch.work is not None:
             raise Refused(f"ran {watch.work}")
         recipe = make_recipe(args, result, notes, _workspace.kept())
-    except Refused as e:
+    except Exception as e:  # noqa: BLE001 - the call has run: a record that fails gives no recipe
         recipe = None
-        REFUSED[name] = str(e)
+        REFUSED[name] = f"{type(e).__name__}: {e}" if not isinstance(e, Refused) else str(e)
     tries, last = state if state is not None else (0, None)
     if recipe is not None and recipe == last:
         _PENDING.pop(key, None)
@@ -298,7 +310,7 @@ def make_recipe(args: tuple, result, notes: list, kept: tuple) -> tuple:
     launches)``; raises :class:`Refused` where the record gives none (module doc).
 
     ``notes``: the launches the call made (``_launch.recording``); ``kept``: the kept scratch
-    buffers' ``(start, end)`` addresses."""
+    buffers as ``(start, end, buffer)``."""
     tensors = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     if not tensors:
         raise Refused("no tensor argument")
@@ -325,7 +337,10 @@ def make_recipe(args: tuple, result, notes: list, kept: tuple) -> tuple:
         if n is None:
             raise Refused("a launch not through the C entry point")
         launches.append(_launch_spec(*n, where))   # (compiled, grid, params, descriptors)
-    return (-1 if device.index is None else device.index, tuple(out_specs), tuple(launches))
+    # the kept buffers the launches address: the recipe holds them, so a buffer another thread
+    # replaces or frees is not reused while a replay that read its address still launches
+    return (-1 if device.index is None else device.index, tuple(out_specs), tuple(launches),
+            tuple(where.held.values()))
 
 
 class _Where:
@@ -335,6 +350,7 @@ class _Where:
         self.args = [(i, a.data_ptr(), _span(a)) for i, a in tensors]
         self.outs = [(j, t.data_ptr(), _span(t)) for j, t in enumerate(outs)]
         self.kept = kept
+        self.held: dict = {}     # start -> the kept buffer a pointer lies in
 
     def __call__(self, ptr: int) -> tuple:
         exact = {i for i, base, _ in self.args if base == ptr}
@@ -350,8 +366,9 @@ class _Where:
         for j, base, span in self.outs:
             if base <= ptr < base + max(span, 1):
                 return (OUT, j, ptr - base)
-        for start, end in self.kept:
+        for start, end, buf in self.kept:
             if start <= ptr < end:
+                self.held[start] = buf
                 return (ABS, 0, ptr)
         raise Refused(f"a pointer outside the arguments, outputs and kept scratch: {ptr:#x}")
 
@@ -438,7 +455,11 @@ def _param(ty, value, where: _Where):
         return (VAL, 0, int(value) & ((1 << bits) - 1))
     fmt = _FLOAT_FORMATS.get(ty)
     if fmt is not None:
-        return (VAL, 0, struct.unpack(fmt[1], struct.pack(fmt[0], float(value)))[0])
+        try:
+            packed = struct.pack(fmt[0], float(value))
+        except OverflowError:     # beyond the format's range: inf, as triton's packing gives
+            packed = struct.pack(fmt[0], math.copysign(math.inf, float(value)))
+        return (VAL, 0, struct.unpack(fmt[1], packed)[0])
     raise Refused(f"a parameter of type {ty}")
 
 
