@@ -43,11 +43,13 @@ ops() {        # the ops' and launchers' CUDA tests (about 2 minutes once compil
         tests/test_launch_rules.py
 }
 replay() {     # the ops' C++ dispatch kernel: build it, check every op's replay against Python,
-    # then the eager table with it off and on
+    # and the eager table with it (the ops part after it runs every op test with it installed)
     part build-kernel 150 python3 -m kvops build-kernel --verbose
     part replay-tests 200 python3 -m pytest -q -n 4 --timeout 190 -rfE -p no:cacheprovider \
         tests/test_replay.py tests/test_replay_spec.py
     part eager-replay 100 python3 -m bench.bench_eager
+}
+eager_python() {   # the eager table with every op's Python implementation as its CUDA kernel
     KVOPS_REPLAY=0 part eager-python 100 python3 -m bench.bench_eager --name eager-python
 }
 eager() {      # every op's eager host time beside SDPA's (issue 19's table)
