@@ -44,6 +44,7 @@ compiler against the installed torch (about a minute) into ``~/.cache/kvops`` (o
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -147,15 +148,19 @@ def build(verbose: bool = False) -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    cmd = build_command(tmp)
-    if verbose:
-        print(" ".join(cmd), flush=True)
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"building the replay kernel failed ({cmd[0]} exit {done.returncode}):\n"
-                           f"{done.stderr[-4000:]}")
-    os.replace(tmp, out)     # whole or absent: a concurrent import never loads half a file
+    with open(out.parent / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)      # one process builds; the others wait for it
+        if out.exists():
+            return out
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        cmd = build_command(tmp)
+        if verbose:
+            print(" ".join(cmd), flush=True)
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"building the replay kernel failed ({cmd[0]} exit "
+                               f"{done.returncode}):\n{done.stderr[-4000:]}")
+        os.replace(tmp, out)   # whole or absent: a concurrent import never loads half a file
     return out
 
 
