@@ -114,8 +114,9 @@ def test_recipe_refusals(on_cpu, monkeypatch, case):
         notes = [None]
     elif case == "outside":
         notes = [(k, (1, 1, 1), (x, torch.empty(4)), None)]
-    elif case == "two_args":
+    elif case == "two_args":      # a pointer given as neither argument's object
         args = (x, x.view(4, 4))
+        notes = [(k, (1, 1, 1), (x.view(2, 8), out), None)]
     elif case == "inside_two":
         args = (x, y)
         notes = [(k, (1, 1, 1), (base.data_ptr() + 4 * 12, out), None)]   # inside x and y
@@ -138,6 +139,16 @@ def test_recipe_refusals(on_cpu, monkeypatch, case):
         monkeypatch.setattr(_replay, "_DEVICE_TYPES", ("cuda",))
     with pytest.raises(Refused):
         make_recipe(args, result, notes, ())
+
+
+def test_an_arguments_own_object_maps_to_it_where_another_has_its_address(on_cpu):
+    pool = torch.zeros(32)
+    k_new, v_new = pool[:8], pool[:8]        # two tensors at one address (the engine's k, v)
+    out = torch.empty(4)
+    k = fake_compiled({"k": "*fp32", "v": "*fp32", "o": "*fp32"})
+    _, _, launches, _ = make_recipe((k_new, v_new), out, [(k, (1, 1, 1), (v_new, k_new, out),
+                                                            None)], ())
+    assert launches[0][6] == ((ARG, 1, 0), (ARG, 0, 0), (OUT, 0, 0))
 
 
 def test_recording_notes_only_its_thread_and_nests():

@@ -30,6 +30,8 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <sstream>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -386,6 +388,21 @@ void push_result(const c10::FunctionSchema& schema, py::handle result, torch::ji
     stack->push_back(torch::jit::toIValue(items[i], returns[i].type()));
 }
 
+// A recipe that does not parse. Thrown and caught in this file only: a malformed recipe is
+// dropped through a plain exception (on the device's torch 2.11 a TORCH_CHECK failure with a
+// formatted message, caught here, crashed the process; one with a plain message did not).
+struct BadRecipe : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+template <typename... Args>
+void require(bool ok, const Args&... parts) {
+  if (ok) return;
+  std::ostringstream why;
+  (why << ... << parts);
+  throw BadRecipe(why.str());
+}
+
 std::shared_ptr<const Recipe> parse(py::handle spec, const torch::jit::Stack& stack, size_t n);
 
 void kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
@@ -438,10 +455,13 @@ void kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (keyed && !got[1].is_none()) {
     try {   // the op has run (and written its outputs): a recipe that does not parse is dropped
       recipe = parse(got[1], *stack, n);
-    } catch (const std::exception& e) {
+    } catch (const BadRecipe& e) {
       if (PyErr_Occurred()) PyErr_Clear();
       ++g_bad_recipes;
       g_last_bad = e.what();
+    } catch (const py::cast_error&) {
+      ++g_bad_recipes;
+      g_last_bad = "kvops replay: a recipe field of the wrong type";
     }
   }
   torch::jit::drop(*stack, n);
@@ -458,7 +478,7 @@ void kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 // shared, pdl, coop, [(kind, index, value)], [descriptor])]), a descriptor as Desc reads it.
 std::shared_ptr<const Recipe> parse(py::handle spec, const torch::jit::Stack& stack, size_t n) {
   py::tuple t = spec.cast<py::tuple>();
-  TORCH_CHECK(t.size() == 4, "kvops replay: a recipe is (device, outputs, launches, held)");
+  require(t.size() == 4, "kvops replay: a recipe is (device, outputs, launches, held)");
   auto r = std::make_shared<Recipe>();
   r->device = t[0].cast<int64_t>();
   const size_t base = stack.size() - n;
@@ -470,18 +490,18 @@ std::shared_ptr<const Recipe> parse(py::handle spec, const torch::jit::Stack& st
   for (py::handle o : t[1]) {
     py::tuple ot = o.cast<py::tuple>();
     PyObject* dtype = ot.size() == 3 ? ot[2].ptr() : nullptr;
-    TORCH_CHECK(ot.size() == 3 && THPDtype_Check(ot[2].ptr()),
+    require(ot.size() == 3 && THPDtype_Check(ot[2].ptr()),
                 "kvops replay: an output is (sizes, strides, torch.dtype)");
     r->outputs.push_back(Output{ot[0].cast<std::vector<int64_t>>(), ot[1].cast<std::vector<int64_t>>(),
                                 reinterpret_cast<THPDtype*>(dtype)->scalar_type});
   }
   for (py::handle l : t[2]) {
     py::tuple lt = l.cast<py::tuple>();
-    TORCH_CHECK(lt.size() == 8, "kvops replay: a launch is (function, grid, block, shared, pdl, coop, params, descs)");
+    require(lt.size() == 8, "kvops replay: a launch is (function, grid, block, shared, pdl, coop, params, descs)");
     Launch launch;
     launch.function = lt[0].cast<uint64_t>();
     auto grid = lt[1].cast<std::vector<int64_t>>();
-    TORCH_CHECK(grid.size() == 3, "kvops replay: a launch's grid must have three dimensions");
+    require(grid.size() == 3, "kvops replay: a launch's grid must have three dimensions");
     for (int i = 0; i < 3; ++i) launch.grid[i] = static_cast<unsigned>(grid[i]);
     launch.block = lt[2].cast<unsigned>();
     launch.shared = lt[3].cast<unsigned>();
@@ -490,7 +510,7 @@ std::shared_ptr<const Recipe> parse(py::handle spec, const torch::jit::Stack& st
     // descriptors: (source, index, offset, elem_type, swizzle, fill, dims, strides, box)
     for (py::handle dh : lt[7]) {
         py::tuple dt = dh.cast<py::tuple>();
-        TORCH_CHECK(dt.size() == 9, "kvops replay: a descriptor has nine fields");
+        require(dt.size() == 9, "kvops replay: a descriptor has nine fields");
         auto d = std::make_unique<Desc>();
         d->source = dt[0].cast<int64_t>();
         d->index = dt[1].cast<int64_t>();
@@ -501,9 +521,9 @@ std::shared_ptr<const Recipe> parse(py::handle spec, const torch::jit::Stack& st
         auto dims = dt[6].cast<std::vector<uint64_t>>();
         auto strides = dt[7].cast<std::vector<uint64_t>>();
         auto box = dt[8].cast<std::vector<unsigned>>();
-        TORCH_CHECK(!dims.empty() && dims.size() <= 5 && strides.size() == dims.size() && box.size() == dims.size(),
+        require(!dims.empty() && dims.size() <= 5 && strides.size() == dims.size() && box.size() == dims.size(),
                     "kvops replay: a descriptor's dims, strides and box must have one rank of 1 to 5");
-        TORCH_CHECK(d->source == ARG || d->source == OUT, "kvops replay: a descriptor's source must be ARG or OUT");
+        require(d->source == ARG || d->source == OUT, "kvops replay: a descriptor's source must be ARG or OUT");
         d->rank = static_cast<unsigned>(dims.size());
         for (unsigned k = 0; k < d->rank; ++k) {
           d->dims[k] = dims[k];
@@ -514,29 +534,29 @@ std::shared_ptr<const Recipe> parse(py::handle spec, const torch::jit::Stack& st
       }
     for (py::handle p : lt[6]) {
       py::tuple pt = p.cast<py::tuple>();
-      TORCH_CHECK(pt.size() == 3, "kvops replay: a parameter is (kind, index, value)");
+      require(pt.size() == 3, "kvops replay: a parameter is (kind, index, value)");
       Param param{pt[0].cast<int64_t>(), pt[1].cast<int64_t>(), 0};
       // VAL and ABS carry 64 raw bits: take them from a Python int of either sign
       param.value = static_cast<int64_t>(PyLong_AsUnsignedLongLongMask(pt[2].ptr()));
-      TORCH_CHECK(!PyErr_Occurred(), "kvops replay: a parameter's value must be an int");
-      TORCH_CHECK(param.kind >= ARG && param.kind <= DESC, "kvops replay: unknown parameter kind ", param.kind);
+      require(!PyErr_Occurred(), "kvops replay: a parameter's value must be an int");
+      require(param.kind >= ARG && param.kind <= DESC, "kvops replay: unknown parameter kind ", param.kind);
       launch.params.push_back(param);
     }
     r->launches.push_back(std::move(launch));
   }
   for (const Launch& l : r->launches) {
     for (const auto& d : l.descs) {
-      TORCH_CHECK(d->source != OUT || (d->index >= 0 && d->index < static_cast<int64_t>(r->outputs.size())),
+      require(d->source != OUT || (d->index >= 0 && d->index < static_cast<int64_t>(r->outputs.size())),
                   "kvops replay: a descriptor names output ", d->index, " of ", r->outputs.size());
-      TORCH_CHECK(d->source != ARG || is_tensor_arg(d->index), "kvops replay: a descriptor names argument ",
+      require(d->source != ARG || is_tensor_arg(d->index), "kvops replay: a descriptor names argument ",
                   d->index, ", not a tensor");
     }
     for (const Param& p : l.params) {
-      TORCH_CHECK(p.kind != OUT || (p.index >= 0 && p.index < static_cast<int64_t>(r->outputs.size())),
+      require(p.kind != OUT || (p.index >= 0 && p.index < static_cast<int64_t>(r->outputs.size())),
                   "kvops replay: a parameter names output ", p.index, " of ", r->outputs.size());
-      TORCH_CHECK(p.kind != ARG || is_tensor_arg(p.index), "kvops replay: a parameter names argument ",
+      require(p.kind != ARG || is_tensor_arg(p.index), "kvops replay: a parameter names argument ",
                   p.index, ", not a tensor");
-      TORCH_CHECK(p.kind != DESC || (p.index >= 0 && p.index < static_cast<int64_t>(l.descs.size())),
+      require(p.kind != DESC || (p.index >= 0 && p.index < static_cast<int64_t>(l.descs.size())),
                   "kvops replay: a parameter names descriptor ", p.index, " of ", l.descs.size());
     }
   }

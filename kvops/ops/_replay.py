@@ -19,10 +19,10 @@ recipe when:
   tensor's address with the recorded shape, strides, box, element type and swizzle, the last
   eight encodings kept a descriptor;
 - no aten op ran but allocations and views (a fill, a copy or a host read would not replay);
-- every pointer a launch takes is an argument's (its address, or inside exactly one argument),
-  a returned output's, or inside a kept scratch buffer (``kvops.kernels._workspace``); a
-  pointer equal to the address of two arguments is refused (the next call may pass two
-  tensors);
+- every pointer a launch takes is an argument's (the argument's own tensor object, its
+  address, or inside exactly one argument), a returned output's, or inside a kept scratch
+  buffer (``kvops.kernels._workspace``); a pointer given as no argument's object and equal to
+  the address of two arguments is refused (the next call may pass two tensors);
 - every output owns its storage, whole (no view of a larger allocation, no argument);
 - and the same recipe came from the signature's previous record: two records that agree hide
   no address in a constant (outputs are fresh each call).
@@ -353,11 +353,16 @@ class _Where:
 
     def __init__(self, tensors, outs, kept):
         self.args = [(i, a.data_ptr(), _span(a)) for i, a in tensors]
+        self.objs = tensors
         self.outs = [(j, t.data_ptr(), _span(t)) for j, t in enumerate(outs)]
         self.kept = kept
         self.held: dict = {}     # start -> the kept buffer a pointer lies in
 
-    def __call__(self, ptr: int) -> tuple:
+    def __call__(self, ptr: int, value=None) -> tuple:
+        if value is not None:    # the op's own tensor object: that argument, even where
+            same = [i for i, a in self.objs if a is value]   # another has its address
+            if len(same) == 1:
+                return (ARG, same[0], 0)
         exact = {i for i, base, _ in self.args if base == ptr}
         if len(exact) == 1:
             return (ARG, exact.pop(), 0)
@@ -449,10 +454,11 @@ def _param(ty, value, where: _Where):
     if ty == "constexpr":
         return None
     if ty.startswith("*"):
-        ptr = value.data_ptr() if isinstance(value, torch.Tensor) else value
+        tensor = isinstance(value, torch.Tensor)
+        ptr = value.data_ptr() if tensor else value
         if not isinstance(ptr, int) or ptr == 0:
             raise Refused(f"a pointer parameter given {type(value).__name__}")
-        return where(ptr)
+        return where(ptr, value if tensor else None)
     bits = _INT_BITS.get(ty)
     if bits is not None:
         if not isinstance(value, (int, bool)):
