@@ -36,10 +36,11 @@ recipes' scratch is not the graph's), direct launches off (``KVOPS_DIRECT_LAUNCH
 signature without a recipe. Triton's launch hooks (proton) see no replayed launch: profile
 with ``KVOPS_REPLAY=0`` or CUPTI.
 
-**Building.** ``python -m kvops build-kernel`` compiles the kernel with the system's C++
-compiler against the installed torch (about a minute) into ``~/.cache/kvops`` (or
-``$KVOPS_CACHE``); ``import kvops`` installs it where it is built and CUDA is present, unless
-``KVOPS_REPLAY=0``. Without it every op's CUDA kernel is its Python implementation.
+**Building.** The kernel is compiled with the system's C++ compiler against the installed
+torch (about a minute) into ``~/.cache/kvops`` (or ``$KVOPS_CACHE``): by the first ``import
+kvops`` of a process with CUDA (unless ``KVOPS_REPLAY=0``), or ahead of time by ``python -m
+kvops build-kernel``. Where it cannot be built or loaded, every op's CUDA kernel is its Python
+implementation.
 """
 
 from __future__ import annotations
@@ -481,11 +482,18 @@ _config.ON_CHANGE.append(refresh)
 
 
 def install_at_import() -> None:
-    """What ``import kvops`` runs: install the kernel where it is built, CUDA is present, the
-    interpreter is off and ``KVOPS_REPLAY`` does not say no."""
-    if wanted():
-        try:
-            install()
-        except (OSError, ImportError, RuntimeError) as e:   # a stale or broken build: Python
-            print(f"kvops: the replay kernel did not load ({e}); ops run Python "
-                  f"(python -m kvops build-kernel builds it again)", file=sys.stderr)
+    """What ``import kvops`` runs where CUDA is present, the interpreter is off and
+    ``KVOPS_REPLAY`` does not say no: build the kernel if this torch and Python have none yet
+    (once, about a minute, one process at a time) and install it. Where it cannot be built or
+    loaded, the ops keep their Python implementations and a line on stderr says why."""
+    if not wanted():
+        return
+    try:
+        if not library_path().exists():
+            print("kvops: building the ops' C++ dispatch kernel once (about a minute; "
+                  "KVOPS_REPLAY=0 skips it)", file=sys.stderr, flush=True)
+            build()
+        install()
+    except (OSError, ImportError, RuntimeError) as e:   # no compiler, a broken build: Python
+        print(f"kvops: the replay kernel is not installed ({str(e)[:300]}); ops run their "
+              f"Python implementations", file=sys.stderr)
