@@ -336,13 +336,14 @@ class DescribedLaunch(Launch):
             stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
             try:
                 c[0](*c[1], stream, *c[2], *flat, *args, *c[5])
+            except (TypeError, ValueError, OverflowError):   # arguments refused, nothing
+                self._c = c = False                            # launched: the wrapper's way
+            else:
                 if _RECORDING:   # the descriptors as the JIT takes them, and their
                     # metadata (the replay kernel encodes them as triton's launcher does)
                     made = tuple(self._made(i, t) for i, t in enumerate(bases))
                     _note(c[6], c[1], (*made, *args, *c[5]), c[3])
                 return
-            except (TypeError, ValueError, OverflowError):   # arguments refused, nothing
-                self._c = c = False                            # launched: the wrapper's way
         made = tuple(self._made(i, t) for i, t in enumerate(bases))
         launch(self.kernel, self.grid, self.key, (*made, *args, *self.ints), self.meta)
         if c is not None:            # False: the launcher's form is not 3.6's; it encodes
