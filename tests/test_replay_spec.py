@@ -199,6 +199,14 @@ def test_the_watch_lets_allocations_and_views_pass():
         assert (watch.work is None) == ok, watch.work
 
 
+def test_records_agree_with_their_kept_buffers_compared_by_identity():
+    a, b = torch.zeros(64), torch.zeros(64)
+    spec = (0, (), ((1, (1, 1, 1), 32, 0, False, False, ((ABS, 0, 8),), ()),))
+    assert _replay._agree((*spec, (a,)), (*spec, (a,)))
+    assert not _replay._agree((*spec, (a,)), (*spec, (b,)))     # no tensor == on the way
+    assert not _replay._agree((*spec, (a,)), None) and not _replay._agree(None, None)
+
+
 def test_miss_refuses_work_and_gives_up(on_cpu, monkeypatch):
     x = torch.zeros(8)
     k = fake_compiled({"a": "*fp32", "b": "*fp32"})

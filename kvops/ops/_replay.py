@@ -280,7 +280,7 @@ def miss(name: str, signature, args: tuple):
         recipe = None
         REFUSED[name] = f"{type(e).__name__}: {e}" if not isinstance(e, Refused) else str(e)
     tries, last = state if state is not None else (0, None)
-    if recipe is not None and recipe == last:
+    if _agree(recipe, last):
         _PENDING.pop(key, None)
         _OWNERS.update((id(n[0]), n[0]) for n in notes)
         return result, recipe
@@ -291,6 +291,14 @@ def miss(name: str, signature, args: tuple):
             _PENDING.clear()
         _PENDING[key] = (tries + 1, recipe)
     return result, None
+
+
+def _agree(recipe, last) -> bool:
+    """Whether two records gave the same recipe (the kept buffers compared by identity: ``==``
+    on tensors compares their values)."""
+    return (recipe is not None and last is not None and recipe[:3] == last[:3]
+            and len(recipe[3]) == len(last[3])
+            and all(a is b for a, b in zip(recipe[3], last[3])))
 
 
 _OWNERS: dict = {}   # id -> a compiled kernel a recipe launches (it owns its function handle)
@@ -313,7 +321,8 @@ def _outputs(result) -> tuple:
 
 def make_recipe(args: tuple, result, notes: list, kept: tuple) -> tuple:
     """The recipe of one recorded call (``replay.cpp``'s form): ``(device, outputs,
-    launches)``; raises :class:`Refused` where the record gives none (module doc).
+    launches, the kept buffers its launches address)``; raises :class:`Refused` where the
+    record gives none (module doc).
 
     ``notes``: the launches the call made (``_launch.recording``); ``kept``: the kept scratch
     buffers as ``(start, end, buffer)``."""
