@@ -340,6 +340,10 @@ def test_cpp_replays_a_recipe_in_dry_mode(cxx, test_ops):
         z = torch.arange(8.0) + 1
         torch.ops.kvops_replay_test.pair(z, None, 1, None, None)
         assert len(misses) == 5 and cxx.take_dry_launches()[-2][6][0] == z.data_ptr() + 8
+        cxx.set_dry(2)                       # launches dropped: nothing logged, outputs made
+        a, _ = torch.ops.kvops_replay_test.pair(x, None, 1, None, None)
+        assert a.shape == (2, 3) and cxx.take_dry_launches() == []
+        cxx.set_dry(True)
         cxx.clear()
         torch.ops.kvops_replay_test.pair(x, None, 1, None, None)
         assert len(misses) == 6

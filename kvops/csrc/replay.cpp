@@ -125,7 +125,8 @@ struct Installed {
 };
 std::unordered_map<std::string, Installed> g_installed;   // under the GIL
 std::atomic<bool> g_enabled{true};     // false: every call goes to Python unrecorded
-std::atomic<bool> g_dry{false};        // true: launches are recorded in g_dry_log, not run
+std::atomic<int> g_dry{0};             // 1: launches are logged in g_dry_log, not run;
+                                       // 2: launches are dropped (timing the rest on a CPU)
 std::atomic<int64_t> g_hits{0}, g_misses{0}, g_bad_recipes{0};
 std::string g_last_bad;                // why the last dropped recipe did not parse (GIL held)
 std::mutex g_dry_mutex;
@@ -284,12 +285,13 @@ const CUtensorMap* encoded(const Desc& d, uint64_t address) {
 
 void launch(const Launch& l, const std::vector<uint64_t>& slots, uint64_t stream) {
   std::vector<void*> params(slots.size());
-  const bool dry = g_dry.load(std::memory_order_relaxed);
+  const int dry = g_dry.load(std::memory_order_relaxed);
   for (size_t i = 0; i < slots.size(); ++i) {
     params[i] = const_cast<uint64_t*>(&slots[i]);
     if (!dry && i < l.params.size() && l.params[i].kind == DESC)   // slots[i]: the address
       params[i] = const_cast<CUtensorMap*>(encoded(*l.descs[l.params[i].index], slots[i]));
   }
+  if (dry == 2) return;
   if (dry) {
     py::gil_scoped_acquire gil;
     py::list values;
@@ -618,7 +620,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("clear", &clear, "Forget every recipe");
   m.def("recipes", &recipes, "How many recipes are kept");
   m.def("set_enabled", [](bool on) { g_enabled = on; }, "false: every call runs Python, unrecorded");
-  m.def("set_dry", [](bool on) { g_dry = on; }, "true: launches are logged (take_dry_launches), not run");
+  m.def("set_dry", [](int mode) { g_dry = mode; },
+        "1 (or True): launches are logged (take_dry_launches), not run; 2: dropped; 0: run");
   m.def("take_dry_launches", &take_dry_launches);
   m.def("stats", []() { return py::make_tuple(g_hits.load(), g_misses.load()); }, "(hits, misses)");
   m.def("bad_recipes", []() { return py::make_tuple(g_bad_recipes.load(), g_last_bad); },
