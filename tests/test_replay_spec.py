@@ -102,7 +102,7 @@ def test_a_float_beyond_fp32_packs_as_inf(on_cpu):
 
 @pytest.mark.parametrize("case", ["jit", "outside", "two_args", "inside_two", "view_out",
                                   "arg_out", "cluster", "scratch", "tuple", "descriptor",
-                                  "count", "cpu"])
+                                  "count", "cpu", "address_int"])
 def test_recipe_refusals(on_cpu, monkeypatch, case):
     base = torch.zeros(64)
     x, y = base[:16], base[8:24]             # y starts inside x
@@ -137,6 +137,9 @@ def test_recipe_refusals(on_cpu, monkeypatch, case):
         notes = [(k, (1, 1, 1), (x,), None)]
     elif case == "cpu":
         monkeypatch.setattr(_replay, "_DEVICE_TYPES", ("cuda",))
+    elif case == "address_int":      # an i64 holding an address inside an argument
+        notes = [(fake_compiled({"a": "*fp32", "b": "*fp32", "n": "i64"}), (1, 1, 1),
+                  (x, out, x.data_ptr() + 8), None)]
     with pytest.raises(Refused):
         make_recipe(args, result, notes, ())
 

@@ -24,8 +24,9 @@ recipe when:
   buffer (``kvops.kernels._workspace``); a pointer given as no argument's object and equal to
   the address of two arguments is refused (the next call may pass two tensors);
 - every output owns its storage, whole (no view of a larger allocation, no argument);
-- and the same recipe came from the signature's previous record: two records that agree hide
-  no address in a constant (outputs are fresh each call).
+- no 64-bit integer parameter holds an address inside an argument, an output or kept scratch;
+- and the same recipe came from the signature's previous record (outputs are fresh each call,
+  so two records that agree also hide no output address in a constant).
 
 A signature whose records give no recipe ``MAX_TRIES`` times runs Python from then on. A kept
 scratch buffer that is replaced or freed, or a change of backend or validation mode, drops
@@ -368,6 +369,12 @@ class _Where:
         self.kept = kept
         self.held: dict = {}     # start -> the kept buffer a pointer lies in
 
+    def holds(self, value: int) -> bool:
+        """Whether ``value`` is an address inside an argument, an output or kept scratch."""
+        return value > 0 and (
+            any(base <= value < base + max(span, 1) for _, base, span in self.args + self.outs)
+            or any(start <= value < end for start, end, _ in self.kept))
+
     def __call__(self, ptr: int, value=None) -> tuple:
         if value is not None:    # the op's own tensor object: that argument, even where
             same = [i for i, a in self.objs if a is value]   # another has its address
@@ -473,6 +480,9 @@ def _param(ty, value, where: _Where):
     if bits is not None:
         if not isinstance(value, (int, bool)):
             raise Refused(f"an {ty} parameter given {type(value).__name__}")
+        if bits == 64 and where.holds(int(value)):
+            # an address in an integer would be replayed as a constant
+            raise Refused(f"an {ty} parameter holds an address ({int(value):#x})")
         return (VAL, 0, int(value) & ((1 << bits) - 1))
     fmt = _FLOAT_FORMATS.get(ty)
     if fmt is not None:
