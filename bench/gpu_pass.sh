@@ -3,7 +3,7 @@
 # own time cap, its log in $OUT/<part>.log, every results file it records copied to $OUT, and a
 # short table of the parts last. Parts are named on the command line (default: all, in order):
 #   bench/gpu_pass.sh suite tests ops replay eager heads fidelity farret elastic elastic_steady engine tp tp_more transformers elastic_ablations
-#   (and prefill, prefill_s64, sharegpt, ceilings, engine_reversed; mooncake_a, mooncake_b, mooncake_c: one Mooncake window a call)
+#   (and eager_python, prefill, prefill_s64, sharegpt, ceilings, engine_reversed; mooncake_a, mooncake_b, mooncake_c: one Mooncake window a call)
 # and everything under $OUT is packed into $OUT/gpu-pass.tgz at the end.
 # The device machine's copied .git can lag the tree it runs, so a call names the tree's commit:
 #   KVOPS_COMMIT=<sha> bash bench/gpu_pass.sh ...   (results headers print it; see records.commit_id)
