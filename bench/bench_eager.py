@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 import kvops  # noqa: F401  (registers the ops)
 from bench.common import eager_times
+from kvops.ops import _replay
 
 HQ, HKV, D, S = 32, 8, 128, 16
 LOOP = dict(iters=1000, warmup=30)      # timed back-to-back calls, and warm-up calls before them
@@ -138,7 +139,6 @@ def cuda_rows():
     import statistics
 
     from bench.common import time_graph
-    from kvops.ops import _replay
 
     rows = []
     all_cases = cases(torch.device("cuda"))
@@ -279,8 +279,6 @@ def main():
     if torch.cuda.is_available():
         headers, rows = cuda_rows()
         text = table(headers, rows)
-        from kvops.ops import _replay
-
         kernel = ("the C++ replay kernel (kvops/ops/_replay.py)" if _replay.installed()
                   else "the Python implementations")
         path = write_result(args.name, "Llama-3-8B heads, bf16, B 4 x 512 (pages of 16). The ops' "

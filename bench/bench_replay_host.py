@@ -14,10 +14,9 @@ launches and its allocator; ``bench/bench_eager.py`` times the whole call there.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
+from bench.common import eager_times
 from kvops.ops import _replay
 from kvops.ops._replay import ARG, OUT, VAL
 
@@ -25,15 +24,7 @@ ITERS, ROUNDS = 20000, 5
 
 
 def _best_us(fn) -> float:
-    for _ in range(200):
-        fn()
-    best = float("inf")
-    for _ in range(ROUNDS):
-        t0 = time.perf_counter()
-        for _ in range(ITERS):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / ITERS * 1e6)
-    return best
+    return min(eager_times(fn, iters=ITERS, warmup=200)[0] for _ in range(ROUNDS))
 
 
 def rows() -> list:

@@ -148,6 +148,11 @@ class LaunchSpy:
         return launch
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same bytes (on the CPU, whatever their devices)."""
+    return torch.equal(a.contiguous().view(torch.uint8).cpu(), b.contiguous().view(torch.uint8).cpu())
+
+
 @pytest.fixture(autouse=True)
 def _fresh_recipes():
     """Each test starts without replay recipes (kvops/ops/_replay.py): a test that patches a

@@ -15,7 +15,7 @@ from kvops.layouts import codecs
 from kvops.layouts.pairs import base_pair_view
 from kvops.ops.pack_base_pairs import pack_base_pairs_ref
 from kvops.ops.refine_base_pairs import refine_base_pairs_ref
-from tests.conftest import counting_backend, requires_cuda
+from tests.conftest import counting_backend, requires_cuda, same_bits
 from tests.oracles_elastic import high_low_bytes
 
 CODECS = [(torch.float16, "hi8"), (torch.float16, "hi8r"), (torch.bfloat16, "e4m3")]
@@ -59,10 +59,6 @@ def expected_pack(orig, rows, codec):
             base, back = codecs.encode(pair, codec)
         want.append((base, back))
     return want
-
-
-def same_bits(a, b):
-    return torch.equal(a.contiguous().view(torch.uint8).cpu(), b.contiguous().view(torch.uint8).cpu())
 
 
 def run_pack_refine(pack, refine, dtype, codec, rows, S, Hkv, D, device, interleaved=False):

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvops
 from kvops.ops import _replay
-from tests.conftest import requires_cuda
+from tests.conftest import requires_cuda, same_bits
 
 pytestmark = requires_cuda
 
@@ -57,17 +57,6 @@ def _written(func) -> list[int]:
             if a.alias_info is not None and a.alias_info.is_write]
 
 
-def _bytes(x):
-    if isinstance(x, torch.Tensor):
-        return x.detach().contiguous().view(torch.uint8).flatten().cpu()
-    return None
-
-
-def _same(a, b) -> bool:
-    a, b = _bytes(a), _bytes(b)
-    return a is not None and b is not None and torch.equal(a, b)
-
-
 def _run(func, args, kwargs, init):
     """Restore the written arguments to ``init`` and call; returns (outputs, written)."""
     written = _written(func)
@@ -91,7 +80,7 @@ def _check(func, args, kwargs, cxx):
         got = _run(func, args, kwargs, init)
     hit = cxx.stats()[0] - hits == 1
     for w, g in zip(want[0] + want[1], got[0] + got[1]):
-        assert _same(w, g), f"{func}: the replayed call's bytes differ from Python's"
+        assert same_bits(w, g), f"{func}: the replayed call's bytes differ from Python's"
     assert hit, f"{func}: no recipe after five calls ({_replay.REFUSED.get(func._schema.name)})"
 
 
@@ -118,7 +107,7 @@ def test_a_second_stream_keeps_its_own_recipe(cxx):
             got = func(*args, **kwargs)
         assert cxx.stats()[0] - hits == 1
     torch.cuda.current_stream().wait_stream(side)
-    assert all(_same(w, g) for w, g in zip(want, got))
+    assert all(same_bits(w, g) for w, g in zip(want, got))
 
 
 def _captured(func, args, kwargs):
@@ -147,7 +136,7 @@ def test_capture_runs_python(cxx):
     cxx.set_enabled(False)
     want = _captured(func, args, kwargs)
     cxx.set_enabled(True)
-    assert all(_same(w, g) for w, g in zip(want, got))
+    assert all(same_bits(w, g) for w, g in zip(want, got))
 
 
 def test_inference_mode_and_compile(cxx):
@@ -157,11 +146,11 @@ def test_inference_mode_and_compile(cxx):
         for _ in range(4):
             got = func(*args, **kwargs)
         assert got[0].is_inference()
-    assert all(_same(w, g) for w, g in zip(want, got))
+    assert all(same_bits(w, g) for w, g in zip(want, got))
     compiled = torch.compile(lambda *a: func(*a, **kwargs), fullgraph=True)
     for _ in range(4):
         got = compiled(*args)
-    assert all(_same(w, g) for w, g in zip(want, got))
+    assert all(same_bits(w, g) for w, g in zip(want, got))
 
 
 def test_settings_that_run_python(cxx):

@@ -132,7 +132,7 @@ std::string g_last_bad;                // why the last dropped recipe did not pa
 std::mutex g_dry_mutex;
 auto* g_dry_log = new std::vector<py::tuple>();   // under g_dry_mutex and the GIL; never freed
                                                   // (no Python object is released at exit)
-size_t g_max_recipes = 4096;           // recipes an op keeps before it starts over
+constexpr size_t MAX_RECIPES = 4096;   // recipes an op keeps before it starts over
 
 // Tags keep one argument's entries from reading as another's.
 enum Tag : int64_t { T_TENSOR = 1, T_UNDEF, T_NONE, T_INT, T_DOUBLE, T_BOOL, T_STR, T_INTS };
@@ -471,7 +471,7 @@ void kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (recipe) {
     std::lock_guard<std::mutex> lock(g_mutex);
     Recipes& recipes = g_recipes[&schema];
-    if (recipes.size() >= g_max_recipes) recipes.clear();
+    if (recipes.size() >= MAX_RECIPES) recipes.clear();
     recipes[std::move(key)] = std::move(recipe);
   }
 }
@@ -626,6 +626,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stats", []() { return py::make_tuple(g_hits.load(), g_misses.load()); }, "(hits, misses)");
   m.def("bad_recipes", []() { return py::make_tuple(g_bad_recipes.load(), g_last_bad); },
         "(recipes dropped because they did not parse, the last one's error)");
-  m.def("set_max_recipes", [](size_t n) { g_max_recipes = n; });
-  m.def("have_cuda", &have_cuda, "Whether this process has CUDA devices");
 }

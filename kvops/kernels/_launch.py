@@ -132,13 +132,22 @@ def recording():
         _REC.launches = outer
 
 
-def _note(compiled, g, params, descs=None) -> None:
-    """Note a launch for this thread's :func:`recording`, if any: ``compiled`` None for a launch
+def _note(compiled=None, g=None, params=None, descs=None) -> None:
+    """Note a launch for this thread's :func:`recording`, if any: no ``compiled`` for a launch
     not made through the C entry point; ``descs``: the metadata of the tensor descriptors
     leading ``params`` (a kernel with descriptor parameters)."""
     notes = getattr(_REC, "launches", None)
     if notes is not None:
         notes.append(None if compiled is None else (compiled, g, params, descs))
+
+
+def _jit(kernel, grid, args, meta):
+    """``kernel[grid](*args, **meta)`` through triton's JIT (a launch a record cannot replay);
+    returns what the JIT returns (the compiled kernel)."""
+    compiled = kernel[grid](*args, **meta)
+    if _RECORDING:
+        _note()
+    return compiled
 
 
 def _call(mode, compiled, g, stream, args, tail, after=None):
@@ -152,7 +161,7 @@ def _call(mode, compiled, g, stream, args, tail, after=None):
             _note(compiled, g, (*args, *tail))
         return
     if _RECORDING:
-        _note(None, g, args)
+        _note()
     if mode == "tail":
         compiled.run(g[0], g[1], g[2], stream, compiled.function, packed, None, None, None,
                      *args, *tail)
@@ -174,9 +183,7 @@ def launch(kernel, grid: tuple, key, args: tuple, meta: dict) -> None:
             stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
             compiled, tail, mode, _, after = hit
             if mode == "jit":      # no convention took this binary's arguments
-                kernel[grid](*args, **meta)
-                if _RECORDING:
-                    _note(None, g, args)
+                _jit(kernel, grid, args, meta)
                 return
             if mode is not None:
                 _call(mode, compiled, g, stream, args, tail, after)
@@ -193,13 +200,9 @@ def launch(kernel, grid: tuple, key, args: tuple, meta: dict) -> None:
             # no convention takes this binary's arguments (descriptor arguments on a triton
             # whose C entry does not expand them, say): it keeps the JIT path, the rest do not
             _BINS[(id(kernel), key)] = (compiled, tail, "jit", kernel, None)
-            kernel[grid](*args, **meta)
-            if _RECORDING:
-                _note(None, g, args)
+            _jit(kernel, grid, args, meta)
             return
-    compiled = kernel[grid](*args, **meta)
-    if _RECORDING:
-        _note(None, grid, args)
+    compiled = _jit(kernel, grid, args, meta)
     if (key is None or not isinstance(kernel, JITFunction) or not _STATE["direct"]
             or compiled is None):
         return

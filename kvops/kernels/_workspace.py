@@ -44,8 +44,10 @@ MAX_BUFFERS = 64
 _BUFS: dict = {}
 _COUNTS: dict = {}     # (device index, stream, thread) -> [int32 zeros, {n: view}]
 _ALIGN = 32            # floats: every view starts 128 bytes after the previous one's start
-# Called with no arguments whenever a kept buffer is replaced or freed: what holds a kept
-# buffer's address (the replay kernel's recipes, kvops/ops/_replay.py) lets it go
+# Called with no arguments when kept buffers are let go of (clear, or the cache starting over
+# past MAX_BUFFERS): what else holds them (the replay kernel's recipes, kvops/ops/_replay.py)
+# lets them go too. A buffer replaced by a larger one needs no call: a recipe that addresses
+# it holds it, and keeps using it in its stream's order.
 ON_CHANGE: list = []
 
 
@@ -177,10 +179,10 @@ def _keep(kept: dict, key, buf) -> list:
         if kept is _COUNTS:     # the float entries' split requests hold the dropped counters
             for entry in _BUFS.values():
                 entry[1].clear()
+        _changed()
     # a replaced buffer returns to the caching allocator, which hands it only to later work on
     # this stream: the calls already issued with it finish first
     entry = kept[key] = [buf, {}]
-    _changed()
     return entry
 
 

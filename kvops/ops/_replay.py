@@ -30,9 +30,10 @@ recipe when:
 - and the same recipe came from the signature's previous record (outputs are fresh each call,
   so two records that agree also hide no output address in a constant).
 
-A signature whose records give no recipe ``MAX_TRIES`` times runs Python from then on. A kept
-scratch buffer that is replaced or freed, or a change of backend or validation mode, drops
-every recipe (:func:`refresh`).
+A signature whose records give no recipe ``MAX_TRIES`` times runs Python from then on. Freeing
+the kept scratch (``_workspace.clear``, or its cache starting over), or a change of backend or
+validation mode, drops every recipe (:func:`refresh`); a buffer the cache replaces by a larger
+one stays with the recipes that hold it.
 
 **What runs Python.** Validation mode, backend "torch" or "triton", graph capture (the
 recipes' scratch is not the graph's), direct launches off (``KVOPS_DIRECT_LAUNCH=0``), and any
@@ -209,16 +210,6 @@ def install() -> bool:
     _STATE["installed"] = True
     refresh()
     return True
-
-
-def uninstall() -> None:
-    """Give every op's CUDA kernel back to its Python implementation."""
-    if not _STATE["installed"]:
-        return
-    _MODULE.uninstall("kvops")
-    _library.cuda_python(True)
-    _STATE["installed"] = False
-    _PENDING.clear()
 
 
 def refresh() -> None:
